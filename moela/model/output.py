@@ -1,0 +1,15 @@
+"""What `Transformer.forward(batch)` returns: the training objective plus detached statistics for the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelOutput:
+    loss: torch.Tensor  # scalar: token-mean LM loss + weighted MTP, aux and z-loss terms (what backward() takes)
+    num_targets: int  # tokens with a label in this micro-batch (trainer weights micro-batches by it)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars: lm_loss, mtp_loss, ...
+    expert_load: torch.Tensor | None = None  # [L_moe, E] float32 tokens routed to each expert (detached)

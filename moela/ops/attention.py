@@ -1,0 +1,105 @@
+"""Variable-length (packed) attention for MLA: Dqk may differ from Dv; log-sum-exp is returned and differentiable.
+
+Public function: `mla_attention`. Backends:
+- `reference`: pure torch, any device; loops over documents and materializes each document's score matrix in
+  float32. Exact, slow, the specification the fast kernels are tested against. Autograd flows through `lse`.
+- fast kernels register in `_FAST_BACKENDS` (see `moela.ops.attention_triton`).
+
+Masking: with `causal=True`, query i of a document (0-based within the q side) may see key j when
+`j <= i + (Lk - Lq)`: causal alignment is bottom-right, as FlashAttention >= 2.1, so a q chunk that is the tail of
+a longer k side (context parallelism) attends correctly. ALiBi adds `-slope_h * |(i + Lk - Lq) - j|` to the
+scores (for causal attention that is `-slope_h * (i' - j)` with i' the query's position on the k side).
+
+Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from moela.ops.dispatch import check_backend, log_choice
+
+BACKENDS = ("auto", "reference", "triton", "sdpa")
+
+# name -> (supported(q, k, v, **kw) -> bool, implementation with mla_attention's signature minus backend)
+_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., object]]] = {}
+
+
+def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., object]) -> None:
+    _FAST_BACKENDS[name] = (supported, impl)
+
+
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None,
+                        alibi_slopes=None):
+    """Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32); differentiable in q, k, v (through lse too)."""
+    tq, h, dqk = q.shape
+    dv = v.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dqk)
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:])):
+        lq, lk = q1 - q0, k1 - k0
+        qd = q[q0:q1].float().transpose(0, 1)  # [H, Lq, Dqk]
+        kd = k[k0:k1].float().transpose(0, 1)  # [H, Lk, Dqk]
+        vd = v[k0:k1].float().transpose(0, 1)  # [H, Lk, Dv]
+        s = torch.matmul(qd, kd.transpose(1, 2)) * scale  # [H, Lq, Lk]
+        qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # query position on the k side
+        kpos = torch.arange(lk, device=q.device)[None, :]
+        if alibi_slopes is not None:
+            s = s - alibi_slopes.float()[:, None, None] * (qpos - kpos).abs()
+        if causal:
+            s = s.masked_fill(kpos > qpos, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [H, Lq]; -inf for a query that sees no key
+        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+        outs.append(torch.matmul(p, vd).transpose(0, 1))  # [Lq, H, Dv]
+        lses.append(lse)
+    out = torch.cat(outs, 0) if outs else q.new_zeros(0, h, dv, dtype=torch.float32)
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(h, 0, dtype=torch.float32)
+    return out.to(q.dtype), lse
+
+
+def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"mla_attention wants q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"mla_attention: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (heads and Dqk must match between q and k; Tk between k and v)")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError("mla_attention: cu_seqlens_q and cu_seqlens_k must describe the same number of documents")
+    if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
+        raise ValueError(f"alibi_slopes must be [H]={q.shape[1]}, got {tuple(alibi_slopes.shape)}")
+
+
+def mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, max_seqlen_k=None, causal=True,
+                  softmax_scale=None, alibi_slopes=None, return_lse=False, backend="auto"):
+    """Attention over packed documents. q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> out [Tq, H, Dv]
+    (and lse [H, Tq] float32, natural log, differentiable, when `return_lse`)."""
+    check_backend("mla_attention", backend, BACKENDS)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens_q, max_seqlen_q
+    elif max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+    chosen = backend
+    if backend == "auto":
+        chosen = "reference"
+        for name, (supported, _) in _FAST_BACKENDS.items():
+            if supported(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=return_lse, **kw):
+                chosen = name
+                break
+        log_choice("mla_attention", chosen)
+    if chosen == "reference":
+        out, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
+    else:
+        if chosen not in _FAST_BACKENDS:
+            raise RuntimeError(f"mla_attention: backend {chosen!r} is not available here (needs CUDA and its "
+                               f"package); use backend='auto' or 'reference'")
+        _, impl = _FAST_BACKENDS[chosen]
+        out, lse = impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, return_lse=return_lse,
+                        **kw)
+    return (out, lse) if return_lse else out

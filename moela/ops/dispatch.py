@@ -1,0 +1,25 @@
+"""Backend selection shared by every op: validate the requested backend and log the automatic choice once.
+
+`auto` resolves to the first candidate whose `supported(...)` predicate accepts the call; the reference backend
+is always last and always supported. The resolution is logged once per (op, backend, reason) so a run's log says
+which implementation actually ran.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("moela.ops")
+_logged: set[tuple[str, str]] = set()
+
+
+def check_backend(op: str, backend: str, known: tuple[str, ...]) -> None:
+    if backend not in known:
+        raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(known)}")
+
+
+def log_choice(op: str, backend: str, reason: str = "") -> None:
+    key = (op, backend)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("%s: using backend %r%s", op, backend, f" ({reason})" if reason else "")

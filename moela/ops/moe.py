@@ -1,0 +1,93 @@
+"""Routed-expert computation of a Mixture-of-Experts layer: `moe_experts`.
+
+y[t] = sum_k topk_weights[t, k] * W2_e (silu(W1_e x[t]) * W3_e x[t]),  e = topk_ids[t, k]
+
+Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate), rows [F, 2F) are W3 (up)) and
+`w2 [E, D, F]`. Backends:
+- `reference`: pure torch, any device, loops over experts; the specification. With `recipe="fp8_blockwise"` it
+  simulates DeepSeek-V3's FP8 recipe (e4m3, activations 1x128 groups, weights 128x128 blocks) by quantize ->
+  dequantize around each GEMM, so fast kernels can be compared against it with the same scales.
+- fast backends register in `_FAST_BACKENDS` (see `moela.ops.moe_triton`).
+
+Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moela.ops.dispatch import check_backend, log_choice
+
+RECIPES = ("bf16", "fp8_blockwise")
+BACKENDS = ("auto", "reference", "triton", "torch", "deep_gemm")
+
+_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
+
+
+def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
+    _FAST_BACKENDS[name] = (supported, impl)
+
+
+def moe_experts_reference(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16"):
+    """Loop over experts in float32 (simulated FP8 for the fp8 recipe). Differentiable in x, weights, w13, w2."""
+    from moela.ops.quant import fake_quant_1x128, fake_quant_128x128
+
+    t, d = x.shape
+    e, two_f, _ = w13.shape
+    f = two_f // 2
+    fp8 = recipe == "fp8_blockwise"
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    token_of = torch.arange(t, device=x.device).repeat_interleave(topk_ids.shape[1])  # [T*K]
+    gate = topk_weights.reshape(-1).float()  # [T*K]
+    y = torch.zeros(t, d, device=x.device, dtype=torch.float32)
+    for ex in range(e):
+        rows = (flat_ids == ex).nonzero(as_tuple=True)[0]
+        if rows.numel() == 0:
+            continue
+        xe = x[token_of[rows]].float()  # [M, D]
+        a, b = w13[ex].float(), w2[ex].float()  # [2F, D], [D, F]
+        if fp8:
+            xe, a, b = fake_quant_1x128(xe), fake_quant_128x128(a), fake_quant_128x128(b)
+        h = xe @ a.t()  # [M, 2F]
+        act = F.silu(h[:, :f]) * h[:, f:]  # [M, F]
+        if fp8:
+            act = fake_quant_1x128(act)
+        y = y.index_add(0, token_of[rows], (act @ b.t()) * gate[rows, None])  # [M, D]
+    return y.to(x.dtype)
+
+
+def _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe):
+    if recipe not in RECIPES:
+        raise ValueError(f"moe_experts: unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts wants x [T, D] and topk_ids [T, K]; got {tuple(x.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} must match topk_ids {tuple(topk_ids.shape)}")
+    e, two_f, d = w13.shape
+    if d != x.shape[1] or two_f % 2 or w2.shape != (e, d, two_f // 2):
+        raise ValueError(f"moe_experts wants w13 [E, 2F, D] and w2 [E, D, F] with D={x.shape[1]}; got "
+                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+
+
+def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="auto"):
+    """Weighted sum over each token's top-k experts of SwiGLU expert FFNs. x [T, D] -> y [T, D] (x's dtype)."""
+    check_backend("moe_experts", backend, BACKENDS)
+    _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe)
+    chosen = backend
+    if backend == "auto":
+        chosen = "reference"
+        for name, (supported, _) in _FAST_BACKENDS.items():
+            if supported(x, topk_ids, topk_weights, w13, w2, recipe=recipe):
+                chosen = name
+                break
+        log_choice("moe_experts", chosen, recipe)
+    if chosen == "reference":
+        return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
+    if chosen not in _FAST_BACKENDS:
+        raise RuntimeError(f"moe_experts: backend {chosen!r} is not available here (needs CUDA and its package); "
+                           f"use backend='auto' or 'reference'")
+    return _FAST_BACKENDS[chosen][1](x, topk_ids, topk_weights, w13, w2, recipe=recipe)
