@@ -1,0 +1,32 @@
+"""The recipe's `parallel` section: how the world is factored into mesh dimensions and how the model is wrapped.
+
+world_size = dp_replicate * dp_shard * cp * tp. `ep` borrows ranks from dp_shard * cp (as torchtitan): it must
+divide dp_shard * cp. `dp_shard: -1` means "whatever is left of the world".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # HSDP replica groups (> 1: gradients all-reduced across replicas)
+    dp_shard: int = -1  # FSDP2 shard group size; -1 = world_size / (dp_replicate * cp * tp)
+    cp: int = 1  # context parallel group size (documents cut into 2*cp chunks)
+    cp_layout: Literal["dualchunk", "striped"] = "dualchunk"
+    tp: int = 1  # tensor parallel group size
+    ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
+    fsdp: bool = True  # wrap blocks with fully_shard when the dp_shard group has more than one rank
+    reshard_after_forward: bool = True
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+
+    def validate(self) -> list[str]:
+        errors = []
+        for name in ("dp_replicate", "cp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
+        return errors
