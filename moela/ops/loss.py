@@ -1,0 +1,56 @@
+"""Token cross-entropy: `cross_entropy(logits, labels)` with IGNORE_INDEX labels contributing zero.
+
+Returns the per-token loss or its sum (never a mean: the model divides by the step's labelled-token count itself so
+that gradient accumulation and data parallelism reproduce the single-process objective exactly). Logits are upcast
+to float32. Backends: `reference`; fast (e.g. fused linear + cross-entropy) kernels register in `_FAST_BACKENDS`.
+
+Shapes: T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+
+from moela.ops.dispatch import check_backend, log_choice
+
+IGNORE_INDEX = -100
+BACKENDS = ("auto", "reference", "triton")
+
+_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
+
+
+def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
+    _FAST_BACKENDS[name] = (supported, impl)
+
+
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [T] float32, 0 where labels == IGNORE_INDEX."""
+    lf = logits.float()  # [T, V]
+    valid = labels != IGNORE_INDEX  # [T]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [T]
+    nll = torch.logsumexp(lf, dim=-1) - lf.gather(1, safe[:, None]).squeeze(1)  # [T]
+    return torch.where(valid, nll, torch.zeros_like(nll))
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Literal["sum", "none"] = "sum",
+                  backend: str = "auto") -> torch.Tensor:
+    """logits [T, V], labels [T] int64 -> summed loss (scalar float32) or per-token loss [T]."""
+    check_backend("cross_entropy", backend, BACKENDS)
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"cross_entropy wants logits [T, V] and labels [T]; got {tuple(logits.shape)}, "
+                         f"{tuple(labels.shape)}")
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}")
+    chosen = backend
+    if backend == "auto":
+        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(logits, labels)), "reference")
+        log_choice("cross_entropy", chosen)
+    if chosen == "reference":
+        per_token = cross_entropy_reference(logits, labels)
+    elif chosen in _FAST_BACKENDS:
+        per_token = _FAST_BACKENDS[chosen][1](logits, labels)
+    else:
+        raise RuntimeError(f"cross_entropy: backend {chosen!r} is not available here; use 'auto' or 'reference'")
+    return per_token.sum() if reduction == "sum" else per_token

@@ -1,0 +1,45 @@
+"""RMSNorm: `rms_norm(x, weight, eps)`, normalizing over the last dimension.
+
+y = x / sqrt(mean(x**2) + eps) * weight, computed in float32 and returned in x's dtype. The weight multiplies the
+float32 normalized value before the cast back (DeepSeek's reference order); HF's T5-style norm casts first, which
+is identical in float32. Backends: `reference` (pure torch); fast kernels register in `_FAST_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moela.ops.dispatch import check_backend, log_choice
+
+BACKENDS = ("auto", "reference", "triton")
+
+_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
+
+
+def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
+    _FAST_BACKENDS[name] = (supported, impl)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()  # [..., C]
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., C]
+    return (y * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:
+    """x [..., C], weight [C] -> [..., C] in x's dtype."""
+    check_backend("rms_norm", backend, BACKENDS)
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: weight must be [C] with C = x.shape[-1]; got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    chosen = backend
+    if backend == "auto":
+        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(x, weight)), "reference")
+        log_choice("rms_norm", chosen)
+    if chosen == "reference":
+        return rms_norm_reference(x, weight, eps)
+    if chosen not in _FAST_BACKENDS:
+        raise RuntimeError(f"rms_norm: backend {chosen!r} is not available here; use 'auto' or 'reference'")
+    return _FAST_BACKENDS[chosen][1](x, weight, eps)

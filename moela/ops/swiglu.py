@@ -1,0 +1,42 @@
+"""SwiGLU activation: `swiglu(gate, up) = silu(gate) * up`, the FFN nonlinearity of dense MLPs and experts.
+
+Computed in float32, returned in the inputs' dtype. Backends: `reference`; fast kernels register in
+`_FAST_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moela.ops.dispatch import check_backend, log_choice
+
+BACKENDS = ("auto", "reference", "triton")
+
+_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
+
+
+def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
+    _FAST_BACKENDS[name] = (supported, impl)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """gate [..., F], up [..., F] -> [..., F]."""
+    check_backend("swiglu", backend, BACKENDS)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    chosen = backend
+    if backend == "auto":
+        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(gate, up)), "reference")
+        log_choice("swiglu", chosen)
+    if chosen == "reference":
+        return swiglu_reference(gate, up)
+    if chosen not in _FAST_BACKENDS:
+        raise RuntimeError(f"swiglu: backend {chosen!r} is not available here; use 'auto' or 'reference'")
+    return _FAST_BACKENDS[chosen][1](gate, up)
