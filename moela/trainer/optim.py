@@ -1,0 +1,90 @@
+"""AdamW with the usual decay exclusions, and the learning-rate schedules (warmup + cosine, warmup-stable-decay).
+
+Decisions:
+- Weight decay applies only to matrices that transform activations. Norm scales, biases and anything of rank < 2
+  are excluded, as are embeddings and the router's score-correction bias (names containing `embed` or
+  `e_score_correction_bias`); the output head decays unless it is tied to the embedding.
+- On CUDA the fused AdamW kernel is used (`optim.fused`); on CPU the default implementation, whose result the
+  tests treat as the reference.
+- The schedule is a `LambdaLR` over a picklable multiplier object, so its state round-trips through a checkpoint.
+  Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to the peak reaching it at step
+  `warmup_steps - 1`, and every decay ends exactly at `min_lr_ratio` on the last step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moela.config import OptimConfig, ScheduleConfig
+
+NO_DECAY_NAME_PARTS = ("embed", "e_score_correction_bias")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices and everything else (norms, biases, embeddings, router bias)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or any(part in name for part in NO_DECAY_NAME_PARTS):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
+    fused = cfg.fused and device_type == "cuda"
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        fused=fused or None,
+    )
+
+
+class LRMultiplier:
+    """Multiplier of the peak learning rate at optimizer step i (0-based) of a `total_steps` run."""
+
+    def __init__(self, cfg: ScheduleConfig, total_steps: int):
+        self.kind = cfg.kind
+        self.warmup = cfg.warmup_steps
+        self.min_ratio = cfg.min_lr_ratio
+        self.total = total_steps
+        self.decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        self.decay_shape = cfg.decay_shape
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "cosine":
+            progress = _progress(step, self.warmup, self.total)
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        decay_start = max(self.warmup, self.total - self.decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = _progress(step, decay_start, self.total)
+        if self.decay_shape == "linear":
+            remaining = 1 - progress
+        elif self.decay_shape == "sqrt":
+            remaining = 1 - math.sqrt(progress)
+        else:
+            remaining = 0.5 * (1 + math.cos(math.pi * progress))
+        return self.min_ratio + (1 - self.min_ratio) * remaining
+
+
+def _progress(step: int, start: int, total: int) -> float:
+    """0 at `start`, 1 at the last step `total - 1`."""
+    span = total - 1 - start
+    return 1.0 if span <= 0 else min(1.0, max(0.0, (step - start) / span))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRMultiplier(cfg, total_steps))
