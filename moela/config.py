@@ -96,6 +96,7 @@ class ScheduleConfig:
 @dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps to train for
+    tokens_per_microbatch: int = 4096  # token budget of one packed micro-batch (documents concatenated, no padding)
     grad_accum: int = 1  # micro-batches per optimizer step on each data-parallel rank
     seed: int = 0  # seeds model init, data order and every RNG (resume restores the RNG state)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
@@ -109,6 +110,8 @@ class TrainConfig:
         errors = []
         if self.steps < 1:
             errors.append(f"steps: must be >= 1, got {self.steps}")
+        if self.tokens_per_microbatch < 2:
+            errors.append(f"tokens_per_microbatch: must be >= 2, got {self.tokens_per_microbatch}")
         if self.grad_accum < 1:
             errors.append(f"grad_accum: must be >= 1, got {self.grad_accum}")
         if self.eval_every < 0 or self.eval_batches < 0:
@@ -152,12 +155,16 @@ class LoggingConfig:
     log_every: int = 10  # print the step line and append to metrics.jsonl every N steps
     progress_bar: Literal["auto", "always", "never"] = "auto"  # auto: a tqdm bar when stdout is a terminal
     plot: bool = True  # write run_dir/loss.png at the end
+    peak_tflops: float | None = None  # device peak (dense bf16, per device) for MFU; null: looked up by GPU name
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
+        errors = []
         if self.log_every < 1:
-            return [f"log_every: must be >= 1, got {self.log_every}"]
-        return []
+            errors.append(f"log_every: must be >= 1, got {self.log_every}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            errors.append(f"peak_tflops: must be > 0 or null (look up by GPU name), got {self.peak_tflops}")
+        return errors
 
 
 @dataclass
@@ -332,6 +339,9 @@ def _convert(value: Any, tp: Any, path: str, sources: dict, errors: list[str]) -
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        candidates = [a for a in args if a is not type(None)]
+        if len(candidates) == 1 and value is not None:
+            return _convert(value, candidates[0], path, sources, errors)
         for arg in args:
             if arg is type(None):
                 continue
