@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from moela.data.balance import (balanced_assign, cost_coefficients, imbalance, imbalance_report,
                                 microbatch_cost, rank_totals, round_robin_assign)
+from moela.model.config import preset
 
 costs_strategy = st.integers(1, 12).flatmap(
     lambda dp: st.integers(1, 8).flatmap(
@@ -115,10 +116,10 @@ def test_microbatch_cost_matches_float64_reference():
 def test_cost_coefficients_count_every_linear_weight():
     """a / 6 equals the weights one token multiplies, counted from real nn.Linear shapes of an MLA + MoE layer."""
     import torch.nn as nn
-    cfg = SimpleNamespace(dim=48, n_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                          q_lora_rank=20, kv_lora_rank=24, n_layers=3, n_dense_layers=1, inter_dim=96,
-                          moe_inter_dim=32, n_routed_experts=6, n_activated_experts=2, n_shared_experts=1,
-                          vocab_size=101, mtp_depth=1)
+    cfg = preset("tiny", hidden_size=48, num_attention_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                 v_head_dim=12, q_lora_rank=20, kv_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1,
+                 intermediate_size=96, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
+                 n_shared_experts=1, vocab_size=101, num_nextn_predict_layers=1, n_group=1, topk_group=1)
     d, h, dqk = 48, 3, 24
 
     def attn():
@@ -138,5 +139,5 @@ def test_cost_coefficients_count_every_linear_weight():
     a, b = cost_coefficients(cfg)
     assert a == 6.0 * weights
     assert b == (3 + 1) * h * (4 * dqk + 3 * 12)
-    with pytest.raises(ValueError, match="no field 'n_heads'"):
-        cost_coefficients(SimpleNamespace(dim=4))
+    with pytest.raises(ValueError, match="no field 'num_attention_heads'"):
+        cost_coefficients(SimpleNamespace(hidden_size=4))

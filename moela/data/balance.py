@@ -55,28 +55,29 @@ def _field(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 def cost_coefficients(model_cfg: Any) -> tuple[float, float]:
-    """(a, b) of `microbatch_cost` in training FLOPs for a DeepSeek-style model config (see module docstring)."""
-    d = _field(model_cfg, "dim")
-    h = _field(model_cfg, "n_heads")
+    """(a, b) of `microbatch_cost` in training FLOPs for a `moela.model.config.ModelConfig` (HF deepseek_v3 key
+    names; see the module docstring for what is counted)."""
+    d = _field(model_cfg, "hidden_size")
+    h = _field(model_cfg, "num_attention_heads")
     nope, rope, dv = (_field(model_cfg, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     dqk = nope + rope
-    q_lora = getattr(model_cfg, "q_lora_rank", 0) or 0
+    q_lora = getattr(model_cfg, "q_lora_rank", None) or 0
     kv_lora = _field(model_cfg, "kv_lora_rank")
-    n_layers = _field(model_cfg, "n_layers")
-    n_dense = min(getattr(model_cfg, "n_dense_layers", n_layers) or 0, n_layers)
-    mtp = getattr(model_cfg, "mtp_depth", 0) or 0
+    n_layers = _field(model_cfg, "num_hidden_layers")
+    n_dense = min(_field(model_cfg, "first_k_dense_replace", 0), n_layers)
+    mtp = getattr(model_cfg, "num_nextn_predict_layers", 0) or 0
     vocab = _field(model_cfg, "vocab_size")
 
     attn = (d * q_lora + q_lora * h * dqk) if q_lora > 0 else d * h * dqk
     attn += d * (kv_lora + rope) + kv_lora * h * (nope + dv) + h * dv * d
-    dense_ffn = 3 * d * _field(model_cfg, "inter_dim")
-    if n_dense < n_layers or mtp > 0:
-        n_exp = _field(model_cfg, "n_routed_experts")
-        active = _field(model_cfg, "n_activated_experts") + (getattr(model_cfg, "n_shared_experts", 0) or 0)
-        moe_ffn = d * n_exp + active * 3 * d * _field(model_cfg, "moe_inter_dim")
-    else:
-        moe_ffn = 0
+    dense_ffn = 3 * d * _field(model_cfg, "intermediate_size")
+    moe_ffn = 0
+    if n_dense < n_layers:
+        active = _field(model_cfg, "num_experts_per_tok") + (getattr(model_cfg, "n_shared_experts", 0) or 0)
+        moe_ffn = d * _field(model_cfg, "n_routed_experts") + active * 3 * d * _field(model_cfg,
+                                                                                        "moe_intermediate_size")
     per_token = n_layers * attn + n_dense * dense_ffn + (n_layers - n_dense) * moe_ffn + d * vocab
+    # each MTP module: projection of [hidden; embedding] (2D -> D), one block like the last layer, the head
     per_token += mtp * (2 * d * d + attn + (moe_ffn if n_dense < n_layers else dense_ffn) + d * vocab)
     a = 6.0 * per_token
     b = float((n_layers + mtp) * h * (4 * dqk + 3 * dv))
