@@ -3,7 +3,13 @@
 Public function: `mla_attention`. Backends:
 - `reference`: pure torch, any device; loops over documents and materializes each document's score matrix in
   float32. Exact, slow, the specification the fast kernels are tested against. Autograd flows through `lse`.
-- fast kernels register in `_FAST_BACKENDS` (see `moela.ops.attention_triton`).
+- `triton`: our flash kernels (`moela.ops.attention_triton`): Dqk != Dv without padding, varlen, ALiBi, and an
+  lse whose gradient is fused into the backward. CUDA tensors; on CPU only under TRITON_INTERPRET=1 and only when
+  asked for by name (tests).
+- `sdpa`: PyTorch SDPA (cuDNN first) for the plain case only: every document of the same length on both sides,
+  no ALiBi, no lse requested. Documents are reshaped to a batch, so no mask is materialized.
+`auto` tries the fast backends in registration order (`_FAST_BACKENDS`) and falls back to `reference`; on CPU it
+always resolves to `reference`.
 
 Masking: with `causal=True`, query i of a document (0-based within the q side) may see key j when
 `j <= i + (Lk - Lq)`: causal alignment is bottom-right, as FlashAttention >= 2.1, so a q chunk that is the tail of
@@ -24,7 +30,10 @@ from moela.ops.dispatch import check_backend, log_choice
 
 BACKENDS = ("auto", "reference", "triton", "sdpa")
 
-# name -> (supported(q, k, v, **kw) -> bool, implementation with mla_attention's signature minus backend)
+# name -> (supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal,
+#          softmax_scale, alibi_slopes, explicit) -> bool,
+#          impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
+#               softmax_scale, alibi_slopes) -> (out, lse or None))
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., object]]] = {}
 
 
@@ -85,21 +94,60 @@ def mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, max
         max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     kw = dict(causal=causal, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+    query = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse, **kw)
     chosen = backend
     if backend == "auto":
         chosen = "reference"
         for name, (supported, _) in _FAST_BACKENDS.items():
-            if supported(q, k, v, cu_seqlens_q, cu_seqlens_k, return_lse=return_lse, **kw):
+            if supported(q, k, v, cu_seqlens_q, cu_seqlens_k, explicit=False, **query):
                 chosen = name
                 break
         log_choice("mla_attention", chosen)
+    elif backend != "reference":
+        if backend not in _FAST_BACKENDS:
+            raise RuntimeError(f"mla_attention: backend {backend!r} is not available here (needs triton); use "
+                               f"backend='auto' or 'reference'")
+        if not _FAST_BACKENDS[backend][0](q, k, v, cu_seqlens_q, cu_seqlens_k, explicit=True, **query):
+            raise ValueError(f"mla_attention: backend {backend!r} does not support this call ({q.device.type} "
+                             f"tensors, Dqk={q.shape[-1]}, Dv={v.shape[-1]}, return_lse={return_lse}, "
+                             f"alibi={alibi_slopes is not None}); use backend='auto'")
     if chosen == "reference":
         out, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
     else:
-        if chosen not in _FAST_BACKENDS:
-            raise RuntimeError(f"mla_attention: backend {chosen!r} is not available here (needs CUDA and its "
-                               f"package); use backend='auto' or 'reference'")
-        _, impl = _FAST_BACKENDS[chosen]
-        out, lse = impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, return_lse=return_lse,
-                        **kw)
+        out, lse = _FAST_BACKENDS[chosen][1](q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
+                                             return_lse=return_lse, **kw)
     return (out, lse) if return_lse else out
+
+
+def _sdpa_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal,
+                    softmax_scale, alibi_slopes, explicit):
+    """Equal-length documents (checked without a device sync: T == N * max_seqlen on both sides)."""
+    n_docs = cu_seqlens_q.numel() - 1
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not return_lse and alibi_slopes is None
+            and n_docs > 0 and max_seqlen_q == max_seqlen_k and q.shape[0] == n_docs * max_seqlen_q
+            and k.shape[0] == n_docs * max_seqlen_k)
+
+
+def _sdpa_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
+                    softmax_scale, alibi_slopes):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    tq, h, _ = q.shape
+    n_docs = cu_seqlens_q.numel() - 1
+    qb = q.reshape(n_docs, max_seqlen_q, h, -1).transpose(1, 2)  # [N, H, L, Dqk]
+    kb = k.reshape(n_docs, max_seqlen_k, h, -1).transpose(1, 2)  # [N, H, L, Dqk]
+    vb = v.reshape(n_docs, max_seqlen_k, h, -1).transpose(1, 2)  # [N, H, L, Dv]
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(order, set_priority=True):
+        out = scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=softmax_scale)  # [N, H, L, Dv]
+    return out.transpose(1, 2).reshape(tq, h, -1), None
+
+
+register_backend("sdpa", _sdpa_supported, _sdpa_attention)
+try:
+    from moela.ops.attention_triton import flash_mla_attention, triton_supported
+except ImportError:  # no triton on this platform: reference and sdpa remain
+    pass
+else:
+    register_backend("triton", triton_supported, flash_mla_attention)

@@ -1,0 +1,511 @@
+"""Triton flash attention for MLA over packed documents: Dqk != Dv, bottom-right causal, ALiBi, differentiable lse.
+
+Forward: one program per (query block, head, document); online softmax in base 2 with fp32 accumulation; writes
+out [Tq, H, Dv] and lse [H, Tq] (natural log, -inf for a query that sees no key). Backward: a preprocess kernel
+computes `D = rowsum(dO * O) - dlse` (the lse gradient enters here and nowhere else), then one kernel per key
+block accumulates dk and dv over query blocks and one kernel per query block accumulates dq over key blocks.
+Recomputing the scores in both kernels costs one extra QK^T and dO V^T but needs no atomics: gradients are
+deterministic.
+
+Decisions:
+- Dqk is split into a power-of-two part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
+  padding in QK^T; Dv (a power of two in practice) is padded to the next power of two with masked loads only.
+- Each loop over blocks runs in two phases: blocks that need no mask (fully inside the document and below the
+  causal diagonal) and the few that do; the mask costs nothing on the former.
+- Causal alignment is bottom-right: query i of a document sees key j when j <= i + (Lk - Lq).
+- ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized.
+- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), and a
+  single small block configuration is used; on GPU a few configurations are autotuned per head-dim pair.
+
+Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents; BM / BN block rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fix_interpreter_loop_bounds():
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with `int(array)`,
+    which numpy >= 2.3 rejects; any `range(lo, hi)` over loaded values then fails. Convert via `.item()`."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_moela_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch._moela_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if INTERPRET:
+    _fix_interpreter_loop_bounds()
+
+
+def _configs(pairs):
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in pairs]
+
+
+FWD_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)])
+DKDV_CONFIGS = _configs([(32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)])
+DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)])
+TUNE_KEY = ["D_QK", "D_V", "CAUSAL", "HAS_ALIBI"]
+
+
+@triton.jit
+def _load_rows(ptr, offs_t, n_rows, stride_t, offs_d, n_cols, UPCAST: tl.constexpr):
+    """Loads a [rows, cols] tile of a [T, H, D] tensor (ptr already offset to the head); zero outside."""
+    x = tl.load(ptr + offs_t[:, None] * stride_t + offs_d[None, :],
+                mask=(offs_t[:, None] < n_rows) & (offs_d[None, :] < n_cols), other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scores(a1, a2, b1, b2, HAS_D2: tl.constexpr):
+    """a [R, Dqk] @ b [C, Dqk]^T with Dqk split into two dots."""
+    s = tl.dot(a1, tl.trans(b1))
+    if HAS_D2:
+        s = tl.dot(a2, tl.trans(b2), s)
+    return s
+
+
+@triton.jit
+def _mask_and_bias(s, qpos, kpos, lk, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                   MASK: tl.constexpr):
+    """s [R, C] log2-domain scores; qpos [R, 1] query positions on the k side, kpos [1, C] key positions."""
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(qpos - kpos).to(tl.float32)
+    if MASK:
+        keep = kpos < lk
+        if CAUSAL:
+            keep = keep & (kpos <= qpos)
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, diag, lk, slope,
+               qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
+        k2 = k1
+        if HAS_D2:
+            k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])  # [BM, BN]
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=TUNE_KEY)
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, H, D_QK, D_V,
+                CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
+    h = tl.program_id(1) % H
+    b = tl.program_id(1) // H
+    q0 = tl.load(CU_Q + b).to(tl.int64)
+    lq = tl.load(CU_Q + b + 1) - q0
+    k0 = tl.load(CU_K + b).to(tl.int64)
+    lk = tl.load(CU_K + b + 1) - k0
+    start_m = pid_m * BLOCK_M
+    if start_m >= lq:
+        return
+    diag = lk - lq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q_base = Q + q0 * stride_qt + h * stride_qh
+    q1 = _load_rows(q_base, offs_m, lq, stride_qt, tl.arange(0, BLOCK_D1), D_QK, UPCAST)  # [BM, D1]
+    q2 = q1
+    if HAS_D2:
+        q2 = _load_rows(q_base, offs_m, lq, stride_qt, BLOCK_D1 + tl.arange(0, BLOCK_D2), D_QK, UPCAST)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h) * LOG2E
+    k_base = K + k0 * stride_kt + h * stride_kh
+    v_base = V + k0 * stride_vt + h * stride_vh
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(lk, start_m + BLOCK_M + diag), 0)
+        n_full = tl.maximum(tl.minimum(lk, start_m + diag + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = lk
+        n_full = lk // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # finite: a fully masked row keeps exp2(-inf - m) = 0
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, 0, n_full, offs_m,
+                               diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST,
+                               BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, n_full, hi, offs_m,
+                               diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
+                               BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, Dv]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BM]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o_ptrs = O + q0 * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < D_V))
+    tl.store(LSE + h * stride_lh + q0 + offs_m, lse, mask=offs_m < lq)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, T, D_V,
+                           HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """DELTA[h, t] = sum_d dO[t, h, d] * O[t, h, d] - dlse[h, t]."""
+    h = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_t[:, None] < T) & (offs_d[None, :] < D_V)
+    o = tl.load(O + h * stride_oh + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(DO + h * stride_doh + offs_t[:, None].to(tl.int64) * stride_dot + offs_d[None, :], mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BM]
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + h * stride_lh + offs_t, mask=offs_t < T, other=0.0)
+    tl.store(DELTA + h * stride_lh + offs_t, delta, mask=offs_t < T)
+
+
+@triton.jit
+def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi,
+                offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Transposed formulation: rows are keys [BN], columns queries [BM]."""
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q1 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d1, D_QK, UPCAST)  # [BM, D1]
+        q2 = q1
+        if HAS_D2:
+            q2 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d2, D_QK, UPCAST)  # [BM, D2]
+        lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
+        st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale  # [BN, BM]
+        qpos = (offs_m + diag)[None, :]
+        kpos = offs_n[:, None]
+        if HAS_ALIBI:
+            st = st - slope * tl.abs(qpos - kpos).to(tl.float32)
+        pt = tl.exp2(st - lse2[None, :])  # [BN, BM]
+        if MASK:
+            pt = tl.where(kpos <= qpos, pt, 0.0)
+        do = _load_rows(do_base, offs_m, lq, stride_dot, offs_dv, D_V, UPCAST)  # [BM, Dv]
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        delta = tl.load(delta_base + offs_m, mask=offs_m < lq, other=0.0)  # [BM]
+        dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+        dst = (pt * (dpt - delta[None, :])).to(q1.dtype)
+        dk1 = tl.dot(dst, q1, dk1)
+        if HAS_D2:
+            dk2 = tl.dot(dst, q2, dk2)
+    return dk1, dk2, dv
+
+
+@triton.autotune(configs=DKDV_CONFIGS, key=TUNE_KEY)
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt,
+                     stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
+                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK, D_V, CAUSAL: tl.constexpr,
+                     HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+                     BLOCK_DV: tl.constexpr):
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1) % H
+    b = tl.program_id(1) // H
+    q0 = tl.load(CU_Q + b).to(tl.int64)
+    lq = tl.load(CU_Q + b + 1) - q0
+    k0 = tl.load(CU_K + b).to(tl.int64)
+    lk = tl.load(CU_K + b + 1) - k0
+    start_n = pid_n * BLOCK_N
+    if start_n >= lk:
+        return
+    diag = lk - lq
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_base = K + k0 * stride_kt + h * stride_kh
+    k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
+    k2 = k1
+    if HAS_D2:
+        k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
+    v = _load_rows(V + k0 * stride_vt + h * stride_vh, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h) * LOG2E
+    q_base = Q + q0 * stride_qt + h * stride_qh
+    do_base = DO + q0 * stride_dot + h * stride_doh
+    lse_base = LSE + h * stride_lh + q0
+    delta_base = DELTA + h * stride_lh + q0
+    if CAUSAL:
+        lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.maximum(mid, lo), lq)
+    else:
+        lo = 0
+        mid = 0
+    dk1 = tl.zeros([BLOCK_N, BLOCK_D1], dtype=tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                               stride_dot, lo, mid, offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL,
+                               HAS_ALIBI, True, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                               stride_dot, mid, lq, offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL,
+                               HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    row_ok = offs_n[:, None] < lk
+    dk_base = DK + k0 * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt
+    tl.store(dk_base + offs_d1[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty),
+             mask=row_ok & (offs_d1[None, :] < D_QK))
+    if HAS_D2:
+        tl.store(dk_base + offs_d2[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty),
+                 mask=row_ok & (offs_d2[None, :] < D_QK))
+    dv_ptrs = DV + k0 * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :]
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, diag, lk,
+              slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+              HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+              BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
+        k2 = k1
+        if HAS_D2:
+            k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+        qpos = (offs_m + diag)[:, None]
+        kpos = offs_n[None, :]
+        if HAS_ALIBI:
+            s = s - slope * tl.abs(qpos - kpos).to(tl.float32)
+        p = tl.exp2(s - lse2[:, None])  # [BM, BN]
+        if MASK:
+            keep = kpos < lk
+            if CAUSAL:
+                keep = keep & (kpos <= qpos)
+            p = tl.where(keep, p, 0.0)
+        v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+        ds = (p * (dp - delta[:, None])).to(k1.dtype)
+        dq1 = tl.dot(ds, k1, dq1)
+        if HAS_D2:
+            dq2 = tl.dot(ds, k2, dq2)
+    return dq1, dq2
+
+
+@triton.autotune(configs=DQ_CONFIGS, key=TUNE_KEY)
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, qk_scale,
+                   sm_scale, H, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr,
+                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+                   BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1) % H
+    b = tl.program_id(1) // H
+    q0 = tl.load(CU_Q + b).to(tl.int64)
+    lq = tl.load(CU_Q + b + 1) - q0
+    k0 = tl.load(CU_K + b).to(tl.int64)
+    lk = tl.load(CU_K + b + 1) - k0
+    start_m = pid_m * BLOCK_M
+    if start_m >= lq:
+        return
+    diag = lk - lq
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d1 = tl.arange(0, BLOCK_D1)
+    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+    q_base = Q + q0 * stride_qt + h * stride_qh
+    q1 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d1, D_QK, UPCAST)  # [BM, D1]
+    q2 = q1
+    if HAS_D2:
+        q2 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d2, D_QK, UPCAST)  # [BM, D2]
+    do = _load_rows(DO + q0 * stride_dot + h * stride_doh, offs_m, lq, stride_dot, tl.arange(0, BLOCK_DV), D_V,
+                    UPCAST)  # [BM, Dv]
+    lse = tl.load(LSE + h * stride_lh + q0 + offs_m, mask=offs_m < lq, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # a row that sees no key gets p = 0
+    delta = tl.load(DELTA + h * stride_lh + q0 + offs_m, mask=offs_m < lq, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h) * LOG2E
+    k_base = K + k0 * stride_kt + h * stride_kh
+    v_base = V + k0 * stride_vt + h * stride_vh
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(lk, start_m + BLOCK_M + diag), 0)
+        n_full = tl.maximum(tl.minimum(lk, start_m + diag + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = lk
+        n_full = lk // BLOCK_N * BLOCK_N
+    dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
+    dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    dq1, dq2 = _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, n_full, offs_m,
+                         diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_N,
+                         BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    dq1, dq2 = _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, n_full, hi,
+                         offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
+                         BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    row_ok = offs_m[:, None] < lq
+    dq_base = DQ + q0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
+    tl.store(dq_base + offs_d1[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok & (offs_d1[None, :] < D_QK))
+    if HAS_D2:
+        tl.store(dq_base + offs_d2[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty),
+                 mask=row_ok & (offs_d2[None, :] < D_QK))
+
+
+def _dims(d_qk, d_v):
+    block_d1 = 1 << (d_qk.bit_length() - 1)  # largest power of two <= Dqk
+    rest = d_qk - block_d1
+    block_d2 = triton.next_power_of_2(rest) if rest else 16
+    return dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, HAS_D2=rest > 0, BLOCK_DV=triton.next_power_of_2(d_v))
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"triton mla_attention wants q, k, v of one dtype among float16/bfloat16/float32; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        raise ValueError(f"triton mla_attention supports head dims up to 256; got Dqk={q.shape[-1]}, "
+                         f"Dv={v.shape[-1]} (use backend='reference')")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton mla_attention needs {name} contiguous in its last dim; call .contiguous()")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise TypeError(f"{name} must be int32 on {q.device}; got {t.dtype} on {t.device}")
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device):
+        raise TypeError(f"alibi_slopes must be float32 on {q.device}; got {alibi_slopes.dtype} on "
+                        f"{alibi_slopes.device}")
+
+
+def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, causal, softmax_scale,
+                      alibi_slopes):
+    """Launches the forward kernel. Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32)."""
+    tq, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    n_docs = cu_seqlens_q.numel() - 1
+    out = torch.empty(tq, h, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
+    if tq == 0 or n_docs == 0:
+        return out, lse
+    slopes = alibi_slopes if alibi_slopes is not None else lse  # placeholder pointer when no ALiBi
+
+    def grid(meta):
+        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h * n_docs
+
+    _fwd_kernel[grid](q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
+                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                      lse.stride(0), softmax_scale * LOG2E, h, d_qk, d_v, CAUSAL=causal,
+                      HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+                      **_dims(d_qk, d_v))
+    return out, lse
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                       causal, softmax_scale, alibi_slopes):
+    """Launches preprocess, dk/dv and dq kernels. dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
+    tq, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    n_docs = cu_seqlens_q.numel() - 1
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if k.shape[0]:
+        dk.zero_()  # keys outside every document (none in a well-formed batch) get zero gradient
+        dv.zero_()
+    if tq == 0 or n_docs == 0:
+        return dq.zero_(), dk, dv
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = torch.empty_like(lse)  # [H, Tq]
+    if dlse is not None:
+        dlse = dlse.contiguous()
+    dims = _dims(d_qk, d_v)
+    _bwd_preprocess_kernel[(triton.cdiv(tq, 64), h)](
+        out, dout, dlse if dlse is not None else delta, delta, out.stride(0), out.stride(1), dout.stride(0),
+        dout.stride(1), delta.stride(0), tq, d_v, HAS_DLSE=dlse is not None, BLOCK_M=64,
+        BLOCK_DV=dims["BLOCK_DV"])
+    slopes = alibi_slopes if alibi_slopes is not None else delta
+    flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
+                 UPCAST=INTERPRET and q.dtype == torch.bfloat16, **dims)
+    common = (softmax_scale * LOG2E, softmax_scale, h, d_qk, d_v)
+    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h * n_docs)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0),
+        dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *common, **flags)
+    _bwd_dq_kernel[lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h * n_docs)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+        lse.stride(0), *common, **flags)
+    return dq, dk, dv
+
+
+class _FlashMLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                alibi_slopes):
+        out, lse = attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                     softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                        alibi_slopes=alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, causal=True,
+                        softmax_scale=None, alibi_slopes=None, return_lse=False):
+    """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable."""
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+                           float(scale), alibi_slopes)
+
+
+def triton_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, explicit=False, **_):
+    """On CUDA always (head dims up to 256); on CPU only under TRITON_INTERPRET=1 when asked for by name."""
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        return False
+    return q.is_cuda or (INTERPRET and explicit)
