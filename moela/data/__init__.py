@@ -1,0 +1,59 @@
+"""Data pipeline: sources -> tokenizer -> token cache -> packing -> per-rank loaders.
+
+`build_loaders(cfg.data, tokens_per_microbatch=..., dp_rank=..., dp_size=..., grad_accum=..., seed=...)` returns
+`(train_loader, val_loader, tokenizer)`; see loader.py for the stream's guarantees. The token cache is built on
+first use (a progress bar shows it) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+from .cache import TokenCache, build_or_load_cache
+from .config import DataConfig
+from .loader import TrainLoader, ValLoader, microbatch_cost, round_robin_assign, split_train_val
+from .sources import DocumentSource
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["DataConfig", "build_loaders", "load_tokenizer", "Tokenizer", "TrainLoader", "ValLoader", "TokenCache",
+           "round_robin_assign"]
+
+
+def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int = 0, dp_size: int = 1,
+                  grad_accum: int = 1, seed: int = 0, show_progress: bool = True):
+    """Build (train_loader, val_loader, tokenizer) for one data-parallel rank.
+
+    tokens_per_microbatch: token budget of one micro-batch (documents are packed up to it, never beyond).
+    dp_rank / dp_size: this rank's index in the data-parallel group and the group's size (ranks that share the
+    same data, e.g. context- or tensor-parallel peers, pass the same dp_rank). grad_accum: micro-batches per rank
+    per optimizer step. seed: shuffling seed (the held-out split does not depend on it).
+    """
+    errors = cfg.validate()
+    if tokens_per_microbatch < 2:
+        errors.append(f"tokens_per_microbatch: must be >= 2, got {tokens_per_microbatch}")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        errors.append(f"dp_rank/dp_size: need 0 <= dp_rank < dp_size, got {dp_rank}/{dp_size}")
+    if grad_accum < 1:
+        errors.append(f"grad_accum: must be >= 1, got {grad_accum}")
+    if errors:
+        raise ValueError("invalid data settings:\n  " + "\n  ".join(errors))
+
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token)
+    source = DocumentSource(cfg)
+    cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
+                                num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
+    train_docs, val_docs, val_cap = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
+
+    if cfg.balance:
+        try:
+            from .balance import balanced_assign as assign, microbatch_cost as cost_fn
+        except ImportError as e:
+            raise ImportError(f"data.balance: true needs moela.data.balance ({e}); set data.balance: false") from e
+    else:
+        assign, cost_fn = round_robin_assign, microbatch_cost
+    settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
+                "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
+    train = TrainLoader(cache, train_docs, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
+                        dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
+                        assign=assign, cost_fn=cost_fn, attn_cost_len=cfg.attn_cost_len, settings=settings)
+    val = ValLoader(cache, val_docs, val_cap, tokens_per_microbatch=tokens_per_microbatch,
+                    max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
+    return train, val, tokenizer

@@ -1,0 +1,108 @@
+"""The recipe's `data` section: where documents come from, how they are tokenized, cached, split and packed.
+
+Decisions: the bundled Shakespeare corpus and tokenizer are the defaults, so a recipe needs no data keys at all.
+The micro-batch token budget is not here: it is a training-shape setting passed to `build_loaders` by the trainer.
+`validate()` checks everything that can be checked without reading the data (paths exist, values in range), so a
+bad recipe fails at load time with all its errors at once.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+SourceKind = Literal["bundled", "text", "jsonl", "parquet", "hf"]
+
+
+@dataclass
+class DataConfig:
+    # Where documents come from:
+    #   bundled: the Shakespeare corpus shipped in moela/data/corpus (941 scenes/poems, 5.3 MB; no other key needed)
+    #   text:    text files; each file is one document, or several if `doc_separator` is set
+    #   jsonl:   JSON-lines files; each line is one document, its text in `text_field`
+    #   parquet: parquet files; each row is one document, its text in column `text_field`
+    #   hf:      a Hugging Face `datasets` dataset: `hf_name` from the hub (online), or a builder such as
+    #            "json" / "parquet" / "text" with local `paths` as its data_files (works offline)
+    source: SourceKind = "bundled"
+    # Files for text/jsonl/parquet (and data_files for hf): file paths, directories (all files inside,
+    # recursively, sorted) or glob patterns; `~` and environment variables are expanded.
+    paths: list[str] = field(default_factory=list)
+    # Field (jsonl) or column (parquet, hf) that holds each document's text.
+    text_field: str = "text"
+    # text source only: a literal string that separates documents inside one file (e.g. "\n\n\n");
+    # null makes each file one document.
+    doc_separator: str | None = None
+    # hf source: dataset name on the hub, or a builder name ("json", "parquet", "text", "csv") with `paths`.
+    hf_name: str | None = None
+    hf_config: str | None = None  # hf source: dataset configuration (subset) name
+    hf_split: str = "train"  # hf source: which split to read (the held-out split is cut from it)
+    hf_revision: str | None = None  # hf source: git revision of a hub dataset; part of the cache key
+    # "bundled" (the committed byte-level BPE, 4096 tokens), a path to a tokenizer.json, or a hub model name
+    # whose tokenizer.json `tokenizers` can download (online).
+    tokenizer: str = "bundled"
+    # The end-of-document token for a non-bundled tokenizer; null = the first of <|endoftext|>, </s>, <eos>,
+    # <|end_of_text|> that the vocabulary has.
+    eos_token: str | None = None
+    # Token cache root. The cache of one (source, tokenizer) pair lives in a subdirectory named by their hash; it is
+    # built once (a progress bar shows the tokenization) and reused by later runs. Delete it to rebuild.
+    cache_dir: str = "~/.cache/moela/tokens"
+    # Held-out validation split: this fraction of documents (at least one), chosen by a fixed hash of the document
+    # index, independent of the training seed; capped at `val_max_tokens` tokens.
+    val_fraction: float = 0.01
+    val_max_tokens: int = 262144
+    # Documents longer than this many tokens (EOS included) are cut into pieces of at most this length before
+    # packing (each piece restarts position_ids); null = only cut at the micro-batch budget.
+    max_doc_len: int | None = None
+    # Shuffle document pieces at every epoch (deterministically from the seed and the epoch number).
+    shuffle: bool = True
+    # Assign each step's micro-batches to data-parallel ranks so that their cost (sum L + sum L^2 / attn_cost_len,
+    # L = document lengths) is balanced; false = round robin.
+    balance: bool = False
+    # Document length at which a token's attention cost equals its other (length-independent) cost; sets the
+    # quadratic weight of the balancing cost. Larger models (wider layers) have a larger value.
+    attn_cost_len: int = 4096
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.source in ("text", "jsonl", "parquet"):
+            if not self.paths:
+                errors.append(f"paths: source '{self.source}' needs at least one file, directory or glob; "
+                              f"set data.paths or use source: bundled")
+        elif self.source == "hf":
+            if not self.hf_name:
+                errors.append("hf_name: source 'hf' needs a dataset name (hub) or a builder such as 'json' "
+                              "with data.paths; set data.hf_name")
+        elif self.source != "bundled":
+            errors.append(f"source: unknown source '{self.source}'; use one of bundled, text, jsonl, parquet, hf")
+        for p in self.paths:
+            if not expand_path(p):
+                errors.append(f"paths: '{p}' matches no file; check the path or glob pattern")
+        if self.tokenizer != "bundled" and self.tokenizer.endswith(".json") and not os.path.isfile(
+                os.path.expanduser(self.tokenizer)):
+            errors.append(f"tokenizer: file '{self.tokenizer}' not found; give a tokenizer.json path or 'bundled'")
+        if self.doc_separator == "":
+            errors.append("doc_separator: must not be empty; use null to make each file one document")
+        if not self.text_field:
+            errors.append("text_field: must name the field/column that holds the text, e.g. 'text'")
+        if not 0.0 <= self.val_fraction < 1.0:
+            errors.append(f"val_fraction: must be in [0, 1), got {self.val_fraction}")
+        if self.val_max_tokens < 0:
+            errors.append(f"val_max_tokens: must be >= 0, got {self.val_max_tokens}")
+        if self.max_doc_len is not None and self.max_doc_len < 2:
+            errors.append(f"max_doc_len: must be >= 2 or null, got {self.max_doc_len}")
+        if self.attn_cost_len < 1:
+            errors.append(f"attn_cost_len: must be >= 1, got {self.attn_cost_len}")
+        return errors
+
+
+def expand_path(pattern: str) -> list[str]:
+    """Files named by one `paths` entry: a file, every file under a directory (sorted), or a glob's matches."""
+    p = os.path.expandvars(os.path.expanduser(pattern))
+    if os.path.isfile(p):
+        return [p]
+    if os.path.isdir(p):
+        return sorted(os.path.join(root, name) for root, _, names in os.walk(p) for name in names
+                      if not name.startswith("."))
+    return sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))

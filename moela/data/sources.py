@@ -1,0 +1,126 @@
+"""Document sources: turn the `data` section into a stream of document texts plus a fingerprint for the cache key.
+
+Kinds: the bundled corpus (a jsonl file in the package), local text / jsonl / parquet files, and Hugging Face
+`datasets` (a hub name when online, or a builder such as "json" with local data_files, which works offline).
+Decisions: documents come out in a fixed order (files sorted, rows in file order), so the token cache and
+everything derived from it is reproducible. The fingerprint of local files is (path, size, mtime), not their
+content, so a cache check costs nothing; editing a file changes its mtime and therefore the cache key. Empty
+documents (only whitespace) are skipped. A hub dataset is identified by name, config, split and revision: pin
+`hf_revision` if the dataset may change upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from .config import DataConfig, expand_path
+
+BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus" / "shakespeare.jsonl"
+
+
+class DocumentSource:
+    """Iterable of document texts; `fingerprint()` identifies the content for the token-cache key."""
+
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        if cfg.source == "bundled":
+            self.files = [str(BUNDLED_CORPUS)]
+        else:
+            self.files = [f for p in cfg.paths for f in expand_path(p)]
+            missing = [p for p in cfg.paths if not expand_path(p)]
+            if missing:
+                raise FileNotFoundError(f"data.paths: {missing} match no file; check the paths or glob patterns")
+            if cfg.source != "hf" and not self.files:
+                raise ValueError(f"data.paths: source '{cfg.source}' needs at least one file")
+
+    def fingerprint(self) -> dict:
+        c = self.cfg
+        files = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in self.files]
+        fp = {"source": c.source, "files": files}
+        if c.source in ("jsonl", "parquet", "hf", "bundled"):
+            fp["text_field"] = c.text_field
+        if c.source == "text":
+            fp["doc_separator"] = c.doc_separator
+        if c.source == "hf":
+            fp.update(hf_name=c.hf_name, hf_config=c.hf_config, hf_split=c.hf_split, hf_revision=c.hf_revision)
+        return fp
+
+    def num_documents_hint(self) -> int | None:
+        """Number of documents if known cheaply (for the progress bar), else None."""
+        if self.cfg.source == "text" and self.cfg.doc_separator is None:
+            return len(self.files)
+        return None
+
+    def __iter__(self) -> Iterator[str]:
+        kind = self.cfg.source
+        if kind in ("bundled", "jsonl"):
+            texts = (t for f in self.files for t in _jsonl_texts(f, self.cfg.text_field))
+        elif kind == "text":
+            texts = (t for f in self.files for t in _text_docs(f, self.cfg.doc_separator))
+        elif kind == "parquet":
+            texts = (t for f in self.files for t in _parquet_texts(f, self.cfg.text_field))
+        elif kind == "hf":
+            texts = _hf_texts(self.cfg, self.files)
+        else:
+            raise ValueError(f"data.source: unknown source '{kind}'; use bundled, text, jsonl, parquet or hf")
+        return (t for t in texts if t.strip())
+
+
+def _jsonl_texts(path: str, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+            if not isinstance(record, dict) or field not in record:
+                keys = list(record) if isinstance(record, dict) else type(record).__name__
+                raise KeyError(f"{path}:{lineno}: no field '{field}' (has {keys}); set data.text_field")
+            text = record[field]
+            if not isinstance(text, str):
+                raise TypeError(f"{path}:{lineno}: field '{field}' holds {type(text).__name__}, expected a string")
+            yield text
+
+
+def _text_docs(path: str, separator: str | None) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    if separator is None:
+        yield text
+    else:
+        yield from text.split(separator)
+
+
+def _parquet_texts(path: str, column: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if column not in pf.schema_arrow.names:
+        raise KeyError(f"{path}: no column '{column}' (has {pf.schema_arrow.names}); set data.text_field")
+    for batch in pf.iter_batches(columns=[column], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text
+
+
+def _hf_texts(cfg: DataConfig, files: list[str]) -> Iterator[str]:
+    import datasets
+
+    kwargs = {"split": cfg.hf_split}
+    if files:
+        kwargs["data_files"] = files
+    if cfg.hf_revision:
+        kwargs["revision"] = cfg.hf_revision
+    ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, **kwargs)
+    if cfg.text_field not in ds.column_names:
+        raise KeyError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {ds.column_names}); "
+                       f"set data.text_field")
+    for start in range(0, len(ds), 4096):
+        for text in ds[start:start + 4096][cfg.text_field]:
+            if text is not None:
+                yield text
