@@ -13,3 +13,4 @@ class ModelOutput:
     num_targets: int  # tokens with a label in this micro-batch (trainer weights micro-batches by it)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars: lm_loss, mtp_loss, ...
     expert_load: torch.Tensor | None = None  # [L_moe, E] float32 tokens routed to each expert (detached)
+    logits: torch.Tensor | None = None  # [T, V] main-head logits, only when forward(..., return_logits=True)

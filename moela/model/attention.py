@@ -1,0 +1,127 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) on the flat packed layout, with optional QK-Norm and z-loss.
+
+q path:  x -> wq_a -> q_norm -> wq_b  (LoRA, `q_lora_rank` set)  or  x -> wq  (`q_lora_rank: null`)
+kv path: x -> wkv_a -> [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)];  c_kv -> kv_norm -> wkv_b -> [k_nope | v]
+Each head's key is [k_nope_h ; k_pe]: the RoPE part `k_pe` is one vector shared by all heads (decoupled RoPE).
+
+Decisions:
+- RoPE angles come from the batch's `position_ids` (restart per document); pairs are interleaved as in DeepSeek's
+  checkpoints. YaRN (`rope_scaling`) changes the frequencies, scales cos/sin by HF's `attention_factor`
+  (mscale / mscale_all_dim ratio, 1 for DeepSeek's configs) and multiplies the softmax scale by
+  yarn_mscale(factor, mscale_all_dim)**2, exactly as HF `deepseek_v3` does, so exported models agree.
+- QK-Norm (`qk_norm`) acts on the full q / k (nope and rope parts) before RoPE: `head` = RMSNorm over each head's
+  Dqk dims (one weight [Dqk] shared by the heads, Qwen3 style), `layer` = RMSNorm over all heads concatenated
+  (weight [H*Dqk], OLMo2 style). The latent norms `q_norm` / `kv_norm` use eps 1e-6 as DeepSeek and HF do.
+- The attention itself is `self.core_attention(q, k, v, cu_seqlens, max_seqlen, causal=, softmax_scale=,
+  return_lse=)`, an attribute (default: `mla_attention` with the configured backend) that context parallelism
+  replaces per module. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
+  sum_t token_weight[t] * mean_h lse[h, t]**2, i.e. the mean over labelled tokens.
+
+Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
+R = qk_rope_head_dim, C = kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from moela.model.config import ModelConfig
+from moela.model.layers import Linear, PackedContext, RMSNorm
+from moela.ops.attention import mla_attention
+from moela.ops.rope import rope, yarn_mscale
+
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    scale = cfg.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.mscale_all_dim:
+        scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+    return scale
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """HF's YaRN `attention_factor`, the scale of cos / sin."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_mscale(rs.factor)
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_dim = cfg.qk_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        h, d = self.n_heads, cfg.hidden_size
+        if self.q_lora_rank is None:
+            self.wq = Linear(d, h * self.qk_dim)
+        else:
+            self.wq_a = Linear(d, self.q_lora_rank)
+            self.q_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.wq_b = Linear(self.q_lora_rank, h * self.qk_dim)
+        self.wkv_a = Linear(d, self.kv_lora_rank + self.rope_dim)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.wkv_b = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
+        self.wo = Linear(h * self.v_dim, d)
+        self.qk_norm_kind = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_qk_norm = RMSNorm(self.qk_dim, cfg.rms_norm_eps)
+            self.k_qk_norm = RMSNorm(self.qk_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "layer":
+            self.q_qk_norm = RMSNorm(h * self.qk_dim, cfg.rms_norm_eps)
+            self.k_qk_norm = RMSNorm(h * self.qk_dim, cfg.rms_norm_eps)
+        self.softmax_scale = softmax_scale(cfg)
+        self.attention_factor = rope_attention_factor(cfg)
+        self.z_loss = cfg.z_loss_coef > 0
+        self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend)
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t, h = q.shape[:2]
+        if self.qk_norm_kind == "head":
+            return self.q_qk_norm(q), self.k_qk_norm(k)  # [T, H, Dqk]
+        q = self.q_qk_norm(q.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
+        k = self.k_qk_norm(k.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
+        return q, k
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (out [T, D], z [] = token-weighted mean_h lse**2, zero when the z-loss is off)."""
+        t, h = x.shape[0], self.n_heads
+        if self.q_lora_rank is None:
+            q = self.wq(x)  # [T, H*Dqk]
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))  # [T, H*Dqk]
+        q = q.view(t, h, self.qk_dim)  # [T, H, Dqk]
+        kv_a = self.wkv_a(x)  # [T, C + R]
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [T, C], [T, R]
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(t, h, self.nope_dim + self.v_dim)  # [T, H, Dn + Dv]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, Dn], [T, H, Dv]
+        k_pe = k_pe.unsqueeze(1)  # [T, 1, R]
+        if self.qk_norm_kind != "none":
+            k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
+            q, k = self._qk_norm(q, k)
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
+            k_nope, k_pe = k.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
+        else:
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
+        q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]
+        k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
+        k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
+        res = self.core_attention(q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
+                                  softmax_scale=self.softmax_scale, return_lse=self.z_loss)
+        if self.z_loss:
+            out, lse = res  # [T, H, Dv], [H, T]
+            z = (lse.float().pow(2).mean(0) * ctx.token_weight).sum()  # []
+        else:
+            out, z = res, x.new_zeros((), dtype=torch.float32)
+        return self.wo(out.reshape(t, h * self.v_dim)), z  # [T, D]

@@ -1,0 +1,72 @@
+"""Transformer blocks: `standard` pre-norm, and `fal` / `fal_plus` from "First Attentions Last" (arXiv 2510.14614).
+
+Our formulation (x_l is the residual stream entering block l, l = 1..L; norm1 = `attn_norm`, norm2 = `ffn_norm`,
+norm_a = `a1_norm`, each block with its own weights):
+
+  standard, and block 1 of every kind:
+      a = Attn_l(norm1(x_l));  h = x_l + a;  x_{l+1} = h + MLP_l(norm2(h))
+      block 1 keeps a1 = Attn_1(norm1(x_1)) for the later blocks (FAL kinds only)
+  fal, l >= 2:
+      x_{l+1} = x_l + Attn_l(norm1(x_l)) + MLP_l(norm2(x_l) + norm_a(a1))
+      attention and MLP read the same x_l, so they are independent: they can run concurrently and, under tensor
+      parallelism, their partial outputs can share one all-reduce
+  fal_plus, l >= 2:
+      h = x_l + Attn_l(norm1(x_l));  x_{l+1} = h + MLP_l(norm2(h + norm_a(a1)))
+
+MLP_l is the dense SwiGLU MLP for the first `first_k_dense_replace` layers and the MoE afterwards. A block returns
+(x_{l+1}, a1, z, aux, load): a1 is passed along the stack (None for standard models), z is the attention
+z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense). Returning
+values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing.
+
+Shapes: T tokens, D hidden, E experts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from moela.model.attention import MLA
+from moela.model.config import ModelConfig
+from moela.model.layers import MLP, PackedContext, RMSNorm
+from moela.model.moe import MoE
+
+BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, kind: Literal["standard", "fal", "fal_plus"] = "standard",
+                 keeps_a1: bool = False):
+        super().__init__()
+        self.kind = kind
+        self.keeps_a1 = keeps_a1
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLA(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if kind != "standard":
+            self.a1_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def _ffn(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if isinstance(self.ffn, MoE):
+            return self.ffn(x, ctx)
+        return self.ffn(x), x.new_zeros((), dtype=torch.float32), None
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None) -> BlockOutput:
+        """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load)."""
+        a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
+        if self.kind == "standard":
+            h = x + a  # [T, D]
+            m, aux, load = self._ffn(self.ffn_norm(h), ctx)  # [T, D]
+            return h + m, (a if self.keeps_a1 else a1), z, aux, load
+        if a1 is None:
+            raise ValueError(f"a {self.kind} block needs a1, the first block's attention output; build the "
+                             f"model with Transformer so block 1 provides it")
+        if self.kind == "fal":
+            m, aux, load = self._ffn(self.ffn_norm(x) + self.a1_norm(a1), ctx)  # [T, D]
+            return x + a + m, a1, z, aux, load
+        h = x + a  # [T, D]
+        m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
+        return h + m, a1, z, aux, load

@@ -1,0 +1,86 @@
+"""Small building blocks shared by the model files: RMSNorm, a bias-free Linear, the SwiGLU MLP, and `PackedContext`.
+
+Decisions:
+- Every projection is bias-free (DeepSeek has no biases in attention or FFN).
+- Modules only hold parameters and call `moela.ops` functions; initialization lives in one place,
+  `Transformer.init_weights`, so a model built on the meta device gets all its values after `to_empty()`.
+- `PackedContext` carries what every layer needs about the packed batch (positions, document boundaries, loss
+  weights per token and document) so block signatures stay fixed for activation checkpointing and FSDP wrapping.
+
+Shapes: T tokens, D hidden, N documents, F FFN width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moela.ops.norm import rms_norm
+from moela.ops.swiglu import swiglu
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer (y = x W^T), weight [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Values come from `Transformer.init_weights`; nothing to do at construction (meta-device friendly)."""
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU FFN: w2(silu(w1 x) * w3 x). Used for dense layers and for the shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim)
+        self.w2 = Linear(inter_dim, dim)
+        self.w3 = Linear(dim, inter_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]
+
+
+@dataclass
+class PackedContext:
+    """Per-micro-batch facts that every block needs; built once by `Transformer.forward`."""
+
+    position_ids: torch.Tensor  # [T] int, restarting per document
+    cu_seqlens: torch.Tensor  # [N+1] int32
+    max_seqlen: int
+    doc_ids: torch.Tensor  # [T] int64, document index of each token
+    token_weight: torch.Tensor  # [T] float32: 1/num_targets where the token has a label, else 0
+    doc_weight: torch.Tensor  # [N] float32: labelled tokens of the document / num_targets
+    inv_freq: torch.Tensor  # [R/2] float32 RoPE inverse frequencies (YaRN-adjusted)
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+
+def segment_sum(values: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> torch.Tensor:
+    """Sum rows of `values` [T, ...] per document -> [N, ...]."""
+    out = values.new_zeros((num_docs,) + tuple(values.shape[1:]))
+    return out.index_add(0, doc_ids, values)
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in float32 (router logits are computed in float32 whatever the model's dtype)."""
+    return F.linear(x.float(), weight.float())

@@ -1,0 +1,114 @@
+"""DeepSeek-V3 Mixture-of-Experts FFN: sigmoid router with aux-loss-free balancing, group-limited top-k, routed
+experts through `moe_experts`, shared experts, sequence-wise auxiliary loss per packed document.
+
+Routing (per token, float32):
+  s = sigmoid(x W_gate^T)                                     affinities [T, E]
+  c = s + e_score_correction_bias                             used for SELECTION only
+  group score = sum of the 2 largest c in each of n_group groups; keep the topk_group best groups
+  topk_ids = top-K of c inside the kept groups
+  topk_weights = s[topk_ids] (normalized to sum 1 if norm_topk_prob) * routed_scaling_factor
+This is HF `DeepseekV3TopkRouter` / DeepSeek's `Gate` exactly (tested against transformers).
+
+Decisions:
+- `e_score_correction_bias` is an fp32 buffer (not a parameter: no gradient, no optimizer state). It changes only
+  in `update_bias(load, rate)`, called by the trainer after each optimizer step with the expert load summed over
+  the micro-batches and all-reduced over data / expert-parallel ranks: bias += rate * sign(mean(load) - load).
+- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20) is computed per DOCUMENT of the packed batch:
+  f_i = E / (K * L_n) * #{t in n : i in topk(t)},  P_i = mean_{t in n} s_i,t / sum_j s_j,t,  L_n = sum_i f_i P_i,
+  then weighted by the document's share of labelled tokens (doc_weight), so micro-batch splitting and gradient
+  accumulation give the same objective. f is a count (no gradient); P carries the gradient to the router.
+- `experts` is its own module (stacked `w13 [E, 2F, D]`, `w2 [E, D, F]`, forward(x, topk_ids, topk_weights)), so
+  expert parallelism can replace it while keeping that contract.
+- The per-layer expert load (tokens per expert, float32, detached) is returned for logging and the bias update.
+
+Shapes: T tokens, D hidden, E routed experts, K experts per token, G groups, F expert width, N documents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moela.model.config import ModelConfig
+from moela.model.layers import MLP, PackedContext, linear_fp32, segment_sum
+from moela.ops.moe import moe_experts
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.topk = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (topk_ids [T, K] int64, topk_weights [T, K] float32, scores [T, E] float32)."""
+        scores = linear_fp32(x, self.weight).sigmoid()  # [T, E]
+        choice = scores.detach() + self.e_score_correction_bias.float()  # [T, E]
+        if self.n_group > 1:
+            t = choice.shape[0]
+            grouped = choice.view(t, self.n_group, -1)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, -1)  # [T, E]
+            choice = choice.masked_fill(~expert_mask, float("-inf"))  # [T, E]
+        topk_ids = choice.topk(self.topk, dim=-1).indices  # [T, K]
+        weights = scores.gather(1, topk_ids)  # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_ids, weights * self.scaling, scores
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+        load = load.float().to(self.e_score_correction_bias.device)  # [E]
+        self.e_score_correction_bias.add_(torch.sign(load.mean() - load) * rate)
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' stacked weights; forward is `moe_experts` (the contract expert parallelism keeps)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.recipe, self.backend = cfg.moe_recipe, cfg.moe_backend
+        self.w13 = nn.Parameter(torch.empty(e, 2 * f, d))  # rows [0, F): W1 (gate), [F, 2F): W3 (up)
+        self.w2 = nn.Parameter(torch.empty(e, d, f))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
+                           backend=self.backend)  # [T, D]
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.topk = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.balance = cfg.aux_loss_coef > 0
+        self.gate = Gate(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+
+    def balance_loss(self, topk_ids: torch.Tensor, scores: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """Sequence-wise balance loss per document, weighted by doc_weight (see module docstring) -> []."""
+        t, n = topk_ids.shape[0], ctx.num_docs
+        hits = torch.zeros_like(scores).scatter_(1, topk_ids, 1.0)  # [T, E] 1 where the expert was chosen
+        probs = scores / scores.sum(-1, keepdim=True)  # [T, E]
+        lengths = segment_sum(torch.ones(t, device=scores.device), ctx.doc_ids, n)  # [N]
+        f = segment_sum(hits, ctx.doc_ids, n) * (self.n_experts / self.topk) / lengths[:, None]  # [N, E]
+        p = segment_sum(probs, ctx.doc_ids, n) / lengths[:, None]  # [N, E]
+        return ((f * p).sum(-1) * ctx.doc_weight).sum()
+
+    def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (y [T, D], balance loss [], expert load [E] float32 detached)."""
+        topk_ids, topk_weights, scores = self.gate(x)  # [T, K], [T, K], [T, E]
+        y = self.experts(x, topk_ids, topk_weights)  # [T, D]
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        load = torch.bincount(topk_ids.reshape(-1), minlength=self.n_experts).float()  # [E]
+        aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
+        return y, aux, load

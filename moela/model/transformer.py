@@ -1,0 +1,211 @@
+"""The network: embedding -> blocks -> norm -> head, plus DeepSeek-V3 multi-token prediction (MTP), on a flat
+packed batch. `build_model` makes one on the meta device, materializes it with `to_empty`, then `init_weights`.
+
+Decisions:
+- The objective is token-mean over this micro-batch's labelled tokens, but every term is written as
+  (sum over tokens or documents) / num_targets, so the trainer's weighting by num_targets / global targets gives
+  exactly the single-process objective under gradient accumulation and data parallelism:
+      loss = lm + mtp_loss_weight * mtp + aux_loss_coef * aux + z_loss_coef * z
+  lm = sum CE / num_targets; mtp = mean over depths of (sum CE_d / num_targets); aux = sum over MoE layers of the
+  document-weighted balance loss; z = mean over attention layers of the labelled-token mean of mean_h lse**2.
+- MTP (depth D = num_nextn_predict_layers): depth d sees h^{d-1} (h^0 = the main stack's output before the final
+  norm) and the embedding of the token d steps ahead, h^d = Block_d(eh_proj([enorm(emb); hnorm(h^{d-1})])), and
+  predicts the token d + 1 steps ahead through `mtp.{d}.norm` and the shared output head. The concatenation order
+  [emb; h] is the one of DeepSeek's checkpoints. Tokens and labels are shifted WITHIN each document: a position
+  whose shifted token would come from the next document gets label IGNORE_INDEX (and a filler input token, which
+  causal attention only lets later positions of the same document see, and those carry no label either).
+- MTP blocks are standard blocks whose FFN kind copies the last main layer (MoE in DeepSeek-V3); their expert load
+  rows follow the main MoE layers in `expert_load`, and `update_router_bias` updates them too.
+- Tied embeddings use `embed.weight` directly for the logits (no `head` module), so the tie survives `to_empty`.
+- Initialization: every matrix ~ N(0, initializer_range), norms 1, router bias 0 (DeepSeek-V3 uses std 0.006).
+  A module that replaces a part from outside (e.g. expert parallelism) may define `init_weights(std)`; it is
+  called instead of the built-in rule for that module.
+
+Shapes: T tokens, D hidden, V vocabulary, N documents, E routed experts, L_moe MoE blocks (main + MTP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moela.batch import IGNORE_INDEX, PackedBatch
+from moela.model.block import Block
+from moela.model.config import ModelConfig
+from moela.model.layers import Linear, PackedContext, RMSNorm, segment_sum
+from moela.model.moe import Gate, MoE, RoutedExperts
+from moela.model.output import ModelOutput
+from moela.ops.loss import cross_entropy
+from moela.ops.rope import yarn_inv_freq
+
+
+class MTPModule(nn.Module):
+    """One MTP depth: h_d = Block(eh_proj([enorm(emb(next token)); hnorm(h_{d-1})]))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * d, d)
+        self.block = Block(cfg, moe=cfg.mtp_is_moe)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext):
+        """h, emb [T, D] -> (h_d [T, D], z, aux, load)."""
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # [T, D]
+        x, _, z, aux, load = self.block(x, ctx)
+        return x, z, aux, load
+
+
+def shift_within_docs(x: torch.Tensor, doc_last: torch.Tensor, fill: int) -> torch.Tensor:
+    """y[i] = x[i+1], or `fill` where i is the last token of its document. x, doc_last [T] -> [T]."""
+    nxt = torch.cat((x[1:], x.new_full((1,), fill)))  # [T]
+    return torch.where(doc_last, torch.full_like(x, fill), nxt)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(cfg, moe=i >= cfg.first_k_dense_replace,
+                  kind="standard" if i == 0 else cfg.block, keeps_a1=(i == 0 and cfg.block != "standard"))
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_nextn_predict_layers))
+        self.register_buffer("inv_freq", torch.empty(cfg.qk_rope_head_dim // 2, dtype=torch.float32),
+                             persistent=False)
+
+    # ----- construction -----
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.cfg.initializer_range
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "init_weights", None)):
+                m.init_weights(std)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            elif isinstance(m, Gate):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                m.e_score_correction_bias.zero_()
+            elif isinstance(m, RoutedExperts):
+                nn.init.normal_(m.w13, mean=0.0, std=std)
+                nn.init.normal_(m.w2, mean=0.0, std=std)
+        self.inv_freq.copy_(self._inv_freq())
+
+    def _inv_freq(self) -> torch.Tensor:
+        cfg, rs = self.cfg, self.cfg.rope_scaling
+        if rs is None:
+            return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+        return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, factor=rs.factor,
+                             original_max_position_embeddings=rs.original_max_position_embeddings,
+                             beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+
+    def moe_layers(self) -> list[MoE]:
+        """MoE FFNs in `expert_load` row order: main layers, then MTP blocks."""
+        blocks = list(self.layers) + [m.block for m in self.mtp]
+        return [b.ffn for b in blocks if isinstance(b.ffn, MoE)]
+
+    @torch.no_grad()
+    def update_router_bias(self, expert_load: torch.Tensor | None) -> None:
+        """Sign-based aux-loss-free bias update from expert_load [L_moe, E] (already summed over ranks)."""
+        moes = self.moe_layers()
+        if not moes:
+            return
+        if expert_load is None or expert_load.shape != (len(moes), self.cfg.n_routed_experts):
+            got = None if expert_load is None else tuple(expert_load.shape)
+            raise ValueError(f"update_router_bias: expert_load must be [L_moe, E] = "
+                             f"[{len(moes)}, {self.cfg.n_routed_experts}], got {got}; pass ModelOutput.expert_load "
+                             f"summed over the step's micro-batches")
+        for moe, load in zip(moes, expert_load):
+            moe.gate.update_bias(load, self.cfg.bias_update_rate)
+
+    # ----- forward -----
+    def _context(self, batch: PackedBatch, num_targets: int) -> PackedContext:
+        t, cu = batch.num_tokens, batch.cu_seqlens
+        lengths = (cu[1:] - cu[:-1]).long()  # [N]
+        doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
+                                          output_size=t)  # [T]
+        token_weight = (batch.labels != IGNORE_INDEX).float() / max(num_targets, 1)  # [T]
+        return PackedContext(position_ids=batch.position_ids, cu_seqlens=cu, max_seqlen=batch.max_seqlen,
+                             doc_ids=doc_ids, token_weight=token_weight,
+                             doc_weight=segment_sum(token_weight, doc_ids, lengths.numel()), inv_freq=self.inv_freq)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Normalized hidden states [T, D] -> logits [T, V]."""
+        return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
+
+    def forward(self, batch: PackedBatch, *, return_logits: bool = False) -> ModelOutput:
+        cfg = self.cfg
+        num_targets = batch.num_targets()
+        denom = max(num_targets, 1)
+        ctx = self._context(batch, num_targets)
+        h = self.embed(batch.input_ids)  # [T, D]
+        a1 = None
+        zs, auxs, loads = [], [], []
+        for layer in self.layers:
+            h, a1, z, aux, load = layer(h, ctx, a1)
+            zs.append(z)
+            if load is not None:
+                auxs.append(aux)
+                loads.append(load)
+        logits = self.logits(self.norm(h))  # [T, V]
+        lm_loss = cross_entropy(logits, batch.labels) / denom
+        metrics = {"lm_loss": lm_loss.detach()}
+        loss = lm_loss
+        if self.mtp:
+            cu = batch.cu_seqlens
+            doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=h.device)
+            doc_last[(cu[1:] - 1).long()] = True  # [T]
+            tokens, labels, mtp_sum = batch.input_ids, batch.labels, 0.0
+            for module in self.mtp:
+                tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
+                labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
+                h, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D]
+                zs.append(z)
+                if load is not None:
+                    auxs.append(aux)
+                    loads.append(load)
+                mtp_sum = mtp_sum + cross_entropy(self.logits(module.norm(h)), labels)
+            mtp_loss = mtp_sum / (denom * len(self.mtp))
+            loss = loss + cfg.mtp_loss_weight * mtp_loss
+            metrics["mtp_loss"] = mtp_loss.detach()
+        if auxs:
+            aux_loss = torch.stack(auxs).sum()
+            metrics["aux_loss"] = aux_loss.detach()
+            if cfg.aux_loss_coef > 0:
+                loss = loss + cfg.aux_loss_coef * aux_loss
+        if cfg.z_loss_coef > 0:
+            z_loss = torch.stack(zs).mean()
+            metrics["z_loss"] = z_loss.detach()
+            loss = loss + cfg.z_loss_coef * z_loss
+        return ModelOutput(loss=loss, num_targets=num_targets, metrics=metrics,
+                           expert_load=torch.stack(loads).detach() if loads else None,
+                           logits=logits if return_logits else None)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+                ) -> Transformer:
+    """Build on the meta device, materialize on `device` with `to_empty`, then `init_weights` (torchtitan order).
+    Parallel wrappers that must act before materialization can use `Transformer(cfg)` under
+    `torch.device("meta")` themselves and call `to_empty` + `init_weights` afterwards."""
+    errors = cfg.validate()
+    if errors:
+        raise ValueError("invalid model config:\n  " + "\n  ".join(errors))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
+        for m in model.modules():  # the router bias and RoPE frequencies stay float32
+            if isinstance(m, Gate):
+                m.e_score_correction_bias = m.e_score_correction_bias.float()
+        model.inv_freq = model.inv_freq.float()
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
