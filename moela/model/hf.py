@@ -1,0 +1,241 @@
+"""Hugging Face `deepseek_v3` interop: export a model to a folder (config.json + model.safetensors) that
+`transformers.DeepseekV3ForCausalLM` loads, and import such a folder (or a config.json alone) into moela.
+
+Decisions:
+- The weight layout is DeepSeek's published one: experts stored one by one (`mlp.experts.{e}.gate_proj` etc.,
+  split from our stacked `w13` / `w2`), `mlp.gate.e_score_correction_bias` in float32, RoPE dims interleaved
+  (`rope_interleave: true`), MTP depth d at `model.layers.{num_hidden_layers + d}` with `enorm`, `hnorm`,
+  `eh_proj`, `shared_head.norm`, `shared_head.head` and its own `embed_tokens` copy. transformers builds no MTP
+  modules: it reports those keys as unexpected and ignores them, so its logits are the main head's.
+- Only what HF can express is exported: `block: standard` and `qk_norm: none`; other settings raise. moela-only
+  training settings (loss coefficients, backends) are not part of config.json; on import they take the values
+  of `overrides` or the dataclass defaults.
+- DeepSeek's routing keys (`scoring_func: sigmoid`, `topk_method: noaux_tc`) are written for other readers and
+  checked on import: softmax-routed checkpoints (DeepSeek-V2) are refused rather than silently misread.
+- HF names appear only in this file.
+
+Shapes: E routed experts, F expert width, D hidden.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moela.model.config import ModelConfig, RopeScaling
+from moela.model.transformer import Transformer, build_model
+
+HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+           "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+           "topk_group", "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank",
+           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_attention_heads", "rope_theta",
+           "max_position_embeddings", "rms_norm_eps", "num_nextn_predict_layers", "tie_word_embeddings",
+           "initializer_range")
+
+# keys a config.json may omit, with the value moela assumes then
+_OPTIONAL = {"q_lora_rank": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
+             "initializer_range": 0.02, "rms_norm_eps": 1e-6, "rope_theta": None, "max_position_embeddings": 4096}
+
+_ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
+         "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
+_MLP = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    if cfg.block != "standard" or cfg.qk_norm != "none":
+        raise ValueError(f"HF export: deepseek_v3 has no block={cfg.block!r} / qk_norm={cfg.qk_norm!r}; only "
+                         f"block: standard with qk_norm: none can be exported")
+    out = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    out.update({k: getattr(cfg, k) for k in HF_KEYS})
+    out.update(num_key_value_heads=cfg.num_attention_heads, hidden_act="silu", attention_bias=False,
+               attention_dropout=0.0, rope_interleave=True, moe_layer_freq=1, scoring_func="sigmoid",
+               topk_method="noaux_tc", torch_dtype="float32", use_cache=True)
+    rs = cfg.rope_scaling
+    out["rope_scaling"] = None if rs is None else {
+        "type": "yarn", "rope_type": "yarn", "factor": rs.factor,
+        "original_max_position_embeddings": rs.original_max_position_embeddings, "beta_fast": rs.beta_fast,
+        "beta_slow": rs.beta_slow, "mscale": rs.mscale, "mscale_all_dim": rs.mscale_all_dim}
+    return out
+
+
+def from_hf_config(hf: dict, **overrides) -> ModelConfig:
+    """ModelConfig from a deepseek_v3 config.json dict (legacy `rope_scaling` or newer `rope_parameters`)."""
+    where = "HF config.json"
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") not in ("noaux_tc",
+                                                                                                  "greedy"):
+        raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r} / topk_method="
+                         f"{hf.get('topk_method')!r} is not DeepSeek-V3 routing (sigmoid, noaux_tc); moela "
+                         f"cannot import it")
+    if hf.get("rope_interleave", True) is not True:
+        raise ValueError(f"{where}: rope_interleave=false is not supported; moela uses DeepSeek's interleaved "
+                         f"RoPE layout")
+    missing = [k for k in HF_KEYS if k not in hf and k not in _OPTIONAL]
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}; a deepseek_v3 config.json names every shape key")
+    kw = {k: hf.get(k, _OPTIONAL.get(k)) for k in HF_KEYS}
+    if kw["rope_theta"] is None:
+        kw.pop("rope_theta")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if "rope_theta" not in hf and "rope_theta" in rope:
+        kw["rope_theta"] = rope["rope_theta"]
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "yarn":
+        names = {f.name for f in fields(RopeScaling)} - {"type"}
+        kw["rope_scaling"] = RopeScaling(**{k: rope[k] for k in names if rope.get(k) is not None})
+    elif kind != "default":
+        raise ValueError(f"{where}: rope type {kind!r} is not supported; use yarn or none")
+    cfg = ModelConfig(**{**kw, **overrides})
+    errors = cfg.validate()
+    if errors:
+        raise ValueError(f"{where} gives an invalid model config:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _block_to_hf(sd: dict, ours: str, hf: str, moe: bool, out: dict) -> None:
+    out[f"{hf}.input_layernorm.weight"] = sd[f"{ours}.attn_norm.weight"]
+    out[f"{hf}.post_attention_layernorm.weight"] = sd[f"{ours}.ffn_norm.weight"]
+    for name, hf_name in _ATTN.items():
+        if f"{ours}.attn.{name}.weight" in sd:
+            out[f"{hf}.self_attn.{hf_name}.weight"] = sd[f"{ours}.attn.{name}.weight"]
+    if not moe:
+        for name, hf_name in _MLP.items():
+            out[f"{hf}.mlp.{hf_name}.weight"] = sd[f"{ours}.ffn.{name}.weight"]
+        return
+    out[f"{hf}.mlp.gate.weight"] = sd[f"{ours}.ffn.gate.weight"]
+    out[f"{hf}.mlp.gate.e_score_correction_bias"] = sd[f"{ours}.ffn.gate.e_score_correction_bias"].float()
+    w13, w2 = sd[f"{ours}.ffn.experts.w13"], sd[f"{ours}.ffn.experts.w2"]  # [E, 2F, D], [E, D, F]
+    f = w2.shape[2]
+    for e in range(w13.shape[0]):
+        out[f"{hf}.mlp.experts.{e}.gate_proj.weight"] = w13[e, :f]  # [F, D]
+        out[f"{hf}.mlp.experts.{e}.up_proj.weight"] = w13[e, f:]  # [F, D]
+        out[f"{hf}.mlp.experts.{e}.down_proj.weight"] = w2[e]  # [D, F]
+    for name, hf_name in _MLP.items():
+        if f"{ours}.ffn.shared_experts.{name}.weight" in sd:
+            out[f"{hf}.mlp.shared_experts.{hf_name}.weight"] = sd[f"{ours}.ffn.shared_experts.{name}.weight"]
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    cfg = model.cfg
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    head = sd["embed.weight"] if cfg.tie_word_embeddings else sd["head.weight"]
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = head
+    for i in range(cfg.num_hidden_layers):
+        _block_to_hf(sd, f"layers.{i}", f"model.layers.{i}", i >= cfg.first_k_dense_replace, out)
+    for d in range(cfg.num_nextn_predict_layers):
+        hf = f"model.layers.{cfg.num_hidden_layers + d}"
+        _block_to_hf(sd, f"mtp.{d}.block", hf, cfg.mtp_is_moe, out)
+        out.update({f"{hf}.enorm.weight": sd[f"mtp.{d}.enorm.weight"], f"{hf}.hnorm.weight": sd[f"mtp.{d}.hnorm.weight"],
+                    f"{hf}.eh_proj.weight": sd[f"mtp.{d}.eh_proj.weight"],
+                    f"{hf}.shared_head.norm.weight": sd[f"mtp.{d}.norm.weight"],
+                    f"{hf}.shared_head.head.weight": head, f"{hf}.embed_tokens.weight": sd["embed.weight"]})
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _hf_to_ours_names(cfg: ModelConfig) -> dict[str, str]:
+    """HF name -> our name for every tensor except the per-expert ones (handled by stacking)."""
+    m = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = "head.weight"
+
+    def block(ours: str, hf: str, moe: bool) -> None:
+        m[f"{hf}.input_layernorm.weight"] = f"{ours}.attn_norm.weight"
+        m[f"{hf}.post_attention_layernorm.weight"] = f"{ours}.ffn_norm.weight"
+        for name, hf_name in _ATTN.items():
+            if (name == "wq") == (cfg.q_lora_rank is None) or name not in ("wq", "wq_a", "q_norm", "wq_b"):
+                m[f"{hf}.self_attn.{hf_name}.weight"] = f"{ours}.attn.{name}.weight"
+        if moe:
+            m[f"{hf}.mlp.gate.weight"] = f"{ours}.ffn.gate.weight"
+            m[f"{hf}.mlp.gate.e_score_correction_bias"] = f"{ours}.ffn.gate.e_score_correction_bias"
+            if cfg.n_shared_experts > 0:
+                for name, hf_name in _MLP.items():
+                    m[f"{hf}.mlp.shared_experts.{hf_name}.weight"] = f"{ours}.ffn.shared_experts.{name}.weight"
+        else:
+            for name, hf_name in _MLP.items():
+                m[f"{hf}.mlp.{hf_name}.weight"] = f"{ours}.ffn.{name}.weight"
+
+    for i in range(cfg.num_hidden_layers):
+        block(f"layers.{i}", f"model.layers.{i}", i >= cfg.first_k_dense_replace)
+    for d in range(cfg.num_nextn_predict_layers):
+        hf = f"model.layers.{cfg.num_hidden_layers + d}"
+        block(f"mtp.{d}.block", hf, cfg.mtp_is_moe)
+        m.update({f"{hf}.enorm.weight": f"mtp.{d}.enorm.weight", f"{hf}.hnorm.weight": f"mtp.{d}.hnorm.weight",
+                  f"{hf}.eh_proj.weight": f"mtp.{d}.eh_proj.weight",
+                  f"{hf}.shared_head.norm.weight": f"mtp.{d}.norm.weight"})
+    return m
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from HF tensors; raises naming missing or unknown keys."""
+    names = _hf_to_ours_names(cfg)
+    ours, used = {}, set()
+    for hf_name, our_name in names.items():
+        if hf_name not in hf_sd:
+            raise KeyError(f"HF checkpoint lacks {hf_name!r} (needed for {our_name}); is the config.json the one "
+                           f"this checkpoint was saved with?")
+        ours[our_name] = hf_sd[hf_name]
+        used.add(hf_name)
+    moe_blocks = [(f"layers.{i}", f"model.layers.{i}") for i in range(cfg.first_k_dense_replace,
+                                                                      cfg.num_hidden_layers)]
+    if cfg.mtp_is_moe:
+        moe_blocks += [(f"mtp.{d}.block", f"model.layers.{cfg.num_hidden_layers + d}")
+                       for d in range(cfg.num_nextn_predict_layers)]
+    for our, hf in moe_blocks:
+        w13, w2 = [], []
+        for e in range(cfg.n_routed_experts):
+            keys = [f"{hf}.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+            missing = [k for k in keys if k not in hf_sd]
+            if missing:
+                raise KeyError(f"HF checkpoint lacks {missing[0]!r}; experts must be stored one by one")
+            w13.append(torch.cat((hf_sd[keys[0]], hf_sd[keys[1]]), dim=0))  # [2F, D]
+            w2.append(hf_sd[keys[2]])  # [D, F]
+            used.update(keys)
+        ours[f"{our}.ffn.experts.w13"] = torch.stack(w13)  # [E, 2F, D]
+        ours[f"{our}.ffn.experts.w2"] = torch.stack(w2)  # [E, D, F]
+    mtp_shared = [f"model.layers.{cfg.num_hidden_layers + d}.{s}" for d in range(cfg.num_nextn_predict_layers)
+                  for s in ("shared_head.head.weight", "embed_tokens.weight")]
+    unknown = sorted(set(hf_sd) - used - set(mtp_shared))
+    if unknown:
+        raise KeyError(f"HF checkpoint has tensors moela does not know: {unknown[:5]}"
+                       f"{' ...' if len(unknown) > 5 else ''}; check num_hidden_layers / "
+                       f"num_nextn_predict_layers / q_lora_rank in config.json")
+    return ours
+
+
+def export_hf(model: Transformer, path: str | Path) -> Path:
+    """Write `config.json` and `model.safetensors` (HF deepseek_v3 layout) into folder `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(to_hf_config(model.cfg), indent=2) + "\n")
+    save_file(to_hf_state_dict(model), str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
+    """ModelConfig from a folder holding config.json, or from the config.json file itself."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no HF config.json at {file}; pass a folder containing config.json or the file")
+    return from_hf_config(json.loads(file.read_text()), **overrides)
+
+
+def import_hf(path: str | Path, device: torch.device | str = "cpu", **overrides) -> Transformer:
+    """Build a moela model from an HF deepseek_v3 folder. With weights (model.safetensors, or sharded
+    model-*.safetensors) they are loaded; with a config.json alone the model is freshly initialized."""
+    cfg = load_hf_config(path, **overrides)
+    model = build_model(cfg, device)
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files:
+        hf_sd = {}
+        for f in files:
+            hf_sd.update(load_file(str(f)))
+        sd = from_hf_state_dict(hf_sd, cfg)
+        model.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=True)
+    return model
