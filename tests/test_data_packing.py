@@ -1,0 +1,239 @@
+"""Packing and loader invariants on a synthetic token cache whose token ids are their own global positions.
+
+With token == index into the flat token stream, every check has an independent answer: a token's document is
+found by bisecting the offsets, its correct label is token + 1 unless it ends its document, and coverage is a set
+comparison.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from moela.batch import IGNORE_INDEX
+from moela.data.cache import TokenCache
+from moela.data.loader import TrainLoader, ValLoader, microbatch_cost, round_robin_assign, split_train_val
+from moela.data.packing import make_batch, pack, split_into_pieces
+
+
+def synthetic_cache(tmp_path, doc_lengths, key="synthetic") -> TokenCache:
+    offsets = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
+    path = tmp_path / key
+    path.mkdir()
+    np.arange(offsets[-1], dtype=np.uint32).tofile(path / "tokens.bin")
+    np.save(path / "offsets.npy", offsets)
+    (path / "meta.json").write_text(json.dumps({"key": key, "dtype": "uint32"}))
+    return TokenCache(path)
+
+
+def random_lengths(rng, n, hi):
+    return rng.integers(1, hi, size=n)
+
+
+def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None,
+               shuffle=True, assign=round_robin_assign):
+    return TrainLoader(cache, doc_ids, tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
+                       dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
+                       cost_fn=microbatch_cost, attn_cost_len=64, settings={"tokens_per_microbatch": budget})
+
+
+def check_batch(batch, offsets, budget):
+    """Every PackedBatch invariant, checked against the offsets (the independent truth)."""
+    batch.validate()
+    assert batch.input_ids.dtype == torch.int64 and batch.labels.dtype == torch.int64
+    assert batch.position_ids.dtype == torch.int32 and batch.cu_seqlens.dtype == torch.int32
+    assert batch.num_tokens <= budget
+    tok = batch.input_ids.numpy()
+    cu = batch.cu_seqlens.tolist()
+    doc_of = np.searchsorted(offsets, tok, side="right") - 1
+    for a, b in zip(cu[:-1], cu[1:]):
+        seg = tok[a:b]
+        assert np.all(np.diff(seg) == 1), "a segment must be a contiguous run of one document"
+        assert doc_of[a] == doc_of[b - 1], "a segment must not cross a document boundary"
+        assert batch.position_ids[a:b].tolist() == list(range(b - a))
+    is_last = tok + 1 == offsets[doc_of + 1]
+    expected = np.where(is_last, IGNORE_INDEX, tok + 1)
+    assert np.array_equal(batch.labels.numpy(), expected), "label = next token of the same document, else -100"
+    return tok
+
+
+def test_split_into_pieces_matches_loop():
+    rng = np.random.default_rng(1)
+    lengths = random_lengths(rng, 37, 50)
+    doc_ids = np.sort(rng.choice(1000, size=37, replace=False))
+    pd, ps, pl = split_into_pieces(doc_ids, lengths, 7)
+    ref = [(d, s, min(7, n - s)) for d, n in zip(doc_ids, lengths) for s in range(0, n, 7)]
+    assert list(zip(pd.tolist(), ps.tolist(), pl.tolist())) == [tuple(int(x) for x in r) for r in ref]
+
+
+@pytest.mark.parametrize("budget", [1, 13, 64])
+def test_pack_partitions_within_budget(budget):
+    rng = np.random.default_rng(budget)
+    lengths = rng.integers(1, budget + 1, size=301)
+    bins = pack(lengths, budget)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(b and sum(lengths[i] for i in b) <= budget for b in bins)
+    assert bins == pack(lengths, budget)
+    if budget == 64:
+        offline = pack(sorted(lengths, reverse=True), budget, max_open=len(lengths))  # best-fit decreasing
+        assert len(bins) <= 1.05 * len(offline), "online packing should be close to best-fit decreasing"
+
+
+def test_pack_rejects_oversized_item():
+    with pytest.raises(ValueError, match="outside"):
+        pack([3, 9], 8)
+
+
+def test_make_batch_labels_positions(tmp_path):
+    rng = np.random.default_rng(2)
+    lengths = random_lengths(rng, 11, 30)
+    cache = synthetic_cache(tmp_path, lengths)
+    pd, ps, pl = split_into_pieces(np.arange(11), lengths, 9)
+    pick = rng.permutation(len(pd))[:7]
+    batch = make_batch(cache.tokens, cache.offsets, pd[pick], ps[pick], pl[pick])
+    check_batch(batch, cache.offsets, int(pl[pick].sum()))
+    assert batch.max_seqlen == int(pl[pick].max())
+
+
+@pytest.mark.parametrize("dp_size,grad_accum,budget,max_doc_len", [(1, 1, 61, None), (3, 2, 47, 20), (2, 3, 16, None)])
+def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_doc_len):
+    rng = np.random.default_rng(budget)
+    lengths = random_lengths(rng, 83, 90)  # many documents longer than the budget: they get split
+    cache = synthetic_cache(tmp_path, lengths)
+    train_docs, val_docs, _ = split_train_val(cache.doc_lengths, 0.1, 10**9)
+    ranks = [make_train(cache, train_docs, budget, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum,
+                        max_doc_len=max_doc_len, seed=5) for r in range(dp_size)]
+    per_epoch = len(ranks[0].epoch_plan(0))
+    steps = -(-per_epoch // (dp_size * grad_accum))
+    by_index = {}  # global micro-batch index -> its tokens (round robin: rank r, micro-step i -> i * dp + r)
+    m = dp_size * grad_accum
+    for step in range(steps):
+        step_batches = [ld.next_step() for ld in ranks]
+        targets = 0
+        for r, batches in enumerate(step_batches):
+            assert len(batches) == grad_accum
+            for i, b in enumerate(batches):
+                by_index[step * m + i * dp_size + r] = check_batch(b, cache.offsets, budget)
+                targets += b.num_targets()
+                if max_doc_len:
+                    assert b.max_seqlen <= max_doc_len
+        assert targets == ranks[0].last_global_num_targets
+    expected = np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1]) for d in train_docs])
+    epoch0 = np.concatenate([by_index[j] for j in range(per_epoch)])
+    assert np.array_equal(np.sort(epoch0), expected), "each training token exactly once per epoch"
+    seen = np.concatenate(list(by_index.values()))
+    assert not np.isin(seen, np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1])
+                                             for d in val_docs])).any(), "no held-out token in training"
+
+
+def test_epochs_reshuffle_deterministically(tmp_path):
+    cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(3), 50, 40))
+    docs = np.arange(50)
+    a, b = make_train(cache, docs, 64, seed=1), make_train(cache, docs, 64, seed=1)
+    c = make_train(cache, docs, 64, seed=2)
+    plans = [[x.tolist() for x in a.epoch_plan(e)] for e in range(2)]
+    assert plans == [[x.tolist() for x in b.epoch_plan(e)] for e in range(2)]
+    assert plans[0] != plans[1], "a new epoch must reshuffle"
+    assert plans[0] != [x.tolist() for x in c.epoch_plan(0)], "the seed must change the order"
+    ordered = [x.tolist() for x in make_train(cache, docs, 64, shuffle=False, seed=1).epoch_plan(0)]
+    assert ordered == [x.tolist() for x in make_train(cache, docs, 64, shuffle=False, seed=7).epoch_plan(3)]
+    assert ordered != plans[0]
+
+
+def test_resume_mid_epoch_and_across_epochs(tmp_path):
+    cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(4), 40, 50))
+    docs = np.arange(40)
+    full = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+    per_epoch = len(full.epoch_plan(0))
+    total_steps = 2 * per_epoch // 4 + 3  # crosses at least one epoch boundary
+    reference = [[b.input_ids.tolist() for b in full.next_step()] for _ in range(total_steps)]
+    for stop in (1, per_epoch // 4, per_epoch // 4 + 1, total_steps - 1):
+        first = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+        for _ in range(stop):
+            first.next_step()
+        state = json.loads(json.dumps(first.state_dict()))  # must survive serialization
+        resumed = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+        resumed.load_state_dict(state)
+        assert resumed.step == stop
+        got = [[b.input_ids.tolist() for b in resumed.next_step()] for _ in range(total_steps - stop)]
+        assert got == reference[stop:], f"resume after step {stop} diverged"
+
+
+def test_resume_rejects_other_settings(tmp_path):
+    cache = synthetic_cache(tmp_path, [5, 9, 7])
+    a = make_train(cache, np.arange(3), 16, seed=1)
+    b = make_train(cache, np.arange(3), 16, seed=2)
+    with pytest.raises(ValueError, match="seed"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_same_global_stream_for_any_dp_layout(tmp_path):
+    cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(6), 60, 30))
+    docs = np.arange(60)
+    single = make_train(cache, docs, 40, grad_accum=6, seed=3)
+    ranks = [make_train(cache, docs, 40, dp_rank=r, dp_size=3, grad_accum=2, seed=3) for r in range(3)]
+    for _ in range(4):
+        one = sorted(b.input_ids.tolist() for b in single.next_step())
+        many = sorted(b.input_ids.tolist() for ld in ranks for b in ld.next_step())
+        assert one == many
+
+
+def test_pluggable_assignment_and_imbalance(tmp_path):
+    cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(7), 70, 60))
+
+    def reverse_assign(costs, dp_size, grad_accum):
+        order = list(range(len(costs)))[::-1]
+        return [order[r * grad_accum:(r + 1) * grad_accum] for r in range(dp_size)]
+
+    loaders = [make_train(cache, np.arange(70), 50, dp_rank=r, dp_size=2, grad_accum=3, assign=reverse_assign)
+               for r in range(2)]
+    plain = make_train(cache, np.arange(70), 50, dp_size=2, grad_accum=3)
+    got = [ld.next_step() for ld in loaders]
+    plain.next_step()
+    layouts = [plain._locate(j) for j in range(6)]
+    costs = [float(sum(plain.piece_len[p]) + sum(plain.piece_len[p] ** 2) / 64) for p in layouts]
+    expected_batches = [[5, 4, 3], [2, 1, 0]]
+    for r in range(2):
+        assert [b.input_ids.tolist() for b in got[r]] == [plain._batch(layouts[j]).input_ids.tolist()
+                                                         for j in expected_batches[r]]
+    rank_costs = [sum(costs[j] for j in g) for g in expected_batches]
+    assert loaders[0].last_imbalance["after"] == pytest.approx(max(rank_costs) / (sum(rank_costs) / 2))
+    rr = [sum(costs[j] for j in (0, 2, 4)), sum(costs[j] for j in (1, 3, 5))]
+    assert loaders[0].last_imbalance["before"] == pytest.approx(max(rr) / (sum(rr) / 2))
+
+    def broken(costs, dp_size, grad_accum):
+        return [[0, 0, 1], [2, 3, 4]]
+
+    bad = make_train(cache, np.arange(70), 50, dp_size=2, grad_accum=3, assign=broken)
+    with pytest.raises(ValueError, match="distinct"):
+        bad.next_step()
+
+
+@pytest.mark.parametrize("dp_size", [1, 4])
+def test_val_split_fixed_disjoint_and_even(tmp_path, dp_size):
+    lengths = random_lengths(np.random.default_rng(8), 97, 40)
+    cache = synthetic_cache(tmp_path, lengths)
+    train_docs, val_docs, cap = split_train_val(cache.doc_lengths, 0.1, 10**9)
+    assert len(val_docs) == 10 and not set(train_docs) & set(val_docs)
+    assert sorted([*train_docs, *val_docs]) == list(range(97))
+    assert np.array_equal(split_train_val(cache.doc_lengths, 0.1, 10**9)[1], val_docs)
+    vals = [ValLoader(cache, val_docs, cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r, dp_size=dp_size)
+            for r in range(dp_size)]
+    assert len({len(v) for v in vals}) == 1 and len(vals[0]) >= 1
+    first = [[b.input_ids.tolist() for b in v] for v in vals]
+    assert first == [[b.input_ids.tolist() for b in v] for v in vals], "the held-out set is the same every pass"
+    seen = np.concatenate([check_batch(b, cache.offsets, 33) for v in vals for b in v])
+    val_tokens = np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1]) for d in val_docs])
+    assert len(np.unique(seen)) == len(seen) and np.isin(seen, val_tokens).all()
+    if dp_size == 1:
+        assert len(seen) == len(val_tokens)
+
+
+def test_val_token_cap_truncates(tmp_path):
+    cache = synthetic_cache(tmp_path, [50, 60, 70, 80, 90])
+    train_docs, val_docs, cap = split_train_val(cache.doc_lengths, 0.5, 75)
+    assert len(val_docs) == 1
+    val = ValLoader(cache, val_docs, 40, tokens_per_microbatch=16, max_doc_len=None, dp_rank=0, dp_size=1)
+    seen = np.concatenate([check_batch(b, cache.offsets, 16) for b in val])
+    assert len(seen) == 40
