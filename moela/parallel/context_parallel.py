@@ -1,0 +1,178 @@
+"""Context parallelism: a micro-batch's documents are split over the `cp` ranks of a group; attention all-gathers
+keys and values and each rank attends with its own queries.
+
+Decisions:
+- Partitioning is `moela.data.cp` (DualChunkSwap by default, or striped); every rank builds the same plan from the
+  batch, without communication.
+- Attention: K and V of the local tokens are concatenated and all-gathered in one collective (rank-major); the
+  backward of that gather reduce-scatters dK/dV, so each rank ends with the full gradient of its own keys and
+  values. Each "pass" of the plan is one `mla_attention` call with separate cu_seqlens_q / cu_seqlens_k and
+  bottom-right causal alignment; several passes (striped) are merged exactly through their log-sum-exp, which is
+  also what is returned when the z-loss asks for it.
+- The model is wrapped from the outside: `ContextParallel` replaces `core_attention` on every module that has it
+  (the attention modules of the blocks and of the MTP heads). RoPE needs nothing: the local batch carries the
+  tokens' original `position_ids`.
+- Loss: the model returns its local token-mean; `ContextParallel.forward` rescales it by local / group labelled
+  tokens, so the sum over the group of the returned losses (and of the parameter gradients, which the caller
+  sums over the group, e.g. FSDP over dp_shard x cp) is the single-process micro-batch loss and gradient.
+  Metrics are combined the same way; `expert_load` is summed over the group (padding tokens are routed too, a
+  difference of at most 2*cp-1 tokens per document that only the bias update sees).
+- Terms that need per-document statistics across the group (the sequence-wise balance loss) are computed on each
+  rank's part of the document; they are exact only when `aux_loss_coef` is 0.
+
+Shapes: T_loc local tokens, H heads, Dqk / Dv head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moela.batch import PackedBatch
+from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 (rank-major) in forward; reduce-scatter (sum) of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))  # [cp*T_loc, ...]
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
+        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """[T_loc, ...] on each rank -> [cp*T_loc, ...] rank-major on every rank, differentiable."""
+    return _GatherTokens.apply(x, group)
+
+
+def cp_attention(q, k, v, passes: list[AttentionPass], group, attention, *, causal=True, softmax_scale=None,
+                 return_lse=False):
+    """q [T_loc, H, Dqk], k [T_loc, H, Dqk], v [T_loc, H, Dv] (this rank's tokens) -> out [T_loc, H, Dv]
+    (and lse [H, T_loc] float32). `attention` has `mla_attention`'s signature."""
+    if not causal:
+        raise ValueError("context parallel attention supports causal attention only (documents are cut in chunks)")
+    kv = gather_tokens(torch.cat((k, v), dim=-1), group)  # [cp*T_loc, H, Dqk + Dv]
+    return attend_passes(q, kv, passes, attention, softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+def attend_passes(q, kv, passes: list[AttentionPass], attention, *, softmax_scale=None, return_lse=False):
+    """Local queries q [T_loc, H, Dqk] against the gathered keys|values kv [cp*T_loc, H, Dqk + Dv]: one
+    `attention` call per pass, merged by log-sum-exp -> out [T_loc, H, Dv] (and lse [H, T_loc] float32)."""
+    dqk = q.shape[-1]
+    dev = q.device
+    outs, lses = [], []
+    for p in passes:
+        kv_p = kv.index_select(0, p.k_index.to(dev))  # [Tk, H, Dqk + Dv]
+        q_p = q if p.q_index is None else q.index_select(0, p.q_index.to(dev))  # [Tq, H, Dqk]
+        k_p, v_p = kv_p.split([dqk, kv_p.shape[-1] - dqk], dim=-1)  # [Tk, H, Dqk], [Tk, H, Dv]
+        out, lse = attention(q_p, k_p.contiguous(), v_p.contiguous(), p.cu_seqlens_q.to(dev), p.max_seqlen_q,
+                             cu_seqlens_k=p.cu_seqlens_k.to(dev), max_seqlen_k=p.max_seqlen_k, causal=True,
+                             softmax_scale=softmax_scale, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    if len(passes) == 1 and passes[0].q_index is None:
+        return (outs[0], lses[0]) if return_lse else outs[0]
+    t, h = q.shape[:2]
+    full_out, full_lse = [], []
+    for p, out, lse in zip(passes, outs, lses):
+        if p.q_index is None:
+            full_out.append(out.float())
+            full_lse.append(lse.float())
+        else:
+            idx = p.q_index.to(dev)
+            full_out.append(out.new_zeros((t,) + tuple(out.shape[1:]), dtype=torch.float32).index_copy(
+                0, idx, out.float()))  # [T_loc, H, Dv]
+            full_lse.append(lse.new_full((h, t), float("-inf"), dtype=torch.float32).index_copy(
+                1, idx, lse.float()))  # [H, T_loc]
+    lse_all = torch.stack(full_lse)  # [P, H, T_loc]
+    lse_tot = torch.logsumexp(lse_all, dim=0)  # [H, T_loc]
+    w = torch.exp(lse_all - lse_tot).permute(0, 2, 1).unsqueeze(-1)  # [P, T_loc, H, 1]
+    out = (w * torch.stack(full_out)).sum(0).to(q.dtype)  # [T_loc, H, Dv]
+    return (out, lse_tot) if return_lse else out
+
+
+class _CPCoreAttention:
+    """Drop-in for a module's `core_attention` that runs `cp_attention` with the wrapper's current plan."""
+
+    def __init__(self, owner: "ContextParallel", attention):
+        self.owner = owner
+        self.attention = attention
+
+    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None, return_lse=False,
+                 **kwargs):
+        passes = self.owner.current_passes()
+        if q.shape[0] != self.owner.plan.local_tokens:
+            raise RuntimeError(f"context parallel attention got {q.shape[0]} tokens but the current plan gives "
+                               f"this rank {self.owner.plan.local_tokens}; run the model through "
+                               f"ContextParallel.forward (or shard()) with the same batch")
+        return cp_attention(q, k, v, passes, self.owner.group, self.attention, causal=causal,
+                            softmax_scale=softmax_scale, return_lse=return_lse)
+
+
+class ContextParallel:
+    """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
+
+    def __init__(self, model: torch.nn.Module, group=None, layout: str = "dualchunk"):
+        self.model = model
+        self.group = group if group is not None else dist.group.WORLD
+        self.cp_size = dist.get_world_size(self.group)
+        self.cp_rank = dist.get_rank(self.group)
+        self.layout = layout
+        self.plan: CPPlan | None = None
+        self._passes: list[AttentionPass] | None = None
+        wrapped = 0
+        for module in model.modules():
+            attention = getattr(module, "core_attention", None)
+            if attention is not None and not isinstance(attention, _CPCoreAttention):
+                module.core_attention = _CPCoreAttention(self, attention)
+                wrapped += 1
+        if wrapped == 0:
+            raise ValueError("ContextParallel found no module with a `core_attention` attribute in the model; "
+                             "wrap a moela Transformer (its attention modules expose that hook)")
+
+    def current_passes(self) -> list[AttentionPass]:
+        if self._passes is None:
+            raise RuntimeError("context parallel attention ran before a batch was sharded; call "
+                               "ContextParallel.forward(batch) instead of model(batch)")
+        return self._passes
+
+    def shard(self, batch: PackedBatch) -> PackedBatch:
+        """Plan the batch for the group and return this rank's part (also arms the attention modules)."""
+        self.plan = make_plan(batch.cu_seqlens, self.cp_size, self.layout)
+        self._passes = attention_passes(self.plan, self.cp_rank)
+        return shard_batch(batch, self.plan, self.cp_rank)
+
+    def forward(self, batch: PackedBatch):
+        """Run the model on this rank's part of `batch`; returns its `ModelOutput` with the loss rescaled so the
+        group's losses (and gradients) sum to the single-process ones, group-level metrics and the true
+        `num_targets`."""
+        local = self.shard(batch)
+        out = self.model(local)
+        n_local = local.num_targets()
+        n_total = batch.num_targets()
+        share = n_local / max(n_total, 1)
+        out.loss = out.loss * share
+        names = sorted(out.metrics)
+        if names:
+            stats = torch.stack([out.metrics[k].detach().float() * share for k in names])  # [M]
+            dist.all_reduce(stats, group=self.group)
+            out.metrics = {k: stats[i] for i, k in enumerate(names)}
+        if out.expert_load is not None:
+            load = out.expert_load.detach().clone()
+            dist.all_reduce(load, group=self.group)
+            out.expert_load = load
+        out.num_targets = n_total
+        return out
+
+    __call__ = forward
