@@ -1,0 +1,201 @@
+"""Sources (text, jsonl, parquet, hf), the token cache (reuse, keying, crash safety, concurrent builders), the
+bundled tokenizer (round trip, byte fallback) and build_loaders end to end."""
+
+import json
+import multiprocessing as mp
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moela.data import DataConfig, build_loaders, load_tokenizer
+from moela.data.cache import build_or_load_cache
+from moela.data.sources import DocumentSource
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = ["First document.\nTwo lines.", "Second, with ünïcödé ✓ and emoji 🎭.", "   ", "Third\n\nwith a gap."]
+
+
+def nonempty(docs):
+    return [d for d in docs if d.strip()]
+
+
+def test_text_source_files_and_separator(tmp_path):
+    d = tmp_path / "texts"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.txt").write_text(DOCS[1])
+    (d / "a.txt").write_text(DOCS[0])
+    (d / "sub" / "c.txt").write_text(DOCS[3])
+    assert list(DocumentSource(DataConfig(source="text", paths=[str(d)]))) == [DOCS[0], DOCS[1], DOCS[3]]
+    assert list(DocumentSource(DataConfig(source="text", paths=[str(d / "*.txt")]))) == [DOCS[0], DOCS[1]]
+    joined = tmp_path / "joined.txt"
+    joined.write_text("\n<doc>\n".join(DOCS))
+    cfg = DataConfig(source="text", paths=[str(joined)], doc_separator="\n<doc>\n")
+    assert list(DocumentSource(cfg)) == nonempty(DOCS)
+
+
+def test_jsonl_source_custom_field_and_errors(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(DOCS)) + "\n\n")
+    assert list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body"))) == nonempty(DOCS)
+    with pytest.raises(KeyError, match="no field 'text'.*text_field"):
+        list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)])))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        list(DocumentSource(DataConfig(source="jsonl", paths=[str(bad)])))
+
+
+def test_parquet_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": DOCS + [None], "n": list(range(5))}), tmp_path / "d.parquet")
+    cfg = DataConfig(source="parquet", paths=[str(tmp_path / "d.parquet")], text_field="content")
+    assert list(DocumentSource(cfg)) == nonempty(DOCS)
+    with pytest.raises(KeyError, match="no column 'text'"):
+        list(DocumentSource(DataConfig(source="parquet", paths=[str(tmp_path / "d.parquet")])))
+
+
+def test_hf_source_local_files_offline(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
+    cfg = DataConfig(source="hf", hf_name="json", paths=[str(f)])
+    assert list(DocumentSource(cfg)) == nonempty(DOCS)
+
+
+def test_validate_names_field_and_fix(tmp_path):
+    errors = DataConfig(source="jsonl").validate()
+    assert any(e.startswith("paths:") and "set data.paths" in e for e in errors)
+    errors = DataConfig(source="text", paths=[str(tmp_path / "missing*.txt")], val_fraction=1.5,
+                        max_doc_len=1).validate()
+    assert {e.split(":")[0] for e in errors} == {"paths", "val_fraction", "max_doc_len"}
+    assert DataConfig(source="hf").validate()[0].startswith("hf_name:")
+    assert DataConfig().validate() == []
+
+
+def test_tokenizer_round_trip_and_byte_fallback():
+    tok = load_tokenizer()
+    assert 4000 <= tok.vocab_size <= 8192
+    assert tok.eos_id == 0 and tok.decode([tok.eos_id]) == "<|endoftext|>"
+    rng = random.Random(11)
+    alphabets = [range(32, 127), range(0, 0x250), range(0x4E00, 0x4FFF), range(0x1F300, 0x1F64F)]
+    for _ in range(200):
+        text = "".join(chr(rng.choice(rng.choice(alphabets))) for _ in range(rng.randint(0, 40)))
+        text = text.replace("\ud800", "")  # surrogates are not encodable text
+        ids = tok.encode(text)
+        assert all(0 < i < tok.vocab_size for i in ids), "no unknown / special token for plain text"
+        assert tok.decode(ids) == text
+    english = "Now is the winter of our discontent made glorious summer by this sun of York."
+    assert len(tok.encode(english)) < len(english) / 3, "BPE should compress English well"
+
+
+def test_train_tokenizer_script(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog. " * 50 + "ünï ✓")
+    out = tmp_path / "tok.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--input", str(src),
+                    "--vocab-size", "300", "--out", str(out)], check=True, capture_output=True)
+    tok = load_tokenizer(str(out))
+    assert 257 < tok.vocab_size <= 300 and tok.decode(tok.encode("zebra ✓ quick")) == "zebra ✓ quick"
+
+
+class CountingDocs:
+    def __init__(self, docs):
+        self.docs, self.iterations = docs, 0
+
+    def __iter__(self):
+        self.iterations += 1
+        return iter(self.docs)
+
+
+def test_cache_contents_and_reuse(tmp_path):
+    tok = load_tokenizer()
+    docs = CountingDocs(["alpha beta", "gamma", "delta epsilon zeta"])
+    fp = {"test": 1}
+    cache = build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
+    assert docs.iterations == 1 and cache.num_docs == 3 and cache.tokens.dtype == np.uint16
+    for i, text in enumerate(docs.docs):
+        assert cache.doc(i).tolist() == tok.encode(text) + [tok.eos_id]
+    again = build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
+    assert docs.iterations == 1, "a complete cache must be reused, not rebuilt"
+    assert again.path == cache.path
+    other = build_or_load_cache(docs, {"test": 2}, tok, tmp_path, show_progress=False)
+    assert docs.iterations == 2 and other.path != cache.path
+
+
+def test_cache_key_follows_file_changes(tmp_path):
+    f = tmp_path / "d.txt"
+    f.write_text("one version")
+    cfg = DataConfig(source="text", paths=[str(f)])
+    before = DocumentSource(cfg).fingerprint()
+    f.write_text("another version!")
+    os.utime(f, ns=(1, 1))
+    assert DocumentSource(cfg).fingerprint() != before
+
+
+def test_crash_mid_build_leaves_no_cache(tmp_path):
+    tok = load_tokenizer()
+
+    def failing():
+        yield "fine"
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError):
+        build_or_load_cache(failing(), {"x": 1}, tok, tmp_path, show_progress=False)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    cache = build_or_load_cache(["fine", "also fine"], {"x": 1}, tok, tmp_path, show_progress=False)
+    assert cache.num_docs == 2
+
+
+def _build_in_process(cache_dir, marker_dir, barrier):
+    def docs():
+        (Path(marker_dir) / str(os.getpid())).touch()
+        yield from ["one", "two two", "three three three"] * 200
+
+    barrier.wait()
+    cache = build_or_load_cache(docs(), {"concurrent": 1}, load_tokenizer(), cache_dir, show_progress=False)
+    assert cache.num_docs == 600
+
+
+def test_concurrent_builders_build_once(tmp_path):
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(3)
+    (tmp_path / "markers").mkdir()
+    procs = [ctx.Process(target=_build_in_process, args=(tmp_path / "c", tmp_path / "markers", barrier))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(list((tmp_path / "markers").iterdir())) == 1, "exactly one process tokenizes"
+
+
+def test_build_loaders_bundled_end_to_end(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    train, val, tok = build_loaders(cfg, tokens_per_microbatch=1023, dp_rank=1, dp_size=2, grad_accum=2, seed=4,
+                                    show_progress=False)
+    assert tok.vocab_size == 4096
+    assert train.cache.num_docs == 941
+    batches = train.next_step()
+    assert len(batches) == 2
+    for b in batches:
+        b.validate()
+        assert b.num_tokens <= 1023 and int(b.input_ids.max()) < tok.vocab_size
+    text = tok.decode(batches[0].input_ids[:200].tolist())
+    assert sum(c.isalpha() for c in text) > len(text) / 2, "batches should decode to English text"
+    assert len(val) >= 1 and val.num_tokens > 0
+    again, _, _ = build_loaders(cfg, tokens_per_microbatch=1023, dp_rank=1, dp_size=2, grad_accum=2, seed=4,
+                                show_progress=False)
+    again.load_state_dict(train.state_dict())
+    assert [b.input_ids.tolist() for b in again.next_step()] == [b.input_ids.tolist() for b in train.next_step()]
+    with pytest.raises(ValueError, match="tokens_per_microbatch"):
+        build_loaders(cfg, tokens_per_microbatch=1, show_progress=False)
