@@ -1,0 +1,127 @@
+"""HF deepseek_v3 interop: exported folders load in transformers' DeepseekV3ForCausalLM with equal float32 logits,
+and import(export(model)) is the same model."""
+
+import json
+
+import pytest
+import torch
+
+from moela.batch import IGNORE_INDEX, PackedBatch
+from moela.model import RopeScaling, build_model, preset
+from moela.model.hf import export_hf, import_hf, load_hf_config
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "qlora_groups_mtp1": dict(q_lora_rank=24, n_group=2, topk_group=1, first_k_dense_replace=1,
+                              num_nextn_predict_layers=1),
+    "no_qlora_yarn_all_moe": dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=0,
+                                  num_nextn_predict_layers=0, norm_topk_prob=False, routed_scaling_factor=1.7,
+                                  rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=8,
+                                                           mscale=1.0, mscale_all_dim=0.7)),
+    "yarn_4groups_dense2_mtp2": dict(q_lora_rank=40, n_routed_experts=12, n_group=4, topk_group=2,
+                                     num_experts_per_tok=3, first_k_dense_replace=2, num_nextn_predict_layers=2,
+                                     routed_scaling_factor=2.5, n_shared_experts=2,
+                                     rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16)),
+    "tied_no_shared": dict(tie_word_embeddings=True, n_shared_experts=0, num_nextn_predict_layers=1),
+}
+
+
+def _tiny(**kw):
+    base = dict(vocab_size=211, hidden_size=48, intermediate_size=72, moe_intermediate_size=20,
+                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=20,
+                qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_attention_heads=3,
+                max_position_embeddings=64)
+    return preset("tiny", **{**base, **kw})
+
+
+def _model(cfg):
+    model = build_model(cfg)
+    with torch.no_grad():
+        for moe in model.moe_layers():  # a non-zero bias so that selection != weighting is exercised
+            moe.gate.e_score_correction_bias.normal_(0.0, 0.05)
+        for name, p in model.named_parameters():  # norms away from 1 so a swapped norm would show
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def _batch(vocab, lens):
+    t = sum(lens)
+    ids = torch.randint(0, vocab, (t,))
+    pos = torch.cat([torch.arange(n) for n in lens]).int()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    labels = torch.cat((ids[1:], ids[:1]))
+    labels[(cu[1:] - 1).long()] = IGNORE_INDEX
+    return PackedBatch(ids, labels, pos, cu, max(lens))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_transformers_logits_match(name, tmp_path):
+    torch.manual_seed(hash(name) % 1000)
+    cfg = _tiny(**CONFIGS[name])
+    model = _model(cfg)
+    export_hf(model, tmp_path)
+    hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    hf.eval()
+    assert not info["mismatched_keys"]
+    # transformers always builds shared experts; with n_shared_experts=0 they are zero-width (output 0)
+    assert all(cfg.n_shared_experts == 0 and ".shared_experts." in k for k in info["missing_keys"])
+    mtp_prefixes = tuple(f"model.layers.{cfg.num_hidden_layers + d}." for d in range(cfg.num_nextn_predict_layers))
+    assert all(k.startswith(mtp_prefixes) for k in info["unexpected_keys"])  # transformers drops MTP layers
+    assert bool(info["unexpected_keys"]) == (cfg.num_nextn_predict_layers > 0)
+    assert hf.model.rotary_emb.rope_type == ("yarn" if cfg.rope_scaling else "default")
+    batch = _batch(cfg.vocab_size, [9, 23, 5])
+    with torch.no_grad():
+        ours = model(batch, return_logits=True).logits
+        cu = batch.cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            ref = hf(input_ids=batch.input_ids[a:b][None]).logits[0]
+            assert (ref - ours[a:b]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qlora_groups_mtp1", "yarn_4groups_dense2_mtp2", "tied_no_shared"])
+def test_round_trip(name, tmp_path):
+    torch.manual_seed(1)
+    cfg = _tiny(**CONFIGS[name])
+    model = _model(cfg)
+    export_hf(model, tmp_path)
+    back = import_hf(tmp_path)
+    assert back.cfg == cfg
+    sd, sd2 = model.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys()
+    for k in sd:
+        assert torch.equal(sd[k], sd2[k]), k
+    assert back.moe_layers()[0].gate.e_score_correction_bias.dtype == torch.float32
+    batch = _batch(cfg.vocab_size, [6, 13])
+    with torch.no_grad():
+        assert torch.equal(model(batch).loss, back(batch).loss)
+
+
+def test_config_json_alone_builds_fresh_model(tmp_path):
+    cfg = _tiny(**CONFIGS["yarn_4groups_dense2_mtp2"])
+    export_hf(build_model(cfg), tmp_path)
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "config.json").write_text((tmp_path / "config.json").read_text())
+    assert load_hf_config(only / "config.json") == cfg
+    model = import_hf(only)
+    assert model.cfg == cfg
+    assert all(not p.is_meta for p in model.parameters())
+
+
+def test_export_refuses_what_hf_cannot_express(tmp_path):
+    with pytest.raises(ValueError, match="block"):
+        export_hf(build_model(_tiny(block="fal")), tmp_path)
+    with pytest.raises(ValueError, match="qk_norm"):
+        export_hf(build_model(_tiny(qk_norm="head")), tmp_path)
+
+
+def test_import_refuses_softmax_routing(tmp_path):
+    export_hf(build_model(_tiny()), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["scoring_func"] = "softmax"
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="scoring_func"):
+        load_hf_config(tmp_path)
