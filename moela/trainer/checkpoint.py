@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+@contextmanager
+def _single_process_quiet():
+    """DCP warns on every single-process save/load that it assumes a single process, which is what we want."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -101,7 +111,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         tmp.mkdir()
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
+                 no_dist=not dist.is_initialized())
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
     _barrier()
     if rank == 0:
@@ -120,7 +132,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     own = path / f"trainer-rank{_rank()}.pt"
     return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)

@@ -1,0 +1,320 @@
+"""The training loop: `Trainer(cfg).fit()` builds everything from a `Config`, trains, evaluates, checkpoints.
+
+One optimizer step: the loader hands this data-parallel rank its `grad_accum` packed micro-batches; the labelled
+tokens of the whole global step are counted (all-reduced over every rank holding a share of the batch) before any
+backward, and micro-batch i contributes `loss_i * num_targets_i / total_targets`, so accumulation and data
+parallelism reproduce the single-process token-mean gradient exactly. Then: clip, check finiteness, AdamW step,
+router-bias update from the expert load summed over all those ranks, LR schedule step.
+
+Decisions:
+- Gradients are averaged by FSDP over its `dp_cp` ranks; the loss is multiplied by that rank count so the
+  average becomes the sum the weighting above needs.
+- A step whose loss or gradient norm is not finite is skipped (no optimizer or bias update; data and LR schedule
+  still advance) and counted; after `train.max_nonfinite_steps` in a row training stops with `TrainingError`.
+- SIGTERM / SIGINT set a flag; at the end of the current step every rank agrees on it, a checkpoint is written and
+  `fit()` returns normally. A second SIGINT interrupts immediately.
+- bf16 autocast on CUDA (fp32 master weights and optimizer state), plain fp32 on CPU (`train.precision`).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moela.config import Config, dump_config
+from moela.data import build_loaders
+from moela.model import build_model, count_params, flops_per_token
+import moela.parallel
+from moela.parallel.expert_parallel import reduce_expert_load
+from moela.parallel.mesh import build_mesh
+from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
+from moela.trainer.metrics import MetricsWriter, device_peak_flops, expert_imbalance, memory_gib, plot_losses
+from moela.trainer.optim import build_optimizer, build_scheduler
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. repeated non-finite losses); the message says why and what to do."""
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.env = init_distributed(cfg.train.device)
+        self.device = self.env.device
+        self.run_dir = Path(cfg.train.run_dir)
+        self.mesh = build_mesh(cfg.parallel, self.env.world_size, self.device.type)
+        precision = cfg.train.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" else "fp32"
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+
+        seed_everything(cfg.train.seed)
+        self.model = self._parallelize(build_model(cfg.model, self.device))
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
+        self.train_loader, self.val_loader, self.tokenizer = build_loaders(
+            cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
+            dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed)
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise TrainingError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                                f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
+                                f"{self.tokenizer.vocab_size}")
+        self.peak_flops = device_peak_flops(self.device, cfg.logging)
+        self.step = 0
+        self.nonfinite_in_row = 0
+        self.skipped_total = 0
+        self.tokens_seen = 0
+        self._stop_signal: int | None = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    def fit(self) -> None:
+        """Train from scratch or from the newest checkpoint up to `train.steps`; save and plot at the end."""
+        cfg = self.cfg
+        resume = resolve_resume(self.run_dir, cfg.checkpoint.resume)
+        if resume is not None:
+            self._load_state(load_checkpoint(resume, self.model, self.optimizer))
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        self._barrier()
+        writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
+        self.writer = writer
+        total, active = count_params(cfg.model)
+        writer.echo(f"moela: {total / 1e6:.2f}M params ({active / 1e6:.2f}M active per token) on "
+                    f"{self.env.world_size} x {self.device.type}, {self.autocast_dtype or torch.float32} compute; "
+                    f"run dir {self.run_dir}" + (f"; resumed from {resume} at step {self.step}" if resume else ""))
+        previous = self._install_signal_handlers()
+        try:
+            last_saved = self.step if resume is not None else -1
+            while self.step < cfg.train.steps:
+                record = self.train_step()
+                writer.advance(self.step)
+                if self.step == 1 or self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
+                    writer.log(record)
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                    writer.log(self.evaluate())
+                stop = self._agree_to_stop()
+                if stop or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    self.save()
+                    last_saved = self.step
+                if stop:
+                    name = signal.Signals(self._stop_signal or signal.SIGTERM).name
+                    writer.echo(f"stopped by {name} after step {self.step}; checkpoint saved in "
+                                f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
+                    return
+            if not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every:
+                writer.log(self.evaluate())
+            if cfg.checkpoint.save_at_end and last_saved != self.step:
+                self.save()
+        finally:
+            _restore_signal_handlers(previous)
+            writer.close()
+            if self.env.is_main and cfg.logging.plot:
+                plot_losses(self.run_dir)
+            shutdown(self.env)
+
+    # ----------------------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
+        t0 = time.perf_counter()
+        batches = self.train_loader.next_step()
+        counts = torch.tensor([sum(b.num_targets() for b in batches), sum(b.num_tokens for b in batches),
+                               sum(_sum_sq_doc_len(b) for b in batches)], dtype=torch.float64, device=self.device)
+        self._all_reduce(counts, "dp_cp")
+        total_targets = max(float(counts[0]), 1.0)
+        grad_scale = self.mesh.size("dp_cp")
+        lr = self.scheduler.get_last_lr()[0]
+
+        sums: dict[str, torch.Tensor] = {}
+        load = None
+        self.model.train()
+        for i, batch in enumerate(batches):
+            _set_gradient_sync(self.model, i == len(batches) - 1)
+            batch = batch.to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model(batch)
+            (out.loss * (out.num_targets * grad_scale / total_targets)).backward()
+            n = float(out.num_targets)
+            _accumulate(sums, "loss", out.loss.detach().double() * n)
+            for key, value in out.metrics.items():
+                _accumulate(sums, key, value.detach().double() * n)
+            if out.expert_load is not None:
+                load = out.expert_load.detach().float() if load is None else load + out.expert_load.detach()
+        means = self._reduce_means(sums, total_targets)
+        grad_norm = self._clip_grad_norm()
+        finite = math.isfinite(means["loss"]) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.nonfinite_in_row = 0
+            if load is not None:
+                reduce_expert_load(load, self.mesh)
+                self.model.update_router_bias(load)
+        else:
+            self.nonfinite_in_row += 1
+            self.skipped_total += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"stopped at step {self.step}: {self.nonfinite_in_row} consecutive steps had a non-finite loss "
+                f"({means['loss']}) or gradient norm ({grad_norm}) and were skipped. Lower optim.lr, tighten "
+                f"optim.grad_clip or check the data; rerun to resume from the last checkpoint, or raise "
+                f"train.max_nonfinite_steps to tolerate longer streaks")
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        tokens = float(counts[1])
+        self.tokens_seen += int(tokens)
+        record = {"kind": "train", "step": self.step, **means, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, "tokens_seen": self.tokens_seen,
+                  "mem_gib": memory_gib(self.device), "skipped": self.skipped_total}
+        record["mfu"] = self._mfu(tokens, float(counts[2]), dt)
+        record["expert_imbalance"] = expert_imbalance(load)
+        imbalance = getattr(self.train_loader, "last_imbalance", None)
+        if imbalance and self.mesh.size("dp") > 1:
+            record["dp_imbalance"] = float(imbalance["after"])
+            record["dp_imbalance_unbalanced"] = float(imbalance["before"])
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Token-mean LM loss and perplexity over the held-out split (or its first `train.eval_batches`)."""
+        self.model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss * targets, targets]
+        for i, batch in enumerate(self.val_loader):
+            if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
+                break
+            with self._autocast():
+                out = self.model(batch.to(self.device, non_blocking=True))
+            lm = out.metrics.get("lm_loss", out.loss)
+            sums[0] += lm.double() * out.num_targets
+            sums[1] += out.num_targets
+        self._all_reduce(sums, "dp_cp")
+        self.model.train()
+        val_loss = float(sums[0] / sums[1].clamp_min(1))
+        return {"kind": "eval", "step": self.step, "val_loss": val_loss,
+                "val_ppl": math.exp(min(val_loss, 50.0)), "val_targets": int(sums[1])}
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),
+                               self.cfg.checkpoint.keep_last_k)
+
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        """What the SIGTERM / SIGINT handler does: finish the current step, save, return from `fit()`."""
+        self._stop_signal = signum
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self.train_loader.state_dict(),
+                "rng": rng_state(self.device), "nonfinite_in_row": self.nonfinite_in_row,
+                "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen}
+
+    def _load_state(self, state: dict) -> None:
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"], self.device)
+        self.nonfinite_in_row = state["nonfinite_in_row"]
+        self.skipped_total = state["skipped_total"]
+        self.tokens_seen = state["tokens_seen"]
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 / EP / CP wrapping from `moela.parallel.apply_parallelism`; one process runs the model as is."""
+        apply = getattr(moela.parallel, "apply_parallelism", None)
+        if apply is not None:
+            return apply(model, self.mesh, self.cfg.parallel)
+        if self.env.world_size > 1:
+            raise TrainingError("this build has no moela.parallel.apply_parallelism, so it trains on one process "
+                                "only; launch without torchrun")
+        return model
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _all_reduce(self, t: torch.Tensor, view: str) -> None:
+        group = self.mesh.group(view)
+        if group is not None:
+            dist.all_reduce(t, group=group)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _reduce_means(self, sums: dict[str, torch.Tensor], total_targets: float) -> dict[str, float]:
+        keys = sorted(sums)
+        stacked = torch.stack([sums[k].reshape(()) for k in keys]).to(self.device)  # [metrics]
+        self._all_reduce(stacked, "dp_cp")
+        return {k: float(v) / total_targets for k, v in zip(keys, stacked.tolist())}
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
+        if self.peak_flops is None or tokens == 0:
+            return None
+        seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
+        achieved = flops_per_token(self.cfg.model, seq_len) * tokens / dt / self.env.world_size
+        return achieved / self.peak_flops
+
+    def _agree_to_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and self._stop_signal is None:
+                self._stop_signal = signal.SIGTERM
+        return bool(flag.item())
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+
+        def handler(signum, frame):
+            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.request_stop(signum)
+            if self.env.is_main:
+                self.writer.echo(f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
+                                 f"(press Ctrl-C again to abort now)")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+
+def _restore_signal_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
+
+
+def _sum_sq_doc_len(batch) -> float:
+    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()  # [N]
+    return float((lens * lens).sum())
+
+
+def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step (no-op for a plain module)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)

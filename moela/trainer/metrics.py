@@ -1,0 +1,212 @@
+"""Run metrics: the step line, metrics.jsonl, wandb, a tqdm bar, MFU and memory, and the loss-curve PNG.
+
+Only rank 0 writes. Every record is one JSON object per line in `run_dir/metrics.jsonl` with a `kind` of
+`train` or `eval`, so the file is easy to load with pandas (`pd.read_json(path, lines=True)`).
+
+Decisions:
+- MFU = achieved model FLOP/s per device / the device's dense bf16 peak. Achieved FLOPs come from the model's
+  `flops_per_token` estimate (training FLOPs incl. attention), the peak from a table of GPU names (datasheet
+  dense numbers) or `logging.peak_tflops`; on CPU or an unknown GPU without that key MFU is not reported.
+- Expert-load imbalance = max / mean tokens per expert, averaged over MoE layers (1.0 is perfectly balanced);
+  DP imbalance = max / mean micro-batch cost over data-parallel ranks, as the loader reports it.
+- After a resume, records past the resumed step are dropped from metrics.jsonl, so the file and the plot show one
+  consistent history.
+- wandb is imported only when `logging.wandb.mode` is not `disabled`; offline runs write under `run_dir/wandb`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moela.config import Config, LoggingConfig, to_dict
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name() (datasheet, no sparsity).
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "GH200": 989.0, "B200": 2250.0, "B100": 1750.0,
+    "A100": 312.0, "A800": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0, "4090": 165.0, "3090": 71.0,
+}
+
+
+def device_peak_flops(device: torch.device, cfg: LoggingConfig) -> float | None:
+    """Peak FLOP/s of one device for MFU, or None when unknown (CPU, unlisted GPU)."""
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory: CUDA max allocated on the device, else this process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def expert_imbalance(expert_load: torch.Tensor | None) -> float | None:
+    """Mean over MoE layers of max/mean tokens per expert; `expert_load` is [L_moe, E]."""
+    if expert_load is None or expert_load.numel() == 0:
+        return None
+    load = expert_load.double()
+    mean = load.mean(dim=1).clamp_min(1e-12)  # [L_moe]
+    return float((load.max(dim=1).values / mean).mean())
+
+
+def _fmt_count(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
+             f"gnorm {rec['grad_norm']:.3f}", f"tok/s {_fmt_count(rec['tokens_per_s'])}"]
+    if rec.get("mfu") is not None:
+        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    parts.append(f"mem {rec['mem_gib']:.2f}G")
+    if rec.get("expert_imbalance") is not None:
+        parts.append(f"load max/mean {rec['expert_imbalance']:.2f}")
+    if rec.get("dp_imbalance") is not None:
+        parts.append(f"dp cost max/mean {rec['dp_imbalance']:.3f}")
+    if rec.get("skipped"):
+        parts.append(f"skipped {rec['skipped']}")
+    return " | ".join(parts)
+
+
+def format_eval_line(rec: dict[str, Any]) -> str:
+    return f"eval step {rec['step']} | val_loss {rec['val_loss']:.4f} | val_ppl {rec['val_ppl']:.2f}"
+
+
+class MetricsWriter:
+    """Rank-0 sink for step and eval records: stdout line (or tqdm), metrics.jsonl, wandb."""
+
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, start_step: int):
+        self.enabled = enabled
+        self.total_steps = cfg.train.steps
+        self.path = run_dir / METRICS_FILE
+        self.bar = None
+        self.wandb_run = None
+        if not enabled:
+            return
+        _truncate_after(self.path, start_step)
+        self.file = open(self.path, "a")
+        show_bar = cfg.logging.progress_bar == "always" or (
+            cfg.logging.progress_bar == "auto" and sys.stdout.isatty())
+        if show_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+        wb = cfg.logging.wandb
+        if wb.mode != "disabled":
+            import wandb
+            self.wandb_run = wandb.init(
+                mode=wb.mode, project=wb.project, entity=wb.entity, name=wb.name or run_dir.name, tags=wb.tags,
+                dir=str(run_dir), config=to_dict(cfg), resume="allow", id=_wandb_id(run_dir),
+            )
+
+    def echo(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if rec["kind"] == "train":
+            self.echo(format_step_line(rec, self.total_steps))
+        else:
+            self.echo(format_eval_line(rec))
+        if self.wandb_run is not None:
+            prefix = "train/" if rec["kind"] == "train" else "eval/"
+            values = {prefix + k: v for k, v in rec.items()
+                      if k not in ("kind", "step") and isinstance(v, (int, float))}
+            self.wandb_run.log(values, step=rec["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable wandb run id per run directory, so a resumed run continues the same wandb run."""
+    id_file = run_dir / "wandb_id"
+    if id_file.exists():
+        return id_file.read_text().strip()
+    run_id = os.urandom(6).hex()
+    id_file.write_text(run_id + "\n")
+    return run_id
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop records with step > `step` (logged after the checkpoint a run resumes from)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """Write run_dir/loss.png: training loss (and validation loss when present) against the step."""
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and math.isfinite(r["loss"])]
+    val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
+    if not train and not val:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", linewidth=1.2, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(run_dir) / PLOT_FILE
+    fig.savefig(out)
+    plt.close(fig)
+    return out

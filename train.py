@@ -1,0 +1,56 @@
+"""Train a moela model: `python train.py RECIPE.yaml [section.key=value ...]`.
+
+Works unchanged under `torchrun` / `accelerate launch` (the process group comes from their env vars). A mistake
+in the recipe or the overrides exits with code 2 and lists every problem (file, key path, suggestion); no
+traceback. `--print-config` prints the resolved recipe and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+USAGE_ERROR = 2
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train.py", description="Train a DeepSeek-V3-style MLA + MoE model from a YAML recipe.",
+        epilog="example: python train.py recipes/tiny.yaml train.steps=50 optim.lr=1e-3")
+    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override any recipe key; values are parsed as YAML (1e-3, true, null, [1, 2])")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from moela.config import ConfigError, dump_config, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        count = len(e.errors)
+        print(f"error: {count} problem{'s' if count > 1 else ''} in the recipe:", file=sys.stderr)
+        for message in e.errors:
+            print(f"  {message}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.print_config:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(dump_config(cfg), end="")
+        return 0
+
+    from moela.trainer import Trainer, TrainingError
+
+    try:
+        Trainer(cfg).fit()
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
