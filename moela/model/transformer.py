@@ -141,7 +141,10 @@ class Transformer(nn.Module):
         """Normalized hidden states [T, D] -> logits [T, V]."""
         return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
 
-    def forward(self, batch: PackedBatch, *, return_logits: bool = False) -> ModelOutput:
+    def forward(self, batch: PackedBatch, *, return_logits: bool = False,
+                mtp_targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ModelOutput:
+        """`mtp_targets`: per MTP depth, (input token [T], label [T]) of every position, for callers whose batch
+        is not whole documents (context parallelism); by default they are the batch shifted within documents."""
         cfg = self.cfg
         num_targets = batch.num_targets()
         denom = max(num_targets, 1)
@@ -164,9 +167,12 @@ class Transformer(nn.Module):
             doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=h.device)
             doc_last[(cu[1:] - 1).long()] = True  # [T]
             tokens, labels, mtp_sum = batch.input_ids, batch.labels, 0.0
-            for module in self.mtp:
-                tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
-                labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
+            for d, module in enumerate(self.mtp):
+                if mtp_targets is None:
+                    tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
+                    labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
+                else:
+                    tokens, labels = mtp_targets[d]  # [T], [T]
                 h, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D]
                 zs.append(z)
                 if load is not None:
