@@ -1,0 +1,76 @@
+"""Reference ops the model uses (rms_norm, rope + YaRN, swiglu, cross_entropy) against independent float64 math."""
+
+import math
+
+import pytest
+import torch
+
+from moela.ops.loss import IGNORE_INDEX, cross_entropy
+from moela.ops.norm import rms_norm
+from moela.ops.rope import rope, yarn_inv_freq, yarn_mscale
+from moela.ops.swiglu import swiglu
+
+
+def test_rms_norm_matches_float64():
+    x, w = torch.randn(13, 37), torch.randn(37)
+    x64 = x.double()
+    ref = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w.double()
+    assert torch.allclose(rms_norm(x, w, 1e-5).double(), ref, atol=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(36))
+
+
+def test_rope_is_complex_rotation_of_pairs():
+    t, h, r = 11, 3, 10
+    x, pos = torch.randn(t, h, r), torch.randint(0, 50, (t,)).int()
+    inv_freq = yarn_inv_freq(r, 500.0)
+    out = rope(x, pos, inv_freq, attention_factor=0.9)
+    z = torch.view_as_complex(x.double().reshape(t, h, r // 2, 2).contiguous())
+    ang = pos.double()[:, None] * (1.0 / 500.0 ** (torch.arange(0, r, 2).double() / r))[None]
+    ref = torch.view_as_real(z * torch.polar(torch.full_like(ang, 0.9), ang)[:, None]).reshape(t, h, r)
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    # rotation preserves relative-position dot products: <R(p)q, R(p')k> depends only on p - p'
+    q, k = torch.randn(1, 1, r), torch.randn(1, 1, r)
+    one = lambda v, p: rope(v, torch.tensor([p]), inv_freq)  # noqa: E731
+    assert torch.allclose((one(q, 7) * one(k, 3)).sum(), (one(q, 14) * one(k, 10)).sum(), atol=1e-5)
+
+
+def test_yarn_frequencies_blend():
+    dim, theta, factor, orig = 64, 10000.0, 40.0, 4096
+    got = yarn_inv_freq(dim, theta, factor=factor, original_max_position_embeddings=orig, beta_fast=32,
+                        beta_slow=1).double()
+    base = 1.0 / theta ** (torch.arange(0, dim, 2).double() / dim)
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = math.floor(corr(32)), math.ceil(corr(1))
+    for i in range(dim // 2):  # high frequencies kept, low ones divided by factor, linear in between
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        assert math.isclose(got[i].item(), base[i].item() * (1 - ramp) + base[i].item() / factor * ramp,
+                            rel_tol=1e-5)
+    assert yarn_mscale(1.0) == 1.0 and math.isclose(yarn_mscale(40.0, 0.5), 0.05 * math.log(40.0) + 1)
+
+
+def test_swiglu():
+    g, u = torch.randn(5, 17), torch.randn(5, 17)
+    ref = g.double() / (1 + torch.exp(-g.double())) * u.double()
+    assert torch.allclose(swiglu(g, u).double(), ref, atol=1e-6)
+
+
+def test_cross_entropy_sum_and_ignore():
+    logits, labels = torch.randn(19, 31) * 3, torch.randint(0, 31, (19,))
+    labels[[0, 5, 18]] = IGNORE_INDEX
+    lp = torch.log_softmax(logits.double(), -1)
+    keep = labels != IGNORE_INDEX
+    ref = -lp[keep].gather(1, labels[keep][:, None]).squeeze(1)
+    per = cross_entropy(logits, labels, reduction="none")
+    assert torch.allclose(per[keep].double(), ref, atol=1e-5) and per[~keep].abs().max() == 0
+    assert torch.allclose(cross_entropy(logits, labels).double(), ref.sum(), atol=1e-4)
+    logits.requires_grad_(True)
+    cross_entropy(logits, labels).backward()
+    assert logits.grad[~keep].abs().max() == 0
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="backend"):
+        swiglu(torch.ones(2), torch.ones(2), backend="cuda-magic")
