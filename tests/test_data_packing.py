@@ -35,7 +35,7 @@ def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, se
                shuffle=True, assign=round_robin_assign):
     return TrainLoader(cache, doc_ids, tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
                        dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
-                       cost_fn=microbatch_cost, attn_cost_len=64, settings={"tokens_per_microbatch": budget})
+                       cost_fn=microbatch_cost, cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
 
 
 def check_batch(batch, offsets, budget):
@@ -158,6 +158,21 @@ def test_resume_mid_epoch_and_across_epochs(tmp_path):
         assert resumed.step == stop
         got = [[b.input_ids.tolist() for b in resumed.next_step()] for _ in range(total_steps - stop)]
         assert got == reference[stop:], f"resume after step {stop} diverged"
+
+
+def test_resume_with_other_dp_layout_continues_the_stream(tmp_path):
+    cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(10), 45, 30))
+    docs = np.arange(45)
+    single = make_train(cache, docs, 40, grad_accum=4, seed=2)
+    stream = [b.input_ids.tolist() for _ in range(4) for b in single.next_step()]  # global micro-batches 0..15
+    first = make_train(cache, docs, 40, grad_accum=4, seed=2)
+    first.next_step()
+    state = first.state_dict()
+    ranks = [make_train(cache, docs, 40, dp_rank=r, dp_size=2, grad_accum=2, seed=2) for r in range(2)]
+    for ld in ranks:
+        ld.load_state_dict(state)
+    got = [ld.next_step() for ld in ranks]
+    assert [b.input_ids.tolist() for b in (got[0][0], got[1][0], got[0][1], got[1][1])] == stream[4:8]
 
 
 def test_resume_rejects_other_settings(tmp_path):

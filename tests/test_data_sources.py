@@ -199,3 +199,22 @@ def test_build_loaders_bundled_end_to_end(tmp_path):
     assert [b.input_ids.tolist() for b in again.next_step()] == [b.input_ids.tolist() for b in train.next_step()]
     with pytest.raises(ValueError, match="tokens_per_microbatch"):
         build_loaders(cfg, tokens_per_microbatch=1, show_progress=False)
+
+
+def test_build_loaders_balanced_assignment(tmp_path):
+    rng = random.Random(5)
+    f = tmp_path / "d.jsonl"
+    words = ["thou", "art", "the", "king", "of", "infinite", "space", "nutshell"]
+    f.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 400)))}) + "\n"
+                         for _ in range(120)))
+    common = dict(tokens_per_microbatch=300, dp_size=2, grad_accum=4, seed=1, show_progress=False)
+    cfg = dict(source="jsonl", paths=[str(f)], cache_dir=str(tmp_path / "cache"))
+    plain = [build_loaders(DataConfig(**cfg), dp_rank=r, **common)[0] for r in range(2)]
+    balanced = [build_loaders(DataConfig(**cfg, balance=True), dp_rank=r, **common)[0] for r in range(2)]
+    for _ in range(3):
+        a = sorted(b.input_ids.tolist() for ld in plain for b in ld.next_step())
+        b = sorted(b.input_ids.tolist() for ld in balanced for b in ld.next_step())
+        assert a == b, "balancing moves micro-batches between ranks, it never changes them"
+        imb = balanced[0].last_imbalance
+        assert imb == balanced[1].last_imbalance and imb["after"] <= imb["before"] + 1e-9
+        assert plain[0].last_imbalance["after"] == plain[0].last_imbalance["before"]

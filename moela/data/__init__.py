@@ -18,13 +18,18 @@ __all__ = ["DataConfig", "build_loaders", "load_tokenizer", "Tokenizer", "TrainL
 
 
 def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int = 0, dp_size: int = 1,
-                  grad_accum: int = 1, seed: int = 0, show_progress: bool = True):
+                  grad_accum: int = 1, seed: int = 0, cost_coefficients: tuple[float, float] | None = None,
+                  show_progress: bool = True):
     """Build (train_loader, val_loader, tokenizer) for one data-parallel rank.
 
     tokens_per_microbatch: token budget of one micro-batch (documents are packed up to it, never beyond).
     dp_rank / dp_size: this rank's index in the data-parallel group and the group's size (ranks that share the
     same data, e.g. context- or tensor-parallel peers, pass the same dp_rank). grad_accum: micro-batches per rank
     per optimizer step. seed: shuffling seed (the held-out split does not depend on it).
+    cost_coefficients: (a, b) of the micro-batch cost a * sum L + b * sum L^2 used for DP balancing and the
+    `last_imbalance` report, e.g. `moela.data.balance.cost_coefficients(cfg.model)` (training FLOPs); default
+    (1, 1 / data.attn_cost_len).
+    show_progress: show a progress bar while the token cache is built.
     """
     errors = cfg.validate()
     if tokens_per_microbatch < 2:
@@ -49,11 +54,12 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
             raise ImportError(f"data.balance: true needs moela.data.balance ({e}); set data.balance: false") from e
     else:
         assign, cost_fn = round_robin_assign, microbatch_cost
+    coefficients = cost_coefficients or (1.0, 1.0 / cfg.attn_cost_len)
     settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
     train = TrainLoader(cache, train_docs, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
                         dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
-                        assign=assign, cost_fn=cost_fn, attn_cost_len=cfg.attn_cost_len, settings=settings)
+                        assign=assign, cost_fn=cost_fn, cost_coefficients=coefficients, settings=settings)
     val = ValLoader(cache, val_docs, val_cap, tokens_per_microbatch=tokens_per_microbatch,
                     max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
     return train, val, tokenizer

@@ -8,7 +8,8 @@ Decisions:
   generator seeded by (seed, e) and packs them (see packing.py). A step may straddle two epochs.
 - Who gets which micro-batch is a pluggable `assign(costs, dp_size, grad_accum) -> per-rank index lists` function:
   round robin here, cost-balanced from moela.data.balance with `data.balance: true`. Cost of a micro-batch:
-  sum L + sum L^2 / attn_cost_len over its pieces' lengths L.
+  a * sum L + b * sum L^2 over its pieces' lengths L (by default a = 1, b = 1 / data.attn_cost_len; the trainer
+  may pass the model's FLOP coefficients).
 - State is the number of global micro-batches consumed plus the current epoch's start, so `load_state_dict`
   resumes exactly (even with a different dp_size * grad_accum: the stream continues where it stopped), and it
   refuses a state from different data, seed or packing settings instead of silently training on other batches.
@@ -67,14 +68,14 @@ class TrainLoader:
 
     def __init__(self, cache: TokenCache, doc_ids: np.ndarray, *, tokens_per_microbatch: int,
                  max_doc_len: int | None, dp_rank: int, dp_size: int, grad_accum: int, seed: int, shuffle: bool,
-                 assign: Assign, cost_fn: Callable, attn_cost_len: int, settings: dict):
+                 assign: Assign, cost_fn: Callable, cost_coefficients: tuple[float, float], settings: dict):
         if len(doc_ids) == 0:
             raise ValueError("the training split has no documents; add data or lower data.val_fraction")
         self.cache = cache
         self.budget = tokens_per_microbatch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.seed, self.shuffle = seed, shuffle
-        self.assign, self.cost_fn, self.attn_cost_len = assign, cost_fn, attn_cost_len
+        self.assign, self.cost_fn, self.cost_coefficients = assign, cost_fn, cost_coefficients
         limit = min(max_doc_len or tokens_per_microbatch, tokens_per_microbatch)
         doc_len = cache.doc_lengths
         self.piece_doc, self.piece_start, self.piece_len = split_into_pieces(doc_ids, doc_len[doc_ids], limit)
@@ -115,7 +116,7 @@ class TrainLoader:
     def next_step(self) -> list[PackedBatch]:
         m = self.dp_size * self.grad_accum
         layouts = [self._locate(self.consumed + j) for j in range(m)]
-        costs = [self.cost_fn(self.piece_len[p].tolist(), 1.0, 1.0 / self.attn_cost_len) for p in layouts]
+        costs = [self.cost_fn(self.piece_len[p].tolist(), *self.cost_coefficients) for p in layouts]
         groups = self.assign(costs, self.dp_size, self.grad_accum)
         _check_assignment(groups, self.dp_size, self.grad_accum)
         rr = round_robin_assign(costs, self.dp_size, self.grad_accum)
