@@ -91,3 +91,15 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="a
         raise RuntimeError(f"moe_experts: backend {chosen!r} is not available here (needs CUDA and its package); "
                            f"use backend='auto' or 'reference'")
     return _FAST_BACKENDS[chosen][1](x, topk_ids, topk_weights, w13, w2, recipe=recipe)
+
+
+def _register_fast_backends() -> None:
+    try:
+        from moela.ops.moe_fused import BACKENDS as fused
+    except ImportError:  # no Triton on this platform: the reference backend stays available
+        return
+    for name, (supported, impl) in fused.items():
+        register_backend(name, supported, impl)
+
+
+_register_fast_backends()

@@ -1,0 +1,133 @@
+"""The fused MoE expert path as one autograd function, for both recipes and every GEMM provider.
+
+Forward:  permute_align (+1x128 quant) -> GEMM1 -> SwiGLU (+1x128 quant) -> GEMM2 -> unpermute_combine.
+Backward: combine backward (do = dy*w, d topk_weights, + row/column quant) -> dgrad GEMM2 -> SwiGLU backward
+          (+ dh row/column quant, act column quant) -> wgrad GEMM2 -> dgrad GEMM1 -> x column quant (gathered)
+          -> wgrad GEMM1 -> gather-sum of dx over k.
+FP8 (DeepSeek-V3): e4m3 everywhere a GEMM reads, fp32 scales (1x128 activations, 128x128 weights), fp32 accumulate,
+bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D], the layout, and the transposed fp8 weights
+(bf16 recipe: the weights in the compute dtype); act and permuted x are recomputed inside fused kernels.
+GEMM providers: `triton` (everything ours), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped
+FP8 GEMM for forward and data gradient, ours for the weight gradient).
+
+Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moela.ops import moe_gemm as G
+from moela.ops import moe_triton as L
+
+
+def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None):
+    if provider == "torch":
+        return G.torch_mgrouped(a, b, lay.offsets)
+    if provider == "deep_gemm" and a_scale is not None:
+        return G.deep_gemm_mgrouped(a, a_scale, b, b_scale, lay.m_indices).to(out_dtype)
+    return G.mgrouped_gemm(a, b, lay.m_indices, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+
+
+def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None):
+    if provider == "torch":
+        return G.torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
+    return G.kgrouped_gemm(a, b, lay.offsets, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+
+
+class MoEExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_ids, topk_weights, w13, w2, recipe, provider):
+        e = w13.shape[0]
+        fp8 = recipe == "fp8_blockwise"
+        lay = L.build_layout(topk_ids, e)
+        if fp8:
+            xq, xs, _ = L.permute_align(x, topk_ids, e, quant="fp8_1x128", layout=lay)  # [M_pad, D], [M_pad, D/128]
+            w13q, w13s, w13qt = L.quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
+            w2q, w2s, w2qt = L.quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
+            h = _mgemm(provider, xq, w13q, lay, x.dtype, xs, w13s)  # [M_pad, 2F] bf16
+            aq, as_ = L.swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
+            o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s)  # [M_pad, D] bf16
+            ctx.save_for_backward(x, topk_weights, h, o, w13qt, w13s, w2qt, w2s, *_lay_tensors(lay))
+        else:
+            w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
+            xp, _, _ = L.permute_align(x, topk_ids, e, quant=None, layout=lay)  # [M_pad, D]
+            h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
+            act, _ = L.swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
+            o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
+            ctx.save_for_backward(x, topk_weights, h, o, w13c, w2c, *_lay_tensors(lay))
+        ctx.meta = (recipe, provider, lay.num_tokens, lay.topk, w13.dtype, w2.dtype, topk_ids)
+        return L.unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, provider, t, k, w13_dtype, w2_dtype, topk_ids = ctx.meta
+        if recipe == "fp8_blockwise":
+            x, w, h, o, w13qt, w13s, w2qt, w2s, *lt = ctx.saved_tensors
+            lay = L.Layout(*lt, num_tokens=t, topk=k)
+            (doq, dos), (doqt, dost), dw = L.combine_bwd(dy, o, lay, w, quant=True)
+            dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2))  # [M_pad, F]
+            (dhq, dhs), (dhqt, dhst), (aqt, ast) = L.swiglu_bwd(h, dact, lay.m_indices, quant=True)
+            dw2 = _kgemm(provider, doqt, aqt, lay, w2_dtype, dost, ast)  # [E, D, F]
+            dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2))  # [M_pad, D]
+            _, (xqt, xst) = L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
+            dw13 = _kgemm(provider, dhqt, xqt, lay, w13_dtype, dhst, xst)  # [E, 2F, D]
+        else:
+            x, w, h, o, w13c, w2c, *lt = ctx.saved_tensors
+            lay = L.Layout(*lt, num_tokens=t, topk=k)
+            do, _, dw = L.combine_bwd(dy, o, lay, w, quant=False)  # [M_pad, D]
+            dact = _mgemm(provider, do, w2c.transpose(1, 2), lay, dy.dtype)  # [M_pad, F]
+            dh, _, act = L.swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
+            dw2 = _kgemm(provider, do.t(), act.t(), lay, w2_dtype)  # [E, D, F]
+            dxp = _mgemm(provider, dh, w13c.transpose(1, 2), lay, dy.dtype)  # [M_pad, D]
+            xp, _, _ = L.permute_align(x, topk_ids, w13c.shape[0], quant=None, layout=lay)  # [M_pad, D]
+            dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13_dtype)  # [E, 2F, D]
+        dx = L.unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
+        return dx, None, dw.to(w.dtype), dw13, dw2, None, None
+
+
+def _lay_tensors(lay: L.Layout):
+    return lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
+
+
+def _shapes_ok(x, w13, recipe):
+    d, f = x.shape[1], w13.shape[1] // 2
+    return d % 128 == 0 and f % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return x.is_cuda and _shapes_ok(x, w13, recipe)
+
+
+def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return (recipe == "bf16" and x.is_cuda and x.dtype == torch.bfloat16 and _shapes_ok(x, w13, recipe)
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
+        and G.deep_gemm_available()
+
+
+def _impl(provider):
+    def run(x, topk_ids, topk_weights, w13, w2, *, recipe):
+        if not _shapes_ok(x, w13, recipe):
+            raise ValueError(f"moe_experts backend {provider!r} needs D and F multiples of 128 and x in bf16/fp16; "
+                             f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
+        if provider == "torch" and recipe != "bf16":
+            raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
+                             "backend='triton' or 'deep_gemm' for fp8_blockwise")
+        if provider == "deep_gemm" and not G.deep_gemm_available():
+            raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
+                               "use backend='triton'")
+        return MoEExpertsFn.apply(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
+
+    return run
+
+
+# in `auto` preference order
+BACKENDS = {
+    "deep_gemm": (_supported_deep_gemm, _impl("deep_gemm")),
+    "torch": (_supported_torch, _impl("torch")),
+    "triton": (_supported_triton, _impl("triton")),
+}

@@ -1,0 +1,215 @@
+"""Grouped GEMMs of the MoE expert path over the m-grouped contiguous layout: Triton (FP8 blockwise or bf16),
+`torch._grouped_mm` (bf16) and DeepGEMM (FP8, when `deep_gemm` imports).
+
+- m-grouped (forward and data gradient): out [M_pad, N] = A [M_pad, K] @ B_e[N, K]^T for each 128-row block of A,
+  e = m_indices of the block's first row. Blocks with e = -1 (padding past the last expert, or a block that is
+  only padding) are skipped and written as zeros. FP8: A has 1x128 scales [M_pad, K/128], B 128x128 scales
+  [E, N/128, K/128]; each 128-wide K step is one fp8 MMA whose fp32 result is scaled and added to an fp32
+  accumulator (DeepSeek-V3's promotion interval).
+- k-grouped (weight gradient): out [E, N, K] with out_e = A[:, rows_e] @ B[:, rows_e]^T, A [N, M_pad], B [K, M_pad]
+  (the columnwise-quantized, transposed operands), rows_e = expert e's padded block; reduction along tokens.
+  Empty experts get zeros.
+Operands are addressed through strides, so the bf16 path reads row-major activations as their transposes
+without copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(fp8: bool, kgrouped: bool):
+    if INTERPRET:
+        return [triton.Config({"BN": 128, "GROUP_M": 8}, num_warps=4, num_stages=1)]
+    bn = (128, 256)
+    return [triton.Config({"BN": b, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for b in bn for w, s in ((8, 3), (8, 4), (4, 4)) if not (b == 256 and w == 4)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# m-grouped: forward and data gradient
+
+
+@triton.autotune(configs=_configs(True, False), key=["N", "K", "FP8"])
+@triton.jit
+def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, M,
+                     s_am, s_ak, s_asm, s_ask, s_be, s_bn, s_bk, s_bse, s_bsn, s_bsk, s_cm,
+                     N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = M // BM
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < N
+    e = tl.load(m_idx_ptr + pid_m * BM).to(tl.int64)
+    acc = tl.zeros((BM, BN), tl.float32)
+    if e >= 0:
+        a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak
+        b_ptrs = b_ptr + e * s_be + rn[:, None] * s_bn + rk[None, :] * s_bk
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if FP8:
+                sa = tl.load(as_ptr + rm * s_asm + (k0 // 128) * s_ask)  # [BM]
+                sb = tl.load(bs_ptr + e * s_bse + (rn // 128) * s_bsn + (k0 // 128) * s_bsk, mask=n_ok, other=0.0)
+                acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+            elif UPCAST:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BK * s_ak
+            b_ptrs += BK * s_bk
+    tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+def mgrouped_gemm(a, b, m_indices, *, a_scale=None, b_scale=None, out_dtype=torch.bfloat16):
+    """out [M_pad, N] = a [M_pad, K] @ b[e] [N, K]^T per 128-row block (e from m_indices). FP8 when scales given;
+    b may be any strided [E, N, K] view (the transposed weight copy for the data gradient)."""
+    m, k = a.shape
+    e, n, k2 = b.shape
+    if k2 != k or m % 128:
+        raise ValueError(f"mgrouped_gemm: a {tuple(a.shape)} and b {tuple(b.shape)} do not match, or M % 128 != 0")
+    fp8 = a_scale is not None
+    if fp8 and (a.stride(1) != 1 or b.stride(2) != 1):
+        raise ValueError("mgrouped_gemm: FP8 operands must be K-contiguous")
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    asc = a_scale if fp8 else a
+    bsc = b_scale if fp8 else b
+    sa = (asc.stride(0), asc.stride(1)) if fp8 else (0, 0)
+    sb = (bsc.stride(0), bsc.stride(1), bsc.stride(2)) if fp8 else (0, 0, 0)
+
+    def grid(meta):
+        return (m // 128 * triton.cdiv(n, meta["BN"]),)
+
+    _mgrouped_kernel[grid](a, asc, b, bsc, out, m_indices, m, a.stride(0), a.stride(1), *sa, b.stride(0),
+                           b.stride(1), b.stride(2), *sb, out.stride(0), N=n, K=k, FP8=fp8,
+                           UPCAST=INTERPRET and not fp8, BM=128, BK=128 if fp8 else 64)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# k-grouped: weight gradient
+
+
+@triton.jit
+def _kgrouped_step(acc, a_ptr, as_ptr, b_ptr, bs_ptr, t0, rn, rk, rt, n_ok, k_ok, s_an, s_at, s_bk, s_bt, s_asn,
+                   s_ast, s_bsk, s_bst, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    a = tl.load(a_ptr + rn[:, None] * s_an + (t0 + rt)[None, :] * s_at, mask=n_ok[:, None], other=0.0)  # [BN, BT]
+    b = tl.load(b_ptr + rk[:, None] * s_bk + (t0 + rt)[None, :] * s_bt, mask=k_ok[:, None], other=0.0)  # [BK, BT]
+    if FP8:
+        sa = tl.load(as_ptr + rn * s_asn + (t0 // 128) * s_ast, mask=n_ok, other=0.0)
+        sb = tl.load(bs_ptr + rk * s_bsk + (t0 // 128) * s_bst, mask=k_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+    elif UPCAST:
+        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.autotune(configs=_configs(True, True), key=["N", "K", "FP8"])
+@triton.jit
+def _kgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, s_an, s_at, s_bk, s_bt, s_asn, s_ast, s_bsk,
+                     s_bst, s_ce, s_cn, N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+                     INTERP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    pid, e = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    width = GROUP_M * num_k
+    first_n = (pid // width) * GROUP_M
+    size_n = tl.minimum(num_n - first_n, GROUP_M)
+    pid_n = first_n + (pid % width) % size_n
+    pid_k = (pid % width) // size_n
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
+    rt = tl.arange(0, BT)
+    n_ok, k_ok = rn < N, rk < K
+    start = tl.load(off_ptr + e)
+    end = tl.load(off_ptr + e + 1)
+    acc = tl.zeros((BN, BK), tl.float32)
+    if INTERP:
+        t0 = start
+        while t0 < end:
+            acc = _kgrouped_step(acc, a_ptr, as_ptr, b_ptr, bs_ptr, t0, rn, rk, rt, n_ok, k_ok, s_an, s_at, s_bk,
+                                 s_bt, s_asn, s_ast, s_bsk, s_bst, FP8, UPCAST)
+            t0 += BT
+    else:
+        for t0 in range(start, end, BT):
+            acc = _kgrouped_step(acc, a_ptr, as_ptr, b_ptr, bs_ptr, t0, rn, rk, rt, n_ok, k_ok, s_an, s_at, s_bk,
+                                 s_bt, s_asn, s_ast, s_bsk, s_bst, FP8, UPCAST)
+    c = c_ptr + e.to(tl.int64) * s_ce + rn[:, None] * s_cn + rk[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+def kgrouped_gemm(a, b, offsets, *, a_scale=None, b_scale=None, out_dtype=torch.float32):
+    """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned). a [N, M_pad],
+    b [K, M_pad] (any strides; FP8 operands token-contiguous with scales [N, M_pad/128], [K, M_pad/128])."""
+    n, m = a.shape
+    k, m2 = b.shape
+    e = offsets.numel() - 1
+    if m2 != m:
+        raise ValueError(f"kgrouped_gemm: a {tuple(a.shape)} and b {tuple(b.shape)} disagree on the token dim")
+    fp8 = a_scale is not None
+    out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
+    asc = a_scale if fp8 else a
+    bsc = b_scale if fp8 else b
+    sa = (asc.stride(0), asc.stride(1)) if fp8 else (0, 0)
+    sb = (bsc.stride(0), bsc.stride(1)) if fp8 else (0, 0)
+
+    def grid(meta):
+        return (triton.cdiv(n, meta["BN"]) * triton.cdiv(k, 128), e)
+
+    _kgrouped_kernel[grid](a, asc, b, bsc, out, offsets, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *sa,
+                           *sb, out.stride(0), out.stride(1), N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8,
+                           INTERP=INTERPRET, BT=128 if fp8 else 64, BK=128)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch._grouped_mm (bf16) and DeepGEMM
+
+
+def torch_mgrouped(a, b, offsets):
+    """bf16 m-grouped GEMM by torch._grouped_mm: rows past offsets[-1] are left unwritten (consumers mask them)."""
+    return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+
+
+def torch_kgrouped(a, b, offsets, counts, out_dtype):
+    """bf16 k-grouped GEMM by torch._grouped_mm; experts with no rows get zeros."""
+    out = torch._grouped_mm(a, b.t(), offs=offsets[1:].to(torch.int32))  # [E, N, K]
+    return torch.where((counts > 0)[:, None, None], out, 0).to(out_dtype)
+
+
+def deep_gemm_available() -> bool:
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
+    """DeepGEMM's m-grouped contiguous FP8 GEMM; same layout and fp32 scales, its scales TMA-aligned MN-major."""
+    import deep_gemm
+
+    out = torch.empty(a.shape[0], b.shape[1], device=a.device, dtype=torch.bfloat16)
+    fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
+        deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
+    fn((a, a_scale), (b.contiguous(), b_scale.contiguous()), out, m_indices)
+    return out

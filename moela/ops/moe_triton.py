@@ -1,0 +1,446 @@
+"""Triton kernels for everything in the MoE expert path that is not a GEMM: layout, quantization, SwiGLU, combine.
+
+Layout (DeepGEMM's m-grouped contiguous layout): the T*K (token, k) rows are grouped by expert, expert e's rows
+start at a multiple of `align` (128) and its block is padded with zero rows up to the next multiple. `m_indices
+[M_pad]` holds each row's expert (-1 on padding rows), `row_map [T*K]` the row of (t, k), `src [M_pad]` the flat
+index t*K+k of each row (-1 on padding). M_pad is an upper bound computed on the host from T, K and E
+(round_up(T*K, align) + E*align), so building the layout needs no host sync; rows past the last expert are
+padding. Index math (counts, offsets, a stable sort of the T*K expert ids) is a handful of small torch ops;
+every pass over activations is one Triton kernel.
+
+FP8 scales follow DeepGEMM's SM90 format: fp32, `scale = amax / 448`, activations rowwise 1x128 ([M, N/128]);
+"columnwise" 128x1 groups along tokens are stored as the 1x128 quantization of the transposed matrix
+(qT [N, M_pad], sT [N, M_pad/128]) because the weight-gradient GEMM reduces over tokens; weights 128x128
+([E, N/128, K/128]) plus a transposed fp8 copy for the data-gradient GEMM. Divisions use `div_rn` so results
+match `moela.ops.quant` (the spec) bit for bit.
+
+Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moela.ops.quant import AMAX_EPS, FP8_MAX
+
+ALIGN = 128
+GROUP = 128
+FP8 = torch.float8_e4m3fn
+# Triton 3.6's interpreter converts fp32 -> e4m3 without carrying the rounding into the exponent; under it the
+# kernels round to e4m3's grid in fp32 first (exactly what the hardware conversion does), so the cast is exact.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@dataclass
+class Layout:
+    """Where each (token, k) row lives in the padded expert-grouped layout."""
+
+    m_indices: torch.Tensor  # [M_pad] int32, expert per row, -1 on padding rows
+    row_map: torch.Tensor  # [T*K] int32, padded row of flat index t*K+k
+    src: torch.Tensor  # [M_pad] int32, flat index t*K+k of each row, -1 on padding rows
+    counts: torch.Tensor  # [E] int64 real rows per expert
+    offsets: torch.Tensor  # [E+1] int64 padded start of each expert's block (offsets[E] = end of the last)
+    num_tokens: int
+    topk: int
+
+    @property
+    def m_pad(self) -> int:
+        return self.m_indices.numel()
+
+
+def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
+    """Index math of the contiguous layout; no host sync (M_pad is the upper bound)."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
+    tk = flat.numel()
+    m_pad = triton.cdiv(tk, align) * align + num_experts * align
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + align - 1) // align * align  # [E]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts  # [E] unpadded starts
+    order = torch.sort(flat, stable=True).indices  # [T*K]
+    sorted_ids = flat[order]
+    dest = offsets[sorted_ids] + torch.arange(tk, device=flat.device) - starts[sorted_ids]  # [T*K]
+    row_map = torch.empty(tk, dtype=torch.int64, device=flat.device).scatter_(0, order, dest)
+    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
+    m_indices[row_map] = flat.to(torch.int32)
+    src = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
+    src[row_map] = torch.arange(tk, dtype=torch.int32, device=flat.device)
+    return Layout(m_indices, row_map.to(torch.int32), src, counts, offsets, t, k)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# shared jit helpers
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.math.div_rn(tl.maximum(amax, AMAX_EPS), FP8_MAX)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """Round fp32 values in [-448, 448] to the nearest e4m3 value (ties to even), staying in fp32."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+    normal = bits.to(tl.float32, bitcast=True)
+    sub = (a + 24576.0) - 24576.0
+    r = tl.where(a >= 0.015625, normal, sub)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _quant(x, scale):
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    if INTERPRET:
+        q = _round_e4m3(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_ptr, ld_q, ld_s, ld_qt, ld_st,
+                     ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    """tile [128, 128] fp32 at (rows, cols): rowwise 1x128 quant (one scale per row) and/or columnwise 128x1 quant
+    (one scale per column), the latter stored transposed. Rows/cols are one aligned 128-group each."""
+    if ROWWISE:
+        rs = _scale_of(tl.max(tl.abs(tile), axis=1))  # [128]
+        q = _quant(tile, rs[:, None])
+        tl.store(q_ptr + rows[:, None] * ld_q + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(s_ptr + rows * ld_s + tl.min(cols, axis=0) // 128, rs, mask=row_ok)
+    if COLWISE:
+        cs = _scale_of(tl.max(tl.abs(tile), axis=0))  # [128]
+        qc = _quant(tile, cs[None, :])
+        tl.store(qt_ptr + cols[None, :] * ld_qt + rows[:, None], qc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(st_ptr + cols * ld_st + tl.min(rows, axis=0) // 128, cs, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# permute + align (+ quantize)
+
+
+@triton.jit
+def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr, T, M_pad, E, D: tl.constexpr,
+                    K: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    """Programs [0, T): read token t once, (quantize,) write it to its K rows. Programs [T, T+E): zero expert e's
+    padding rows. Programs [T+E, T+2E+1): zero 128 rows each of the tail after the last expert."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    if pid < T:
+        for c0 in range(0, D, BLOCK_D):
+            c = c0 + cols
+            xv = tl.load(x_ptr + pid.to(tl.int64) * D + c, mask=c < D, other=0.0).to(tl.float32)
+            if QUANT:
+                amax = tl.max(tl.abs(tl.reshape(xv, (BLOCK_D // 128, 128))), axis=1)  # [BLOCK_D/128]
+                sc = _scale_of(amax)
+                q = _quant(tl.reshape(xv, (BLOCK_D // 128, 128)), sc[:, None])
+                q = tl.reshape(q, (BLOCK_D,))
+                g = c0 // 128 + tl.arange(0, BLOCK_D // 128)
+            for kk in tl.static_range(K):
+                row = tl.load(row_map_ptr + pid * K + kk).to(tl.int64)
+                if QUANT:
+                    tl.store(out_ptr + row * D + c, q, mask=c < D)
+                    tl.store(s_ptr + row * (D // 128) + g, sc, mask=g < D // 128)
+                else:
+                    tl.store(out_ptr + row * D + c, xv.to(out_ptr.dtype.element_ty), mask=c < D)
+    else:
+        p = pid - T
+        rows = tl.arange(0, 128)
+        if p < E:
+            start = tl.load(offsets_ptr + p) + tl.load(counts_ptr + p)
+            end = tl.load(offsets_ptr + p + 1)
+        else:
+            start = tl.load(offsets_ptr + E) + (p - E) * 128
+            end = start * 0 + M_pad
+        r = start + rows
+        ok = r < end
+        for c0 in range(0, D, BLOCK_D):
+            c = c0 + cols
+            m = ok[:, None] & (c[None, :] < D)
+            if QUANT:
+                tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((128, BLOCK_D), tl.float8e4nv), mask=m)
+                g = c0 // 128 + tl.arange(0, BLOCK_D // 128)
+                sz = _scale_of(tl.zeros((128, BLOCK_D // 128), tl.float32))
+                tl.store(s_ptr + r[:, None] * (D // 128) + g[None, :], sz, mask=ok[:, None] & (g[None, :] < D // 128))
+            else:
+                tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((128, BLOCK_D), out_ptr.dtype.element_ty),
+                         mask=m)
+
+
+def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = ALIGN,
+                  quant: str | None = "fp8_1x128", layout: Layout | None = None):
+    """Scatter each (token, k) row of x [T, D] into its expert's 128-aligned block, optionally quantized to e4m3
+    with 1x128 scales. Returns (data [M_pad, D], scales [M_pad, D/128] fp32 or None, layout)."""
+    if align != ALIGN:
+        raise ValueError(f"permute_align: align={align} is not supported; the kernels use {ALIGN}-row blocks")
+    if quant not in (None, "fp8_1x128"):
+        raise ValueError(f"permute_align: quant={quant!r}; use 'fp8_1x128' or None")
+    t, d = x.shape
+    if quant and d % GROUP:
+        raise ValueError(f"permute_align: hidden size {d} must be a multiple of {GROUP} for 1x128 quantization")
+    lay = layout if layout is not None else build_layout(topk_ids, num_experts, align)
+    x = x.contiguous()
+    out = torch.empty(lay.m_pad, d, device=x.device, dtype=FP8 if quant else x.dtype)  # [M_pad, D]
+    scales = torch.empty(lay.m_pad, d // GROUP, device=x.device, dtype=torch.float32) if quant else None
+    block_d = min(1024, triton.next_power_of_2(max(d, 128)))
+    grid = (t + 2 * num_experts + 1,)
+    _permute_kernel[grid](x, lay.row_map, lay.offsets, lay.counts, out, scales if quant else out, t, lay.m_pad,
+                          num_experts, D=d, K=topk_ids.shape[1], BLOCK_D=block_d, QUANT=quant is not None, num_warps=4)
+    return out, scales, lay
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grouped rowwise + columnwise quantization from one read (optionally gathering rows)
+
+
+@triton.jit
+def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
+                         GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_n * 128 + tl.arange(0, 128)
+    row_ok, col_ok = rows < M, cols < N
+    if GATHER:
+        s = tl.load(src_ptr + rows, mask=row_ok, other=-1)
+        ok = s >= 0
+        srow = tl.where(ok, s // gather_div, 0).to(tl.int64)
+    else:
+        ok = row_ok
+        srow = rows.to(tl.int64)
+    tile = tl.load(x_ptr + srow[:, None] * ld_x + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                   other=0.0).to(tl.float32)
+    _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_ptr, N, N // 128, M, M // 128,
+                     ROWWISE, COLWISE)
+
+
+def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = True, src: torch.Tensor | None = None,
+                    gather_div: int = 1, m_pad: int | None = None):
+    """One read of x [M, N] (or of rows x[src // gather_div], zero where src < 0, M = len(src)); returns
+    (q [M, N] e4m3, s [M, N/128]) rowwise and (qT [N, M] e4m3, sT [N, M/128]) columnwise (None where not asked).
+    M and N must be multiples of 128 (the padded layout guarantees M)."""
+    m = src.numel() if src is not None else x.shape[0]
+    n = x.shape[1]
+    if m % 128 or n % 128:
+        raise ValueError(f"quant_rows_cols: shape ({m}, {n}) must be multiples of 128 in both dims")
+    dev = x.device
+    q = torch.empty(m, n, device=dev, dtype=FP8) if rowwise else None
+    s = torch.empty(m, n // 128, device=dev, dtype=torch.float32) if rowwise else None
+    qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
+    st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
+    dummy = x
+    _rowcol_quant_kernel[(m // 128, n // 128)](
+        x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
+        qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
+        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise, num_warps=8)
+    return (q, s), (qt, st)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 128x128 weight quantization for all experts at once, plus the transposed copy
+
+
+@triton.jit
+def _weight_quant_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, TRANSPOSED: tl.constexpr):
+    e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = bn * 128 + tl.arange(0, 128)
+    rk = bk * 128 + tl.arange(0, 128)
+    base = e.to(tl.int64) * N * K
+    blk = tl.load(w_ptr + base + rn[:, None] * K + rk[None, :]).to(tl.float32)  # [128, 128]
+    sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
+    q = _quant(blk, sc)
+    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q)
+    if TRANSPOSED:
+        tl.store(qt_ptr + base + rk[None, :] * N + rn[:, None], q)
+    tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
+
+
+def quant_weights(w: torch.Tensor, *, transposed: bool = True):
+    """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128."""
+    e, n, k = w.shape
+    if n % 128 or k % 128:
+        raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
+    w = w.contiguous()
+    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
+    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if transposed else None
+    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, qt if transposed else q, s, n, k, TRANSPOSED=transposed,
+                                                  num_warps=8)
+    return q, s, qt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SwiGLU between the GEMMs: forward fused with rowwise quantization, backward fused with both quantizations
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
+    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_f * 128 + tl.arange(0, 128)
+    valid = tl.load(m_idx_ptr + rows) >= 0
+    r64 = rows.to(tl.int64)
+    g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u  # [128, 128]
+    if QUANT:
+        _store_rows_cols(act, rows, cols, rows < M, cols < F, out_ptr, s_ptr, out_ptr, s_ptr, F, F // 128, 0, 0,
+                         True, False)
+    else:
+        tl.store(out_ptr + r64[:, None] * F + cols[None, :], act.to(out_ptr.dtype.element_ty))
+
+
+def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
+    """h [M_pad, 2F] -> act [M_pad, F] (e4m3 + 1x128 scales when quant, else h's dtype); padding rows -> 0."""
+    m, two_f = h.shape
+    f = two_f // 2
+    if quant:
+        out = torch.empty(m, f, device=h.device, dtype=FP8)
+        s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
+    else:
+        out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
+    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant, num_warps=8)
+    return out, s
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                       QUANT: tl.constexpr):
+    """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization."""
+    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_f * 128 + tl.arange(0, 128)
+    valid = tl.load(m_idx_ptr + rows) >= 0
+    r64 = rows.to(tl.int64)
+    g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + r64[:, None] * F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dg = da * u * (sig + silu * (1.0 - sig))
+    du = da * silu
+    true_r = rows < M
+    true_c = cols < F
+    if QUANT:
+        _store_rows_cols(dg, rows, cols, true_r, true_c, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F, 2 * F // 128,
+                         M, M // 128, True, True)
+        _store_rows_cols(du, rows, cols + F, true_r, true_c, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F,
+                         2 * F // 128, M, M // 128, True, True)
+        _store_rows_cols(silu * u, rows, cols, true_r, true_c, at_ptr, ast_ptr, at_ptr, ast_ptr, 0, 0, M, M // 128,
+                         False, True)
+    else:
+        tl.store(dh_ptr + r64[:, None] * (2 * F) + cols[None, :], dg.to(dh_ptr.dtype.element_ty))
+        tl.store(dh_ptr + r64[:, None] * (2 * F) + F + cols[None, :], du.to(dh_ptr.dtype.element_ty))
+        tl.store(at_ptr + r64[:, None] * F + cols[None, :], (silu * u).to(at_ptr.dtype.element_ty))
+
+
+def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
+    """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
+    with act recomputed (the bf16 weight gradient reads it row-major)."""
+    m, two_f = h.shape
+    f = two_f // 2
+    dev = h.device
+    grid = (m // 128, f // 128)
+    if not quant:
+        dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
+        act = torch.empty(m, f, device=dev, dtype=h.dtype)
+        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False, num_warps=8)
+        return dh, None, act
+    dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
+    dhs = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
+    dhqt = torch.empty(two_f, m, device=dev, dtype=FP8)
+    dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
+    aqt = torch.empty(f, m, device=dev, dtype=FP8)
+    ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
+    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True, num_warps=8)
+    return (dhq, dhs), (dhqt, dhst), (aqt, ast)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unpermute + combine, and its backward
+
+
+@triton.jit
+def _combine_kernel(o_ptr, row_map_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                    WEIGHTED: tl.constexpr):
+    """y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED)."""
+    t, pd = tl.program_id(0), tl.program_id(1)
+    c = pd * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for kk in tl.static_range(K):
+        row = tl.load(row_map_ptr + t * K + kk).to(tl.int64)
+        v = tl.load(o_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w_ptr + t * K + kk).to(tl.float32)
+        acc += v
+    tl.store(y_ptr + t.to(tl.int64) * D + c, acc.to(y_ptr.dtype.element_ty), mask=c < D)
+
+
+def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor | None, out_dtype: torch.dtype):
+    """o [M_pad, D] -> y [T, D]: gather each token's K rows and sum them, weighted by topk_weights [T, K] if given."""
+    d = o.shape[1]
+    t, k = layout.num_tokens, layout.topk
+    y = torch.empty(t, d, device=o.device, dtype=out_dtype)
+    block_d = min(1024, triton.next_power_of_2(d))
+    w = topk_weights.contiguous() if topk_weights is not None else o
+    _combine_kernel[(t, triton.cdiv(d, block_d))](o, layout.row_map, w, y, d, K=k, BLOCK_D=block_d,
+                                                  WEIGHTED=topk_weights is not None, num_warps=4)
+    return y
+
+
+@triton.jit
+def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
+                        K: tl.constexpr, QUANT: tl.constexpr):
+    """Per 128x128 tile of padded rows: do = dy[t] * w[t,k] (0 on padding), its row/column quantization, and the
+    partial dot <dy[t], o[row]> over these 128 channels (summed on the host side into d topk_weights)."""
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_d * 128 + tl.arange(0, 128)
+    s = tl.load(src_ptr + rows)
+    ok = s >= 0
+    sf = tl.where(ok, s, 0)
+    tok = (sf // K).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    dy = tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + r64[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + sf, mask=ok, other=0.0).to(tl.float32)
+    tl.store(part_ptr + r64 * (D // 128) + pid_d, tl.sum(dy * o, axis=1))
+    do = dy * w[:, None]
+    if QUANT:
+        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, D // 128, M,
+                         M // 128, True, True)
+    else:
+        tl.store(do_ptr + r64[:, None] * D + cols[None, :], do.to(do_ptr.dtype.element_ty))
+
+
+def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor, *, quant: bool):
+    """Backward of unpermute_combine: returns (do rowwise, do colwise, d topk_weights [T, K] fp32); with quant the
+    first two are (q, s) pairs, else do [M_pad, D] in dy's dtype and None."""
+    m, d = o.shape
+    dev = o.device
+    part = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
+    grid = (m // 128, d // 128)
+    dy = dy.contiguous()
+    w = topk_weights.contiguous()
+    if quant:
+        doq = torch.empty(m, d, device=dev, dtype=FP8)
+        dos = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
+        doqt = torch.empty(d, m, device=dev, dtype=FP8)
+        dost = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, K=layout.topk, QUANT=True,
+                                  num_warps=8)
+        rowwise, colwise = (doq, dos), (doqt, dost)
+    else:
+        do = torch.empty(m, d, device=dev, dtype=dy.dtype)
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
+                                  num_warps=8)
+        rowwise, colwise = do, None
+    dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
+    return rowwise, colwise, dw
