@@ -426,18 +426,20 @@ def _validate(obj: Any, path: str, errors: list[str], sources: dict) -> None:
             errors.append(f"{_source_of(key, sources)}: {full}")
 
 
-def _apply_model_preset(tree: dict, sources: dict, errors: list[str]) -> None:
+def _apply_model_preset(tree: dict, sources: dict, errors: list[str]) -> bool:
+    """Replace tree["model"] by PRESETS[size] overlaid with the recipe's model keys; False if size is unknown."""
     model = tree.get("model")
     if model is None:
         model = tree["model"] = {}
     if not isinstance(model, dict):
-        return
+        return True
     size = model.get("size", ModelConfig().size)
-    if size not in PRESETS:
+    if not isinstance(size, str) or size not in PRESETS:
         errors.append(f"{_source_of('model.size', sources)}: model.size: unknown preset {size!r}; choose one of "
                       f"{', '.join(PRESETS)}{_suggest(size, PRESETS)}")
-        return
+        return False
     tree["model"] = {**PRESETS[size], **model, "size": size}
+    return True
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -469,9 +471,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         sources[dotted] = OVERRIDE_SOURCE
     if errors:
         raise ConfigError(errors)
-    _apply_model_preset(tree, sources, errors)
     sections = {f.name for f in dataclasses.fields(Config)}
-    bad_sections = set()
+    bad_sections = set() if _apply_model_preset(tree, sources, errors) else {"model"}
     for key, value in tree.items():
         if key in sections and not isinstance(value, dict):
             errors.append(f"{_source_of(key, sources)}: {key}: expected a mapping of keys, got {value!r}")
@@ -481,6 +482,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if key not in sections:
             errors.append(f"{_source_of(key, sources)}: {key}: unknown key in the recipe's top level"
                           f"{_suggest(key, sorted(sections))}")
+    invalid: list[str] = []
     for f in dataclasses.fields(Config):
         if f.name not in tree or f.name in bad_sections:
             continue
@@ -490,17 +492,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             continue
         kwargs[f.name] = section
         if len(errors) == before:
-            _validate(section, f.name, errors, sources)
+            _validate(section, f.name, invalid, sources)
     if errors:
-        raise ConfigError(errors)
+        raise ConfigError(errors + invalid)
     cfg = Config(**kwargs)
     for f in dataclasses.fields(Config):
         if f.name not in kwargs:
-            _validate(getattr(cfg, f.name), f.name, errors, sources)
+            _validate(getattr(cfg, f.name), f.name, invalid, sources)
     for message in cfg.validate():
-        errors.append(f"{_source_of(message.split(':', 1)[0], sources)}: {message}")
-    if errors:
-        raise ConfigError(errors)
+        invalid.append(f"{_source_of(message.split(':', 1)[0], sources)}: {message}")
+    if invalid:
+        raise ConfigError(invalid)
     return cfg
 
 
