@@ -42,6 +42,8 @@ def test_jsonl_source_custom_field_and_errors(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(DOCS)) + "\n\n")
     assert list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body"))) == nonempty(DOCS)
+    capped = DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body", max_docs=2))
+    assert list(capped) == nonempty(DOCS)[:2] and capped.num_documents_hint() == 2
     with pytest.raises(KeyError, match="no field 'text'.*text_field"):
         list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)])))
     bad = tmp_path / "bad.jsonl"
@@ -61,14 +63,17 @@ def test_parquet_source(tmp_path):
         list(DocumentSource(DataConfig(source="parquet", paths=[str(tmp_path / "d.parquet")])))
 
 
-def test_hf_source_local_files_offline(tmp_path, monkeypatch):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_source_local_files_offline(tmp_path, monkeypatch, streaming):
     pytest.importorskip("datasets")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
-    cfg = DataConfig(source="hf", hf_name="json", paths=[str(f)])
+    cfg = DataConfig(source="hf", hf_name="json", paths=[str(f)], hf_streaming=streaming)
     assert list(DocumentSource(cfg)) == nonempty(DOCS)
+    with pytest.raises(KeyError, match="no column 'body'"):
+        list(DocumentSource(DataConfig(source="hf", hf_name="json", paths=[str(f)], text_field="body")))
 
 
 def test_validate_names_field_and_fix(tmp_path):

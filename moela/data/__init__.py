@@ -36,6 +36,8 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         errors.append(f"tokens_per_microbatch: must be >= 2, got {tokens_per_microbatch}")
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         errors.append(f"dp_rank/dp_size: need 0 <= dp_rank < dp_size, got {dp_rank}/{dp_size}")
+    if seed < 0:
+        errors.append(f"seed: must be >= 0, got {seed}")
     if grad_accum < 1:
         errors.append(f"grad_accum: must be >= 1, got {grad_accum}")
     if errors:

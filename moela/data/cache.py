@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+from array import array
 import hashlib
 import json
 import os
@@ -95,7 +96,7 @@ def _build(documents: Iterable[str], source_fingerprint: dict, tokenizer: Tokeni
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        offsets = [0]
+        offsets = array("q", [0])  # int64, compact for many documents
         bar = tqdm(total=num_docs_hint, unit="doc", desc=f"tokenizing into {final}", disable=not show_progress,
                    dynamic_ncols=True)
         with open(tmp / "tokens.bin", "wb") as out:
@@ -108,7 +109,7 @@ def _build(documents: Iterable[str], source_fingerprint: dict, tokenizer: Tokeni
             if batch:
                 _write_batch(batch, tokenizer, dtype, out, offsets, bar)
         bar.close()
-        np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+        np.save(tmp / "offsets.npy", np.frombuffer(offsets, dtype=np.int64))
         meta = {"key": key, "format_version": FORMAT_VERSION, "dtype": np.dtype(dtype).name,
                 "num_docs": len(offsets) - 1, "num_tokens": offsets[-1], "vocab_size": tokenizer.vocab_size,
                 "eos_id": tokenizer.eos_id, "tokenizer": tokenizer.name, "source": source_fingerprint}
@@ -123,7 +124,7 @@ def _build(documents: Iterable[str], source_fingerprint: dict, tokenizer: Tokeni
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_batch(texts: list[str], tokenizer: Tokenizer, dtype, out, offsets: list[int], bar) -> None:
+def _write_batch(texts: list[str], tokenizer: Tokenizer, dtype, out, offsets: array, bar) -> None:
     for ids in tokenizer.encode_batch(texts):
         ids.append(tokenizer.eos_id)
         out.write(np.asarray(ids, dtype=dtype).tobytes())

@@ -27,7 +27,7 @@ class DataConfig:
     #            "json" / "parquet" / "text" with local `paths` as its data_files (works offline)
     source: SourceKind = "bundled"
     # Files for text/jsonl/parquet (and data_files for hf): file paths, directories (all files inside,
-    # recursively, sorted) or glob patterns; `~` and environment variables are expanded.
+    # recursively, sorted) or glob patterns; relative to the working directory; `~` and $VARS are expanded.
     paths: list[str] = field(default_factory=list)
     # Field (jsonl) or column (parquet, hf) that holds each document's text.
     text_field: str = "text"
@@ -39,6 +39,11 @@ class DataConfig:
     hf_config: str | None = None  # hf source: dataset configuration (subset) name
     hf_split: str = "train"  # hf source: which split to read (the held-out split is cut from it)
     hf_revision: str | None = None  # hf source: git revision of a hub dataset; part of the cache key
+    # hf source: stream the dataset instead of downloading it whole first (for large hub datasets; combine with
+    # max_docs to tokenize only a prefix).
+    hf_streaming: bool = False
+    # Read at most this many (non-empty) documents from the source; null = all. Part of the cache key.
+    max_docs: int | None = None
     # "bundled" (the committed byte-level BPE, 4096 tokens), a path to a tokenizer.json, or a hub model name
     # whose tokenizer.json `tokenizers` can download (online).
     tokenizer: str = "bundled"
@@ -92,6 +97,8 @@ class DataConfig:
             errors.append(f"val_max_tokens: must be >= 0, got {self.val_max_tokens}")
         if self.max_doc_len is not None and self.max_doc_len < 2:
             errors.append(f"max_doc_len: must be >= 2 or null, got {self.max_doc_len}")
+        if self.max_docs is not None and self.max_docs < 1:
+            errors.append(f"max_docs: must be >= 1 or null (all documents), got {self.max_docs}")
         if self.attn_cost_len < 1:
             errors.append(f"attn_cost_len: must be >= 1, got {self.attn_cost_len}")
         return errors

@@ -11,6 +11,7 @@ documents (only whitespace) are skipped. A hub dataset is identified by name, co
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path
 from .config import DataConfig, expand_path
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus" / "shakespeare.jsonl"
+HINT_MAX_BYTES = 1 << 30  # count jsonl lines for the progress bar's total only below this size
 
 
 class DocumentSource:
@@ -39,20 +41,30 @@ class DocumentSource:
     def fingerprint(self) -> dict:
         c = self.cfg
         files = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in self.files]
-        fp = {"source": c.source, "files": files}
+        fp = {"source": c.source, "files": files, "max_docs": c.max_docs}
         if c.source in ("jsonl", "parquet", "hf", "bundled"):
             fp["text_field"] = c.text_field
         if c.source == "text":
             fp["doc_separator"] = c.doc_separator
         if c.source == "hf":
-            fp.update(hf_name=c.hf_name, hf_config=c.hf_config, hf_split=c.hf_split, hf_revision=c.hf_revision)
+            fp.update(hf_name=c.hf_name, hf_config=c.hf_config, hf_split=c.hf_split, hf_revision=c.hf_revision,
+                      hf_streaming=c.hf_streaming)
         return fp
 
     def num_documents_hint(self) -> int | None:
-        """Number of documents if known cheaply (for the progress bar), else None."""
+        """Number of documents if known cheaply (for the progress bar; approximate), else None."""
+        n = None
         if self.cfg.source == "text" and self.cfg.doc_separator is None:
-            return len(self.files)
-        return None
+            n = len(self.files)
+        elif self.cfg.source in ("bundled", "jsonl") and sum(map(os.path.getsize, self.files)) < HINT_MAX_BYTES:
+            n = sum(_count_lines(f) for f in self.files)
+        elif self.cfg.source == "parquet":
+            import pyarrow.parquet as pq
+
+            n = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+        if n is not None and self.cfg.max_docs is not None:
+            n = min(n, self.cfg.max_docs)
+        return n
 
     def __iter__(self) -> Iterator[str]:
         kind = self.cfg.source
@@ -66,7 +78,12 @@ class DocumentSource:
             texts = _hf_texts(self.cfg, self.files)
         else:
             raise ValueError(f"data.source: unknown source '{kind}'; use bundled, text, jsonl, parquet or hf")
-        return (t for t in texts if t.strip())
+        return itertools.islice((t for t in texts if t.strip()), self.cfg.max_docs)
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _jsonl_texts(path: str, field: str) -> Iterator[str]:
@@ -116,11 +133,12 @@ def _hf_texts(cfg: DataConfig, files: list[str]) -> Iterator[str]:
         kwargs["data_files"] = files
     if cfg.hf_revision:
         kwargs["revision"] = cfg.hf_revision
-    ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, **kwargs)
-    if cfg.text_field not in ds.column_names:
-        raise KeyError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {ds.column_names}); "
+    ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, streaming=cfg.hf_streaming, **kwargs)
+    columns = ds.column_names
+    if columns is not None and cfg.text_field not in columns:
+        raise KeyError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {columns}); "
                        f"set data.text_field")
-    for start in range(0, len(ds), 4096):
-        for text in ds[start:start + 4096][cfg.text_field]:
+    for batch in ds.iter(batch_size=1024):
+        for text in batch[cfg.text_field]:
             if text is not None:
                 yield text
