@@ -56,14 +56,14 @@ if INTERPRET:
 
 
 def _configs(pairs):
-    if INTERPRET:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    if INTERPRET:  # one configuration, the first one's block shape: unequal BM / BN exercise the loop bounds
+        return [triton.Config({"BLOCK_M": pairs[0][0], "BLOCK_N": pairs[0][1]}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in pairs]
 
 
-FWD_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)])
-DKDV_CONFIGS = _configs([(32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3)])
-DQ_CONFIGS = _configs([(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)])
+FWD_CONFIGS = _configs([(64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)])
+DKDV_CONFIGS = _configs([(32, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2)])
+DQ_CONFIGS = _configs([(64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)])
 TUNE_KEY = ["D_QK", "D_V", "CAUSAL", "HAS_ALIBI"]
 
 

@@ -1,0 +1,203 @@
+"""mla_attention: the Triton kernels (CPU interpreter and `-m gpu`), the reference and the sdpa backend, against an
+independent float64 computation.
+
+Pass rule (DESIGN.md): err(candidate) <= 2 * err(naive torch attention in the candidate's dtype) + atol, errors
+measured against float64. Outputs of the kernels are poisoned with NaN before each call (every `torch.empty` in
+the launcher returns NaN), so an element the kernel forgot to write fails. The lse gradient is exercised with a
+random dlse, which is what attention z-loss feeds it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from moela.ops import attention as attn_mod
+from moela.ops.attention import attention_reference, mla_attention
+
+triton_mod = pytest.importorskip("moela.ops.attention_triton")
+
+needs_interpreter = pytest.mark.skipif(not triton_mod.INTERPRET, reason="set TRITON_INTERPRET=1 to run Triton on CPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def naive_attention(q, k, v, cu_q, cu_k, causal, scale, alibi):
+    """Per-document attention in q's dtype (matmuls in that dtype, softmax in at least float32)."""
+    soft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qd, kd, vd = q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1)
+        s = (qd @ kd.transpose(1, 2)).to(soft) * scale  # [H, Lq, Lk]
+        i = torch.arange(q1 - q0, device=q.device)[:, None] + (k1 - k0) - (q1 - q0)
+        j = torch.arange(k1 - k0, device=q.device)[None, :]
+        if alibi is not None:
+            s = s - alibi.to(soft)[:, None, None] * (i - j).abs()
+        if causal:
+            s = s.masked_fill(j > i, float("-inf"))
+        lse = torch.logsumexp(s, -1)  # [H, Lq]
+        p = torch.exp(s - lse[..., None]).to(q.dtype)
+        outs.append((p @ vd).transpose(0, 1))
+        lses.append(lse.float() if soft == torch.float32 else lse)
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device=device)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = (torch.randn(t, heads, d, generator=g).to(device, dtype) for t, d in ((tq, d_qk), (tk, d_qk), (tk, d_v)))
+    slopes = (torch.rand(heads, generator=g) * 0.3 + 0.01).to(device) if alibi else None
+    dout = torch.randn(tq, heads, d_v, generator=g).to(device, dtype)
+    dlse = torch.randn(heads, tq, generator=g).to(device)
+    return q, k, v, cu_q, cu_k, slopes, dout, dlse
+
+
+def run_with_grads(fn, q, k, v, dout, dlse):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = fn(q, k, v)
+    torch.autograd.backward([out, lse], [dout.to(out.dtype), dlse.to(lse.dtype)])
+    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every float tensor the launchers allocate starts as NaN."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def nan_empty(*a, **kw):
+        t = empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*a, **kw):
+        t = empty_like(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(triton_mod.torch, "empty", nan_empty)
+    monkeypatch.setattr(triton_mod.torch, "empty_like", nan_empty_like)
+
+
+def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
+                          ulps=0.0):
+    q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
+    scale = 1.0 / math.sqrt(d_qk)
+    got = run_with_grads(lambda a, b, c: mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k,
+                                                       max_seqlen_k=max(lens_k), causal=causal,
+                                                       alibi_slopes=slopes, return_lse=True, backend=backend),
+                         q, k, v, dout, dlse)
+    exact = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
+                           q.double(), k.double(), v.double(), dout.double(), dlse.double())
+    lowp = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
+                          q, k, v, dout, dlse)
+    for name, g, e, r in zip(("out", "lse", "dq", "dk", "dv"), got, exact, lowp):
+        assert g.shape == e.shape, name
+        assert torch.isfinite(g).all(), f"{name}: non-finite values (unwritten output?)"
+        err = (g.double() - e).abs().max().item()
+        err_ref = (r.double() - e).abs().max().item()
+        atol = (1e-5 + ulps * torch.finfo(dtype).eps) * max(1.0, e.abs().max().item())
+        assert err <= 2 * err_ref + atol, f"{name}: err {err:.3g} vs same-dtype reference {err_ref:.3g}"
+
+
+LENS = [1, 7, 64, 129, 300]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("d_qk,d_v,causal,alibi", [
+    (192, 128, True, False), (192, 128, False, True), (64, 64, True, True), (64, 64, False, False),
+])
+def test_triton_varlen_matches_float64(poisoned_empty, d_qk, d_v, causal, alibi):
+    check_against_float64(LENS, LENS, 2, d_qk, d_v, torch.float16, "cpu", causal, alibi,
+                          seed=d_qk + 2 * causal + alibi, backend="triton")
+
+
+@needs_interpreter
+def test_triton_bottom_right_causal_longer_k(poisoned_empty):
+    """A q chunk that is the tail of a longer k side (context parallelism): masking aligns bottom-right."""
+    check_against_float64([5, 33, 70], [5, 97, 131], 3, 192, 128, torch.float16, "cpu", True, True, seed=11,
+                          backend="triton")
+
+
+@needs_interpreter
+def test_triton_odd_head_dims_fp32(poisoned_empty):
+    """Dqk that splits into 64 + 32 (masked to 48 here) and a non-power-of-two Dv, in float32."""
+    check_against_float64([3, 40, 77], [3, 40, 77], 2, 112, 72, torch.float32, "cpu", True, True, seed=5,
+                          backend="triton")
+
+
+@needs_interpreter
+def test_triton_bf16_upcast_in_interpreter(poisoned_empty):
+    """bf16 tiles are upcast under the interpreter; its float32 -> bf16 store truncates, hence 3 ulps of slack."""
+    check_against_float64([9, 50], [9, 50], 1, 192, 128, torch.bfloat16, "cpu", True, False, seed=3,
+                          backend="triton", ulps=3.0)
+
+
+@pytest.mark.parametrize("causal,alibi", [(True, False), (False, True)])
+def test_reference_matches_float64(causal, alibi):
+    check_against_float64([2, 31, 90], [2, 45, 90], 2, 48, 40, torch.float32, "cpu", causal, alibi, seed=7,
+                          backend="reference")
+
+
+@needs_interpreter
+def test_lse_only_gradient(poisoned_empty):
+    """z-loss alone (out unused) still yields correct dq and dk, and zero dv."""
+    q, k, v, cu, _, _, _, _ = make_case([13, 70], [13, 70], 2, 64, 64, torch.float32, "cpu", False, seed=21)
+    qs = [x.clone().requires_grad_() for x in (q, k, v)]
+    _, lse = mla_attention(*qs, cu, 70, return_lse=True, backend="triton")
+    (lse.square().mean() * 1e-2).backward()
+    qr = [x.double().requires_grad_() for x in (q, k, v)]
+    _, lse_r = naive_attention(*qr, cu, cu, True, 1 / 8, None)
+    (lse_r.square().mean() * 1e-2).backward()
+    for a, b in zip(qs[:2], qr[:2]):
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-4, atol=1e-6)
+    assert qr[2].grad is None and torch.equal(qs[2].grad, torch.zeros_like(v))
+
+
+def test_auto_on_cpu_is_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attn_mod, "log_choice", lambda op, name, reason="": calls.append(name))
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out = mla_attention(q, q, q[..., :8].contiguous(), cu, 6)
+    assert calls == ["reference"]
+    torch.testing.assert_close(out, attention_reference(q, q, q[..., :8], cu, cu)[0])
+
+
+def test_explicit_backend_errors(monkeypatch):
+    q = torch.randn(10, 2, 16, dtype=torch.float16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sdpa"):
+        mla_attention(q, q, q, cu, 10, backend="sdpa")
+    monkeypatch.setattr(triton_mod, "INTERPRET", False)
+    with pytest.raises(ValueError, match="triton"):
+        mla_attention(q, q, q, cu, 10, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mla_attention(q, q, q, cu, 10, backend="flash")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi", [
+    (192, 128, [2048, 2048], [2048, 2048], True, False),
+    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True),
+    (128, 128, [1024, 513], [1024, 513], False, False),
+    (192, 128, [1000, 3000], [3000, 4096], True, False),
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
+    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),
+                          backend="triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sdpa_backend_gpu():
+    q, k, v, cu, _, _, _, _ = make_case([1024] * 3, [1024] * 3, 8, 192, 128, torch.bfloat16, "cuda", False, 1)
+    out = mla_attention(q, k, v, cu, 1024, backend="sdpa")
+    exact, _ = naive_attention(q.double(), k.double(), v.double(), cu, cu, True, 192 ** -0.5, None)
+    lowp, _ = naive_attention(q, k, v, cu, cu, True, 192 ** -0.5, None)
+    err = (out.double() - exact).abs().max().item()
+    assert err <= 2 * (lowp.double() - exact).abs().max().item() + 1e-5
