@@ -41,8 +41,7 @@ def round_robin_assign(costs: list[float], dp_size: int, grad_accum: int) -> lis
 
 def microbatch_cost(doc_lengths, a: float, b: float) -> float:
     """a * sum L + b * sum L^2 over the documents (pieces) of one micro-batch."""
-    lengths = np.asarray(doc_lengths, dtype=np.float64)
-    return float(a * lengths.sum() + b * np.square(lengths).sum())
+    return float(a * sum(doc_lengths) + b * sum(n * n for n in doc_lengths))
 
 
 def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens: int):
@@ -121,9 +120,10 @@ class TrainLoader:
         _check_assignment(groups, self.dp_size, self.grad_accum)
         rr = round_robin_assign(costs, self.dp_size, self.grad_accum)
         self.last_imbalance = {"before": _imbalance(costs, rr), "after": _imbalance(costs, groups)}
-        self.last_global_num_targets = sum(
-            num_targets(self.piece_start[p], self.piece_len[p], self.piece_doc_len[p]) for p in layouts)
-        self.last_global_num_tokens = int(sum(self.piece_len[p].sum() for p in layouts))
+        pieces = np.concatenate(layouts)  # [pieces of the step]
+        self.last_global_num_targets = num_targets(self.piece_start[pieces], self.piece_len[pieces],
+                                                   self.piece_doc_len[pieces])
+        self.last_global_num_tokens = int(self.piece_len[pieces].sum())
         self.consumed += m
         self.step += 1
         return [self._batch(layouts[j]) for j in groups[self.dp_rank]]
