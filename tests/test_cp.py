@@ -4,6 +4,7 @@ the single-process result on packed batches of odd document lengths."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -12,8 +13,9 @@ import torch.distributed as dist
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.data.cp import LAYOUTS, attention_passes, make_plan, shard_batch, unshard
+from moela.model import build_model, preset
 from moela.ops.attention import mla_attention
-from moela.parallel.context_parallel import attend_passes, cp_attention
+from moela.parallel.context_parallel import ContextParallel, attend_passes, cp_attention
 from tests.parallel_harness import spawn
 
 REF = functools.partial(mla_attention, backend="reference")
@@ -103,7 +105,7 @@ def test_attention_passes_exact_in_one_process(layout, cp):
         torch.testing.assert_close(x.grad, gref, rtol=1e-5, atol=1e-5)
 
 
-def _attention_with_collectives(rank: int, world: int) -> None:
+def _check_attention(rank: int, world: int) -> None:
     for layout in LAYOUTS:
         batch = make_batch(seed=7 * world + len(layout), n_docs=5)
         q, k, v = _qkv(world, batch.num_tokens)
@@ -128,6 +130,40 @@ def _attention_with_collectives(rank: int, world: int) -> None:
             torch.testing.assert_close(g, gref, rtol=1e-5, atol=1e-5)
 
 
+def _check_model(rank: int, world: int) -> None:
+    """Tiny MLA + MoE model with MTP and attention z-loss: CP loss and summed gradients = single process."""
+    cfg = preset("tiny", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                 num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                 q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                 num_attention_heads=2, num_nextn_predict_layers=1, aux_loss_coef=0.0, z_loss_coef=0.1)
+    for layout in LAYOUTS:
+        torch.manual_seed(11)
+        ref_model = build_model(cfg)
+        cp_model = copy.deepcopy(ref_model)
+        batch = make_batch(seed=3 * world + len(layout), n_docs=5, max_len=29)
+        ref = ref_model(batch)
+        ref.loss.backward()
+        cp = ContextParallel(cp_model, dist.group.WORLD, layout)
+        out = cp(batch)
+        out.loss.backward()
+        assert out.num_targets == batch.num_targets()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
+        for name in ("lm_loss", "mtp_loss", "z_loss"):
+            torch.testing.assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6)
+        for (name, p_ref), (_, p_cp) in zip(ref_model.named_parameters(), cp_model.named_parameters()):
+            assert p_ref.grad is not None, name
+            g = p_cp.grad.clone() if p_cp.grad is not None else torch.zeros_like(p_ref)
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, p_ref.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _cp_group(rank: int, world: int) -> None:
+    _check_attention(rank, world)
+    _check_model(rank, world)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_attention_with_gloo(world):
-    spawn(_attention_with_collectives, world)
+def test_cp_attention_and_model_with_gloo(world):
+    spawn(_cp_group, world)

@@ -112,25 +112,29 @@ def make_plan(cu_seqlens: torch.Tensor, cp_size: int, layout: str = "dualchunk")
     return CPPlan(cp_size, layout, lens, padded, local_index, pad_to_orig, pad_to_gathered)
 
 
+def shard_tokens(x: torch.Tensor, plan: CPPlan, rank: int, fill: int | float) -> torch.Tensor:
+    """Rows of any per-token tensor x [T, ...] that rank `rank` keeps, in local order; `fill` on padding."""
+    if int(plan.doc_lens.sum()) != x.shape[0]:
+        raise ValueError(f"the CP plan covers {int(plan.doc_lens.sum())} tokens but the tensor has {x.shape[0]}; "
+                         f"make the plan from this batch's cu_seqlens")
+    src = plan.pad_to_orig[plan.local_index[rank]].to(x.device)  # [T_loc] original rows, -1 on padding
+    rows = x[src.clamp(min=0)]  # [T_loc, ...]
+    real = (src >= 0).view((-1,) + (1,) * (x.dim() - 1))
+    return torch.where(real, rows, torch.full_like(rows, fill))
+
+
 def shard_batch(batch: PackedBatch, plan: CPPlan, rank: int) -> PackedBatch:
     """This rank's tokens with their original positions; labels -100 on padding; one segment per document."""
     if not 0 <= rank < plan.cp_size:
         raise ValueError(f"cp rank {rank} is outside the group of {plan.cp_size}")
-    if int(plan.doc_lens.sum()) != batch.num_tokens:
-        raise ValueError("the CP plan was made for another batch (token counts differ); call make_plan(batch.cu_seqlens)")
-    dev = batch.input_ids.device
     idx = plan.local_index[rank]  # [T_loc] padded rows
-    src = plan.pad_to_orig[idx]  # [T_loc] original rows, -1 on padding
-    real = src >= 0
-    safe = src.clamp(min=0).to(dev)
-    real_d = real.to(dev)
-    input_ids = torch.where(real_d, batch.input_ids[safe], torch.zeros_like(batch.input_ids[safe]))
-    labels = torch.where(real_d, batch.labels[safe], torch.full_like(batch.labels[safe], IGNORE_INDEX))
     pad_start = torch.cumsum(plan.padded_lens, 0) - plan.padded_lens  # [N]
     doc_of_row = torch.repeat_interleave(torch.arange(plan.doc_lens.numel()), plan.padded_lens)  # [T_pad]
-    positions = (idx - pad_start[doc_of_row[idx]]).to(batch.position_ids.dtype).to(dev)  # [T_loc]
+    positions = (idx - pad_start[doc_of_row[idx]]).to(batch.position_ids.dtype)  # [T_loc] original positions
     per_doc = plan.padded_lens // plan.cp_size  # [N] local tokens of each document
-    return PackedBatch(input_ids=input_ids, labels=labels, position_ids=positions,
+    return PackedBatch(input_ids=shard_tokens(batch.input_ids, plan, rank, 0),
+                       labels=shard_tokens(batch.labels, plan, rank, IGNORE_INDEX),
+                       position_ids=positions.to(batch.position_ids.device),
                        cu_seqlens=_cu(per_doc).to(batch.cu_seqlens.device), max_seqlen=_max(per_doc))
 
 

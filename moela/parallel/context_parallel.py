@@ -17,6 +17,8 @@ Decisions:
   sums over the group, e.g. FSDP over dp_shard x cp) is the single-process micro-batch loss and gradient.
   Metrics are combined the same way; `expert_load` is summed over the group (padding tokens are routed too, a
   difference of at most 2*cp-1 tokens per document that only the bias update sees).
+- Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
+  computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
 - Terms that need per-document statistics across the group (the sequence-wise balance loss) are computed on each
   rank's part of the document; they are exact only when `aux_loss_coef` is 0.
 
@@ -28,8 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moela.batch import PackedBatch
-from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch
+from moela.batch import IGNORE_INDEX, PackedBatch
+from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch, shard_tokens
+from moela.model.transformer import shift_within_docs
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -153,12 +156,28 @@ class ContextParallel:
         self._passes = attention_passes(self.plan, self.cp_rank)
         return shard_batch(batch, self.plan, self.cp_rank)
 
+    def mtp_targets(self, batch: PackedBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per MTP depth, this rank's (input token, label): shifted within documents on the whole batch first,
+        since a token's successors may live on another rank."""
+        depth = len(getattr(self.model, "mtp", ()))
+        if depth == 0:
+            return None
+        doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.input_ids.device)
+        doc_last[(batch.cu_seqlens[1:] - 1).long()] = True  # [T]
+        tokens, labels, out = batch.input_ids, batch.labels, []
+        for _ in range(depth):
+            tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
+            labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
+            out.append((shard_tokens(tokens, self.plan, self.cp_rank, 0),
+                        shard_tokens(labels, self.plan, self.cp_rank, IGNORE_INDEX)))
+        return out
+
     def forward(self, batch: PackedBatch):
         """Run the model on this rank's part of `batch`; returns its `ModelOutput` with the loss rescaled so the
         group's losses (and gradients) sum to the single-process ones, group-level metrics and the true
         `num_targets`."""
         local = self.shard(batch)
-        out = self.model(local)
+        out = self.model(local, mtp_targets=self.mtp_targets(batch))
         n_local = local.num_targets()
         n_total = batch.num_targets()
         share = n_local / max(n_total, 1)
