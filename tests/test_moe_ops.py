@@ -1,0 +1,305 @@
+"""MoE expert path: contiguous-layout invariants, permute/combine kernels, grouped GEMMs against float64, SwiGLU
+kernels, and the whole fused path (both recipes, every backend that runs here) against float64 math and the
+simulated-quantization reference. Kernels run under TRITON_INTERPRET=1 on CPU; `-m gpu` tests use real sizes."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moela.ops.moe import moe_experts
+from moela.ops.quant import dequant_128x128, dequant_1x128, quant_1x128
+
+KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+
+
+def _routing(t, e, k, skew=False, device=DEV):
+    if skew:  # expert 0 is picked by every token, the last expert by none
+        rest = torch.stack([torch.randperm(e - 2)[: k - 1] + 1 for _ in range(t)])
+        return torch.cat([torch.zeros(t, 1, dtype=torch.int64), rest], 1).to(device)
+    return torch.stack([torch.randperm(e)[:k] for _ in range(t)]).to(device)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _exact(x, ids, w, w13, w2):
+    """float64 y = sum_k w * W2 (silu(W1 x) * W3 x), no quantization."""
+    f = w13.shape[1] // 2
+    h = torch.einsum("tkfd,td->tkf", w13.double()[ids], x.double())  # [T, K, 2F]
+    act = F.silu(h[..., :f]) * h[..., f:]
+    return torch.einsum("tkdf,tkf,tk->td", w2.double()[ids], act, w.double())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# layout
+
+
+@pytest.mark.parametrize("case", ["uniform", "empty_experts", "one_expert_all"])
+def test_layout_invariants(case):
+    from moela.ops.moe_triton import build_layout
+
+    t, e, k = 53, 7, 3
+    ids = _routing(t, e, k)
+    if case == "empty_experts":
+        ids = ids % 3 * 2  # only experts 0, 2, 4 (with repeats across k, allowed)
+    if case == "one_expert_all":
+        ids, k = torch.full((t, 1), 5, device=DEV), 1
+    lay = build_layout(ids, e)
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat.cpu(), minlength=e)
+    assert torch.equal(lay.counts.cpu(), counts)
+    off = lay.offsets.cpu()
+    assert (off % 128 == 0).all() and off[0] == 0 and lay.m_pad >= off[-1] and lay.m_pad % 128 == 0
+    assert torch.equal(off[1:] - off[:-1], (counts + 127) // 128 * 128)
+    src, mi, rm = lay.src.cpu().long(), lay.m_indices.cpu().long(), lay.row_map.cpu().long()
+    assert torch.equal(src[rm], torch.arange(t * k))  # row map round trip
+    assert torch.equal((mi == -1), (src == -1))  # -1 exactly on padding rows
+    assert (src >= 0).sum() == t * k
+    for ex in range(e):
+        rows = torch.arange(off[ex], off[ex + 1])
+        real = rows[: counts[ex]]
+        assert (mi[real] == ex).all() and (mi[rows[counts[ex]:]] == -1).all()
+        assert (src[real].diff() > 0).all()  # stable: token order inside each expert
+    assert (mi[off[-1]:] == -1).all()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_1x128"])
+def test_permute_align_writes_rows_scales_and_zero_padding(quant):
+    from moela.ops.moe_triton import permute_align
+
+    t, d, e, k = 41, 256, 5, 2
+    x = torch.randn(t, d, device=DEV, dtype=torch.float16)
+    ids = _routing(t, e, k, skew=True)
+    data, scales, lay = permute_align(x, ids, e, quant=quant)
+    src = lay.src.long()
+    real = src >= 0
+    tok = src[real] // k
+    if quant:
+        rq, rs = quant_1x128(x.float())
+        assert torch.equal(data[real].float(), rq[tok].float()) and torch.equal(scales[real], rs[tok])
+        assert (data[~real].float() == 0).all() and torch.isfinite(scales).all()
+    else:
+        assert torch.equal(data[real], x[tok]) and (data[~real] == 0).all()
+
+
+def test_unpermute_combine_and_gradients():
+    from moela.ops.moe_triton import build_layout, combine_bwd, unpermute_combine
+
+    t, d, e, k = 29, 384, 4, 3
+    ids = _routing(t, e, k)
+    lay = build_layout(ids, e)
+    o = torch.randn(lay.m_pad, d, device=DEV)
+    w = torch.rand(t, k, device=DEV)
+    y = unpermute_combine(o, lay, w, torch.float32)
+    rows = lay.row_map.long().view(t, k)
+    ref = (o.double()[rows] * w.double()[..., None]).sum(1)
+    assert _rel(y, ref) < 1e-6
+    dy = torch.randn(t, d, device=DEV)
+    do, _, dw = combine_bwd(dy, o, lay, w, quant=False)
+    ref_do = torch.zeros(lay.m_pad, d, dtype=torch.float64, device=DEV)
+    ref_do[rows.reshape(-1)] = (dy.double()[:, None] * w.double()[..., None]).reshape(-1, d)
+    assert _rel(do, ref_do) < 1e-6
+    assert _rel(dw, (dy.double()[:, None] * o.double()[rows]).sum(-1)) < 1e-6
+    (q, s), (qt, st), _ = combine_bwd(dy, o, lay, w, quant=True)
+    assert torch.equal(q.float(), quant_1x128(do)[0].float()) and torch.equal(s, quant_1x128(do)[1])
+    assert torch.equal(qt.float(), quant_1x128(do.t().contiguous())[0].float())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GEMMs
+
+
+def _layout_and_rows(t, e, skew):
+    from moela.ops.moe_triton import build_layout
+
+    lay = build_layout(_routing(t, e, 1, skew=skew), e)
+    return lay, lay.src >= 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mgrouped_gemm_vs_float64(fp8):
+    from moela.ops.moe_gemm import mgrouped_gemm
+    from moela.ops.moe_triton import quant_weights
+
+    e, n, k = 3, 384, 256
+    lay, real = _layout_and_rows(70, e, skew=True)
+    m = lay.m_pad
+    a = torch.randn(m, k, device=DEV, dtype=torch.float16) * real[:, None]
+    b = torch.randn(e, n, k, device=DEV, dtype=torch.float16)
+    if fp8:
+        aq, as_ = quant_1x128(a.float())
+        bq, bs, _ = quant_weights(b)
+        a64 = dequant_1x128(aq, as_).double()
+        b64 = torch.stack([dequant_128x128(bq[i], bs[i]) for i in range(e)]).double()
+        out = mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
+    else:
+        a64, b64 = a.double(), b.double()
+        out = mgrouped_gemm(a, b, lay.m_indices, out_dtype=torch.float32)
+    ex = lay.m_indices.long()
+    ref = torch.einsum("mk,mnk->mn", a64, b64[ex.clamp_min(0)]) * (ex >= 0)[:, None]
+    assert _rel(out, ref) < 1e-5  # fp32 accumulation of exactly representable products
+    assert (out[ex < 0] == 0).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kgrouped_gemm_vs_float64(fp8):
+    from moela.ops.moe_gemm import kgrouped_gemm
+    from moela.ops.moe_triton import quant_rows_cols
+
+    e, n, k = 4, 256, 384
+    lay, real = _layout_and_rows(150, e, skew=True)  # expert 0 all tokens, others empty
+    m = lay.m_pad
+    dy = torch.randn(m, n, device=DEV, dtype=torch.float16) * real[:, None]
+    x = torch.randn(m, k, device=DEV, dtype=torch.float16) * real[:, None]
+    if fp8:
+        _, (dyt, dyts) = quant_rows_cols(dy, rowwise=False)
+        _, (xt, xts) = quant_rows_cols(x, rowwise=False)
+        dy64, x64 = dequant_1x128(dyt, dyts).double().t(), dequant_1x128(xt, xts).double().t()
+        out = kgrouped_gemm(dyt, xt, lay.offsets, a_scale=dyts, b_scale=xts)
+    else:
+        dy64, x64 = dy.double(), x.double()
+        out = kgrouped_gemm(dy.t(), x.t(), lay.offsets)
+    ref = torch.zeros(e, n, k, dtype=torch.float64, device=DEV)
+    ref.index_add_(0, lay.m_indices.long().clamp_min(0), torch.einsum("mn,mk->mnk", dy64, x64))
+    assert _rel(out, ref) < 1e-5
+    assert (out[lay.counts == 0] == 0).all()
+
+
+def test_swiglu_kernels_match_autograd():
+    from moela.ops.moe_triton import build_layout, swiglu_bwd, swiglu_fwd
+
+    f = 256
+    lay = build_layout(_routing(60, 3, 2), 3)
+    h = torch.randn(lay.m_pad, 2 * f, device=DEV, requires_grad=True)
+    act_ref = F.silu(h[:, :f]) * h[:, f:]
+    valid = (lay.m_indices >= 0)[:, None]
+    act, _ = swiglu_fwd(h.detach(), lay.m_indices, quant=False)
+    assert _rel(act, act_ref * valid) < 1e-6
+    aq, as_ = swiglu_fwd(h.detach(), lay.m_indices, quant=True)
+    rq, rs = quant_1x128((act_ref * valid).detach())
+    assert (aq.float() != rq.float()).float().mean() < 1e-3 and _rel(as_, rs) < 1e-6
+    da = torch.randn(lay.m_pad, f, device=DEV)
+    (dh_ref,) = torch.autograd.grad(act_ref, h, da)
+    dh, _, act2 = swiglu_bwd(h.detach(), da, lay.m_indices, quant=False)
+    assert _rel(dh, dh_ref * valid) < 1e-6 and _rel(act2, act_ref * valid) < 1e-6
+    (dq, ds), (dqt, dst), (aqt, ast) = swiglu_bwd(h.detach(), da, lay.m_indices, quant=True)
+    assert _rel(dequant_1x128(dq, ds), dh_ref * valid) < 0.04
+    assert _rel(dequant_1x128(dqt, dst).t(), dh_ref * valid) < 0.04
+    assert _rel(dequant_1x128(aqt, ast).t(), act_ref * valid) < 0.04
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whole path
+
+
+def _run(x, ids, w, w13, w2, g, recipe, backend):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w13, w2)]
+    y = moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], recipe=recipe, backend=backend)
+    y.backward(g.to(y.dtype))
+    return [y] + [t.grad for t in leaves]
+
+
+def _exact_grads(x, ids, w, w13, w2, g):
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, w13, w2)]
+    y = _exact(leaves[0], ids, *leaves[1:])
+    y.backward(g.double())
+    return [y] + [t.grad for t in leaves]
+
+
+def _problem(t, d, f, e, k, dtype, skew=False):
+    x = torch.randn(t, d, device=DEV, dtype=dtype)
+    ids = _routing(t, e, k, skew=skew)
+    w = torch.rand(t, k, device=DEV)
+    w13 = torch.randn(e, 2 * f, d, device=DEV) / d ** 0.5
+    w2 = torch.randn(e, d, f, device=DEV) / f ** 0.5
+    return x, ids, w, w13, w2, torch.randn(t, d, device=DEV)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bf16_recipe_path_vs_float64(backend):
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    prob = _problem(37, 256, 128, 5, 3, dtype, skew=backend == "torch")
+    exact = _exact_grads(*prob)
+    got = _run(*prob, "bf16", backend)
+    ref = _run(*prob, "bf16", "reference")  # float32 math, output in x's dtype
+    names = ["y", "dx", "dw", "dw13", "dw2"]
+    for name, a, r, ex in zip(names, got, ref, exact):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, ex) <= 2 * _rel(r, ex) + 2e-3, (name, _rel(a, ex), _rel(r, ex))
+
+
+def test_fp8_recipe_path_vs_float64_and_simulated_reference():
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    prob = _problem(45, 256, 256, 6, 3, dtype)
+    exact = _exact_grads(*prob)
+    got = _run(*prob, "fp8_blockwise", "triton")
+    ref = _run(*prob, "fp8_blockwise", "reference")  # same quantization, simulated; straight-through backward
+    err = {n: (_rel(a, ex), _rel(r, ex)) for n, a, r, ex in zip(["y", "dx", "dw", "dw13", "dw2"], got, ref, exact)}
+    assert err["y"][0] <= 1.25 * err["y"][1] + 1e-3, err
+    # the backward also quantizes dy, dh and the weight-gradient operands, which the reference does not
+    for name in ["dx", "dw", "dw13", "dw2"]:
+        assert err[name][0] <= 2.0 * err[name][1] + 1e-3, (name, err)
+        assert err[name][0] < 0.12, (name, err)
+
+
+def test_auto_backend_on_cpu_is_reference():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU choice")
+    x, ids, w, w13, w2, _ = _problem(5, 128, 128, 3, 2, torch.float32)
+    y = moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise")
+    torch.testing.assert_close(y, moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="reference"))
+
+
+def test_fast_backend_rejects_unaligned_shapes_with_a_clear_message():
+    x, ids, w, w13, w2, _ = _problem(5, 96, 128, 3, 2, torch.float16)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe_experts(x, ids, w, w13, w2, backend="triton")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU, real sizes
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe,backend", [("fp8_blockwise", "triton"), ("bf16", "triton"), ("bf16", "torch")])
+@pytest.mark.parametrize("skew", [False, True])
+def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
+    prob = _problem(2048, 2048, 1408, 16, 6, torch.bfloat16, skew=skew)
+    exact = _exact_grads(*prob)
+    got = _run(*prob, recipe, backend)
+    ref = _run(*prob, recipe, "reference")
+    for name, a, r, ex in zip(["y", "dx", "dw", "dw13", "dw2"], got, ref, exact):
+        ea, er = _rel(a, ex), _rel(r, ex)
+        bound = (1.25 if name == "y" else 2.0) * er + 2e-3 if recipe == "fp8_blockwise" else 2 * er + 5e-3
+        assert ea <= bound, (name, ea, er)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_gemm_v3_shape_vs_float64():
+    from moela.ops.moe_gemm import mgrouped_gemm
+    from moela.ops.moe_triton import build_layout, permute_align, quant_weights
+
+    t, d, n, e = 4096, 7168, 4096, 8
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    ids = _routing(t, e, 1)
+    w = torch.randn(e, n, d, device="cuda", dtype=torch.bfloat16)
+    xq, xs, lay = permute_align(x, ids, e)
+    wq, ws, _ = quant_weights(w)
+    out = mgrouped_gemm(xq, wq, lay.m_indices, a_scale=xs, b_scale=ws)
+    rows = lay.row_map.long()
+    ex = ids[:, 0]
+    sel = torch.arange(0, t, 97, device="cuda")
+    ref = torch.stack([x[i].double() @ w[ex[i]].double().t() for i in sel.tolist()])
+    deq = torch.stack([dequant_1x128(xq[rows[i]][None], xs[rows[i]][None])[0].double()
+                       @ dequant_128x128(wq[ex[i]], ws[ex[i]]).double().t() for i in sel.tolist()])
+    got = out[rows[sel]]
+    assert _rel(got, deq) < 5e-3  # bf16 output rounding only
+    assert _rel(got, ref) <= 1.25 * _rel(deq, ref) + 1e-3

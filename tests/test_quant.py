@@ -1,0 +1,109 @@
+"""FP8 blockwise quantization: the reference math (scale = amax / 448, error bounds, partial groups, zeros) and the
+Triton quantization kernels, which must reproduce the reference bit for bit (same scales, same e4m3 codes)."""
+
+import os
+
+import pytest
+import torch
+
+from moela.ops.quant import (AMAX_EPS, FP8_MAX, dequant_128x128, dequant_1x128, fake_quant_1x128, quant_128x128,
+                             quant_1x128)
+
+KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+# e4m3: 3 mantissa bits -> round-to-nearest relative error <= 2^-4; subnormal spacing 2^-9 (in units of the scale)
+REL = 2.0 ** -4
+SUB = 2.0 ** -10
+
+
+def _bits(q):
+    """e4m3 codes as exact float32 values (so -0 and +0 compare equal; every other code is distinct)."""
+    return q.float()
+
+
+def test_quant_1x128_scale_and_error_bound():
+    x = torch.randn(37, 300, dtype=torch.float64) * torch.logspace(-3, 2, 300, dtype=torch.float64)
+    q, s = quant_1x128(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and s.shape == (37, 3)
+    padded = torch.nn.functional.pad(x, (0, 84)).view(37, 3, 128)
+    amax = padded.abs().amax(-1).clamp_min(AMAX_EPS)
+    torch.testing.assert_close(s.double(), amax / FP8_MAX, rtol=1e-6, atol=0)
+    deq = dequant_1x128(q, s).double()
+    scale_el = s.double().repeat_interleave(128, 1)[:, :300]
+    assert ((deq - x).abs() <= REL * x.abs() + SUB * scale_el + 1e-12).all()
+    assert q.float().abs().max() <= FP8_MAX
+    # the largest element of each group maps to +-448 exactly
+    assert (q.float().abs().view(37, -1)[:, :256].view(37, 2, 128).amax(-1) == FP8_MAX).all()
+
+
+def test_quant_zero_groups_are_zero_with_finite_scale():
+    x = torch.zeros(3, 256)
+    x[1, 130] = 5.0
+    q, s = quant_1x128(x)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert (dequant_1x128(q, s) == x).all()
+
+
+def test_quant_128x128_blocks():
+    w = torch.randn(300, 200, dtype=torch.float64)
+    q, s = quant_128x128(w)
+    assert s.shape == (3, 2)
+    blocks = torch.nn.functional.pad(w, (0, 56, 0, 84)).view(3, 128, 2, 128)
+    torch.testing.assert_close(s.double(), blocks.abs().amax((1, 3)) / FP8_MAX, rtol=1e-6, atol=0)
+    deq = dequant_128x128(q, s).double()
+    scale_el = s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
+    assert ((deq - w).abs() <= REL * w.abs() + SUB * scale_el + 1e-12).all()
+
+
+def test_fake_quant_is_straight_through():
+    x = torch.randn(4, 256, requires_grad=True)
+    g = torch.randn(4, 256)
+    fake_quant_1x128(x).backward(g)
+    assert torch.equal(x.grad, g)
+
+
+def test_random_normal_gemm_error_is_in_the_fp8_range():
+    a, b = torch.randn(256, 512, dtype=torch.float64), torch.randn(384, 512, dtype=torch.float64)
+    exact = a @ b.t()
+    approx = dequant_1x128(*quant_1x128(a)).double() @ dequant_128x128(*quant_128x128(b)).double().t()
+    rel = ((approx - exact).norm() / exact.norm()).item()
+    assert 0.01 < rel < 0.06
+
+
+@needs_kernels
+def test_rows_cols_kernel_matches_reference_bitwise():
+    from moela.ops.moe_triton import quant_rows_cols
+
+    x = (torch.randn(256, 384, device=DEV) * torch.rand(256, 1, device=DEV) * 10).to(torch.bfloat16)
+    x[5] = 0
+    (q, s), (qt, st) = quant_rows_cols(x)
+    rq, rs = quant_1x128(x.float())
+    cq, cs = quant_1x128(x.float().t().contiguous())
+    assert torch.equal(_bits(q), _bits(rq)) and torch.equal(s, rs)
+    assert torch.equal(_bits(qt), _bits(cq)) and torch.equal(st, cs)
+
+
+@needs_kernels
+def test_rows_cols_kernel_gathers_rows():
+    from moela.ops.moe_triton import quant_rows_cols
+
+    x = torch.randn(50, 128, device=DEV, dtype=torch.float16)
+    src = torch.randint(-1, 50 * 3, (256,), device=DEV, dtype=torch.int32)
+    _, (qt, st) = quant_rows_cols(x, rowwise=False, src=src, gather_div=3)
+    gathered = torch.where((src >= 0)[:, None], x[(src.clamp_min(0) // 3).long()], 0).float()
+    cq, cs = quant_1x128(gathered.t().contiguous())
+    assert torch.equal(_bits(qt), _bits(cq)) and torch.equal(st, cs)
+
+
+@needs_kernels
+def test_weight_quant_kernel_all_experts_and_transposed_copy():
+    from moela.ops.moe_triton import quant_weights
+
+    w = torch.randn(3, 256, 384, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
+    q, s, qt = quant_weights(w)
+    for e in range(3):
+        rq, rs = quant_128x128(w[e])
+        assert torch.equal(_bits(q[e]), _bits(rq)) and torch.equal(s[e], rs)
+    assert torch.equal(_bits(qt), _bits(q.transpose(1, 2)))
