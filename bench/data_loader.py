@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -81,6 +82,7 @@ def main() -> None:
             train.next_step()
             times.append(time.perf_counter() - t0)
         lines.append(f"| {dp} | {ga} | {budget} | {balance} | {np.median(times) * 1e3:.2f} |")
+    shutil.rmtree(cache_root)
     text = "\n".join(lines) + "\n"
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)

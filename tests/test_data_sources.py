@@ -1,8 +1,10 @@
 """Sources (text, jsonl, parquet, hf), the token cache (reuse, keying, crash safety, concurrent builders), the
 bundled tokenizer (round trip, byte fallback) and build_loaders end to end."""
 
+import hashlib
 import json
 import multiprocessing as mp
+import re
 import os
 import random
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 
 from moela.data import DataConfig, build_loaders, load_tokenizer
 from moela.data.cache import build_or_load_cache
-from moela.data.sources import DocumentSource
+from moela.data.sources import BUNDLED_CORPUS, DocumentSource
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = ["First document.\nTwo lines.", "Second, with ünïcödé ✓ and emoji 🎭.", "   ", "Third\n\nwith a gap."]
@@ -84,6 +86,15 @@ def test_validate_names_field_and_fix(tmp_path):
     assert {e.split(":")[0] for e in errors} == {"paths", "val_fraction", "max_doc_len"}
     assert DataConfig(source="hf").validate()[0].startswith("hf_name:")
     assert DataConfig().validate() == []
+
+
+def test_bundled_corpus_matches_its_source_note():
+    note = (BUNDLED_CORPUS.parent / "SOURCE.md").read_text()
+    data = BUNDLED_CORPUS.read_bytes()
+    assert len(data) >= 1_000_000
+    recorded = re.search(r"\| sha256 \| `([0-9a-f]{64})`", note).group(1)
+    assert hashlib.sha256(data).hexdigest() == recorded, "SOURCE.md must state the corpus file's sha256"
+    assert "public domain" in note and "License" in note
 
 
 def test_tokenizer_round_trip_and_byte_fallback():
