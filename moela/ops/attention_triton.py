@@ -14,8 +14,9 @@ Decisions:
   causal diagonal) and the few that do; the mask costs nothing on the former.
 - Causal alignment is bottom-right: query i of a document sees key j when j <= i + (Lk - Lq).
 - ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized.
-- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), and a
-  single small block configuration is used; on GPU a few configurations are autotuned per head-dim pair.
+- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and
+  small blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
+  autotuned at run time: no first-step stall, and every rank runs the same kernels.
 
 Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents; BM / BN block rows.
 """
@@ -55,16 +56,21 @@ if INTERPRET:
     _fix_interpreter_loop_bounds()
 
 
-def _configs(pairs):
-    if INTERPRET:  # one configuration, the first one's block shape: unequal BM / BN exercise the loop bounds
-        return [triton.Config({"BLOCK_M": pairs[0][0], "BLOCK_N": pairs[0][1]}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in pairs]
+# Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), for "wide" heads (Dqk + Dv > 256,
+# MLA's 192/128) and narrow ones. Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
+CONFIGS = {
+    "fwd": {"wide": (128, 64, 8, 2), "narrow": (128, 64, 4, 3)},
+    "dkdv": {"wide": (64, 64, 4, 2), "narrow": (64, 128, 8, 2)},
+    "dq": {"wide": (128, 64, 8, 2), "narrow": (128, 64, 8, 2)},
+}
+# Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
+INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 
 
-FWD_CONFIGS = _configs([(64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)])
-DKDV_CONFIGS = _configs([(32, 64, 4, 3), (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2)])
-DQ_CONFIGS = _configs([(64, 32, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)])
-TUNE_KEY = ["D_QK", "D_V", "CAUSAL", "HAS_ALIBI"]
+def launch_config(kernel: str, d_qk: int, d_v: int) -> dict:
+    bm, bn, warps, stages = (INTERPRET_CONFIGS[kernel] if INTERPRET
+                             else CONFIGS[kernel]["wide" if d_qk + d_v > 256 else "narrow"])
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
 @triton.jit
@@ -126,7 +132,6 @@ def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, 
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=TUNE_KEY)
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                 stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, H, D_QK, D_V,
@@ -232,7 +237,6 @@ def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, 
     return dk1, dk2, dv
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=TUNE_KEY)
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt,
                      stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
@@ -329,7 +333,6 @@ def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stri
     return dq1, dq2
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=TUNE_KEY)
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, qk_scale,
@@ -425,14 +428,12 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, caus
         return out, lse
     slopes = alibi_slopes if alibi_slopes is not None else lse  # placeholder pointer when no ALiBi
 
-    def grid(meta):
-        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h * n_docs
-
-    _fwd_kernel[grid](q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
+    cfg = launch_config("fwd", d_qk, d_v)
+    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
                       lse.stride(0), softmax_scale * LOG2E, h, d_qk, d_v, CAUSAL=causal,
                       HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                      **_dims(d_qk, d_v))
+                      **_dims(d_qk, d_v), **cfg)
     return out, lse
 
 
@@ -461,14 +462,16 @@ def attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
                  UPCAST=INTERPRET and q.dtype == torch.bfloat16, **dims)
     common = (softmax_scale * LOG2E, softmax_scale, h, d_qk, d_v)
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(max_seqlen_k, meta["BLOCK_N"]), h * n_docs)](
+    cfg = launch_config("dkdv", d_qk, d_v)
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), h * n_docs)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0),
-        dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *common, **flags)
-    _bwd_dq_kernel[lambda meta: (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), h * n_docs)](
+        dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *common, **flags, **cfg)
+    cfg = launch_config("dq", d_qk, d_v)
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        lse.stride(0), *common, **flags)
+        lse.stride(0), *common, **flags, **cfg)
     return dq, dk, dv
 
 
