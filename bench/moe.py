@@ -1,0 +1,328 @@
+"""Benchmark of the MoE expert path on one GPU, candidate and baselines side by side on the same inputs.
+
+Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1408, top-6):
+  layout  permute+align+quant and grouped row+column quantization: GB/s, % of the measured copy bandwidth, speedup
+          over an eager PyTorch baseline (sort/index_select, per-expert padding, per-group quantization loop) and
+          over torch.compile of that baseline.
+  gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) vs bf16 torch._grouped_mm and
+          fp8 rowwise torch._scaled_grouped_mm.
+  layer   the whole expert layer forward+backward: fp8 vs bf16 path vs an eager per-expert loop.
+Every case checks its output against the baseline before timing and runs under a time guard. Usage:
+  python bench/moe.py [--sections layout,gemm,layer] [--quick] [--out bench/results/moe.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from moela.ops import moe_gemm as G
+from moela.ops import moe_triton as L
+from moela.ops.moe import moe_experts
+from moela.ops.quant import AMAX_EPS, FP8_MAX
+
+SHAPES = {"v3": dict(d=7168, f=2048, k=8), "v2lite": dict(d=2048, f=1408, k=6)}
+ROWS: list[dict] = []
+DEADLINE = [0.0]
+
+
+def bench(fn):
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def routing(t, e, k, skew, dev="cuda"):
+    """Top-k ids without repeats; skewed: expert popularity ~ Zipf(1.2), the top expert gets several times average."""
+    pop = torch.arange(1, e + 1, device=dev, dtype=torch.float32) ** -1.2 if skew else torch.ones(e, device=dev)
+    return torch.multinomial(pop.expand(t, e), k, replacement=False)
+
+
+def row(section, case, impl, ms, metric, unit, **extra):
+    ROWS.append(dict(section=section, case=case, impl=impl, ms=ms, metric=metric, unit=unit, **extra))
+    print(f"{section:7s} {case:34s} {impl:26s} {ms:9.3f} ms {metric:9.1f} {unit}", flush=True)
+
+
+def out_of_time():
+    return time.time() > DEADLINE[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eager baselines
+
+
+def eager_permute_quant(x, ids, e, quant=True):
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=e).tolist()
+    chunks, start = [], 0
+    for c in counts:
+        rows = x.index_select(0, order[start:start + c] // k)
+        chunks.append(torch.cat([rows, rows.new_zeros((-c) % 128, x.shape[1])]))
+        start += c
+    xp = torch.cat(chunks)
+    if not quant:
+        return xp, None
+    q = torch.empty(xp.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(xp.shape[0], x.shape[1] // 128, device=x.device)
+    for g in range(x.shape[1] // 128):
+        blk = xp[:, g * 128:(g + 1) * 128].float()
+        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
+        q[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        s[:, g] = sc
+    return q, s
+
+
+def eager_rows_cols(x):
+    m, n = x.shape
+    q, s = torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty(m, n // 128, device=x.device)
+    for g in range(n // 128):
+        blk = x[:, g * 128:(g + 1) * 128].float()
+        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
+        q[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        s[:, g] = sc
+    xt = x.t().float()
+    qt, st = torch.empty(n, m, device=x.device, dtype=torch.float8_e4m3fn), torch.empty(n, m // 128, device=x.device)
+    for g in range(m // 128):
+        blk = xt[:, g * 128:(g + 1) * 128]
+        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
+        qt[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        st[:, g] = sc
+    return (q, s), (qt, st)
+
+
+def vector_permute_quant(x, ids, e):
+    """The eager baseline's math without Python loops (what torch.compile gets to fuse)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(e, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + 127) // 128 * 128
+    starts = torch.cumsum(padded, 0) - padded
+    ranks = torch.arange(flat.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    dest = starts[flat[order]] + ranks
+    xp = x.new_zeros(flat.numel() + e * 128, x.shape[1]).index_copy(0, dest, x[order // k])
+    g = xp.float().view(xp.shape[0], -1, 128)
+    sc = g.abs().amax(-1).clamp_min(AMAX_EPS) / FP8_MAX
+    return (g / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(xp.shape), sc
+
+
+def vector_rows_cols(x):
+    m, n = x.shape
+    g = x.float().view(m, n // 128, 128)
+    sc = g.abs().amax(-1).clamp_min(AMAX_EPS) / FP8_MAX
+    q = (g / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, n)
+    gt = x.float().view(m // 128, 128, n)
+    st = gt.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
+    qt = (gt / st[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, n).t().contiguous()
+    return (q, sc), (qt, st.t().contiguous())
+
+
+def eager_layer(x, ids, w, w13, w2):
+    f = w13.shape[1] // 2
+    y = torch.zeros_like(x, dtype=torch.float32)
+    flat = ids.reshape(-1)
+    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])
+    for ex in range(w13.shape[0]):
+        r = (flat == ex).nonzero(as_tuple=True)[0]
+        h = x[tok[r]] @ w13[ex].t()
+        o = (F.silu(h[:, :f]) * h[:, f:]) @ w2[ex].t()
+        y = y.index_add(0, tok[r], o.float() * w.reshape(-1)[r, None])
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sections
+
+
+def copy_bandwidth():
+    a = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    gbs = 2 * a.numel() / ms / 1e6
+    row("ceiling", "d2d copy 2 GiB", "torch copy_", ms, gbs, "GB/s")
+    return gbs
+
+
+def section_layout(copy_gbs, quick):
+    cases = [("v3", 32, 16384, False), ("v3", 32, 16384, True), ("v2lite", 16, 32768, False)]
+    for name, e, t, skew in cases[:2] if quick else cases:
+        if out_of_time():
+            return
+        d, k = SHAPES[name]["d"], SHAPES[name]["k"]
+        case = f"{name} E{e} T{t} {'skew' if skew else 'unif'}"
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        ids = routing(t, e, k, skew)
+        q, s, lay = L.permute_align(x, ids, e)
+        rq, rs = eager_permute_quant(x, ids, e)
+        real = lay.src[: lay.offsets[-1]] >= 0
+        assert torch.equal(q[: lay.offsets[-1]][real].float(), rq[real].float()), "permute+quant mismatch"
+        nbytes = t * d * 2 + t * k * d + t * k * d // 128 * 4
+        ours = bench(lambda: L.permute_align(x, ids, e))
+        gbs = nbytes / ours / 1e6
+        row("layout", case, "permute+align+quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs)
+        eager = bench(lambda: eager_permute_quant(x, ids, e))
+        row("layout", case, "eager baseline", eager, nbytes / eager / 1e6, "GB/s", speedup=eager / ours)
+        if name == "v3" and not skew and not out_of_time():
+            comp = torch.compile(vector_permute_quant)
+            comp(x, ids, e)
+            cms = bench(lambda: comp(x, ids, e))
+            row("layout", case, "torch.compile (vectorized)", cms, nbytes / cms / 1e6, "GB/s", speedup=cms / ours)
+        xp, _, _ = L.permute_align(x, ids, e, quant=None, layout=lay)
+        m = xp.shape[0]
+        nb2 = m * d * 2 + 2 * m * d + 2 * m * d // 128 * 4
+        (q1, s1), (qt1, st1) = L.quant_rows_cols(xp)
+        (q2, s2), (qt2, st2) = eager_rows_cols(xp)
+        assert torch.equal(q1.float(), q2.float()) and torch.equal(st1, st2), "grouped quant mismatch"
+        ours = bench(lambda: L.quant_rows_cols(xp))
+        gbs = nb2 / ours / 1e6
+        row("layout", case, "row+col quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs)
+        eager = bench(lambda: eager_rows_cols(xp))
+        row("layout", case, "row+col eager baseline", eager, nb2 / eager / 1e6, "GB/s", speedup=eager / ours)
+        if name == "v3" and not skew and not out_of_time():
+            comp = torch.compile(vector_rows_cols)
+            comp(xp)
+            cms = bench(lambda: comp(xp))
+            row("layout", case, "row+col compile (vectorized)", cms, nb2 / cms / 1e6, "GB/s", speedup=cms / ours)
+        del x, xp, q, rq
+
+
+def _scaled_grouped(aq, a_s, bq, b_s, offs):
+    return torch._scaled_grouped_mm(aq, bq.transpose(-2, -1), a_s, b_s, offs=offs, out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+
+
+def section_gemm(quick):
+    cases = [("v3 w13", 8, 4096, 4096, 7168), ("v3 w2", 8, 4096, 7168, 2048), ("v3 w13 E32", 32, 1024, 4096, 7168),
+             ("v2lite w13", 16, 4096, 2816, 2048), ("v2lite w2", 16, 4096, 2048, 1408)]
+    for name, e, per, n, k in cases[:2] if quick else cases:
+        if out_of_time():
+            return
+        m = e * per
+        case = f"{name} {e}x{per} N{n} K{k}"
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        m_idx = torch.arange(e, device="cuda", dtype=torch.int32).repeat_interleave(per)
+        offsets = torch.arange(0, m + 1, per, device="cuda", dtype=torch.int64)
+        offs32 = offsets[1:].to(torch.int32)
+        (aq, a_s), (aqt, ast) = L.quant_rows_cols(a)
+        bq, b_s, bqt = L.quant_weights(b)
+        flops = 2 * m * n * k
+        ref = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs32)
+        ours = G.mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s)
+        err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+        t_bf = bench(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs32))
+        row("gemm", case, "fwd bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
+        t_o = bench(lambda: G.mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s))
+        row("gemm", case, "fwd fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=err)
+        t_ob = bench(lambda: G.mgrouped_gemm(a, b, m_idx))
+        row("gemm", case, "fwd bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
+        try:
+            ar = a.float().abs().amax(1) / FP8_MAX
+            aqr = (a.float() / ar[:, None]).to(torch.float8_e4m3fn)
+            br = b.float().abs().amax(2) / FP8_MAX
+            bqr = (b.float() / br[..., None]).to(torch.float8_e4m3fn)
+            _scaled_grouped(aqr, ar, bqr, br, offs32)
+            t_sg = bench(lambda: _scaled_grouped(aqr, ar, bqr, br, offs32))
+            row("gemm", case, "fwd fp8 rowwise _scaled_gmm", t_sg, flops / t_sg / 1e9, "TFLOP/s")
+        except (RuntimeError, TypeError) as exc:
+            print(f"_scaled_grouped_mm unavailable: {str(exc)[:120]}")
+        # data gradient: dX [M, K] = dY [M, N] @ W_e [N, K]
+        (dq, ds), (dqt, dst) = L.quant_rows_cols(ref)
+        t_bf = bench(lambda: torch._grouped_mm(ref, b, offs=offs32))
+        row("gemm", case, "dgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
+        t_o = bench(lambda: G.mgrouped_gemm(dq, bqt, m_idx, a_scale=ds, b_scale=b_s.transpose(1, 2)))
+        row("gemm", case, "dgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o)
+        # weight gradient: dW_e [N, K] = dY_e^T @ X_e
+        t_bf = bench(lambda: torch._grouped_mm(ref.t(), a, offs=offs32))
+        row("gemm", case, "wgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
+        wref = torch._grouped_mm(ref.t(), a, offs=offs32).float()
+        wo = G.kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast)
+        werr = ((wo - wref).norm() / wref.norm()).item()
+        t_o = bench(lambda: G.kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast))
+        row("gemm", case, "wgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=werr)
+        t_ob = bench(lambda: G.kgrouped_gemm(ref.t(), a.t(), offsets, out_dtype=torch.bfloat16))
+        row("gemm", case, "wgrad bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
+        del a, b, aq, aqt, bq, bqt, ref
+
+
+def section_layer(quick):
+    cases = [("v3", 32, 8192, False), ("v3", 32, 8192, True), ("v2lite", 16, 16384, False)]
+    for name, e, t, skew in cases[:1] if quick else cases:
+        if out_of_time():
+            return
+        d, f, k = SHAPES[name]["d"], SHAPES[name]["f"], SHAPES[name]["k"]
+        case = f"{name} E{e} T{t} {'skew' if skew else 'unif'}"
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        ids = routing(t, e, k, skew)
+        w = torch.softmax(torch.randn(t, k, device="cuda"), -1).requires_grad_()
+        w13 = (torch.randn(e, 2 * f, d, device="cuda", dtype=torch.bfloat16) / d ** 0.5).requires_grad_()
+        w2 = (torch.randn(e, d, f, device="cuda", dtype=torch.bfloat16) / f ** 0.5).requires_grad_()
+        dy = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+        flops = 18 * t * k * d * f
+
+        def step(fn):
+            def run():
+                for p in (x, w, w13, w2):
+                    p.grad = None
+                fn().backward(dy)
+            return run
+
+        y_eager = eager_layer(x, ids, w, w13, w2).float()
+        t_e = bench(step(lambda: eager_layer(x, ids, w, w13, w2)))
+        row("layer", case, "eager per-expert loop bf16", t_e, flops / t_e / 1e9, "TFLOP/s")
+        res = {}
+        for recipe, backend in (("bf16", "torch"), ("bf16", "triton"), ("fp8_blockwise", "triton")):
+            y = moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend).float()
+            err = ((y - y_eager).norm() / y_eager.norm()).item()
+            ms = bench(step(lambda: moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend)))
+            res[(recipe, backend)] = ms
+            row("layer", case, f"{recipe} {backend}", ms, flops / ms / 1e9, "TFLOP/s", vs_eager=t_e / ms,
+                vs_bf16=res[("bf16", "torch")] / ms, rel_err=err)
+            torch.cuda.reset_peak_memory_stats()
+            step(lambda: moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend))()
+            ROWS[-1]["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        del x, w13, w2
+
+
+def write_markdown(path, copy_gbs):
+    lines = [f"# bench/moe.py results", "",
+             f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+             f"{torch.__version__}, triton {triton.__version__}; median of do_bench; copy ceiling {copy_gbs:.0f} GB/s",
+             "", "| section | case | impl | ms | rate | notes |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in ROWS:
+        extra = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                          if k not in ("section", "case", "impl", "ms", "metric", "unit"))
+        lines.append(f"| {r['section']} | {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['metric']:.1f} {r['unit']} "
+                     f"| {extra} |")
+    open(path, "w").write("\n".join(lines) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="layout,gemm,layer")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--out", default="bench/results/moe.md")
+    args = ap.parse_args()
+    DEADLINE[0] = time.time() + args.budget_s
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    for sec in args.sections.split(","):
+        try:
+            {"layout": lambda: section_layout(copy_gbs, args.quick), "gemm": lambda: section_gemm(args.quick),
+             "layer": lambda: section_layer(args.quick)}[sec]()
+        except Exception as exc:  # a failing section must not hide the others' numbers
+            print(f"section {sec} failed: {type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache()
+    write_markdown(args.out, copy_gbs)
+    print(open(args.out).read())
+
+
+if __name__ == "__main__":
+    main()
