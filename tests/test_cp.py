@@ -144,14 +144,24 @@ def _check_model(rank: int, world: int) -> None:
         ref = ref_model(batch)
         ref.loss.backward()
         cp = ContextParallel(cp_model, dist.group.WORLD, layout)
-        out = cp(batch)
+        if layout == "striped":  # route model(batch) through the wrapper, as apply_parallelism does
+            cp.model = cp_model.forward
+            cp_model.forward = cp.forward
+            out = cp_model(batch)
+        else:
+            out = cp(batch)
         out.loss.backward()
         assert out.num_targets == batch.num_targets()
         loss = out.loss.detach().clone()
         dist.all_reduce(loss)
         torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
         for name in ("lm_loss", "mtp_loss", "z_loss"):
-            torch.testing.assert_close(out.metrics[name], ref.metrics[name], rtol=1e-5, atol=1e-6)
+            value = out.metrics[name].clone()
+            dist.all_reduce(value)
+            torch.testing.assert_close(value, ref.metrics[name], rtol=1e-5, atol=1e-6)
+        load = out.expert_load.clone()
+        dist.all_reduce(load)
+        assert load.sum() >= ref.expert_load.sum()  # padding tokens are routed too
         for (name, p_ref), (_, p_cp) in zip(ref_model.named_parameters(), cp_model.named_parameters()):
             assert p_ref.grad is not None, name
             g = p_cp.grad.clone() if p_cp.grad is not None else torch.zeros_like(p_ref)

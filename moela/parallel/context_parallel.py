@@ -12,11 +12,13 @@ Decisions:
 - The model is wrapped from the outside: `ContextParallel` replaces `core_attention` on every module that has it
   (the attention modules of the blocks and of the MTP heads). RoPE needs nothing: the local batch carries the
   tokens' original `position_ids`.
-- Loss: the model returns its local token-mean; `ContextParallel.forward` rescales it by local / group labelled
-  tokens, so the sum over the group of the returned losses (and of the parameter gradients, which the caller
-  sums over the group, e.g. FSDP over dp_shard x cp) is the single-process micro-batch loss and gradient.
-  Metrics are combined the same way; `expert_load` is summed over the group (padding tokens are routed too, a
-  difference of at most 2*cp-1 tokens per document that only the bias update sees).
+- Loss: the model returns its local token-mean; `ContextParallel.forward` rescales it (and the metrics) by local /
+  group labelled tokens and reports the micro-batch's true `num_targets`. Every returned quantity is this rank's
+  share: summed over the group (loss, metrics, `expert_load`, parameter gradients - which the caller sums over the
+  group, e.g. FSDP over dp_shard x cp) it is the single-process micro-batch value. No collective runs here beyond
+  the attention's, so the trainer's sums over its dp x cp ranks stay correct, provided it counts the step's
+  labelled tokens once per micro-batch (over the `dp` ranks, not `dp_cp`: CP ranks share micro-batches).
+  `expert_load` includes padding tokens (at most 2*cp-1 per document), which only the bias update sees.
 - Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
   computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
 - Terms that need per-document statistics across the group (the sequence-wise balance loss) are computed on each
@@ -127,7 +129,8 @@ class ContextParallel:
     """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
 
     def __init__(self, model: torch.nn.Module, group=None, layout: str = "dualchunk"):
-        self.model = model
+        self.model = model  # what `forward` calls on the local batch (a wrapper may swap in the original forward)
+        self.mtp_depth = len(getattr(model, "mtp", ()))
         self.group = group if group is not None else dist.group.WORLD
         self.cp_size = dist.get_world_size(self.group)
         self.cp_rank = dist.get_rank(self.group)
@@ -159,7 +162,7 @@ class ContextParallel:
     def mtp_targets(self, batch: PackedBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per MTP depth, this rank's (input token, label): shifted within documents on the whole batch first,
         since a token's successors may live on another rank."""
-        depth = len(getattr(self.model, "mtp", ()))
+        depth = self.mtp_depth
         if depth == 0:
             return None
         doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.input_ids.device)
@@ -172,26 +175,15 @@ class ContextParallel:
                         shard_tokens(labels, self.plan, self.cp_rank, IGNORE_INDEX)))
         return out
 
-    def forward(self, batch: PackedBatch):
-        """Run the model on this rank's part of `batch`; returns its `ModelOutput` with the loss rescaled so the
-        group's losses (and gradients) sum to the single-process ones, group-level metrics and the true
-        `num_targets`."""
+    def forward(self, batch: PackedBatch, **kwargs):
+        """Run the model on this rank's part of `batch`; returns its `ModelOutput` with loss and metrics scaled to
+        this rank's share (they sum over the group to the single-process values) and the true `num_targets`."""
         local = self.shard(batch)
-        out = self.model(local, mtp_targets=self.mtp_targets(batch))
-        n_local = local.num_targets()
-        n_total = batch.num_targets()
-        share = n_local / max(n_total, 1)
+        out = self.model(local, mtp_targets=self.mtp_targets(batch), **kwargs)
+        share = out.num_targets / max(batch.num_targets(), 1)
         out.loss = out.loss * share
-        names = sorted(out.metrics)
-        if names:
-            stats = torch.stack([out.metrics[k].detach().float() * share for k in names])  # [M]
-            dist.all_reduce(stats, group=self.group)
-            out.metrics = {k: stats[i] for i, k in enumerate(names)}
-        if out.expert_load is not None:
-            load = out.expert_load.detach().clone()
-            dist.all_reduce(load, group=self.group)
-            out.expert_load = load
-        out.num_targets = n_total
+        out.metrics = {k: v * share for k, v in out.metrics.items()}
+        out.num_targets = batch.num_targets()
         return out
 
     __call__ = forward
