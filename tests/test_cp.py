@@ -150,13 +150,16 @@ def _check_model(rank: int, world: int) -> None:
             out = cp_model(batch)
         else:
             out = cp(batch)
-        out.loss.backward()
-        assert out.num_targets == batch.num_targets()
-        loss = out.loss.detach().clone()
+        share = out.num_targets / batch.num_targets()
+        (out.loss * share).backward()
+        counts = torch.tensor([out.num_targets])
+        dist.all_reduce(counts)
+        assert int(counts) == batch.num_targets()
+        loss = out.loss.detach() * share
         dist.all_reduce(loss)
         torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
         for name in ("lm_loss", "mtp_loss", "z_loss"):
-            value = out.metrics[name].clone()
+            value = out.metrics[name] * share
             dist.all_reduce(value)
             torch.testing.assert_close(value, ref.metrics[name], rtol=1e-5, atol=1e-6)
         load = out.expert_load.clone()

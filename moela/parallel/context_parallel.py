@@ -12,13 +12,14 @@ Decisions:
 - The model is wrapped from the outside: `ContextParallel` replaces `core_attention` on every module that has it
   (the attention modules of the blocks and of the MTP heads). RoPE needs nothing: the local batch carries the
   tokens' original `position_ids`.
-- Loss: the model returns its local token-mean; `ContextParallel.forward` rescales it (and the metrics) by local /
-  group labelled tokens and reports the micro-batch's true `num_targets`. Every returned quantity is this rank's
-  share: summed over the group (loss, metrics, `expert_load`, parameter gradients - which the caller sums over the
-  group, e.g. FSDP over dp_shard x cp) it is the single-process micro-batch value. No collective runs here beyond
-  the attention's, so the trainer's sums over its dp x cp ranks stay correct, provided it counts the step's
-  labelled tokens once per micro-batch (over the `dp` ranks, not `dp_cp`: CP ranks share micro-batches).
-  `expert_load` includes padding tokens (at most 2*cp-1 per document), which only the bias update sees.
+- Loss: each CP rank is treated like a data-parallel rank holding part of the micro-batch: the model returns the
+  token-mean over this rank's labelled tokens and their count (`num_targets`), and its metrics and `expert_load`
+  over this rank's tokens. Weighting by num_targets / (labelled tokens of the micro-batch) and summing over the
+  group (loss, metrics, parameter gradients - e.g. FSDP over dp_shard x cp) gives the single-process values, so
+  the trainer's usual weighting works unchanged as long as it counts the step's labelled tokens once per
+  micro-batch (sum over the `dp` ranks: the ranks of a CP group share micro-batches). No collective runs here
+  beyond the attention's. `expert_load` includes padding tokens (at most 2*cp-1 per document), which only the
+  bias update sees.
 - Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
   computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
 - Terms that need per-document statistics across the group (the sequence-wise balance loss) are computed on each
@@ -176,14 +177,9 @@ class ContextParallel:
         return out
 
     def forward(self, batch: PackedBatch, **kwargs):
-        """Run the model on this rank's part of `batch`; returns its `ModelOutput` with loss and metrics scaled to
-        this rank's share (they sum over the group to the single-process values) and the true `num_targets`."""
+        """Run the model on this rank's part of `batch`; its `ModelOutput` is the local token-mean loss with the
+        local `num_targets` (see the module docstring for how the group's outputs combine)."""
         local = self.shard(batch)
-        out = self.model(local, mtp_targets=self.mtp_targets(batch), **kwargs)
-        share = out.num_targets / max(batch.num_targets(), 1)
-        out.loss = out.loss * share
-        out.metrics = {k: v * share for k, v in out.metrics.items()}
-        out.num_targets = batch.num_targets()
-        return out
+        return self.model(local, mtp_targets=self.mtp_targets(batch), **kwargs)
 
     __call__ = forward
