@@ -1,7 +1,7 @@
 """The training loop: `Trainer(cfg).fit()` builds everything from a `Config`, trains, evaluates, checkpoints.
 
 One optimizer step: the loader hands this data-parallel rank its `grad_accum` packed micro-batches; the labelled
-tokens of the whole global step are counted (all-reduced over every rank holding a share of the batch) before any
+tokens of the whole global step are counted (summed over the data-parallel ranks, once per micro-batch) before any
 backward, and micro-batch i contributes `loss_i * num_targets_i / total_targets`, so accumulation and data
 parallelism reproduce the single-process token-mean gradient exactly. Then: clip, check finiteness, AdamW step,
 router-bias update from the expert load summed over all those ranks, LR schedule step.
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from moela.config import Config, dump_config
 from moela.data import build_loaders
+from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 import moela.parallel
 from moela.parallel.expert_parallel import reduce_expert_load
@@ -62,7 +63,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.train_loader, self.val_loader, self.tokenizer = build_loaders(
             cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
-            dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed)
+            dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
+            cost_coefficients=cost_coefficients(cfg.model))
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise TrainingError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                                 f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
@@ -128,7 +130,7 @@ class Trainer:
         batches = self.train_loader.next_step()
         counts = torch.tensor([sum(b.num_targets() for b in batches), sum(b.num_tokens for b in batches),
                                sum(_sum_sq_doc_len(b) for b in batches)], dtype=torch.float64, device=self.device)
-        self._all_reduce(counts, "dp_cp")
+        self._all_reduce(counts, "dp")  # once per micro-batch: the ranks of a CP group share their micro-batches
         total_targets = max(float(counts[0]), 1.0)
         grad_scale = self.mesh.size("dp_cp")
         lr = self.scheduler.get_last_lr()[0]
