@@ -130,7 +130,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     for d in range(cfg.num_nextn_predict_layers):
         hf = f"model.layers.{cfg.num_hidden_layers + d}"
         _block_to_hf(sd, f"mtp.{d}.block", hf, cfg.mtp_is_moe, out)
-        out.update({f"{hf}.enorm.weight": sd[f"mtp.{d}.enorm.weight"], f"{hf}.hnorm.weight": sd[f"mtp.{d}.hnorm.weight"],
+        out.update({f"{hf}.enorm.weight": sd[f"mtp.{d}.enorm.weight"],
+                    f"{hf}.hnorm.weight": sd[f"mtp.{d}.hnorm.weight"],
                     f"{hf}.eh_proj.weight": sd[f"mtp.{d}.eh_proj.weight"],
                     f"{hf}.shared_head.norm.weight": sd[f"mtp.{d}.norm.weight"],
                     f"{hf}.shared_head.head.weight": head, f"{hf}.embed_tokens.weight": sd["embed.weight"]})

@@ -15,16 +15,12 @@ from __future__ import annotations
 from moela.model.config import ModelConfig
 
 
-def _attention_params(cfg: ModelConfig) -> int:
+def _attention_params(cfg: ModelConfig, matmul_only: bool = False) -> int:
     d, h, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
-    if cfg.q_lora_rank is None:
-        q = d * h * qk
-    else:
-        q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * qk
-    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    kv += cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    qk_norm = {"none": 0, "head": 2 * qk, "layer": 2 * h * qk}[cfg.qk_norm]
-    return q + kv + h * cfg.v_head_dim * d + qk_norm
+    q = d * h * qk if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    norms = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + {"none": 0, "head": 2 * qk, "layer": 2 * h * qk}[cfg.qk_norm]
+    return q + kv + h * cfg.v_head_dim * d + (0 if matmul_only else norms)
 
 
 def _ffn_params(cfg: ModelConfig, moe: bool) -> tuple[int, int]:
@@ -38,10 +34,10 @@ def _ffn_params(cfg: ModelConfig, moe: bool) -> tuple[int, int]:
     return fixed + cfg.n_routed_experts * expert, fixed + cfg.num_experts_per_tok * expert
 
 
-def _block_params(cfg: ModelConfig, moe: bool, fal_norm: bool) -> tuple[int, int]:
-    norms = (3 if fal_norm else 2) * cfg.hidden_size
+def _block_params(cfg: ModelConfig, moe: bool, fal_norm: bool, matmul_only: bool = False) -> tuple[int, int]:
+    norms = 0 if matmul_only else (3 if fal_norm else 2) * cfg.hidden_size
     total, active = _ffn_params(cfg, moe)
-    attn = _attention_params(cfg)
+    attn = _attention_params(cfg, matmul_only)
     return norms + attn + total, norms + attn + active
 
 
@@ -65,9 +61,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     d, v = cfg.hidden_size, cfg.vocab_size
     matmul = v * d  # output head (the embedding is a lookup)
     for i in range(cfg.num_hidden_layers):
-        matmul += _block_params(cfg, i >= cfg.first_k_dense_replace, fal_norm=False)[1]
+        matmul += _block_params(cfg, i >= cfg.first_k_dense_replace, fal_norm=False, matmul_only=True)[1]
     depth = cfg.num_nextn_predict_layers
-    matmul += depth * (_block_params(cfg, cfg.mtp_is_moe, fal_norm=False)[1] + 2 * d * d + v * d)
+    matmul += depth * (_block_params(cfg, cfg.mtp_is_moe, fal_norm=False, matmul_only=True)[1] + 2 * d * d + v * d)
     attn_layers = cfg.num_hidden_layers + depth
     attention = 3 * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len * attn_layers
     return float(6 * matmul + attention)
