@@ -35,7 +35,8 @@ def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, se
                shuffle=True, assign=round_robin_assign):
     return TrainLoader(cache, doc_ids, tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
                        dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
-                       cost_fn=microbatch_cost, cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
+                       cost_fn=microbatch_cost, cost_coefficients=(1.0, 1 / 64),
+                       settings={"tokens_per_microbatch": budget})
 
 
 def check_batch(batch, offsets, budget):
@@ -101,7 +102,7 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
     rng = np.random.default_rng(budget)
     lengths = random_lengths(rng, 83, 90)  # many documents longer than the budget: they get split
     cache = synthetic_cache(tmp_path, lengths)
-    train_docs, val_docs, _ = split_train_val(cache.doc_lengths, 0.1, 10**9)
+    train_docs, val_docs = split_train_val(cache.doc_lengths, 0.1, 10**9)
     ranks = [make_train(cache, train_docs, budget, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum,
                         max_doc_len=max_doc_len, seed=5) for r in range(dp_size)]
     per_epoch = len(ranks[0].epoch_plan(0))
@@ -229,10 +230,12 @@ def test_pluggable_assignment_and_imbalance(tmp_path):
 def test_val_split_fixed_disjoint_and_even(tmp_path, dp_size):
     lengths = random_lengths(np.random.default_rng(8), 97, 40)
     cache = synthetic_cache(tmp_path, lengths)
-    train_docs, val_docs, cap = split_train_val(cache.doc_lengths, 0.1, 10**9)
+    train_docs, val_docs = split_train_val(cache.doc_lengths, 0.1, 10**9)
+    cap = 10**9
     assert len(val_docs) == 10 and not set(train_docs) & set(val_docs)
     assert sorted([*train_docs, *val_docs]) == list(range(97))
     assert np.array_equal(split_train_val(cache.doc_lengths, 0.1, 10**9)[1], val_docs)
+    assert len(split_train_val(cache.doc_lengths, 0.1, 100)[1]) < 10, "the token cap limits the held-out docs"
     vals = [ValLoader(cache, val_docs, cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r, dp_size=dp_size)
             for r in range(dp_size)]
     assert len({len(v) for v in vals}) == 1 and len(vals[0]) >= 1
@@ -247,7 +250,7 @@ def test_val_split_fixed_disjoint_and_even(tmp_path, dp_size):
 
 def test_val_token_cap_truncates(tmp_path):
     cache = synthetic_cache(tmp_path, [50, 60, 70, 80, 90])
-    train_docs, val_docs, cap = split_train_val(cache.doc_lengths, 0.5, 75)
+    train_docs, val_docs = split_train_val(cache.doc_lengths, 0.5, 75)
     assert len(val_docs) == 1
     val = ValLoader(cache, val_docs, 40, tokens_per_microbatch=16, max_doc_len=None, dp_rank=0, dp_size=1)
     seen = np.concatenate([check_batch(b, cache.offsets, 16) for b in val])

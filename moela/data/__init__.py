@@ -47,7 +47,7 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     source = DocumentSource(cfg)
     cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
                                 num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
-    train_docs, val_docs, val_cap = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
+    train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
 
     if cfg.balance:
         try:
@@ -62,6 +62,6 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     train = TrainLoader(cache, train_docs, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
                         dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
                         assign=assign, cost_fn=cost_fn, cost_coefficients=coefficients, settings=settings)
-    val = ValLoader(cache, val_docs, val_cap, tokens_per_microbatch=tokens_per_microbatch,
+    val = ValLoader(cache, val_docs, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
                     max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
     return train, val, tokenizer

@@ -47,9 +47,9 @@ def microbatch_cost(doc_lengths, a: float, b: float) -> float:
 def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens: int):
     """Held-out documents chosen by a fixed permutation of document indices (independent of the training seed).
 
-    Returns (train_doc_ids, val_doc_ids, val_token_cap), both sorted. At least one document is held out when
-    val_fraction > 0 and there are two or more documents; whole documents are taken until val_max_tokens, and the
-    returned cap truncates the last one if even the first document is longer than the cap.
+    Returns (train_doc_ids, val_doc_ids), both sorted. At least one document is held out when val_fraction > 0,
+    val_max_tokens > 0 and there are two or more documents; whole documents are taken while their total stays
+    within val_max_tokens (one document at least: the validation loader truncates it to the cap).
     """
     n = len(doc_lengths)
     n_val = 0 if val_fraction <= 0 or n < 2 or val_max_tokens <= 0 else max(1, int(round(val_fraction * n)))
@@ -59,7 +59,7 @@ def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens
     keep = chosen[:max(int(within_cap.sum()), min(1, n_val))]
     mask = np.zeros(n, dtype=bool)
     mask[keep] = True
-    return np.flatnonzero(~mask), np.flatnonzero(mask), val_max_tokens
+    return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
 class TrainLoader:
