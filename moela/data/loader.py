@@ -19,6 +19,7 @@ Decisions:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -62,6 +63,26 @@ def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens
     return np.flatnonzero(~mask), np.flatnonzero(mask)
 
 
+class EpochPlan:
+    """One epoch's micro-batches as two flat arrays (compact for millions of pieces); `plan[i]` -> piece indices."""
+
+    def __init__(self, order: np.ndarray, bins: list[list[int]]):
+        sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))  # [B]
+        self.offsets = np.zeros(len(bins) + 1, dtype=np.int64)  # [B+1]
+        np.cumsum(sizes, out=self.offsets[1:])
+        self.pieces = order[np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64,
+                                        count=int(self.offsets[-1]))]  # [P]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.pieces[self.offsets[i]:self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+
 class TrainLoader:
     """`next_step()` -> this rank's `grad_accum` PackedBatches for one optimizer step."""
 
@@ -94,14 +115,14 @@ class TrainLoader:
         self._locate(self.consumed)
         return self._epoch + (self.consumed - self._epoch_start) / len(self._plan)
 
-    def epoch_plan(self, epoch: int) -> list[np.ndarray]:
-        """The packed micro-batches of one epoch, each an array of piece indices."""
+    def epoch_plan(self, epoch: int) -> EpochPlan:
+        """The packed micro-batches of one epoch (piece indices)."""
         num_pieces = len(self.piece_len)
         if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(num_pieces)
+            order = np.random.default_rng([self.seed, epoch]).permutation(num_pieces)  # [P]
         else:
             order = np.arange(num_pieces)
-        return [order[np.asarray(b)] for b in pack(self.piece_len[order], self.budget)]
+        return EpochPlan(order, pack(self.piece_len[order], self.budget))
 
     def _locate(self, g: int) -> np.ndarray:
         if self._plan is None:

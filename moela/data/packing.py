@@ -51,7 +51,7 @@ def pack(lengths, budget: int, max_open: int = MAX_OPEN_MICROBATCHES) -> list[li
     bins: list[list[int]] = []
     open_bins: list[tuple[int, int]] = []  # sorted (room left, bin id)
     emitted: list[int] = []
-    for i, n in enumerate(int(x) for x in lengths):
+    for i, n in enumerate(lengths.tolist() if isinstance(lengths, np.ndarray) else lengths):
         if not 0 < n <= budget:
             raise ValueError(f"item {i} has length {n}, outside [1, budget={budget}]")
         j = bisect_left(open_bins, (n, -1))
