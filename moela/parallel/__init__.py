@@ -1,1 +1,54 @@
-"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert, context and tensor parallelism."""
+"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert, context and tensor parallelism.
+
+`apply_parallelism(model, mesh, cfg)` is the one entry point the trainer calls, in torchtitan's order: tensor
+parallel (not built: `tp > 1` is rejected), context parallel (attention hooks + batch sharding in `forward`),
+expert parallel (routed experts replaced by their EP version), activation checkpointing, FSDP2. Parameter names
+never change, so checkpoints written under one layout load under another. Contract with the trainer: FSDP
+averages every gradient over the `dp_cp` ranks (see `moela.parallel.fsdp`), so the trainer multiplies each rank's
+loss by `mesh.size("dp_cp")` after weighting micro-batches by their share of the global step's labelled tokens;
+gradient clipping goes through `clip_grad_norm_` (gradients may live on several meshes); the per-step expert load
+is summed with `reduce_expert_load` before `update_router_bias`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moela.parallel.config import ParallelConfig
+from moela.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel, reduce_expert_load
+from moela.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_
+from moela.parallel.mesh import ParallelMesh, build_mesh
+
+__all__ = ["ExpertParallelExperts", "ParallelConfig", "ParallelMesh", "apply_parallelism", "build_mesh",
+           "clip_grad_norm_", "reduce_expert_load"]
+
+
+def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, layout: str) -> None:
+    """Route `model(batch)` through `ContextParallel.forward`: this rank's part of the batch, rescaled loss."""
+    from moela.parallel.context_parallel import ContextParallel
+
+    cp = ContextParallel(model, mesh.group("cp"), layout)
+    cp.model = model.forward
+    model.forward = cp.forward
+
+
+def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, *,
+                      mixed_precision: bool | None = None) -> nn.Module:
+    """Parallelize `model` in place for `mesh` as `cfg` asks; returns it. `mixed_precision` (bf16 params, fp32
+    gradient reduction under FSDP) defaults to on for CUDA meshes, off on CPU."""
+    if cfg.tp > 1:
+        raise ValueError(f"parallel.tp: tensor parallelism is not available in this version (tp={cfg.tp}); set "
+                         f"tp: 1 and use dp_shard / ep / cp instead")
+    if mixed_precision is None:
+        mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
+    if mesh.size("cp") > 1:
+        _apply_context_parallel(model, mesh, cfg.cp_layout)
+    if mesh.size("ep") > 1:
+        if apply_expert_parallel(model, mesh["ep"]) == 0:
+            raise ValueError(f"parallel.ep={cfg.ep} but the model has no routed experts; set ep: 1 (a dense model "
+                             f"has nothing to distribute)")
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if mesh.distributed and mesh.size("dp_cp") > 1:
+        apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision)
+    return model

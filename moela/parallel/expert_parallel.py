@@ -94,6 +94,12 @@ class ExpertParallelExperts(nn.Module):
                 _local(new.w2).copy_(w2[lo:lo + new.num_local])
         return new
 
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """N(0, std) for this rank's experts (the model calls this instead of its own rule for experts)."""
+        nn.init.normal_(self.w13, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=std)
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, local={self.num_local}, ep={self.ep_mesh.size()}, "
                 f"recipe={self.recipe}")
@@ -127,6 +133,19 @@ class ExpertParallelExperts(nn.Module):
         y = torch.zeros(t, x.shape[1], device=x.device, dtype=torch.float32)  # [T, D]
         y = y.index_add(0, order // k, y_back.float() * gate[:, None])
         return y.to(x.dtype)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Replace every routed-experts module (a child named `experts` with stacked `w13` and `w2`) by its
+    expert-parallel version over `ep_mesh`; returns how many were replaced. Works on meta or materialized models."""
+    targets = [(parent, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if name == "experts" and isinstance(getattr(child, "w13", None), torch.Tensor)
+               and isinstance(getattr(child, "w2", None), torch.Tensor)
+               and not isinstance(child, ExpertParallelExperts)]
+    for parent, child in targets:
+        parent.experts = ExpertParallelExperts.from_module(child, ep_mesh)
+    return len(targets)
 
 
 def reduce_expert_load(expert_load: torch.Tensor, mesh) -> torch.Tensor:

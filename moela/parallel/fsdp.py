@@ -1,0 +1,111 @@
+"""FSDP2 wrapping, activation checkpointing and gradient-norm clipping for sharded (and expert-parallel) models.
+
+Decisions:
+- FSDP units: every transformer block (`model.layers[i]`, `model.mtp[d].block`) and the root (embedding, final norm,
+  head: the embedding is read again by the MTP depths and possibly tied to the head, so it stays with the root,
+  gathered for the whole step). Routed experts under
+  expert parallelism are their own unit, sharded over the `efsdp` mesh (the ranks holding the same experts),
+  while the rest of the block shards over `dp_shard_cp`. With `dp_replicate > 1` both meshes are 2D: HSDP
+  (shard inside a replica group, all-reduce across replicas).
+- Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32, fp32 master weights and
+  optimizer state. On CPU everything stays fp32.
+- Gradient reduction: every unit averages over all `dp_cp` ranks (the ranks that hold a share of the global
+  batch), expert units included, although their FSDP group is `ep` times smaller: each expert's gradient
+  already sums the tokens of its whole EP group. So one rule holds for every parameter and the trainer scales
+  the loss by `mesh.size("dp_cp")`. On gloo (CPU), which has no pre-multiplied sum, units that reduce-scatter
+  over more than one rank issue plain sums plus a division; the others keep FSDP's default path (forcing sums
+  on a one-rank shard group makes torch 2.13 divide twice).
+- Activation checkpointing per block without changing parameter names: the block's `forward` is replaced by a
+  non-reentrant `torch.utils.checkpoint` of the original. `full` recomputes every block; `selective` recomputes
+  every second block (torchtitan's layer-selective mode: about half the activation memory for a third of the
+  recompute). Op-level selective checkpointing is not used: it requires the recomputation to replay exactly the
+  forward's operator sequence, which the nested FSDP unit of expert-parallel experts does not (its hooks differ
+  between forward and recompute).
+- `clip_grad_norm_` handles gradients that live on different meshes (dense vs expert DTensors, plain tensors)
+  by computing one total norm per mesh and combining them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from moela.parallel.expert_parallel import ExpertParallelExperts
+
+AC_MODES = ("none", "full", "selective")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units that FSDP and activation checkpointing wrap: main blocks, then the block of each MTP depth (the
+    depth's own norms and projection are used outside that block's forward, so they stay with the root)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no `layers` ModuleList; parallelism wraps each block of it")
+    return list(layers) + [getattr(depth, "block", depth) for depth in getattr(model, "mtp", [])]
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute each block's activations in backward: mode "none", "full" or "selective" (see module doc)."""
+    if mode not in AC_MODES:
+        raise ValueError(f"parallel.activation_checkpointing: unknown mode {mode!r}; choose one of "
+                         f"{', '.join(AC_MODES)}")
+    if mode == "none":
+        return
+    for i, block in enumerate(transformer_blocks(model)):
+        if mode == "full" or i % 2 == 1:
+            _checkpoint_forward(block)
+
+
+def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False
+               ) -> None:
+    """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units."""
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
+              else MixedPrecisionPolicy())
+    shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    units: list[tuple[nn.Module, int]] = []  # (FSDP module, size of its reduce-scatter group)
+    for block in transformer_blocks(model):
+        for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
+            units.append((shard(experts, mesh=mesh.expert_fsdp_mesh), mesh.size("efsdp")))
+        units.append((shard(block, mesh=mesh.fsdp_mesh), mesh.size("dp_shard_cp")))
+    root = fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    units.append((root, mesh.size("dp_shard_cp")))
+    divide = float(mesh.size("dp_cp"))
+    for module, shard_size in units:
+        module.set_gradient_divide_factor(divide)
+        if mesh.device_type == "cpu" and shard_size > 1:
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Like `torch.nn.utils.clip_grad_norm_`, for gradients spread over several device meshes; returns the total
+    norm (a plain tensor, the same on every rank)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    stacked = torch.stack(norms)  # [meshes]
+    total = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
