@@ -234,3 +234,17 @@ def test_build_loaders_balanced_assignment(tmp_path):
         imb = balanced[0].last_imbalance
         assert imb == balanced[1].last_imbalance and imb["after"] <= imb["before"] + 1e-9
         assert plain[0].last_imbalance["after"] == plain[0].last_imbalance["before"]
+
+
+def test_prepare_data_script(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": f"document number {i} " * (i + 1)}) + "\n" for i in range(30)))
+    script = str(REPO / "scripts" / "prepare_data.py")
+    args = [sys.executable, script, str(REPO / "recipes" / "tiny.yaml"), "data.source=jsonl",
+            f"data.paths=[{f}]", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.1"]
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "30 documents" in done.stdout and "validation:" in done.stdout
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1
+    bad = subprocess.run(args + ["data.text_field=body"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no field 'body'" in bad.stderr
