@@ -34,7 +34,7 @@ class RopeScaling:
 class ModelConfig:
     size: str = "tiny"
     # --- HF deepseek_v3 keys ---
-    vocab_size: int = 8192
+    vocab_size: int = 4096  # the bundled BPE tokenizer
     hidden_size: int = 128
     intermediate_size: int = 352  # dense FFN width (first_k_dense_replace layers)
     moe_intermediate_size: int = 64  # width of one routed / shared expert
