@@ -2,6 +2,7 @@
 bundled tokenizer (round trip, byte fallback) and build_loaders end to end."""
 
 import hashlib
+import importlib.util
 import json
 import multiprocessing as mp
 import re
@@ -236,15 +237,17 @@ def test_build_loaders_balanced_assignment(tmp_path):
         assert plain[0].last_imbalance["after"] == plain[0].last_imbalance["before"]
 
 
-def test_prepare_data_script(tmp_path):
+def test_prepare_data_script(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps({"text": f"document number {i} " * (i + 1)}) + "\n" for i in range(30)))
-    script = str(REPO / "scripts" / "prepare_data.py")
-    args = [sys.executable, script, str(REPO / "recipes" / "tiny.yaml"), "data.source=jsonl",
-            f"data.paths=[{f}]", f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.1"]
-    done = subprocess.run(args, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "30 documents" in done.stdout and "validation:" in done.stdout
+    args = [str(REPO / "recipes" / "tiny.yaml"), "data.source=jsonl", f"data.paths=[{f}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.1"]
+    assert prepare_data.main(args) == 0
+    out = capsys.readouterr().out
+    assert "30 documents" in out and "validation:" in out
     assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1
-    bad = subprocess.run(args + ["data.text_field=body"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "no field 'body'" in bad.stderr
+    assert prepare_data.main(args + ["data.text_field=body"]) == 2
+    assert "no field 'body'" in capsys.readouterr().err
