@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train, val, tok = build_loaders(cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch,
                                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed)
-    except (FileNotFoundError, KeyError, ValueError, TypeError) as e:
+    except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
     cache = train.cache

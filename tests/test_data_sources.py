@@ -47,7 +47,7 @@ def test_jsonl_source_custom_field_and_errors(tmp_path):
     assert list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body"))) == nonempty(DOCS)
     capped = DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body", max_docs=2))
     assert list(capped) == nonempty(DOCS)[:2] and capped.num_documents_hint() == 2
-    with pytest.raises(KeyError, match="no field 'text'.*text_field"):
+    with pytest.raises(ValueError, match="no field 'text'.*text_field"):
         list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)])))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{broken\n')
@@ -62,7 +62,7 @@ def test_parquet_source(tmp_path):
     pq.write_table(pa.table({"content": DOCS + [None], "n": list(range(5))}), tmp_path / "d.parquet")
     cfg = DataConfig(source="parquet", paths=[str(tmp_path / "d.parquet")], text_field="content")
     assert list(DocumentSource(cfg)) == nonempty(DOCS)
-    with pytest.raises(KeyError, match="no column 'text'"):
+    with pytest.raises(ValueError, match="no column 'text'"):
         list(DocumentSource(DataConfig(source="parquet", paths=[str(tmp_path / "d.parquet")])))
 
 
@@ -75,7 +75,7 @@ def test_hf_source_local_files_offline(tmp_path, monkeypatch, streaming):
     f.write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS))
     cfg = DataConfig(source="hf", hf_name="json", paths=[str(f)], hf_streaming=streaming)
     assert list(DocumentSource(cfg)) == nonempty(DOCS)
-    with pytest.raises(KeyError, match="no column 'body'"):
+    with pytest.raises(ValueError, match="no column 'body'"):
         list(DocumentSource(DataConfig(source="hf", hf_name="json", paths=[str(f)], text_field="body")))
 
 

@@ -97,7 +97,7 @@ def _jsonl_texts(path: str, field: str) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
             if not isinstance(record, dict) or field not in record:
                 keys = list(record) if isinstance(record, dict) else type(record).__name__
-                raise KeyError(f"{path}:{lineno}: no field '{field}' (has {keys}); set data.text_field")
+                raise ValueError(f"{path}:{lineno}: no field '{field}' (has {keys}); set data.text_field")
             text = record[field]
             if not isinstance(text, str):
                 raise TypeError(f"{path}:{lineno}: field '{field}' holds {type(text).__name__}, expected a string")
@@ -118,7 +118,7 @@ def _parquet_texts(path: str, column: str) -> Iterator[str]:
 
     pf = pq.ParquetFile(path)
     if column not in pf.schema_arrow.names:
-        raise KeyError(f"{path}: no column '{column}' (has {pf.schema_arrow.names}); set data.text_field")
+        raise ValueError(f"{path}: no column '{column}' (has {pf.schema_arrow.names}); set data.text_field")
     for batch in pf.iter_batches(columns=[column], batch_size=4096):
         for text in batch.column(0).to_pylist():
             if text is not None:
@@ -136,7 +136,7 @@ def _hf_texts(cfg: DataConfig, files: list[str]) -> Iterator[str]:
     ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, streaming=cfg.hf_streaming, **kwargs)
     columns = ds.column_names
     if columns is not None and cfg.text_field not in columns:
-        raise KeyError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {columns}); "
+        raise ValueError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {columns}); "
                        f"set data.text_field")
     for batch in ds.iter(batch_size=1024):
         for text in batch[cfg.text_field]:
