@@ -118,10 +118,16 @@ def test_export_refuses_what_hf_cannot_express(tmp_path):
         export_hf(build_model(_tiny(qk_norm="head")), tmp_path)
 
 
-def test_import_refuses_softmax_routing(tmp_path):
+def test_import_refuses_what_moela_would_misread(tmp_path):
     export_hf(build_model(_tiny()), tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    hf["scoring_func"] = "softmax"
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "softmax"}))
     with pytest.raises(ValueError, match="scoring_func"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="quantized"):
+        import_hf(tmp_path)
+    del hf["kv_lora_rank"]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="kv_lora_rank"):
         load_hf_config(tmp_path)

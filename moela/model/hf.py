@@ -118,9 +118,15 @@ def _block_to_hf(sd: dict, ours: str, hf: str, moe: bool, out: dict) -> None:
             out[f"{hf}.mlp.shared_experts.{hf_name}.weight"] = sd[f"{ours}.ffn.shared_experts.{name}.weight"]
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2-sharded (DTensor) parameter; every rank must call this collectively."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """HF-named tensors of `model`. Under FSDP2 every rank must call it (parameters are gathered)."""
     cfg = model.cfg
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    sd = {k: _full(v).detach().cpu() for k, v in model.state_dict().items()}
     head = sd["embed.weight"] if cfg.tie_word_embeddings else sd["head.weight"]
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
     if not cfg.tie_word_embeddings:
@@ -230,9 +236,12 @@ def import_hf(path: str | Path, device: torch.device | str = "cpu", **overrides)
     """Build a moela model from an HF deepseek_v3 folder. With weights (model.safetensors, or sharded
     model-*.safetensors) they are loaded; with a config.json alone the model is freshly initialized."""
     cfg = load_hf_config(path, **overrides)
-    model = build_model(cfg, device)
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files and "quantization_config" in json.loads((path / "config.json").read_text()):
+        raise ValueError(f"{path}: the checkpoint is quantized (config.json has quantization_config); dequantize "
+                         f"it to bf16/fp32 first, or import its config.json alone")
+    model = build_model(cfg, device)
     if files:
         hf_sd = {}
         for f in files:
