@@ -13,7 +13,8 @@ import torch
 
 from moela.batch import IGNORE_INDEX
 from moela.data.cache import TokenCache
-from moela.data.loader import TrainLoader, ValLoader, microbatch_cost, round_robin_assign, split_train_val
+from moela.data.balance import round_robin_assign
+from moela.data.loader import TrainLoader, ValLoader, split_train_val
 from moela.data.packing import make_batch, pack, split_into_pieces
 
 
@@ -35,8 +36,7 @@ def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, se
                shuffle=True, assign=round_robin_assign):
     return TrainLoader(cache, doc_ids, tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
                        dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
-                       cost_fn=microbatch_cost, cost_coefficients=(1.0, 1 / 64),
-                       settings={"tokens_per_microbatch": budget})
+                       cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
 
 
 def check_batch(batch, offsets, budget):

@@ -7,9 +7,10 @@ first use (a progress bar shows it) and reused afterwards.
 
 from __future__ import annotations
 
+from .balance import balanced_assign, round_robin_assign
 from .cache import TokenCache, build_or_load_cache
 from .config import DataConfig
-from .loader import TrainLoader, ValLoader, microbatch_cost, round_robin_assign, split_train_val
+from .loader import TrainLoader, ValLoader, split_train_val
 from .sources import DocumentSource
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -49,19 +50,13 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
                                 num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
     train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
 
-    if cfg.balance:
-        try:
-            from .balance import balanced_assign as assign, microbatch_cost as cost_fn
-        except ImportError as e:
-            raise ImportError(f"data.balance: true needs moela.data.balance ({e}); set data.balance: false") from e
-    else:
-        assign, cost_fn = round_robin_assign, microbatch_cost
+    assign = balanced_assign if cfg.balance else round_robin_assign
     coefficients = cost_coefficients or (1.0, 1.0 / cfg.attn_cost_len)
     settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
     train = TrainLoader(cache, train_docs, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
                         dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
-                        assign=assign, cost_fn=cost_fn, cost_coefficients=coefficients, settings=settings)
+                        assign=assign, cost_coefficients=coefficients, settings=settings)
     val = ValLoader(cache, val_docs, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
                     max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
     return train, val, tokenizer

@@ -6,8 +6,8 @@ Decisions:
   only the rank's own micro-batches are read from the token memmap.
 - The stream is epochs of packed micro-batches laid end to end: epoch e shuffles the training pieces with a
   generator seeded by (seed, e) and packs them (see packing.py). A step may straddle two epochs.
-- Who gets which micro-batch is a pluggable `assign(costs, dp_size, grad_accum) -> per-rank index lists` function:
-  round robin here, cost-balanced from moela.data.balance with `data.balance: true`. Cost of a micro-batch:
+- Who gets which micro-batch is a pluggable `assign(costs, dp_size, grad_accum) -> per-rank index lists` function
+  (moela.data.balance: `round_robin_assign`, or `balanced_assign` with `data.balance: true`). Cost of a micro-batch:
   a * sum L + b * sum L^2 over its pieces' lengths L (by default a = 1, b = 1 / data.attn_cost_len; the trainer
   may pass the model's FLOP coefficients).
 - State is the number of global micro-batches consumed plus the current epoch's start, so `load_state_dict`
@@ -26,23 +26,12 @@ import numpy as np
 
 from moela.batch import PackedBatch
 
+from .balance import imbalance_report, microbatch_cost
 from .cache import TokenCache
 from .packing import make_batch, num_targets, pack, split_into_pieces
 
 Assign = Callable[[list, int, int], list]
 VAL_SPLIT_SEED = 0x5EED
-
-
-def round_robin_assign(costs: list[float], dp_size: int, grad_accum: int) -> list[list[int]]:
-    """Micro-batch j goes to rank j % dp_size as micro-step j // dp_size."""
-    if len(costs) != dp_size * grad_accum:
-        raise ValueError(f"expected dp_size * grad_accum = {dp_size * grad_accum} costs, got {len(costs)}")
-    return [list(range(r, dp_size * grad_accum, dp_size)) for r in range(dp_size)]
-
-
-def microbatch_cost(doc_lengths, a: float, b: float) -> float:
-    """a * sum L + b * sum L^2 over the documents (pieces) of one micro-batch."""
-    return float(a * sum(doc_lengths) + b * sum(n * n for n in doc_lengths))
 
 
 def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens: int):
@@ -88,14 +77,14 @@ class TrainLoader:
 
     def __init__(self, cache: TokenCache, doc_ids: np.ndarray, *, tokens_per_microbatch: int,
                  max_doc_len: int | None, dp_rank: int, dp_size: int, grad_accum: int, seed: int, shuffle: bool,
-                 assign: Assign, cost_fn: Callable, cost_coefficients: tuple[float, float], settings: dict):
+                 assign: Assign, cost_coefficients: tuple[float, float], settings: dict):
         if len(doc_ids) == 0:
             raise ValueError("the training split has no documents; add data or lower data.val_fraction")
         self.cache = cache
         self.budget = tokens_per_microbatch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.seed, self.shuffle = seed, shuffle
-        self.assign, self.cost_fn, self.cost_coefficients = assign, cost_fn, cost_coefficients
+        self.assign, self.cost_coefficients = assign, cost_coefficients
         limit = min(max_doc_len or tokens_per_microbatch, tokens_per_microbatch)
         doc_len = cache.doc_lengths
         self.piece_doc, self.piece_start, self.piece_len = split_into_pieces(doc_ids, doc_len[doc_ids], limit)
@@ -136,11 +125,10 @@ class TrainLoader:
     def next_step(self) -> list[PackedBatch]:
         m = self.dp_size * self.grad_accum
         layouts = [self._locate(self.consumed + j) for j in range(m)]
-        costs = [self.cost_fn(self.piece_len[p].tolist(), *self.cost_coefficients) for p in layouts]
+        costs = [microbatch_cost(self.piece_len[p].tolist(), *self.cost_coefficients) for p in layouts]
         groups = self.assign(costs, self.dp_size, self.grad_accum)
         _check_assignment(groups, self.dp_size, self.grad_accum)
-        rr = round_robin_assign(costs, self.dp_size, self.grad_accum)
-        self.last_imbalance = {"before": _imbalance(costs, rr), "after": _imbalance(costs, groups)}
+        self.last_imbalance = imbalance_report(costs, self.dp_size, self.grad_accum, groups)
         pieces = np.concatenate(layouts)  # [pieces of the step]
         self.last_global_num_targets = num_targets(self.piece_start[pieces], self.piece_len[pieces],
                                                    self.piece_doc_len[pieces])
@@ -209,9 +197,3 @@ def _check_assignment(groups: list[list[int]], dp_size: int, grad_accum: int) ->
             len(g) != grad_accum for g in groups):
         raise ValueError(f"assignment must give each of {dp_size} ranks exactly {grad_accum} distinct micro-batch "
                          f"indices covering 0..{dp_size * grad_accum - 1}, got {groups}")
-
-
-def _imbalance(costs: list[float], groups: list[list[int]]) -> float:
-    rank_costs = [sum(costs[j] for j in g) for g in groups]
-    mean = sum(rank_costs) / len(rank_costs)
-    return max(rank_costs) / mean if mean > 0 else 1.0
