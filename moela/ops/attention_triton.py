@@ -13,7 +13,9 @@ Decisions:
 - Each loop over blocks runs in two phases: blocks that need no mask (fully inside the document and below the
   causal diagonal) and the few that do; the mask costs nothing on the former.
 - Causal alignment is bottom-right: query i of a document sees key j when j <= i + (Lk - Lq).
-- ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized.
+- ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized; positions
+  are converted to float per row / column (exact below 2^24) so the per-element cost is one subtract and one FMA
+  (an int -> float conversion per element ran the forward at a third of its speed).
 - Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and
   small blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
   autotuned at run time: no first-step stall, and every rank runs the same kernels.
@@ -30,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -59,9 +61,9 @@ if INTERPRET:
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), for "wide" heads (Dqk + Dv > 256,
 # MLA's 192/128) and narrow ones. Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
 CONFIGS = {
-    "fwd": {"wide": (128, 64, 8, 2), "narrow": (128, 64, 4, 3)},
-    "dkdv": {"wide": (64, 64, 4, 2), "narrow": (64, 128, 8, 2)},
-    "dq": {"wide": (128, 64, 8, 2), "narrow": (128, 64, 8, 2)},
+    "fwd": {"wide": (128, 128, 8, 2), "narrow": (128, 64, 8, 3)},
+    "dkdv": {"wide": (32, 128, 8, 2), "narrow": (32, 128, 8, 2)},
+    "dq": {"wide": (128, 64, 8, 3), "narrow": (64, 64, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
 INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
@@ -97,7 +99,7 @@ def _mask_and_bias(s, qpos, kpos, lk, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl
                    MASK: tl.constexpr):
     """s [R, C] log2-domain scores; qpos [R, 1] query positions on the k side, kpos [1, C] key positions."""
     if HAS_ALIBI:
-        s = s - slope * tl.abs(qpos - kpos).to(tl.float32)
+        s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
     if MASK:
         keep = kpos < lk
         if CAUSAL:
@@ -134,7 +136,7 @@ def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, H, D_QK, D_V,
+                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                 BLOCK_DV: tl.constexpr):
@@ -222,7 +224,7 @@ def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, 
         qpos = (offs_m + diag)[None, :]
         kpos = offs_n[:, None]
         if HAS_ALIBI:
-            st = st - slope * tl.abs(qpos - kpos).to(tl.float32)
+            st = st - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
         pt = tl.exp2(st - lse2[None, :])  # [BN, BM]
         if MASK:
             pt = tl.where(kpos <= qpos, pt, 0.0)
@@ -240,7 +242,7 @@ def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt,
                      stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
-                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK, D_V, CAUSAL: tl.constexpr,
+                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr,
                      HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                      BLOCK_DV: tl.constexpr):
@@ -317,7 +319,7 @@ def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stri
         qpos = (offs_m + diag)[:, None]
         kpos = offs_n[None, :]
         if HAS_ALIBI:
-            s = s - slope * tl.abs(qpos - kpos).to(tl.float32)
+            s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
         p = tl.exp2(s - lse2[:, None])  # [BM, BN]
         if MASK:
             keep = kpos < lk
@@ -336,7 +338,7 @@ def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stri
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, qk_scale,
-                   sm_scale, H, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr,
+                   sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr,
                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
                    BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -431,7 +433,7 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, caus
     cfg = launch_config("fwd", d_qk, d_v)
     _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                      lse.stride(0), softmax_scale * LOG2E, h, d_qk, d_v, CAUSAL=causal,
+                      lse.stride(0), softmax_scale * LOG2E.value, h, d_qk, d_v, CAUSAL=causal,
                       HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                       **_dims(d_qk, d_v), **cfg)
     return out, lse
@@ -461,7 +463,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     slopes = alibi_slopes if alibi_slopes is not None else delta
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
                  UPCAST=INTERPRET and q.dtype == torch.bfloat16, **dims)
-    common = (softmax_scale * LOG2E, softmax_scale, h, d_qk, d_v)
+    common = (softmax_scale * LOG2E.value, softmax_scale, h, d_qk, d_v)
     cfg = launch_config("dkdv", d_qk, d_v)
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), h * n_docs)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
