@@ -77,6 +77,8 @@ def test_hf_source_local_files_offline(tmp_path, monkeypatch, streaming):
     assert list(DocumentSource(cfg)) == nonempty(DOCS)
     with pytest.raises(ValueError, match="no column 'body'"):
         list(DocumentSource(DataConfig(source="hf", hf_name="json", paths=[str(f)], text_field="body")))
+    with pytest.raises(ValueError, match="could not load dataset 'json'.*split validation"):
+        list(DocumentSource(DataConfig(source="hf", hf_name="json", paths=[str(f)], hf_split="validation")))
 
 
 def test_validate_names_field_and_fix(tmp_path):

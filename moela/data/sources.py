@@ -133,7 +133,12 @@ def _hf_texts(cfg: DataConfig, files: list[str]) -> Iterator[str]:
         kwargs["data_files"] = files
     if cfg.hf_revision:
         kwargs["revision"] = cfg.hf_revision
-    ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, streaming=cfg.hf_streaming, **kwargs)
+    try:
+        ds = datasets.load_dataset(cfg.hf_name, cfg.hf_config, streaming=cfg.hf_streaming, **kwargs)
+    except Exception as e:  # datasets raises many types (hub, builder, split errors); all mean "cannot load"
+        raise ValueError(f"data.hf_name: could not load dataset '{cfg.hf_name}' (config {cfg.hf_config}, split "
+                         f"{cfg.hf_split}): {e}. Check the name, config and split, the network (hub datasets need "
+                         f"it unless already cached), or use local files with a builder (hf_name: json + paths)") from e
     columns = ds.column_names
     if columns is not None and cfg.text_field not in columns:
         raise ValueError(f"dataset '{cfg.hf_name}': no column '{cfg.text_field}' (has {columns}); "
