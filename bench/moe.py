@@ -292,7 +292,7 @@ def section_layer(quick):
 
 def write_markdown(path, copy_gbs):
     lines = [f"# bench/moe.py results", "",
-             f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, torch "
              f"{torch.__version__}, triton {triton.__version__}; median of do_bench; copy ceiling {copy_gbs:.0f} GB/s",
              "", "| section | case | impl | ms | rate | notes |", "| --- | --- | --- | --- | --- | --- |"]
     for r in ROWS:

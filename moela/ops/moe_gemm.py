@@ -36,12 +36,29 @@ def _configs(fp8: bool, kgrouped: bool):
 # m-grouped: forward and data gradient
 
 
+@triton.jit
+def _mgrouped_step(acc, a_ptrs, b_ptrs, as_ptr, bs_ptr, k0, e, rm, rn, rk, n_ok, s_asm, s_ask, s_bse, s_bsn, s_bsk,
+                   K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    a = tl.load(a_ptrs)
+    b = tl.load(b_ptrs, mask=n_ok[:, None], other=0.0)
+    if FP8:
+        sa = tl.load(as_ptr + rm * s_asm + (k0 // 128) * s_ask)  # [BM]
+        sb = tl.load(bs_ptr + e * s_bse + (rn // 128) * s_bsn + (k0 // 128) * s_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+    elif UPCAST:
+        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
 @triton.autotune(configs=_configs(True, False), key=["N", "K", "FP8"])
 @triton.jit
 def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, M,
                      s_am, s_ak, s_asm, s_ask, s_be, s_bn, s_bk, s_bse, s_bsn, s_bsk, s_cm,
                      N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+                     INTERP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     num_m = M // BM
     num_n = tl.cdiv(N, BN)
@@ -56,22 +73,23 @@ def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, M,
     rk = tl.arange(0, BK)
     n_ok = rn < N
     e = tl.load(m_idx_ptr + pid_m * BM).to(tl.int64)
+    k_end = tl.where(e >= 0, K, 0)  # padding blocks run no K steps and store zeros
+    e = tl.maximum(e, 0)
     acc = tl.zeros((BM, BN), tl.float32)
-    if e >= 0:
-        a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak
-        b_ptrs = b_ptr + e * s_be + rn[:, None] * s_bn + rk[None, :] * s_bk
-        for k0 in range(0, K, BK):
-            k_ok = (k0 + rk) < K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if FP8:
-                sa = tl.load(as_ptr + rm * s_asm + (k0 // 128) * s_ask)  # [BM]
-                sb = tl.load(bs_ptr + e * s_bse + (rn // 128) * s_bsn + (k0 // 128) * s_bsk, mask=n_ok, other=0.0)
-                acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
-            elif UPCAST:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+    a_ptrs = a_ptr + rm[:, None] * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + e * s_be + rn[:, None] * s_bn + rk[None, :] * s_bk
+    if INTERP:
+        k0 = 0
+        while k0 < k_end:
+            acc = _mgrouped_step(acc, a_ptrs, b_ptrs, as_ptr, bs_ptr, k0, e, rm, rn, rk, n_ok, s_asm, s_ask, s_bse,
+                                 s_bsn, s_bsk, K, FP8, UPCAST)
+            a_ptrs += BK * s_ak
+            b_ptrs += BK * s_bk
+            k0 += BK
+    else:
+        for k0 in range(0, k_end, BK):
+            acc = _mgrouped_step(acc, a_ptrs, b_ptrs, as_ptr, bs_ptr, k0, e, rm, rn, rk, n_ok, s_asm, s_ask, s_bse,
+                                 s_bsn, s_bsk, K, FP8, UPCAST)
             a_ptrs += BK * s_ak
             b_ptrs += BK * s_bk
     tl.store(c_ptr + rm[:, None] * s_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -82,8 +100,9 @@ def mgrouped_gemm(a, b, m_indices, *, a_scale=None, b_scale=None, out_dtype=torc
     b may be any strided [E, N, K] view (the transposed weight copy for the data gradient)."""
     m, k = a.shape
     e, n, k2 = b.shape
-    if k2 != k or m % 128:
-        raise ValueError(f"mgrouped_gemm: a {tuple(a.shape)} and b {tuple(b.shape)} do not match, or M % 128 != 0")
+    if k2 != k or m % 128 or k % 128:
+        raise ValueError(f"mgrouped_gemm: a {tuple(a.shape)} and b {tuple(b.shape)} do not match, or M or K is not "
+                         f"a multiple of 128")
     fp8 = a_scale is not None
     if fp8 and (a.stride(1) != 1 or b.stride(2) != 1):
         raise ValueError("mgrouped_gemm: FP8 operands must be K-contiguous")
@@ -98,7 +117,7 @@ def mgrouped_gemm(a, b, m_indices, *, a_scale=None, b_scale=None, out_dtype=torc
 
     _mgrouped_kernel[grid](a, asc, b, bsc, out, m_indices, m, a.stride(0), a.stride(1), *sa, b.stride(0),
                            b.stride(1), b.stride(2), *sb, out.stride(0), N=n, K=k, FP8=fp8,
-                           UPCAST=INTERPRET and not fp8, BM=128, BK=128 if fp8 else 64)
+                           UPCAST=INTERPRET and not fp8, INTERP=INTERPRET, BM=128, BK=128 if fp8 else 64)
     return out
 
 

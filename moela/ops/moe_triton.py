@@ -33,6 +33,8 @@ GROUP = 128
 FP8 = torch.float8_e4m3fn
 # Triton 3.6's interpreter converts fp32 -> e4m3 without carrying the rounding into the exponent; under it the
 # kernels round to e4m3's grid in fp32 first (exactly what the hardware conversion does), so the cast is exact.
+_EPS = tl.constexpr(AMAX_EPS)
+_FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
@@ -82,7 +84,7 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -
 
 @triton.jit
 def _scale_of(amax):
-    return tl.math.div_rn(tl.maximum(amax, AMAX_EPS), FP8_MAX)
+    return tl.math.div_rn(tl.maximum(amax, _EPS), _FMAX)
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def _round_e4m3(x):
 
 @triton.jit
 def _quant(x, scale):
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    q = tl.clamp(tl.math.div_rn(x, scale), -_FMAX, _FMAX)
     if INTERPRET:
         q = _round_e4m3(q)
     return q.to(tl.float8e4nv)
