@@ -88,6 +88,9 @@ def test_validate_names_field_and_fix(tmp_path):
                         max_doc_len=1).validate()
     assert {e.split(":")[0] for e in errors} == {"paths", "val_fraction", "max_doc_len"}
     assert DataConfig(source="hf").validate()[0].startswith("hf_name:")
+    assert DataConfig(paths=[str(tmp_path)]).validate()[0].startswith("paths: given, but source 'bundled'")
+    assert DataConfig(source="jsonl", paths=[str(tmp_path)], doc_separator="\n").validate()[0].startswith(
+        "doc_separator:")
     assert DataConfig().validate() == []
 
 

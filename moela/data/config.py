@@ -79,6 +79,9 @@ class DataConfig:
             if not self.hf_name:
                 errors.append("hf_name: source 'hf' needs a dataset name (hub) or a builder such as 'json' "
                               "with data.paths; set data.hf_name")
+        elif self.source == "bundled" and self.paths:
+            errors.append("paths: given, but source 'bundled' reads only the shipped corpus; set data.source to "
+                          "text, jsonl, parquet or hf to read these files")
         elif self.source != "bundled":
             errors.append(f"source: unknown source '{self.source}'; use one of bundled, text, jsonl, parquet, hf")
         for p in self.paths:
@@ -87,6 +90,9 @@ class DataConfig:
         if self.tokenizer != "bundled" and self.tokenizer.endswith(".json") and not os.path.isfile(
                 os.path.expanduser(self.tokenizer)):
             errors.append(f"tokenizer: file '{self.tokenizer}' not found; give a tokenizer.json path or 'bundled'")
+        if self.doc_separator is not None and self.source != "text":
+            errors.append(f"doc_separator: only the text source splits files; source '{self.source}' reads one "
+                          f"document per line/row; remove data.doc_separator")
         if self.doc_separator == "":
             errors.append("doc_separator: must not be empty; use null to make each file one document")
         if not self.text_field:
