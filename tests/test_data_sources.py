@@ -88,9 +88,12 @@ def test_validate_names_field_and_fix(tmp_path):
                         max_doc_len=1).validate()
     assert {e.split(":")[0] for e in errors} == {"paths", "val_fraction", "max_doc_len"}
     assert DataConfig(source="hf").validate()[0].startswith("hf_name:")
-    assert DataConfig(paths=[str(tmp_path)]).validate()[0].startswith("paths: given, but source 'bundled'")
-    assert DataConfig(source="jsonl", paths=[str(tmp_path)], doc_separator="\n").validate()[0].startswith(
-        "doc_separator:")
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    assert DataConfig(paths=[str(tmp_path)]).validate() == [
+        "paths: given, but source 'bundled' reads only the shipped corpus; set data.source to text, jsonl, parquet "
+        "or hf to read these files"]
+    assert [e.split(":")[0] for e in DataConfig(source="jsonl", paths=[str(tmp_path)], doc_separator="\n").validate()
+            ] == ["doc_separator"]
     assert DataConfig().validate() == []
 
 
