@@ -259,3 +259,18 @@ def test_prepare_data_script(tmp_path, capsys):
     assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1
     assert prepare_data.main(args + ["data.text_field=body"]) == 2
     assert "no field 'body'" in capsys.readouterr().err
+
+
+def test_cache_uses_uint32_for_large_vocabularies(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from moela.data.tokenizer import Tokenizer
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, 70001)}}
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer(hf, name="wordlevel")
+    assert tok.vocab_size == 70001 and tok.eos_id == 0
+    cache = build_or_load_cache(["w70000 w5 w65536", "w65535"], {"big": 1}, tok, tmp_path, show_progress=False)
+    assert cache.tokens.dtype == np.uint32
+    assert cache.doc(0).tolist() == [70000, 5, 65536, 0] and cache.doc(1).tolist() == [65535, 0]
