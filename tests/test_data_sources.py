@@ -154,6 +154,10 @@ def test_cache_contents_and_reuse(tmp_path):
     assert again.path == cache.path
     other = build_or_load_cache(docs, {"test": 2}, tok, tmp_path, show_progress=False)
     assert docs.iterations == 2 and other.path != cache.path
+    with open(cache.path / "tokens.bin", "r+b") as f:
+        f.truncate(4)
+    with pytest.raises(ValueError, match="corrupt.*delete the directory"):
+        build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
 
 
 def test_cache_key_follows_file_changes(tmp_path):

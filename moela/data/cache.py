@@ -39,6 +39,10 @@ class TokenCache:
         self.meta = json.loads((self.path / "meta.json").read_text())
         self.offsets = np.load(self.path / "offsets.npy")  # [N+1] int64
         n = int(self.offsets[-1])
+        size = (self.path / "tokens.bin").stat().st_size
+        if size != n * np.dtype(self.meta["dtype"]).itemsize:
+            raise ValueError(f"token cache {self.path} is corrupt: tokens.bin has {size} bytes, the offsets need "
+                             f"{n} {self.meta['dtype']} tokens; delete the directory to rebuild it")
         self.tokens = (np.memmap(self.path / "tokens.bin", dtype=self.meta["dtype"], mode="r", shape=(n,))
                        if n else np.zeros(0, dtype=self.meta["dtype"]))  # [total]
         self.key: str = self.meta["key"]
@@ -73,12 +77,14 @@ def build_or_load_cache(documents: Iterable[str], source_fingerprint: dict, toke
     root = Path(os.path.expanduser(str(cache_dir)))
     root.mkdir(parents=True, exist_ok=True)
     final = root / key[:20]
-    if (final / "meta.json").is_file():
-        return TokenCache(final)
-    with _file_lock(root / f"{key[:20]}.lock"):
-        if not (final / "meta.json").is_file():
-            _build(documents, source_fingerprint, tokenizer, key, final, num_docs_hint, show_progress)
-    return TokenCache(final)
+    if not (final / "meta.json").is_file():
+        with _file_lock(root / f"{key[:20]}.lock"):
+            if not (final / "meta.json").is_file():
+                _build(documents, source_fingerprint, tokenizer, key, final, num_docs_hint, show_progress)
+    cache = TokenCache(final)
+    if cache.key != key:
+        raise ValueError(f"token cache {final} belongs to other data (key {cache.key[:20]}...); delete it to rebuild")
+    return cache
 
 
 @contextlib.contextmanager
