@@ -42,7 +42,7 @@ class DocumentSource:
         c = self.cfg
         files = [[os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns] for f in self.files]
         fp = {"source": c.source, "files": files, "max_docs": c.max_docs}
-        if c.source in ("jsonl", "parquet", "hf", "bundled"):
+        if c.source in ("jsonl", "parquet", "hf"):
             fp["text_field"] = c.text_field
         if c.source == "text":
             fp["doc_separator"] = c.doc_separator
@@ -68,7 +68,9 @@ class DocumentSource:
 
     def __iter__(self) -> Iterator[str]:
         kind = self.cfg.source
-        if kind in ("bundled", "jsonl"):
+        if kind == "bundled":
+            texts = _jsonl_texts(self.files[0], "text")
+        elif kind == "jsonl":
             texts = (t for f in self.files for t in _jsonl_texts(f, self.cfg.text_field))
         elif kind == "text":
             texts = (t for f in self.files for t in _text_docs(f, self.cfg.doc_separator))
