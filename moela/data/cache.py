@@ -6,7 +6,9 @@ Layout of one cache (a directory named by the sha256 of the source fingerprint a
 key's inputs). Decisions: the cache is written into a private temporary directory and renamed into place only
 when complete, so a crash never leaves a half cache that looks finished, and concurrent builders (several ranks,
 several nodes on a shared filesystem) can never corrupt each other. An advisory file lock makes the other
-processes on a machine wait for the first builder instead of duplicating its work (rank 0 builds, others wait).
+processes on a machine wait for the first builder instead of duplicating its work (rank 0 builds, others wait);
+the lock is an empty `<name>.lock` file beside the cache. A process killed mid-build may leave a `.<name>.tmp-*`
+directory behind; it is never read and can be deleted.
 """
 
 from __future__ import annotations
