@@ -142,7 +142,7 @@ def sweep(d_qk, d_v, seq, candidates):
     lens = [seq, seq]
     q, k, v, do, cu = packed_inputs(lens, d_qk, d_v)
     scale = d_qk ** -0.5
-    key = "wide" if d_qk + d_v > 256 else "narrow"
+    key = at.head_class(d_qk, d_v)
     fl = flops(lens, d_qk, d_v, True)
     out, lse = at.attention_forward(q, k, v, cu, cu, seq, causal=True, softmax_scale=scale, alibi_slopes=None)
     best = {}
@@ -314,10 +314,22 @@ def zloss_case(seq):
         return out, ZCOEF * torch.logsumexp(s, -1).square().mean()
     r_n = guarded(150, measure, naive, grad_fn(naive, (q, k, v), do, one))
     row("ours + naive z-loss, materialized scores (ref: fused)", r_n, fl, r_z)
+    kernels = guarded(60, kernel_only_backward, q, k, v, do, cu, seq)
+    say(f"\nbackward kernels alone (no autograd), S={seq}: " + (kernels if isinstance(kernels, str) else
+        f"{kernels[0]:.3f} ms without dlse, {kernels[1]:.3f} ms with a dlse"))
     if isinstance(r_z, dict) and isinstance(r_n, dict) and isinstance(r_plain, dict):
         say(f"\nz-loss S={seq}: fused overhead {100 * (r_z['fwdbwd'] / r_plain['fwdbwd'] - 1):+.1f}%, "
             f"vs naive {r_n['fwdbwd'] / r_z['fwdbwd']:.1f}x faster, {r_n['peak'] / max(r_z['peak'], 1):.0f}x less "
             f"peak memory")
+
+
+def kernel_only_backward(q, k, v, do, cu, seq):
+    """The fused lse gradient costs one subtraction per row in the preprocess; time the launches directly."""
+    kw = dict(causal=True, softmax_scale=q.shape[-1] ** -0.5, alibi_slopes=None)
+    out, lse = at.attention_forward(q, k, v, cu, cu, seq, **kw)
+    dlse = torch.randn_like(lse)
+    return [do_bench(lambda: at.attention_backward(do, g, q, k, v, out, lse, cu, cu, seq, seq, **kw), warmup=25,
+                     rep=100, return_mode="median") for g in (None, dlse)]
 
 
 # ---------------------------------------------------------------------------------------------------- alibi

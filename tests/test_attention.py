@@ -180,13 +180,17 @@ def test_explicit_backend_errors(monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi", [
-    (192, 128, [2048, 2048], [2048, 2048], True, False),
-    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True),
-    (128, 128, [1024, 513], [1024, 513], False, False),
-    (192, 128, [1000, 3000], [3000, 4096], True, False),
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi,dtype", [
+    (192, 128, [2048, 2048], [2048, 2048], True, False, torch.bfloat16),
+    (192, 128, [2048, 2048], [2048, 2048], True, False, torch.float16),
+    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True, torch.bfloat16),
+    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], False, True, torch.float16),
+    (128, 128, [1024, 513], [1024, 513], False, False, torch.bfloat16),
+    (128, 128, [1024, 513], [1024, 513], True, True, torch.float16),
+    (192, 128, [1000, 3000], [3000, 4096], True, False, torch.bfloat16),
+    (256, 256, [700, 1300], [700, 1300], True, True, torch.bfloat16),
+    (112, 72, [333, 1200], [333, 1200], True, False, torch.bfloat16),
 ])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),
                           backend="triton")

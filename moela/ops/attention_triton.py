@@ -58,20 +58,24 @@ if INTERPRET:
     _fix_interpreter_loop_bounds()
 
 
-# Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages), for "wide" heads (Dqk + Dv > 256,
-# MLA's 192/128) and narrow ones. Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
+# Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
+# (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
+# tiles so the shared memory fits). Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
 CONFIGS = {
-    "fwd": {"wide": (128, 128, 8, 2), "narrow": (128, 64, 8, 3)},
-    "dkdv": {"wide": (32, 128, 8, 2), "narrow": (32, 128, 8, 2)},
-    "dq": {"wide": (128, 64, 8, 3), "narrow": (64, 64, 4, 2)},
+    "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 128, 8, 2), "xwide": (64, 64, 4, 2)},
+    "dkdv": {"narrow": (32, 128, 8, 2), "wide": (32, 128, 8, 2), "xwide": (32, 64, 4, 2)},
+    "dq": {"narrow": (64, 64, 4, 2), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
 INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 
 
+def head_class(d_qk: int, d_v: int) -> str:
+    return "narrow" if d_qk + d_v <= 256 else "wide" if d_qk + d_v <= 320 else "xwide"
+
+
 def launch_config(kernel: str, d_qk: int, d_v: int) -> dict:
-    bm, bn, warps, stages = (INTERPRET_CONFIGS[kernel] if INTERPRET
-                             else CONFIGS[kernel]["wide" if d_qk + d_v > 256 else "narrow"])
+    bm, bn, warps, stages = INTERPRET_CONFIGS[kernel] if INTERPRET else CONFIGS[kernel][head_class(d_qk, d_v)]
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
