@@ -50,6 +50,8 @@ class Trainer:
         self.cfg = cfg
         self.env = init_distributed(cfg.train.device)
         self.device = self.env.device
+        if self.device.type == "cpu" and cfg.train.cpu_threads:
+            torch.set_num_threads(cfg.train.cpu_threads)
         self.run_dir = Path(cfg.train.run_dir)
         self.mesh = build_mesh(cfg.parallel, self.env.world_size, self.device.type)
         precision = cfg.train.precision
