@@ -62,7 +62,7 @@ def main() -> None:
     for budget in (1024, 4096, 16384):
         train, _, _ = build_loaders(DataConfig(cache_dir=cache_root), tokens_per_microbatch=budget,
                                     show_progress=False)
-        lengths = train.piece_len[np.random.default_rng(0).permutation(len(train.piece_len))]
+        lengths = train.pieces.len[np.random.default_rng(0).permutation(len(train.pieces))]
         pack_s, ours = timed(lambda: pack(lengths, budget), 3)
         greedy = pack(lengths, budget, max_open=1)
         offline = pack(np.sort(lengths)[::-1], budget, max_open=len(lengths))

@@ -38,13 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR
-    cache = train.cache
     plan = train.epoch_plan(0)
-    fill = train.num_tokens / (len(plan) * train.budget)
-    print(f"cache:      {cache.path} ({cache.num_docs} documents, {cache.num_tokens} tokens, {cache.tokens.dtype})")
+    epoch_tokens = int(train.pieces.len[plan.pieces].sum())
+    fill = epoch_tokens / (len(plan) * train.budget)
+    for cache, (_, weight) in zip(train.caches, cfg.data.sources()):
+        print(f"cache:      {cache.path} ({cache.num_docs} documents, {cache.num_tokens} tokens, "
+              f"{cache.tokens.dtype}, weight {weight:.3g})")
     print(f"tokenizer:  {tok}")
-    print(f"train:      {train.num_tokens} tokens in {len(train.piece_len)} pieces -> {len(plan)} micro-batches of "
-          f"<= {train.budget} tokens per epoch ({fill:.1%} full)")
+    print(f"train:      {train.num_tokens} tokens in {len(train.pieces)} pieces; an epoch packs {epoch_tokens} tokens "
+          f"into {len(plan)} micro-batches of <= {train.budget} tokens ({fill:.1%} full)")
     print(f"validation: {val.num_tokens} tokens in {len(val)} micro-batches")
     return 0
 

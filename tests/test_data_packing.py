@@ -6,6 +6,7 @@ comparison.
 """
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,15 +15,15 @@ import torch
 from moela.batch import IGNORE_INDEX
 from moela.data.cache import TokenCache
 from moela.data.balance import round_robin_assign
-from moela.data.loader import TrainLoader, ValLoader, split_train_val
+from moela.data.loader import Part, TrainLoader, ValLoader, split_train_val
 from moela.data.packing import make_batch, pack, split_into_pieces
 
 
-def synthetic_cache(tmp_path, doc_lengths, key="synthetic") -> TokenCache:
+def synthetic_cache(tmp_path, doc_lengths, key="synthetic", base=0) -> TokenCache:
     offsets = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
     path = tmp_path / key
     path.mkdir()
-    np.arange(offsets[-1], dtype=np.uint32).tofile(path / "tokens.bin")
+    np.arange(base, base + offsets[-1], dtype=np.uint32).tofile(path / "tokens.bin")
     np.save(path / "offsets.npy", offsets)
     (path / "meta.json").write_text(json.dumps({"key": key, "dtype": "uint32"}))
     return TokenCache(path)
@@ -34,7 +35,7 @@ def random_lengths(rng, n, hi):
 
 def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None,
                shuffle=True, assign=round_robin_assign):
-    return TrainLoader(cache, doc_ids, tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
+    return TrainLoader([Part(cache, np.asarray(doc_ids))], tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
                        dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
                        cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
 
@@ -92,7 +93,7 @@ def test_make_batch_labels_positions(tmp_path):
     cache = synthetic_cache(tmp_path, lengths)
     pd, ps, pl = split_into_pieces(np.arange(11), lengths, 9)
     pick = rng.permutation(len(pd))[:7]
-    batch = make_batch(cache.tokens, cache.offsets, pd[pick], ps[pick], pl[pick])
+    batch = make_batch([cache], np.zeros(7, dtype=np.int64), pd[pick], ps[pick], pl[pick])
     check_batch(batch, cache.offsets, int(pl[pick].sum()))
     assert batch.max_seqlen == int(pl[pick].max())
 
@@ -208,10 +209,10 @@ def test_pluggable_assignment_and_imbalance(tmp_path):
     got = [ld.next_step() for ld in loaders]
     plain.next_step()
     layouts = [plain._locate(j) for j in range(6)]
-    costs = [float(sum(plain.piece_len[p]) + sum(plain.piece_len[p] ** 2) / 64) for p in layouts]
+    costs = [float(sum(plain.pieces.len[p]) + sum(plain.pieces.len[p] ** 2) / 64) for p in layouts]
     expected_batches = [[5, 4, 3], [2, 1, 0]]
     for r in range(2):
-        assert [b.input_ids.tolist() for b in got[r]] == [plain._batch(layouts[j]).input_ids.tolist()
+        assert [b.input_ids.tolist() for b in got[r]] == [plain.pieces.batch(layouts[j]).input_ids.tolist()
                                                          for j in expected_batches[r]]
     rank_costs = [sum(costs[j] for j in g) for g in expected_batches]
     assert loaders[0].last_imbalance["after"] == pytest.approx(max(rank_costs) / (sum(rank_costs) / 2))
@@ -236,7 +237,7 @@ def test_val_split_fixed_disjoint_and_even(tmp_path, dp_size):
     assert sorted([*train_docs, *val_docs]) == list(range(97))
     assert np.array_equal(split_train_val(cache.doc_lengths, 0.1, 10**9)[1], val_docs)
     assert len(split_train_val(cache.doc_lengths, 0.1, 100)[1]) < 10, "the token cap limits the held-out docs"
-    vals = [ValLoader(cache, val_docs, cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r, dp_size=dp_size)
+    vals = [ValLoader([Part(cache, val_docs)], cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r, dp_size=dp_size)
             for r in range(dp_size)]
     assert len({len(v) for v in vals}) == 1 and len(vals[0]) >= 1
     first = [[b.input_ids.tolist() for b in v] for v in vals]
@@ -252,6 +253,31 @@ def test_val_token_cap_truncates(tmp_path):
     cache = synthetic_cache(tmp_path, [50, 60, 70, 80, 90])
     train_docs, val_docs = split_train_val(cache.doc_lengths, 0.5, 75)
     assert len(val_docs) == 1
-    val = ValLoader(cache, val_docs, 40, tokens_per_microbatch=16, max_doc_len=None, dp_rank=0, dp_size=1)
+    val = ValLoader([Part(cache, val_docs)], 40, tokens_per_microbatch=16, max_doc_len=None, dp_rank=0, dp_size=1)
     seen = np.concatenate([check_batch(b, cache.offsets, 16) for b in val])
     assert len(seen) == 40
+
+
+def test_mixture_weights_repeat_small_and_walk_large_sources(tmp_path):
+    small = synthetic_cache(tmp_path, [100] * 10, key="small")  # 1000 tokens
+    large = synthetic_cache(tmp_path, [100] * 30, key="large", base=10**6)  # 3000 tokens
+    loader = TrainLoader([Part(small, np.arange(10), 0.75), Part(large, np.arange(30), 0.25)],
+                         tokens_per_microbatch=256, max_doc_len=None, dp_rank=0, dp_size=1, grad_accum=1, seed=3,
+                         shuffle=True, assign=round_robin_assign, cost_coefficients=(1.0, 0.0),
+                         settings={"tokens_per_microbatch": 256})
+    seen = []
+    for epoch in range(3):
+        for idx in loader.epoch_plan(epoch):
+            batch = loader.pieces.batch(idx)
+            tok = batch.input_ids.numpy()
+            is_large = tok >= 10**6
+            local = np.where(is_large, tok - 10**6, tok)
+            check_batch(replace(batch, input_ids=torch.from_numpy(local),
+                                labels=torch.where(batch.labels >= 10**6, batch.labels - 10**6, batch.labels)),
+                        np.arange(0, 3001, 100), 256)
+            seen.append(tok)
+    seen = np.concatenate(seen)
+    counts = np.bincount(np.where(seen >= 10**6, seen - 10**6 + 1000, seen), minlength=4000)
+    assert (counts[:1000] == 9).all(), "weight 0.75 of 4000 tokens: the small source three times per epoch"
+    assert (counts[1000:] == 1).all(), "weight 0.25: the large source walked through once in three epochs"
+    assert loader.epoch_plan(1).pieces.tolist() != loader.epoch_plan(0).pieces.tolist()

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moela.data import DataConfig, build_loaders, load_tokenizer
+from moela.data import DataConfig, MixtureSource, build_loaders, load_tokenizer
 from moela.data.cache import build_or_load_cache
 from moela.data.sources import BUNDLED_CORPUS, DocumentSource
 
@@ -95,6 +95,8 @@ def test_validate_names_field_and_fix(tmp_path):
     assert [e.split(":")[0] for e in DataConfig(source="jsonl", paths=[str(tmp_path)], doc_separator="\n").validate()
             ] == ["doc_separator"]
     assert DataConfig().validate() == []
+    mixed = DataConfig(source="jsonl", mixture=[MixtureSource(), MixtureSource(source="text", weight=0)])
+    assert [e.split(":")[0] for e in mixed.validate()] == ["mixture", "mixture[1].paths", "mixture[1].weight"]
 
 
 def test_bundled_corpus_matches_its_source_note():
@@ -213,7 +215,7 @@ def test_build_loaders_bundled_end_to_end(tmp_path):
     train, val, tok = build_loaders(cfg, tokens_per_microbatch=1023, dp_rank=1, dp_size=2, grad_accum=2, seed=4,
                                     show_progress=False)
     assert tok.vocab_size == 4096
-    assert train.cache.num_docs == 941
+    assert train.caches[0].num_docs == 941
     batches = train.next_step()
     assert len(batches) == 2
     for b in batches:
@@ -278,3 +280,33 @@ def test_cache_uses_uint32_for_large_vocabularies(tmp_path):
     cache = build_or_load_cache(["w70000 w5 w65536", "w65535"], {"big": 1}, tok, tmp_path, show_progress=False)
     assert cache.tokens.dtype == np.uint32
     assert cache.doc(0).tolist() == [70000, 5, 65536, 0] and cache.doc(1).tolist() == [65535, 0]
+
+
+def test_build_loaders_mixture(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.txt"
+    a.write_text("".join(json.dumps({"text": f"alpha {i} " * 20}) + "\n" for i in range(40)))
+    b.write_text("\n===\n".join(f"omega {i} " * 30 for i in range(20)))
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), val_fraction=0.1, mixture=[
+        MixtureSource(source="jsonl", paths=[str(a)], weight=3.0),
+        MixtureSource(source="text", paths=[str(b)], doc_separator="\n===\n", weight=1.0)])
+    assert cfg.validate() == []
+    train, val, tok = build_loaders(cfg, tokens_per_microbatch=200, grad_accum=2, seed=1, show_progress=False)
+    assert [c.num_docs for c in train.caches] == [40, 20]
+    words = {"alpha": 0, "omega": 0}
+    for _ in range(20):
+        for batch in train.next_step():
+            batch.validate()
+            text = tok.decode(batch.input_ids.tolist())
+            for w in words:
+                words[w] += text.count(w)
+    share = words["alpha"] / sum(words.values())
+    assert 0.6 < share < 0.9, f"weights 3:1 should give about 0.75 of the documents' words to 'alpha', got {share}"
+    val_text = "".join(tok.decode(b.input_ids.tolist()) for b in val)
+    assert "alpha" in val_text and "omega" in val_text, "each source contributes held-out documents"
+    resumed, _, _ = build_loaders(cfg, tokens_per_microbatch=200, grad_accum=2, seed=1, show_progress=False)
+    resumed.load_state_dict(train.state_dict())
+    assert [x.input_ids.tolist() for x in resumed.next_step()] == [x.input_ids.tolist() for x in train.next_step()]
+    other = DataConfig(**{**vars(cfg), "mixture": cfg.mixture[:1]})
+    mismatched, _, _ = build_loaders(other, tokens_per_microbatch=200, grad_accum=2, seed=1, show_progress=False)
+    with pytest.raises(ValueError, match="does not match"):
+        mismatched.load_state_dict(train.state_dict())

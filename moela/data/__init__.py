@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from .balance import balanced_assign, round_robin_assign
 from .cache import TokenCache, build_or_load_cache
-from .config import DataConfig
-from .loader import TrainLoader, ValLoader, split_train_val
+from .config import DataConfig, MixtureSource, SourceConfig
+from .loader import Part, TrainLoader, ValLoader, split_train_val
 from .sources import DocumentSource
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "build_loaders", "load_tokenizer", "Tokenizer", "TrainLoader", "ValLoader", "TokenCache",
-           "round_robin_assign"]
+__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "load_tokenizer", "Tokenizer",
+           "TrainLoader", "ValLoader", "TokenCache", "round_robin_assign"]
 
 
 def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int = 0, dp_size: int = 1,
@@ -45,18 +45,22 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         raise ValueError("invalid data settings:\n  " + "\n  ".join(errors))
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token)
-    source = DocumentSource(cfg)
-    cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
-                                num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
-    train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
+    train_parts, val_parts = [], []
+    for source_cfg, weight in cfg.sources():
+        source = DocumentSource(source_cfg)
+        cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
+                                    num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
+        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
+        train_parts.append(Part(cache, train_docs, weight))
+        val_parts.append(Part(cache, val_docs, weight))
 
     assign = balanced_assign if cfg.balance else round_robin_assign
     coefficients = cost_coefficients or (1.0, 1.0 / cfg.attn_cost_len)
     settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
-    train = TrainLoader(cache, train_docs, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
+    train = TrainLoader(train_parts, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
                         dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
                         assign=assign, cost_coefficients=coefficients, settings=settings)
-    val = ValLoader(cache, val_docs, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
+    val = ValLoader(val_parts, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
                     max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
     return train, val, tokenizer

@@ -1,9 +1,11 @@
 """The recipe's `data` section: where documents come from, how they are tokenized, cached, split and packed.
 
 Decisions: the bundled Shakespeare corpus and tokenizer are the defaults, so a recipe needs no data keys at all.
-The micro-batch token budget is not here: it is a training-shape setting passed to `build_loaders` by the trainer.
-`validate()` checks everything that can be checked without reading the data (paths exist, values in range), so a
-bad recipe fails at load time with all its errors at once.
+One source is given by the section's own source keys; several, with sampling weights, by `mixture` (each entry
+has the same source keys plus `weight`). The micro-batch token budget is not here: it is a training-shape setting
+passed to `build_loaders` by the trainer. `validate()` checks everything that can be checked without reading the
+data (paths exist, values in range, keys that would be ignored), so a bad recipe fails at load time with all its
+errors at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ SourceKind = Literal["bundled", "text", "jsonl", "parquet", "hf"]
 
 
 @dataclass
-class DataConfig:
+class SourceConfig:
     # Where documents come from:
     #   bundled: the Shakespeare corpus shipped in moela/data/corpus (941 scenes/poems, 5.3 MB; no other key needed)
     #   text:    text files; each file is one document, or several if `doc_separator` is set
@@ -44,32 +46,8 @@ class DataConfig:
     hf_streaming: bool = False
     # Read at most this many (non-empty) documents from the source; null = all. Part of the cache key.
     max_docs: int | None = None
-    # "bundled" (the committed byte-level BPE, 4096 tokens), a path to a tokenizer.json, or a hub model name
-    # whose tokenizer.json `tokenizers` can download (online).
-    tokenizer: str = "bundled"
-    # The end-of-document token for a non-bundled tokenizer; null = the first of <|endoftext|>, </s>, <eos>,
-    # <|end_of_text|> that the vocabulary has.
-    eos_token: str | None = None
-    # Token cache root. The cache of one (source, tokenizer) pair lives in a subdirectory named by their hash; it is
-    # built once (a progress bar shows the tokenization) and reused by later runs. Delete it to rebuild.
-    cache_dir: str = "~/.cache/moela/tokens"
-    # Held-out validation split: this fraction of documents (at least one), chosen by a fixed hash of the document
-    # index, independent of the training seed; capped at `val_max_tokens` tokens.
-    val_fraction: float = 0.01
-    val_max_tokens: int = 262144
-    # Documents longer than this many tokens (EOS included) are cut into pieces of at most this length before
-    # packing (each piece restarts position_ids); null = only cut at the micro-batch budget.
-    max_doc_len: int | None = None
-    # Shuffle document pieces at every epoch (deterministically from the seed and the epoch number).
-    shuffle: bool = True
-    # Assign each step's micro-batches to data-parallel ranks so that their cost (sum L + sum L^2 / attn_cost_len,
-    # L = document lengths) is balanced; false = round robin.
-    balance: bool = False
-    # Document length at which a token's attention cost equals its other (length-independent) cost; sets the
-    # quadratic weight of the balancing cost. Larger models (wider layers) have a larger value.
-    attn_cost_len: int = 4096
 
-    def validate(self) -> list[str]:
+    def validate_source(self) -> list[str]:
         errors = []
         if self.source in ("text", "jsonl", "parquet"):
             if not self.paths:
@@ -87,9 +65,6 @@ class DataConfig:
         for p in self.paths:
             if not expand_path(p):
                 errors.append(f"paths: '{p}' matches no file; check the path or glob pattern")
-        if self.tokenizer != "bundled" and self.tokenizer.endswith(".json") and not os.path.isfile(
-                os.path.expanduser(self.tokenizer)):
-            errors.append(f"tokenizer: file '{self.tokenizer}' not found; give a tokenizer.json path or 'bundled'")
         if self.doc_separator is not None and self.source != "text":
             errors.append(f"doc_separator: only the text source splits files; source '{self.source}' reads one "
                           f"document per line/row; remove data.doc_separator")
@@ -97,14 +72,80 @@ class DataConfig:
             errors.append("doc_separator: must not be empty; use null to make each file one document")
         if not self.text_field:
             errors.append("text_field: must name the field/column that holds the text, e.g. 'text'")
+        if self.max_docs is not None and self.max_docs < 1:
+            errors.append(f"max_docs: must be >= 1 or null (all documents), got {self.max_docs}")
+        return errors
+
+
+@dataclass
+class MixtureSource(SourceConfig):
+    # Share of training tokens drawn from this source (weights are normalized over the mixture). A source whose
+    # share exceeds its natural size is repeated (reshuffled each pass); a smaller share walks through it over
+    # several epochs.
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig(SourceConfig):
+    # Several sources with sampling weights, e.g. [{source: jsonl, paths: [web/], weight: 0.7},
+    # {source: bundled, weight: 0.3}]. When set, the source keys above must stay at their defaults.
+    mixture: list[MixtureSource] = field(default_factory=list)
+    # "bundled" (the committed byte-level BPE, 4096 tokens), a path to a tokenizer.json, or a hub model name
+    # whose tokenizer.json `tokenizers` can download (online).
+    tokenizer: str = "bundled"
+    # The end-of-document token for a non-bundled tokenizer; null = the first of <|endoftext|>, </s>, <eos>,
+    # <|end_of_text|> that the vocabulary has.
+    eos_token: str | None = None
+    # Token cache root. The cache of one (source, tokenizer) pair lives in a subdirectory named by their hash; it is
+    # built once (a progress bar shows the tokenization) and reused by later runs. Delete it to rebuild.
+    cache_dir: str = "~/.cache/moela/tokens"
+    # Held-out validation split: this fraction of each source's documents (at least one), chosen by a fixed hash of
+    # the document index, independent of the training seed; capped at `val_max_tokens` tokens in all (a mixture
+    # shares the cap by weight).
+    val_fraction: float = 0.01
+    val_max_tokens: int = 262144
+    # Documents longer than this many tokens (EOS included) are cut into pieces of at most this length before
+    # packing (each piece restarts position_ids); null = only cut at the micro-batch budget.
+    max_doc_len: int | None = None
+    # Shuffle document pieces at every epoch (deterministically from the seed and the epoch number).
+    shuffle: bool = True
+    # Assign each step's micro-batches to data-parallel ranks so that their cost (sum L + sum L^2 / attn_cost_len,
+    # L = document lengths) is balanced; false = round robin.
+    balance: bool = False
+    # Document length at which a token's attention cost equals its other (length-independent) cost; sets the
+    # quadratic weight of the balancing cost. Larger models (wider layers) have a larger value.
+    attn_cost_len: int = 4096
+
+    def sources(self) -> list[tuple[SourceConfig, float]]:
+        """(source, normalized weight) pairs: the mixture, or this section's own source with weight 1."""
+        if not self.mixture:
+            return [(self, 1.0)]
+        total = sum(m.weight for m in self.mixture)
+        return [(m, m.weight / total) for m in self.mixture]
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.mixture:
+            defaults = SourceConfig()
+            own = [name for name in vars(defaults) if getattr(self, name) != getattr(defaults, name)]
+            if own:
+                errors.append(f"mixture: set together with {', '.join(own)}; give every source as a mixture entry "
+                              f"and remove the top-level source keys")
+            for i, m in enumerate(self.mixture):
+                errors += [f"mixture[{i}].{e}" for e in m.validate_source()]
+                if not m.weight > 0:
+                    errors.append(f"mixture[{i}].weight: must be > 0, got {m.weight}")
+        else:
+            errors += self.validate_source()
+        if self.tokenizer != "bundled" and self.tokenizer.endswith(".json") and not os.path.isfile(
+                os.path.expanduser(self.tokenizer)):
+            errors.append(f"tokenizer: file '{self.tokenizer}' not found; give a tokenizer.json path or 'bundled'")
         if not 0.0 <= self.val_fraction < 1.0:
             errors.append(f"val_fraction: must be in [0, 1), got {self.val_fraction}")
         if self.val_max_tokens < 0:
             errors.append(f"val_max_tokens: must be >= 0, got {self.val_max_tokens}")
         if self.max_doc_len is not None and self.max_doc_len < 2:
             errors.append(f"max_doc_len: must be >= 2 or null, got {self.max_doc_len}")
-        if self.max_docs is not None and self.max_docs < 1:
-            errors.append(f"max_docs: must be >= 1 or null (all documents), got {self.max_docs}")
         if self.attn_cost_len < 1:
             errors.append(f"attn_cost_len: must be >= 1, got {self.attn_cost_len}")
         return errors

@@ -1,11 +1,16 @@
 """Loaders: the training stream (one optimizer step at a time, per data-parallel rank) and the held-out set.
 
+Shapes: P pieces (documents, or cuts of long ones) of the training split, B micro-batches of one epoch.
+
 Decisions:
 - Every rank computes the whole global step - all `dp_size * grad_accum` micro-batches' layouts - from
   (seed, position in the stream), with no communication, then keeps its share. Layouts are cheap (integers);
-  only the rank's own micro-batches are read from the token memmap.
-- The stream is epochs of packed micro-batches laid end to end: epoch e shuffles the training pieces with a
-  generator seeded by (seed, e) and packs them (see packing.py). A step may straddle two epochs.
+  only the rank's own micro-batches are read from the token memmaps.
+- The stream is epochs of packed micro-batches laid end to end; a step may straddle two epochs. Epoch e takes a
+  window of each source's pieces (one source: all of them), shuffles them with a generator seeded by (seed, e)
+  and packs them (see packing.py). With a mixture, source i contributes weight_i x (all training tokens) tokens
+  per epoch, read as consecutive windows of its own endless sequence of reshuffled passes, so a small source is
+  repeated and a large one is walked through across epochs; the window depends only on e, never on history.
 - Who gets which micro-batch is a pluggable `assign(costs, dp_size, grad_accum) -> per-rank index lists` function
   (moela.data.balance: `round_robin_assign`, or `balanced_assign` with `data.balance: true`). Cost of a micro-batch:
   a * sum L + b * sum L^2 over its pieces' lengths L (by default a = 1, b = 1 / data.attn_cost_len; the trainer
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +38,14 @@ from .packing import make_batch, num_targets, pack, split_into_pieces
 
 Assign = Callable[[list, int, int], list]
 VAL_SPLIT_SEED = 0x5EED
+
+
+@dataclass
+class Part:
+    """One source's share of a split: its token cache, which of its documents, and its sampling weight."""
+    cache: TokenCache
+    doc_ids: np.ndarray  # [D] sorted document indices into the cache
+    weight: float = 1.0
 
 
 def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens: int):
@@ -50,6 +64,30 @@ def split_train_val(doc_lengths: np.ndarray, val_fraction: float, val_max_tokens
     mask = np.zeros(n, dtype=bool)
     mask[keep] = True
     return np.flatnonzero(~mask), np.flatnonzero(mask)
+
+
+class Pieces:
+    """The pieces of several parts in one index space: part, document, start, length (and document length)."""
+
+    def __init__(self, parts: list[Part], limit: int, token_caps: list[int] | None = None):
+        self.stores = [p.cache for p in parts]
+        cols = []
+        for i, p in enumerate(parts):
+            doc_len = p.cache.doc_lengths
+            pd, ps, pl = split_into_pieces(p.doc_ids, doc_len[p.doc_ids], limit)
+            if token_caps is not None:  # truncate the part's pieces (in order) at its token cap
+                pl = np.clip(token_caps[i] - (np.cumsum(pl) - pl), 0, pl)
+                pd, ps, pl = pd[pl > 0], ps[pl > 0], pl[pl > 0]
+            cols.append((np.full(len(pd), i, dtype=np.int64), pd, ps, pl, doc_len[pd]))
+        self.part, self.doc, self.start, self.len, self.doc_len = (np.concatenate(c) for c in zip(*cols))  # [P]
+        self.part_sizes = [len(c[0]) for c in cols]
+        self.part_first = np.concatenate([[0], np.cumsum(self.part_sizes)[:-1]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.len)
+
+    def batch(self, idx: np.ndarray) -> PackedBatch:
+        return make_batch(self.stores, self.part[idx], self.doc[idx], self.start[idx], self.len[idx])
 
 
 class EpochPlan:
@@ -75,28 +113,38 @@ class EpochPlan:
 class TrainLoader:
     """`next_step()` -> this rank's `grad_accum` PackedBatches for one optimizer step."""
 
-    def __init__(self, cache: TokenCache, doc_ids: np.ndarray, *, tokens_per_microbatch: int,
-                 max_doc_len: int | None, dp_rank: int, dp_size: int, grad_accum: int, seed: int, shuffle: bool,
-                 assign: Assign, cost_coefficients: tuple[float, float], settings: dict):
-        if len(doc_ids) == 0:
-            raise ValueError("the training split has no documents; add data or lower data.val_fraction")
-        self.cache = cache
+    def __init__(self, parts: list[Part], *, tokens_per_microbatch: int, max_doc_len: int | None, dp_rank: int,
+                 dp_size: int, grad_accum: int, seed: int, shuffle: bool, assign: Assign,
+                 cost_coefficients: tuple[float, float], settings: dict):
+        empty = [i for i, p in enumerate(parts) if len(p.doc_ids) == 0]
+        if empty:
+            raise ValueError(f"the training split of source(s) {empty} has no documents; add data or lower "
+                             f"data.val_fraction")
+        self.caches = [p.cache for p in parts]
         self.budget = tokens_per_microbatch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.seed, self.shuffle = seed, shuffle
         self.assign, self.cost_coefficients = assign, cost_coefficients
-        limit = min(max_doc_len or tokens_per_microbatch, tokens_per_microbatch)
-        doc_len = cache.doc_lengths
-        self.piece_doc, self.piece_start, self.piece_len = split_into_pieces(doc_ids, doc_len[doc_ids], limit)
-        self.piece_doc_len = doc_len[self.piece_doc]  # [P]
-        self.num_tokens = int(self.piece_len.sum())
-        self.settings = {"data_key": cache.key, "seed": seed, **settings}
+        self.pieces = Pieces(parts, min(max_doc_len or tokens_per_microbatch, tokens_per_microbatch))
+        self.num_tokens = int(self.pieces.len.sum())
+        self.take = self._pieces_per_epoch([p.weight for p in parts])
+        self.settings = {"data_key": "+".join(c.key for c in self.caches), "weights": [p.weight for p in parts],
+                         "seed": seed, **settings}
         self.consumed = 0  # global micro-batches handed out so far
         self.step = 0
         self._epoch, self._epoch_start, self._plan = 0, 0, None
         self.last_imbalance: dict = {}
         self.last_global_num_targets = 0
         self.last_global_num_tokens = 0
+
+    def _pieces_per_epoch(self, weights: list[float]) -> list[int]:
+        """Pieces each part contributes per epoch: its weight's share of all training tokens."""
+        sizes = self.pieces.part_sizes
+        if len(sizes) == 1:
+            return sizes
+        part_tokens = np.bincount(self.pieces.part, weights=self.pieces.len, minlength=len(sizes))  # [parts]
+        mean_len = part_tokens / np.asarray(sizes)
+        return [max(1, int(round(w * self.num_tokens / m))) for w, m in zip(weights, mean_len)]
 
     @property
     def epoch(self) -> float:
@@ -106,12 +154,21 @@ class TrainLoader:
 
     def epoch_plan(self, epoch: int) -> EpochPlan:
         """The packed micro-batches of one epoch (piece indices)."""
-        num_pieces = len(self.piece_len)
+        chosen = np.concatenate([first + self._window(i, epoch * take, take)
+                                 for i, (first, take) in enumerate(zip(self.pieces.part_first, self.take))])  # [P_e]
         if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(num_pieces)  # [P]
-        else:
-            order = np.arange(num_pieces)
-        return EpochPlan(order, pack(self.piece_len[order], self.budget))
+            chosen = chosen[np.random.default_rng([self.seed, epoch]).permutation(len(chosen))]
+        return EpochPlan(chosen, pack(self.pieces.len[chosen], self.budget))
+
+    def _window(self, part: int, begin: int, count: int) -> np.ndarray:
+        """Positions [begin, begin + count) of part's endless sequence of passes (each reshuffled if shuffling)."""
+        size = self.pieces.part_sizes[part]
+        out = []
+        for k in range(begin // size, (begin + count - 1) // size + 1):
+            order = (np.random.default_rng([self.seed, part, k]).permutation(size) if self.shuffle
+                     else np.arange(size))
+            out.append(order[max(begin - k * size, 0):begin + count - k * size])
+        return np.concatenate(out)
 
     def _locate(self, g: int) -> np.ndarray:
         if self._plan is None:
@@ -124,22 +181,18 @@ class TrainLoader:
 
     def next_step(self) -> list[PackedBatch]:
         m = self.dp_size * self.grad_accum
+        p = self.pieces
         layouts = [self._locate(self.consumed + j) for j in range(m)]
-        costs = [microbatch_cost(self.piece_len[p].tolist(), *self.cost_coefficients) for p in layouts]
+        costs = [microbatch_cost(p.len[idx].tolist(), *self.cost_coefficients) for idx in layouts]
         groups = self.assign(costs, self.dp_size, self.grad_accum)
         _check_assignment(groups, self.dp_size, self.grad_accum)
         self.last_imbalance = imbalance_report(costs, self.dp_size, self.grad_accum, groups)
-        pieces = np.concatenate(layouts)  # [pieces of the step]
-        self.last_global_num_targets = num_targets(self.piece_start[pieces], self.piece_len[pieces],
-                                                   self.piece_doc_len[pieces])
-        self.last_global_num_tokens = int(self.piece_len[pieces].sum())
+        step = np.concatenate(layouts)  # [pieces of the step]
+        self.last_global_num_targets = num_targets(p.start[step], p.len[step], p.doc_len[step])
+        self.last_global_num_tokens = int(p.len[step].sum())
         self.consumed += m
         self.step += 1
-        return [self._batch(layouts[j]) for j in groups[self.dp_rank]]
-
-    def _batch(self, pieces: np.ndarray) -> PackedBatch:
-        return make_batch(self.cache.tokens, self.cache.offsets, self.piece_doc[pieces], self.piece_start[pieces],
-                          self.piece_len[pieces])
+        return [p.batch(layouts[j]) for j in groups[self.dp_rank]]
 
     def state_dict(self) -> dict:
         self._locate(self.consumed)
@@ -163,32 +216,25 @@ class TrainLoader:
 class ValLoader:
     """Iterates this rank's share of the fixed held-out set; the same batches on every pass."""
 
-    def __init__(self, cache: TokenCache, doc_ids: np.ndarray, token_cap: int, *, tokens_per_microbatch: int,
-                 max_doc_len: int | None, dp_rank: int, dp_size: int):
-        self.cache = cache
-        doc_len = cache.doc_lengths
-        total = int(doc_len[doc_ids].sum()) if len(doc_ids) else 0
-        total = min(total, token_cap)
+    def __init__(self, parts: list[Part], token_cap: int, *, tokens_per_microbatch: int, max_doc_len: int | None,
+                 dp_rank: int, dp_size: int):
+        total_weight = sum(p.weight for p in parts)
+        caps = [int(token_cap * p.weight / total_weight) for p in parts]
+        sizes = [min(int(p.cache.doc_lengths[p.doc_ids].sum()), cap) for p, cap in zip(parts, caps)]
+        total = sum(sizes)
         # Small held-out sets on many ranks: shrink the budget so that every rank gets at least one micro-batch.
         budget = max(1, min(tokens_per_microbatch, -(-total // dp_size))) if total else tokens_per_microbatch
-        limit = min(max_doc_len or budget, budget)
-        pd, ps, pl = split_into_pieces(doc_ids, doc_len[doc_ids], limit)
-        keep_len = np.clip(token_cap - (np.cumsum(pl) - pl), 0, pl)  # [P] truncate at the token cap
-        nonempty = keep_len > 0
-        pd, ps, pl = pd[nonempty], ps[nonempty], keep_len[nonempty]
-        bins = pack(pl, budget) if len(pl) else []
+        self.pieces = Pieces(parts, min(max_doc_len or budget, budget), caps)
+        bins = pack(self.pieces.len, budget)
         usable = len(bins) - len(bins) % dp_size
-        self._pieces = (pd, ps, pl)
         self._mine = [np.asarray(bins[j]) for j in range(dp_rank, usable, dp_size)]
-        self.num_tokens = int(sum(pl[b].sum() for b in bins[:usable]))
+        self.num_tokens = int(sum(self.pieces.len[b].sum() for b in bins[:usable]))
 
     def __len__(self) -> int:
         return len(self._mine)
 
     def __iter__(self) -> Iterator[PackedBatch]:
-        pd, ps, pl = self._pieces
-        for b in self._mine:
-            yield make_batch(self.cache.tokens, self.cache.offsets, pd[b], ps[b], pl[b])
+        return (self.pieces.batch(b) for b in self._mine)
 
 
 def _check_assignment(groups: list[list[int]], dp_size: int, grad_accum: int) -> None:

@@ -78,11 +78,13 @@ def num_targets(piece_start: np.ndarray, piece_len: np.ndarray, doc_len: np.ndar
     return int(np.sum(piece_len) - np.sum(ends_doc))
 
 
-def make_batch(tokens: np.ndarray, doc_offsets: np.ndarray, piece_doc, piece_start, piece_len) -> PackedBatch:
-    """Materialize one micro-batch from the token memmap. tokens [total], doc_offsets [N_cache+1]."""
+def make_batch(stores, piece_part, piece_doc, piece_start, piece_len) -> PackedBatch:
+    """Materialize one micro-batch. `stores[i]` has `.tokens` [total_i] and `.offsets` [N_i+1] (a TokenCache);
+    piece j is tokens [start, start + len) of document `piece_doc[j]` of store `piece_part[j]`."""
     inputs, labels = [], []
-    for d, s, n in zip(piece_doc.tolist(), piece_start.tolist(), piece_len.tolist()):
-        begin, doc_end = int(doc_offsets[d]) + s, int(doc_offsets[d + 1])
+    for part, d, s, n in zip(piece_part.tolist(), piece_doc.tolist(), piece_start.tolist(), piece_len.tolist()):
+        tokens, offsets = stores[part].tokens, stores[part].offsets
+        begin, doc_end = int(offsets[d]) + s, int(offsets[d + 1])
         inputs.append(np.asarray(tokens[begin:begin + n], dtype=np.int64))  # [n]
         if begin + n < doc_end:
             labels.append(np.asarray(tokens[begin + 1:begin + n + 1], dtype=np.int64))  # [n]

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import DataConfig, expand_path
+from .config import SourceConfig, expand_path
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus" / "shakespeare.jsonl"
 HINT_MAX_BYTES = 1 << 30  # count jsonl lines for the progress bar's total only below this size
@@ -26,7 +26,7 @@ HINT_MAX_BYTES = 1 << 30  # count jsonl lines for the progress bar's total only 
 class DocumentSource:
     """Iterable of document texts; `fingerprint()` identifies the content for the token-cache key."""
 
-    def __init__(self, cfg: DataConfig):
+    def __init__(self, cfg: SourceConfig):
         self.cfg = cfg
         if cfg.source == "bundled":
             self.files = [str(BUNDLED_CORPUS)]
@@ -127,7 +127,7 @@ def _parquet_texts(path: str, column: str) -> Iterator[str]:
                 yield text
 
 
-def _hf_texts(cfg: DataConfig, files: list[str]) -> Iterator[str]:
+def _hf_texts(cfg: SourceConfig, files: list[str]) -> Iterator[str]:
     import datasets
 
     kwargs = {"split": cfg.hf_split}
