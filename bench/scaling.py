@@ -170,7 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/multi_gpu.yaml")
     parser.add_argument("--layout", action="append", default=None,
-                        help="parallel overrides, comma separated (repeatable), e.g. ep=2,activation_checkpointing=full")
+                        help="parallel overrides, comma separated (repeatable), e.g. "
+                             "ep=2,activation_checkpointing=full")
     parser.add_argument("--set", action="append", default=[], help="other recipe overrides, e.g. model.size=small")
     parser.add_argument("--doc-len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=5)

@@ -17,9 +17,11 @@ def test_dp_shard_auto_fills_the_world():
 
 @pytest.mark.parametrize("cfg, world, message", [
     (ParallelConfig(dp_replicate=3), 8, r"dp_replicate \* cp \* tp = 3 \* 1 \* 1 = 3 does not divide the world size 8"),
-    (ParallelConfig(dp_shard=2, cp=2), 8, r"dp_replicate \* dp_shard \* cp \* tp = 1 \* 2 \* 2 \* 1 = 4 but the world size is 8"),
+    (ParallelConfig(dp_shard=2, cp=2), 8,
+     r"dp_replicate \* dp_shard \* cp \* tp = 1 \* 2 \* 2 \* 1 = 4 but the world size is 8"),
     (ParallelConfig(ep=3), 4, r"ep = 3 must divide dp_shard \* cp = 4 \* 1 = 4"),
-    (ParallelConfig(ep=2, cp=4), 8, r"ep = 2 must be a multiple of cp = 4"),
+    (ParallelConfig(ep=2, cp=4), 8, r"parallel.ep: must be a multiple of cp=4"),
+    (ParallelConfig(tp=2), 8, r"parallel.tp: tensor parallelism is not available"),
     (ParallelConfig(fsdp=False), 2, r"fsdp: false needs dp_shard \* cp = 1"),
     (ParallelConfig(dp_shard=0), 2, r"parallel.dp_shard: must be >= 1 or -1"),
     (ParallelConfig(ep=0), 2, r"parallel.ep: must be >= 1"),

@@ -1,9 +1,10 @@
 """Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert, context and tensor parallelism.
 
-`apply_parallelism(model, mesh, cfg)` is the one entry point the trainer calls, in torchtitan's order: tensor
-parallel (not built: `tp > 1` is rejected), context parallel (attention hooks + batch sharding in `forward`),
-expert parallel (routed experts replaced by their EP version), activation checkpointing, FSDP2. Parameter names
-never change, so checkpoints written under one layout load under another. Contract with the trainer: FSDP
+`apply_parallelism(model, mesh, cfg)` is the one entry point the trainer calls. It applies, in torchtitan's order:
+context parallelism (attention hooks, and `model(batch)` runs on this rank's part of the batch), expert
+parallelism (routed experts replaced by their EP version), activation checkpointing, FSDP2. Tensor parallelism is
+not built (`ParallelConfig.validate` rejects `tp > 1`). Parameter names never change, so checkpoints written
+under one layout load under another. Contract with the trainer: FSDP
 averages every gradient over the `dp_cp` ranks (see `moela.parallel.fsdp`), so the trainer multiplies each rank's
 loss by `mesh.size("dp_cp")` after weighting micro-batches by their share of the global step's labelled tokens;
 gradient clipping goes through `clip_grad_norm_` (gradients may live on several meshes); the per-step expert load
@@ -37,9 +38,6 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
                       mixed_precision: bool | None = None) -> nn.Module:
     """Parallelize `model` in place for `mesh` as `cfg` asks; returns it. `mixed_precision` (bf16 params, fp32
     gradient reduction under FSDP) defaults to on for CUDA meshes, off on CPU."""
-    if cfg.tp > 1:
-        raise ValueError(f"parallel.tp: tensor parallelism is not available in this version (tp={cfg.tp}); set "
-                         f"tp: 1 and use dp_shard / ep / cp instead")
     if mixed_precision is None:
         mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
     if mesh.size("cp") > 1:

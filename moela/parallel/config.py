@@ -1,7 +1,8 @@
 """The recipe's `parallel` section: how the world is factored into mesh dimensions and how the model is wrapped.
 
 world_size = dp_replicate * dp_shard * cp * tp. `ep` borrows ranks from dp_shard * cp (as torchtitan): it must
-divide dp_shard * cp. `dp_shard: -1` means "whatever is left of the world".
+divide dp_shard * cp and be a multiple of cp. `dp_shard: -1` means "whatever is left of the world". The checks
+that need the world size live in `moela.parallel.mesh.resolve_sizes`; `validate` checks what it can alone.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 shard group size; -1 = world_size / (dp_replicate * cp * tp)
     cp: int = 1  # context parallel group size (documents cut into 2*cp chunks)
     cp_layout: Literal["dualchunk", "striped"] = "dualchunk"
-    tp: int = 1  # tensor parallel group size
+    tp: int = 1  # tensor parallel group size (not available yet: must be 1)
     ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
-    fsdp: bool = True  # wrap blocks with fully_shard when the dp_shard group has more than one rank
+    fsdp: bool = True  # FSDP2 over dp_shard * cp; false only for dp_shard * cp = 1 (pure replication via HSDP)
     reshard_after_forward: bool = True
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
 
     def validate(self) -> list[str]:
         errors = []
@@ -29,4 +30,10 @@ class ParallelConfig:
                 errors.append(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
+        if self.tp > 1:
+            errors.append(f"tp: tensor parallelism is not available in this version (tp={self.tp}); set tp: 1 and "
+                          f"scale with dp_shard, ep and cp")
+        if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
+            errors.append(f"ep: must be a multiple of cp={self.cp} (the EP group spans whole CP groups), got "
+                          f"{self.ep}; set ep to a multiple of {self.cp} or 1")
         return errors

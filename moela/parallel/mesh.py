@@ -75,10 +75,6 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> MeshSizes:
                 f"parallel.ep: ep = {cfg.ep} must divide dp_shard * cp = {dp_shard} * {cfg.cp} = {dp_shard * cfg.cp} "
                 f"(expert parallelism borrows its ranks from the FSDP group); choose ep among the divisors of "
                 f"{dp_shard * cfg.cp}")
-        if cfg.ep % cfg.cp:
-            raise ValueError(
-                f"parallel.ep: ep = {cfg.ep} must be a multiple of cp = {cfg.cp} (the EP group spans whole CP "
-                f"groups); set ep to a multiple of {cfg.cp} or ep: 1")
     if not cfg.fsdp and sizes.dp_shard * sizes.cp > 1:
         raise ValueError(
             f"parallel.fsdp: false needs dp_shard * cp = 1, got {sizes.dp_shard} * {sizes.cp}; for plain "
