@@ -1,0 +1,212 @@
+"""Trainer: exact resume after SIGTERM, accumulation weighting, non-finite handling, run files, wandb offline,
+optimizer groups and LR schedules. Runs a ~40k-parameter model on 128-token micro-batches of the bundled corpus."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import signal
+
+import pytest
+import torch
+
+from moela.config import Config, ConfigError, OptimConfig, ScheduleConfig, load_config
+from moela.trainer import Trainer, TrainingError
+from moela.trainer.optim import LRMultiplier, build_optimizer, param_groups
+
+TINY_MODEL = [
+    "model.vocab_size=4096", "model.hidden_size=32", "model.num_hidden_layers=2", "model.first_k_dense_replace=1",
+    "model.n_routed_experts=4", "model.n_group=2", "model.topk_group=1", "model.num_experts_per_tok=2",
+    "model.num_attention_heads=2", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16",
+    "model.num_nextn_predict_layers=1",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("token_cache"))
+
+
+def make_cfg(run_dir, cache_dir, *extra) -> Config:
+    return load_config(None, TINY_MODEL + [
+        f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", "data.max_doc_len=64", "data.val_max_tokens=256",
+        "train.tokens_per_microbatch=128", "train.steps=6", "train.cpu_threads=1", "train.eval_every=0",
+        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
+        "logging.progress_bar=never", "checkpoint.every=0", *extra])
+
+
+def train_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+class SignalAtStep(Trainer):
+    """Sends itself a real signal right after optimizer step `at`."""
+
+    def __init__(self, cfg, at: int, signum: int = signal.SIGTERM):
+        super().__init__(cfg)
+        self.at, self.signum = at, signum
+
+    def train_step(self):
+        record = super().train_step()
+        if self.step == self.at:
+            signal.raise_signal(self.signum)
+        return record
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted_exactly(tmp_path, cache_dir):
+    extra = ("train.grad_accum=2",)
+    straight = Trainer(make_cfg(tmp_path / "a", cache_dir, *extra))
+    straight.fit()
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    first = SignalAtStep(make_cfg(tmp_path / "b", cache_dir, *extra), at=3)
+    first.fit()
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert first.step == 3
+    assert [s.name for s in sorted((tmp_path / "b" / "checkpoints").glob("step-*"))] == ["step-3"]
+    resumed = Trainer(make_cfg(tmp_path / "b", cache_dir, *extra))
+    resumed.fit()
+    assert resumed.step == 6
+
+    a, b = train_records(tmp_path / "a"), train_records(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_seen"):
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    for (name, pa), pb in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    assert a[0]["loss"] > a[-1]["loss"]
+
+
+def test_micro_batches_are_weighted_by_their_targets(tmp_path, cache_dir, monkeypatch):
+    """One step with grad_accum=3 gives the gradient of the token-mean loss over all three micro-batches."""
+    trainer = Trainer(make_cfg(tmp_path, cache_dir, "train.grad_accum=3", "optim.grad_clip=0"))
+    state = trainer.train_loader.state_dict()
+    batches = trainer.train_loader.next_step()
+    trainer.train_loader.load_state_dict(state)
+    reference = copy.deepcopy(trainer.model).double()
+    outs = [reference(b) for b in batches]
+    total = sum(o.num_targets for o in outs)
+    objective = sum(o.loss * o.num_targets for o in outs) / total
+    objective.backward()
+    expected_load = sum(o.expert_load for o in outs)
+
+    captured = {}
+    monkeypatch.setattr(trainer.optimizer, "step", lambda: captured.update(
+        {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
+    monkeypatch.setattr(trainer.model, "update_router_bias", lambda load: captured.update(load=load.clone()))
+    record = trainer.train_step()
+
+    assert math.isclose(record["loss"], float(objective.detach()), rel_tol=1e-5)
+    for name, p in reference.named_parameters():
+        if p.grad is None:
+            continue
+        torch.testing.assert_close(captured[name].double(), p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    torch.testing.assert_close(captured["load"].double(), expected_load.double())
+
+
+def test_router_bias_moves_after_a_step(tmp_path, cache_dir):
+    trainer = Trainer(make_cfg(tmp_path, cache_dir))
+    biases = [b for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(torch.count_nonzero(b) == 0 for b in biases)
+    trainer.train_step()
+    assert all(torch.count_nonzero(b) > 0 for b in biases)
+
+
+def poison_steps(trainer, bad_steps):
+    real_forward = trainer.model.forward
+
+    def forward(batch, **kw):
+        out = real_forward(batch, **kw)
+        if trainer.step + 1 in bad_steps:
+            out.loss = out.loss * float("nan")
+        return out
+
+    trainer.model.forward = forward
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, cache_dir):
+    trainer = Trainer(make_cfg(tmp_path, cache_dir, "train.max_nonfinite_steps=3"))
+    poison_steps(trainer, {2, 3})
+    trainer.train_step()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    bias_before = [b.clone() for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")]
+    rec2, rec3 = trainer.train_step(), trainer.train_step()
+    assert math.isnan(rec2["loss"]) and (rec2["skipped"], rec3["skipped"]) == (1, 2)
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    bias_after = [b for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert all(torch.equal(a, b) for a, b in zip(bias_before, bias_after))
+    rec4 = trainer.train_step()
+    assert math.isfinite(rec4["loss"]) and trainer.nonfinite_in_row == 0 and rec4["skipped"] == 2
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_with_a_clear_message(tmp_path, cache_dir):
+    trainer = Trainer(make_cfg(tmp_path, cache_dir, "train.max_nonfinite_steps=2"))
+    poison_steps(trainer, {2, 3, 4})
+    with pytest.raises(TrainingError, match="2 consecutive steps had a non-finite loss") as info:
+        trainer.fit()
+    assert "train.max_nonfinite_steps" in str(info.value) and trainer.step == 3
+
+
+def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    cfg = make_cfg(run, cache_dir, "train.steps=3", "train.eval_every=2", "logging.plot=true",
+                   "logging.wandb.mode=offline", "logging.wandb.tags=[test]")
+    Trainer(cfg).fit()
+    assert load_config(run / "config.yaml") == cfg
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("train", 1), ("train", 2), ("eval", 2), ("train", 3), ("eval", 3)]
+    for r in records[:1]:
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "expert_imbalance", "lm_loss"):
+            assert math.isfinite(r[key]), key
+    assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    assert (run / "loss.png").stat().st_size > 1000
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-3"]
+    offline = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    assert list(offline[0].glob("run-*.wandb")) and (offline[0] / "files").is_dir()
+
+
+def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, cache_dir):
+    with pytest.raises(TrainingError, match="model.vocab_size=1000 is smaller than the tokenizer"):
+        Trainer(make_cfg(tmp_path, cache_dir, "model.vocab_size=1000"))
+
+
+def test_param_groups_exclude_norms_biases_embeddings_and_router_bias():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({
+        "embed": torch.nn.Embedding(10, 4), "attn_norm": torch.nn.LayerNorm(4), "wq": torch.nn.Linear(4, 4),
+        "head": torch.nn.Linear(4, 10, bias=False)})
+    model.register_parameter("e_score_correction_bias", torch.nn.Parameter(torch.zeros(1, 3)))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == ["head.weight", "wq.weight"]
+    assert sorted(names[id(p)] for p in no_decay["params"]) == [
+        "attn_norm.bias", "attn_norm.weight", "e_score_correction_bias", "embed.weight", "wq.bias"]
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert not build_optimizer(model, OptimConfig(), "cpu").defaults["fused"]
+
+
+def test_schedules():
+    cos = LRMultiplier(ScheduleConfig(kind="cosine", warmup_steps=4, min_lr_ratio=0.1), total_steps=20)
+    assert [cos(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos(19) == pytest.approx(0.1) and cos(11) == pytest.approx(0.55 + 0.45 * math.cos(math.pi * 7 / 15))
+    assert all(cos(i) >= cos(i + 1) for i in range(3, 19))
+    wsd = LRMultiplier(ScheduleConfig(kind="wsd", warmup_steps=2, min_lr_ratio=0.0, decay_fraction=0.25,
+                                      decay_shape="linear"), total_steps=21)
+    assert [wsd(i) for i in (0, 1, 2, 10, 15)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+    assert wsd(16) == 1.0 and wsd(18) == pytest.approx(0.5) and wsd(20) == 0.0
+    sqrt = LRMultiplier(ScheduleConfig(kind="wsd", warmup_steps=0, min_lr_ratio=0.2, decay_fraction=0.5,
+                                       decay_shape="sqrt"), total_steps=9)
+    assert sqrt(4) == sqrt(5) == 1.0 and sqrt(8) == pytest.approx(0.2)  # 4 decay steps: 5..8
+    assert sqrt(6) == pytest.approx(0.2 + 0.8 * (1 - math.sqrt(1 / 3)))
+    const = LRMultiplier(ScheduleConfig(kind="constant", warmup_steps=1), total_steps=5)
+    assert [const(i) for i in range(5)] == [1.0] * 5
+    with pytest.raises(ConfigError, match="warmup_steps"):
+        load_config(None, ["schedule.warmup_steps=10", "train.steps=10"])
