@@ -433,13 +433,12 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, caus
     if tq == 0 or n_docs == 0:
         return out, lse
     slopes = alibi_slopes if alibi_slopes is not None else lse  # placeholder pointer when no ALiBi
-
     cfg = launch_config("fwd", d_qk, d_v)
-    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
-                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                      lse.stride(0), softmax_scale * LOG2E.value, h, d_qk, d_v, CAUSAL=causal,
-                      HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                      **_dims(d_qk, d_v), **cfg)
+    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), softmax_scale * LOG2E.value, h,
+        d_qk, d_v, CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16, **_dims(d_qk, d_v), **cfg)
     return out, lse
 
 
@@ -514,7 +513,10 @@ def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_s
 
 
 def triton_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, explicit=False, **_):
-    """On CUDA always (head dims up to 256); on CPU only under TRITON_INTERPRET=1 when asked for by name."""
+    """CUDA tensors with head dims up to 256: fp16/bf16 under `auto`, also fp32 (tf32 dots) when asked for by
+    name. On CPU only under TRITON_INTERPRET=1 and only when asked for by name (tests)."""
     if q.shape[-1] > 256 or v.shape[-1] > 256:
         return False
-    return q.is_cuda or (INTERPRET and explicit)
+    if not explicit:
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return q.is_cuda or INTERPRET
