@@ -35,8 +35,8 @@ def random_lengths(rng, n, hi):
 
 def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None,
                shuffle=True, assign=round_robin_assign):
-    return TrainLoader([Part(cache, np.asarray(doc_ids))], tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
-                       dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
+    return TrainLoader([Part(cache, np.asarray(doc_ids))], tokens_per_microbatch=budget, max_doc_len=max_doc_len,
+                       dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
                        cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
 
 
@@ -237,8 +237,8 @@ def test_val_split_fixed_disjoint_and_even(tmp_path, dp_size):
     assert sorted([*train_docs, *val_docs]) == list(range(97))
     assert np.array_equal(split_train_val(cache.doc_lengths, 0.1, 10**9)[1], val_docs)
     assert len(split_train_val(cache.doc_lengths, 0.1, 100)[1]) < 10, "the token cap limits the held-out docs"
-    vals = [ValLoader([Part(cache, val_docs)], cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r, dp_size=dp_size)
-            for r in range(dp_size)]
+    vals = [ValLoader([Part(cache, val_docs)], cap, tokens_per_microbatch=33, max_doc_len=None, dp_rank=r,
+                      dp_size=dp_size) for r in range(dp_size)]
     assert len({len(v) for v in vals}) == 1 and len(vals[0]) >= 1
     first = [[b.input_ids.tolist() for b in v] for v in vals]
     assert first == [[b.input_ids.tolist() for b in v] for v in vals], "the held-out set is the same every pass"
