@@ -36,8 +36,8 @@ def random_lengths(rng, n, hi):
 def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None,
                shuffle=True, assign=round_robin_assign):
     return TrainLoader([Part(cache, np.asarray(doc_ids))], tokens_per_microbatch=budget, max_doc_len=max_doc_len,
-                       dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
-                       cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
+                       dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle,
+                       assign=assign, cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
 
 
 def check_batch(batch, offsets, budget):
