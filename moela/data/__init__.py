@@ -50,7 +50,8 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         source = DocumentSource(source_cfg)
         cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
                                     num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
-        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)
+        val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
+        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
         train_parts.append(Part(cache, train_docs, weight))
         val_parts.append(Part(cache, val_docs, weight))
 
