@@ -154,8 +154,15 @@ def test_cache_contents_and_reuse(tmp_path):
     again = build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
     assert docs.iterations == 1, "a complete cache must be reused, not rebuilt"
     assert again.path == cache.path
+    with_bos = load_tokenizer(bos_token="<|endoftext|>")
+    bos_cache = build_or_load_cache(docs, fp, with_bos, tmp_path, show_progress=False)
+    assert bos_cache.path != cache.path, "the BOS choice is part of the cache key"
+    assert bos_cache.doc(2).tolist() == [with_bos.bos_id] + tok.encode(docs.docs[2]) + [tok.eos_id]
+    with pytest.raises(ValueError, match="bos_token '<s>' is not in the vocabulary"):
+        load_tokenizer(bos_token="<s>")
+    before = docs.iterations
     other = build_or_load_cache(docs, {"test": 2}, tok, tmp_path, show_progress=False)
-    assert docs.iterations == 2 and other.path != cache.path
+    assert docs.iterations == before + 1 and other.path not in (cache.path, bos_cache.path)
     with open(cache.path / "tokens.bin", "r+b") as f:
         f.truncate(4)
     with pytest.raises(ValueError, match="corrupt.*delete the directory"):

@@ -44,7 +44,7 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     if errors:
         raise ValueError("invalid data settings:\n  " + "\n  ".join(errors))
 
-    tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     train_parts, val_parts = [], []
     for source_cfg, weight in cfg.sources():
         source = DocumentSource(source_cfg)

@@ -1,7 +1,7 @@
 """Token cache: every document tokenized once into a flat memmap, reused by later runs.
 
 Layout of one cache (a directory named by the sha256 of the source fingerprint and the tokenizer):
-`tokens.bin` (all documents back to back, each ending with EOS; uint16 when the vocabulary fits, else uint32),
+`tokens.bin` (all documents back to back, each ending with EOS and starting with BOS if one is configured; uint16 when the vocabulary fits, else uint32),
 `offsets.npy` (int64 [N+1], document i is tokens[offsets[i]:offsets[i+1]]) and `meta.json` (counts, dtype, the
 key's inputs). Decisions: the cache is written into a private temporary directory and renamed into place only
 when complete, so a crash never leaves a half cache that looks finished, and concurrent builders (several ranks,
@@ -133,7 +133,9 @@ def _build(documents: Iterable[str], source_fingerprint: dict, tokenizer: Tokeni
 
 
 def _write_batch(texts: list[str], tokenizer: Tokenizer, dtype, out, offsets: array, bar) -> None:
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     for ids in tokenizer.encode_batch(texts):
+        ids = prefix + ids
         ids.append(tokenizer.eos_id)
         out.write(np.asarray(ids, dtype=dtype).tobytes())
         offsets.append(offsets[-1] + len(ids))

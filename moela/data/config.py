@@ -96,6 +96,9 @@ class DataConfig(SourceConfig):
     # The end-of-document token for a non-bundled tokenizer; null = the first of <|endoftext|>, </s>, <eos>,
     # <|end_of_text|> that the vocabulary has.
     eos_token: str | None = None
+    # A token to put at the start of every document (e.g. "<｜begin▁of▁sentence｜>" for DeepSeek-V3's tokenizer);
+    # null = none (the bundled tokenizer has no BOS).
+    bos_token: str | None = None
     # Token cache root. The cache of one (source, tokenizer) pair lives in a subdirectory named by their hash; it is
     # built once (a progress bar shows the tokenization) and reused by later runs. Delete it to rebuild.
     cache_dir: str = "~/.cache/moela/tokens"

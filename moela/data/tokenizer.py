@@ -3,7 +3,8 @@
 A thin wrapper over a Hugging Face `tokenizers.Tokenizer`. The default is the committed byte-level BPE
 (`moela/data/tokenizer/tokenizer.json`, 4096 tokens, trained by scripts/train_tokenizer.py on the bundled corpus):
 byte-level means every UTF-8 byte is a base symbol, so any text encodes without an unknown token and decodes back
-exactly. Encoding never adds special tokens; the token cache appends `eos_id` to each document itself.
+exactly. Encoding never adds special tokens; the token cache appends `eos_id` to each document itself (and
+prepends `bos_id` when a BOS token is configured, as checkpoints such as DeepSeek-V3's expect).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 class Tokenizer:
-    def __init__(self, hf: HFTokenizer, eos_token: str | None = None, name: str = ""):
+    def __init__(self, hf: HFTokenizer, eos_token: str | None = None, name: str = "", bos_token: str | None = None):
         self.hf = hf
         self.name = name
         if eos_token is None:
@@ -32,6 +33,10 @@ class Tokenizer:
             raise ValueError(f"data.eos_token '{eos_token}' is not in the vocabulary of tokenizer '{name}'")
         self.eos_token = eos_token
         self.eos_id: int = eos_id
+        self.bos_token = bos_token
+        self.bos_id: int | None = None if bos_token is None else hf.token_to_id(bos_token)
+        if bos_token is not None and self.bos_id is None:
+            raise ValueError(f"data.bos_token '{bos_token}' is not in the vocabulary of tokenizer '{name}'")
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
@@ -44,22 +49,23 @@ class Tokenizer:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def fingerprint(self) -> str:
-        """sha256 of the serialized tokenizer plus the EOS choice: part of the token-cache key."""
-        return hashlib.sha256((self.hf.to_str() + "\0" + self.eos_token).encode("utf-8")).hexdigest()
+        """sha256 of the serialized tokenizer plus the EOS / BOS choice: part of the token-cache key."""
+        blob = "\0".join([self.hf.to_str(), self.eos_token, self.bos_token or ""])
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-def load_tokenizer(spec: str = "bundled", eos_token: str | None = None) -> Tokenizer:
+def load_tokenizer(spec: str = "bundled", eos_token: str | None = None, bos_token: str | None = None) -> Tokenizer:
     """`spec`: "bundled", a path to a tokenizer.json (or a directory holding one), or a hub model name (online)."""
     if spec == "bundled":
-        return Tokenizer(HFTokenizer.from_file(str(BUNDLED_PATH)), eos_token, "bundled")
+        return Tokenizer(HFTokenizer.from_file(str(BUNDLED_PATH)), eos_token, "bundled", bos_token)
     path = Path(os.path.expanduser(spec))
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.is_file():
-        return Tokenizer(HFTokenizer.from_file(str(path)), eos_token, str(path))
+        return Tokenizer(HFTokenizer.from_file(str(path)), eos_token, str(path), bos_token)
     if spec.endswith(".json"):
         raise FileNotFoundError(f"data.tokenizer: file '{spec}' not found; give a tokenizer.json path or 'bundled'")
     try:
@@ -67,4 +73,4 @@ def load_tokenizer(spec: str = "bundled", eos_token: str | None = None) -> Token
     except Exception as e:
         raise ValueError(f"data.tokenizer: '{spec}' is neither 'bundled', a tokenizer.json file, nor a hub model "
                          f"whose tokenizer could be downloaded ({e})") from e
-    return Tokenizer(hf, eos_token, spec)
+    return Tokenizer(hf, eos_token, spec, bos_token)
