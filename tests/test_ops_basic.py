@@ -74,3 +74,32 @@ def test_cross_entropy_sum_and_ignore():
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="backend"):
         swiglu(torch.ones(2), torch.ones(2), backend="cuda-magic")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_backends_match_reference_on_cuda():
+    dev = "cuda"
+    x = torch.randn(1037, 3, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, device=dev, requires_grad=True)
+    pos = torch.randint(0, 4000, (1037,), device=dev)
+    inv = yarn_inv_freq(64, 10000.0).to(dev)
+    logits = torch.randn(1037, 5003, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 5003, (1037,), device=dev)
+    labels[::7] = IGNORE_INDEX
+    cases = [(rms_norm, lambda b: rms_norm(x, w, 1e-6, backend=b), [x, w]),
+             (rope, lambda b: rope(x, pos, inv, attention_factor=1.1, backend=b), [x]),
+             (swiglu, lambda b: swiglu(x, x * 0.5 + 1, backend=b), [x]),
+             (cross_entropy, lambda b: cross_entropy(logits, labels, reduction="none", backend=b), [logits])]
+    for op, call, inputs in cases:
+        outs, g = {}, None
+        for b in ("reference", "compiled"):
+            y = call(b)
+            g = torch.randn_like(y) if g is None else g
+            grads = torch.autograd.grad(y, inputs, g)
+            outs[b] = (y.float(), [t.float() for t in grads])
+        (yr, gr), (yc, gc) = outs["reference"], outs["compiled"]
+        tol = 2e-2 * (yr.abs().max().item() + 1)
+        assert (yr - yc).abs().max().item() <= tol, op.__name__
+        for a, c in zip(gr, gc):
+            assert (a - c).abs().max().item() <= 2e-2 * (a.abs().max().item() + 1e-3), op.__name__

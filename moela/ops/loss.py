@@ -2,7 +2,9 @@
 
 Returns the per-token loss or its sum (never a mean: the model divides by the step's labelled-token count itself so
 that gradient accumulation and data parallelism reproduce the single-process objective exactly). Logits are upcast
-to float32. Backends: `reference`; fast (e.g. fused linear + cross-entropy) kernels register in `_FAST_BACKENDS`.
+to float32 inside the computation. Backends: `reference`, `compiled` (the reference through TorchInductor, CUDA:
+no float32 copy of the logits is kept); further kernels (e.g. fused linear + cross-entropy) register in
+`_FAST_BACKENDS`.
 
 Shapes: T tokens, V vocabulary.
 """
@@ -13,10 +15,11 @@ from typing import Callable, Literal
 
 import torch
 
+from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
 IGNORE_INDEX = -100
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 
@@ -32,6 +35,9 @@ def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [T]
     nll = torch.logsumexp(lf, dim=-1) - lf.gather(1, safe[:, None]).squeeze(1)  # [T]
     return torch.where(valid, nll, torch.zeros_like(nll))
+
+
+register_backend("compiled", on_cuda, compiled(cross_entropy_reference))
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Literal["sum", "none"] = "sum",

@@ -2,7 +2,8 @@
 
 y = x / sqrt(mean(x**2) + eps) * weight, computed in float32 and returned in x's dtype. The weight multiplies the
 float32 normalized value before the cast back (DeepSeek's reference order); HF's T5-style norm casts first, which
-is identical in float32. Backends: `reference` (pure torch); fast kernels register in `_FAST_BACKENDS`.
+is identical in float32. Backends: `reference` (pure torch), `compiled` (the reference through TorchInductor,
+CUDA, see `moela.ops.compiled`); further kernels register in `_FAST_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Callable
 
 import torch
 
+from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 
@@ -26,6 +28,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     xf = x.float()  # [..., C]
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., C]
     return (y * weight.float()).to(x.dtype)
+
+
+register_backend("compiled", on_cuda, compiled(rms_norm_reference))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:

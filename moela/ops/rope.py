@@ -10,6 +10,7 @@ Decisions:
 - `yarn_inv_freq` follows the YaRN paper as DeepSeek and HF implement it: per-dimension blend between
   interpolated (freq / factor) and original frequencies, with a linear ramp between the correction dims found from
   beta_fast / beta_slow rotations, floored / ceiled.
+- Backends: `reference`, `compiled` (the reference through TorchInductor, CUDA, see `moela.ops.compiled`).
 
 Shapes: T tokens, H heads, R rotary dim (even).
 """
@@ -21,9 +22,10 @@ from typing import Callable
 
 import torch
 
+from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 
@@ -66,6 +68,9 @@ def rope_reference(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.
     x0, x1 = xf[..., 0], xf[..., 1]  # [T, H, R/2]
     out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)  # [T, H, R/2, 2]
     return out.reshape(t, h, r).to(x.dtype)
+
+
+register_backend("compiled", on_cuda, compiled(rope_reference))
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, *, attention_factor: float = 1.0,

@@ -1,7 +1,7 @@
 """SwiGLU activation: `swiglu(gate, up) = silu(gate) * up`, the FFN nonlinearity of dense MLPs and experts.
 
-Computed in float32, returned in the inputs' dtype. Backends: `reference`; fast kernels register in
-`_FAST_BACKENDS`.
+Computed in float32, returned in the inputs' dtype. Backends: `reference`, `compiled` (the reference through
+TorchInductor, CUDA, see `moela.ops.compiled`); further kernels register in `_FAST_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "compiled", "triton")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 
@@ -24,6 +25,9 @@ def register_backend(name: str, supported: Callable[..., bool], impl: Callable[.
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+register_backend("compiled", on_cuda, compiled(swiglu_reference))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

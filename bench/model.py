@@ -1,0 +1,133 @@
+"""Benchmark one training micro-step (forward + backward) of the whole moela model against baselines, in one process.
+
+Candidates, all on the same weights and tokens (documents of equal length L packed into T tokens, bf16 params):
+  moela/auto       every op on backend "auto" (the fastest registered kernels)
+  moela/reference  attention and experts on their pure-torch reference backends (what the model is tested with)
+  hf/sdpa          transformers' DeepseekV3ForCausalLM loaded from our HF export, batch [T/L, L], SDPA attention
+                   and its default experts implementation (MTP is absent there, so moela runs without MTP too)
+Reported: median ms per micro-step (`triton.testing.do_bench`), tokens/s, model TFLOP/s from `flops_per_token`
+(6N active + causal attention), peak memory, and the loss of each candidate (they must agree to bf16 noise).
+
+Usage: python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out bench/results/model.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
+from moela.model import build_model, count_params, flops_per_token, preset  # noqa: E402
+from moela.model.hf import export_hf  # noqa: E402
+
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def packed_batch(vocab: int, tokens: int, doc_len: int, device: str) -> PackedBatch:
+    n = tokens // doc_len
+    ids = torch.randint(0, vocab, (n * doc_len,), device=device)
+    labels = torch.cat((ids[1:], ids[:1]))
+    labels.view(n, doc_len)[:, -1] = IGNORE_INDEX
+    pos = torch.arange(doc_len, device=device, dtype=torch.int32).repeat(n)
+    cu = torch.arange(0, n * doc_len + 1, doc_len, device=device, dtype=torch.int32)
+    return PackedBatch(ids, labels, pos, cu, doc_len)
+
+
+def measure(name: str, step, tokens: int, flops_tok: float) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = step()
+    ms = do_bench(step, warmup=3, rep=20)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    tflops = flops_tok * tokens / (ms * 1e-3) / 1e12
+    say(f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} | {tflops:.0f} | {peak:.1f} | {loss:.4f} |")
+    RESULTS[name] = ms
+
+
+RESULTS: dict[str, float] = {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="small")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--doc-len", type=int, default=2048)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/model.md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    cfg = preset(args.size, num_nextn_predict_layers=0, aux_loss_coef=0.0)
+    total, active = count_params(cfg)
+    flops_tok = flops_per_token(cfg, args.doc_len)
+    say(f"# moela model step: {args.size}, {args.tokens} tokens, documents of {args.doc_len}")
+    say(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}; {total / 1e6:.0f}M params, {active / 1e6:.0f}M active; "
+        f"{flops_tok / 1e9:.2f} GFLOP/token (training)")
+    say()
+    say("| candidate | ms / micro-step | tokens/s | model TFLOP/s | peak GiB | loss |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    model = build_model(cfg, dev, dtype=torch.bfloat16)
+    batch = packed_batch(cfg.vocab_size, args.tokens, args.doc_len, dev)
+
+    def moela_step():
+        model.zero_grad(set_to_none=True)
+        out = model(batch)
+        out.loss.backward()
+        return out.metrics["lm_loss"].item()
+
+    for name, attn_b, moe_b in [("moela/auto", "auto", "auto"), ("moela/reference", "reference", "reference")]:
+        for layer in model.layers:
+            layer.attn.core_attention.keywords["backend"] = attn_b
+            if hasattr(layer.ffn, "experts"):
+                layer.ffn.experts.backend = moe_b
+        try:
+            measure(name, moela_step, args.tokens, flops_tok)
+        except Exception:  # a baseline that fails is reported, not fatal
+            say(f"| {name} | failed: {traceback.format_exc(limit=1).splitlines()[-1]} | | | | |")
+    if not args.skip_hf:
+        import transformers
+        with tempfile.TemporaryDirectory() as tmp:
+            export_hf(model, tmp)
+            del model
+            model = None
+            torch.cuda.empty_cache()
+            hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16,
+                                                                    attn_implementation="sdpa").to(dev)
+        ids = batch.input_ids.view(-1, args.doc_len)
+        labels = batch.input_ids.view(-1, args.doc_len)
+
+        def hf_step():
+            hf.zero_grad(set_to_none=True)
+            out = hf(input_ids=ids, labels=labels)
+            out.loss.backward()
+            return out.loss.item()
+        try:
+            measure("hf/sdpa", hf_step, args.tokens, flops_tok)
+        except Exception:
+            say(f"| hf/sdpa | failed: {traceback.format_exc(limit=1).splitlines()[-1]} | | | | |")
+    say()
+    for name, ms in RESULTS.items():
+        if name != "moela/auto" and "moela/auto" in RESULTS:
+            say(f"moela/auto vs {name}: {ms / RESULTS['moela/auto']:.2f}x faster")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
