@@ -22,7 +22,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any recipe key; values are parsed as YAML (1e-3, true, null, [1, 2])")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,10 +182,11 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> list[str]:
+        """Checks that span sections (each section validates its own fields)."""
         errors = []
-        if self.schedule.kind != "constant" and self.schedule.warmup_steps >= self.train.steps:
-            errors.append(f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below train.steps="
-                          f"{self.train.steps}; shorten the warmup or train longer")
+        if self.parallel.ep > 1 and self.model.n_routed_experts % self.parallel.ep:
+            errors.append(f"parallel.ep: {self.parallel.ep} does not divide model.n_routed_experts="
+                          f"{self.model.n_routed_experts}; pick an ep that divides the expert count")
         return errors
 
 

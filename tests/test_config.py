@@ -142,14 +142,13 @@ def test_section_validation_messages_are_prefixed(tmp_path):
     recipe = write(tmp_path / "r.yaml", """
         model: {n_group: 2, topk_group: 3}
         optim: {lr: -1}
-        train: {steps: 10}
-        schedule: {warmup_steps: 20}
+        parallel: {ep: 3}
     """)
     errors = errors_of(recipe)
     joined = "\n".join(errors)
     assert f"{recipe}: model.topk_group: 3 > n_group=2" in joined
     assert f"{recipe}: optim.lr: must be > 0" in joined
-    assert "schedule.warmup_steps: 20 is not below train.steps=10" in joined
+    assert f"{recipe}: parallel.ep: 3 does not divide model.n_routed_experts=8" in joined
 
 
 def test_model_preset_overlay_and_unknown_size(tmp_path):

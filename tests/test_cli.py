@@ -1,0 +1,74 @@
+"""train.py: exit code 2 with every recipe error at once and no traceback; --print-config; launcher env vars."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moela.config import load_config
+from moela.trainer.distributed import init_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def test_bad_recipe_exits_2_listing_all_errors_without_traceback(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(textwrap.dedent("""
+        optim: {lr: fast, wieght_decay: 0.1}
+        train: {stpes: 10}
+    """))
+    proc = run_cli(recipe, "logging.wandb.mode=ofline")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    err = proc.stderr
+    assert "4 problems" in err
+    assert f"{recipe}: optim.lr: expected a number, got 'fast'" in err
+    assert f"{recipe}: optim.wieght_decay: unknown key" in err and "did you mean 'weight_decay'" in err
+    assert f"{recipe}: train.stpes: unknown key" in err and "did you mean 'steps'" in err
+    assert "command line: logging.wandb.mode" in err and "did you mean 'offline'" in err
+
+
+def test_missing_file_bad_yaml_and_bad_override_exit_2(tmp_path, capsys):
+    assert train.main([str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml: file not found" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  steps: [1\n")
+    assert train.main([str(broken)]) == 2
+    assert f"{broken}: invalid YAML at line" in capsys.readouterr().err
+    assert train.main([str(ROOT / "recipes" / "tiny.yaml"), "train.steps"]) == 2
+    assert "expected section.key=value" in capsys.readouterr().err
+
+
+def test_print_config_prints_the_resolved_recipe(tmp_path, capsys):
+    assert train.main([str(ROOT / "recipes" / "tiny.yaml"), "--print-config", "optim.lr=5e-4",
+                       "train.steps=7"]) == 0
+    printed = capsys.readouterr().out
+    resolved = tmp_path / "resolved.yaml"
+    resolved.write_text(printed)
+    cfg = load_config(resolved)
+    assert cfg == load_config(ROOT / "recipes" / "tiny.yaml", ["optim.lr=5e-4", "train.steps=7"])
+    assert cfg.optim.lr == 5e-4 and cfg.train.steps == 7
+
+
+def test_launcher_env_vars_single_process(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    env = init_distributed("cpu")
+    assert (env.rank, env.world_size, env.local_rank, env.device.type, env.owns_process_group) == (0, 1, 0, "cpu",
+                                                                                                   False)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
+        init_distributed("cpu")
