@@ -38,6 +38,7 @@ no assignment can balance better than the packing itself.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,13 +107,15 @@ def balanced_assign(costs: Sequence[float], dp_size: int, grad_accum: int) -> li
     _check(costs, dp_size, grad_accum)
     c = np.asarray(costs, dtype=np.float64)  # [n]
     owner = np.empty(len(c), dtype=np.int64)  # [n] -> rank
-    loads = np.zeros(dp_size, dtype=np.float64)  # [ranks]
     held = [0] * dp_size
+    open_ranks = [(0.0, r) for r in range(dp_size)]  # heap of (running total, rank) with room left
     for i in sorted(range(len(c)), key=lambda i: (-c[i], i)):
-        r = min((r for r in range(dp_size) if held[r] < grad_accum), key=lambda r: (loads[r], r))
+        load, r = heapq.heappop(open_ranks)
         owner[i] = r
-        loads[r] += c[i]
         held[r] += 1
+        if held[r] < grad_accum:
+            heapq.heappush(open_ranks, (load + float(c[i]), r))
+    loads = np.bincount(owner, weights=c, minlength=dp_size).astype(np.float64)  # [ranks]
     _refine(c, owner, loads)
     rr = round_robin_assign(costs, dp_size, grad_accum)
     if loads.max() > max(rank_totals(costs, rr)) * (1 + _EPS):

@@ -1,0 +1,144 @@
+"""Measured step time of a two-rank run with and without the cost-balanced DP sampler, on long documents.
+
+The same training run (the `small` preset through `recipes/multi_gpu.yaml`, the same seed, hence the same global
+micro-batches every step) is launched with `torchrun` with `data.balance=false` and `data.balance=true`,
+alternating (`--repeats` times each) so that drift in the machine hits both alike. Only the assignment of
+micro-batches to ranks differs. Each run's `metrics.jsonl` gives per-step `step_time_s` and the loader's
+imbalance (max/mean rank cost, before and after balancing); the first `--warmup` steps are dropped and the
+median step time of the rest is compared.
+
+Long documents: the bundled corpus's texts (in order, cycling) are concatenated into synthetic documents whose
+target lengths are log-normal, median `--median-tokens` (default 6k), sigma 1.2, clipped to [256, 4 * budget]
+tokens (3.3 characters per token assumed); documents longer than the micro-batch budget are cut into
+budget-sized pieces by the loader. The file is written once to `--work-dir`.
+
+Usage (2 GPUs):  python bench/balance_gpu.py                       # writes bench/results/balance_gpu.md
+CPU smoke test:  python bench/balance_gpu.py --smoke               # tiny model, gloo, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "moela" / "data" / "corpus" / "shakespeare.jsonl"
+CHARS_PER_TOKEN = 3.3
+
+
+def write_long_documents(path: Path, n_docs: int, median_tokens: int, max_tokens: int, seed: int) -> dict:
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
+    rng = np.random.default_rng(seed)
+    targets = np.clip(np.exp(rng.normal(math.log(median_tokens), 1.2, size=n_docs)), 256, max_tokens)
+    cursor = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for target in targets:
+            parts, chars = [], 0
+            while chars < target * CHARS_PER_TOKEN:
+                parts.append(texts[cursor % len(texts)])
+                chars += len(parts[-1])
+                cursor += 1
+            text = "\n\n".join(parts)[: int(target * CHARS_PER_TOKEN)]
+            f.write(json.dumps({"text": text}) + "\n")
+    return {"docs": n_docs, "median_tokens": float(np.median(targets)), "max_tokens": float(targets.max())}
+
+
+def run(args, balance: bool, repeat: int, data: Path) -> list[dict]:
+    run_dir = Path(args.work_dir) / f"run-balance{int(balance)}-{repeat}"
+    overrides = [
+        "data.source=jsonl", f"data.paths=[{data}]", f"data.balance={str(balance).lower()}", "data.max_doc_len=null",
+        "data.val_fraction=0.001", "data.val_max_tokens=8192",
+        f"train.tokens_per_microbatch={args.budget}", f"train.grad_accum={args.grad_accum}",
+        f"train.steps={args.steps}", "train.eval_every=0", "train.eval_batches=1", f"train.run_dir={run_dir}",
+        "checkpoint.every=0", "checkpoint.save_at_end=false", "checkpoint.resume=none",
+        "logging.log_every=1", "logging.plot=false", "logging.progress_bar=never",
+    ]
+    if args.smoke:
+        overrides += ["model.size=tiny", "model.vocab_size=4096", "parallel.ep=1", "train.device=cpu",
+                      "train.precision=fp32", "train.cpu_threads=1"]
+    cmd = ["torchrun", "--standalone", f"--nproc_per_node={args.nproc}", str(ROOT / "train.py"),
+           str(ROOT / "recipes" / "multi_gpu.yaml")] + overrides
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    steady = [r for r in records if r["step"] > warmup] or records
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "imb_before": statistics.mean(r.get("dp_imbalance_unbalanced", float("nan")) for r in steady),
+            "imb_after": statistics.mean(r.get("dp_imbalance", float("nan")) for r in steady),
+            "steps": len(steady)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=32768, help="tokens per micro-batch")
+    ap.add_argument("--grad-accum", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--median-tokens", type=int, default=6000)
+    ap.add_argument("--docs", type=int, default=3000)
+    ap.add_argument("--work-dir", default="/tmp/moela_balance_gpu")
+    ap.add_argument("--out", default="bench/results/balance_gpu.md")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo, a few small steps")
+    args = ap.parse_args()
+    if args.smoke:
+        args.budget, args.grad_accum, args.steps, args.warmup, args.repeats = 2048, 4, 3, 1, 1
+        args.docs, args.median_tokens = 200, 600
+        args.out = str(Path(args.work_dir) / "balance_gpu_smoke.md")
+    data = Path(args.work_dir) / "long_docs.jsonl"
+    info = write_long_documents(data, args.docs, args.median_tokens, 4 * args.budget, seed=0)
+    results: dict[bool, list[dict]] = {False: [], True: []}
+    for repeat in range(args.repeats):
+        for balance in (False, True):
+            results[balance].append(summarize(run(args, balance, repeat, data), args.warmup))
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    base = statistics.median(r["step_time_s"] for r in results[False])
+    bal = statistics.median(r["step_time_s"] for r in results[True])
+    lines = [
+        "# Two-rank step time with and without the cost-balanced DP sampler",
+        "",
+        f"Date {datetime.date.today()}; {args.nproc} x {gpu}; torch {torch.__version__}, triton {triton_version}. "
+        f"Command: `python {' '.join(sys.argv)}`.",
+        "",
+        f"`recipes/multi_gpu.yaml`{' (smoke: tiny model on CPU)' if args.smoke else ''}, {args.budget} tokens per "
+        f"micro-batch, grad_accum {args.grad_accum}, {args.steps} steps (first {args.warmup} dropped); long "
+        f"documents: {info['docs']} synthetic documents, median {info['median_tokens']:.0f} tokens, max "
+        f"{info['max_tokens']:.0f} (see the script). Imbalance = max/mean rank cost per the loader's cost model.",
+        "",
+        "| sampler | run | median step s | tokens/s | imbalance before | imbalance after |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for balance in (False, True):
+        for i, r in enumerate(results[balance]):
+            lines.append(f"| {'balanced' if balance else 'round robin'} | {i} | {r['step_time_s']:.3f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['imb_before']:.3f} | {r['imb_after']:.3f} |")
+    lines += ["", f"Median step time: round robin {base:.3f} s, balanced {bal:.3f} s: gain {base / bal:.3f}x."]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
