@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from moela.ops.moe import moe_experts
 from moela.ops.quant import dequant_128x128, dequant_1x128, quant_1x128
+from test_quant import assert_same_quant
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -29,11 +30,15 @@ def _rel(a, b):
 
 
 def _exact(x, ids, w, w13, w2):
-    """float64 y = sum_k w * W2 (silu(W1 x) * W3 x), no quantization."""
+    """float64 y = sum_k w * W2 (silu(W1 x) * W3 x), no quantization; loops over experts (differentiable)."""
     f = w13.shape[1] // 2
-    h = torch.einsum("tkfd,td->tkf", w13.double()[ids], x.double())  # [T, K, 2F]
-    act = F.silu(h[..., :f]) * h[..., f:]
-    return torch.einsum("tkdf,tkf,tk->td", w2.double()[ids], act, w.double())
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for ex in range(w13.shape[0]):
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        h = x[tok].double() @ w13[ex].double().t()  # [M, 2F]
+        o = (F.silu(h[:, :f]) * h[:, f:]) @ w2[ex].double().t()  # [M, D]
+        y = y.index_add(0, tok, o * w[tok, slot].double()[:, None])
+    return y
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,7 +87,7 @@ def test_permute_align_writes_rows_scales_and_zero_padding(quant):
     tok = src[real] // k
     if quant:
         rq, rs = quant_1x128(x.float())
-        assert torch.equal(data[real].float(), rq[tok].float()) and torch.equal(scales[real], rs[tok])
+        assert_same_quant(data[real], scales[real], rq[tok], rs[tok])
         assert (data[~real].float() == 0).all() and torch.isfinite(scales).all()
     else:
         assert torch.equal(data[real], x[tok]) and (data[~real] == 0).all()
@@ -107,8 +112,8 @@ def test_unpermute_combine_and_gradients():
     assert _rel(do, ref_do) < 1e-6
     assert _rel(dw, (dy.double()[:, None] * o.double()[rows]).sum(-1)) < 1e-6
     (q, s), (qt, st), _ = combine_bwd(dy, o, lay, w, quant=True)
-    assert torch.equal(q.float(), quant_1x128(do)[0].float()) and torch.equal(s, quant_1x128(do)[1])
-    assert torch.equal(qt.float(), quant_1x128(do.t().contiguous())[0].float())
+    assert_same_quant(q, s, *quant_1x128(do))
+    assert_same_quant(qt, st, *quant_1x128(do.t().contiguous()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,7 +148,9 @@ def test_mgrouped_gemm_vs_float64(fp8):
         out = mgrouped_gemm(a, b, lay.m_indices, out_dtype=torch.float32)
     ex = lay.m_indices.long()
     ref = torch.einsum("mk,mnk->mn", a64, b64[ex.clamp_min(0)]) * (ex >= 0)[:, None]
-    assert _rel(out, ref) < 1e-5  # fp32 accumulation of exactly representable products
+    # fp32 accumulation of exactly representable products; Hopper's fp8 MMA accumulates inside each 128-wide K
+    # step with fewer mantissa bits (why the kernel promotes to fp32 every 128), hence the looser GPU bound
+    assert _rel(out, ref) < (5e-4 if fp8 and DEV == "cuda" else 1e-5)
     assert (out[ex < 0] == 0).all()
 
 
@@ -166,8 +173,10 @@ def test_kgrouped_gemm_vs_float64(fp8):
         dy64, x64 = dy.double(), x.double()
         out = kgrouped_gemm(dy.t(), x.t(), lay.offsets)
     ref = torch.zeros(e, n, k, dtype=torch.float64, device=DEV)
-    ref.index_add_(0, lay.m_indices.long().clamp_min(0), torch.einsum("mn,mk->mnk", dy64, x64))
-    assert _rel(out, ref) < 1e-5
+    for ex in range(e):
+        rows = lay.m_indices.long() == ex
+        ref[ex] = dy64[rows].t() @ x64[rows]
+    assert _rel(out, ref) < (5e-4 if fp8 and DEV == "cuda" else 1e-5)
     assert (out[lay.counts == 0] == 0).all()
 
 
@@ -224,7 +233,7 @@ def _problem(t, d, f, e, k, dtype, skew=False):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_bf16_recipe_path_vs_float64(backend):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
-    prob = _problem(37, 256, 128, 5, 3, dtype, skew=backend == "torch")
+    prob = _problem(29, 256, 128, 4, 3, dtype, skew=backend == "torch")
     exact = _exact_grads(*prob)
     got = _run(*prob, "bf16", backend)
     ref = _run(*prob, "bf16", "reference")  # float32 math, output in x's dtype
@@ -236,7 +245,7 @@ def test_bf16_recipe_path_vs_float64(backend):
 
 def test_fp8_recipe_path_vs_float64_and_simulated_reference():
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
-    prob = _problem(45, 256, 256, 6, 3, dtype)
+    prob = _problem(31, 256, 128, 4, 2, dtype)
     exact = _exact_grads(*prob)
     got = _run(*prob, "fp8_blockwise", "triton")
     ref = _run(*prob, "fp8_blockwise", "reference")  # same quantization, simulated; straight-through backward

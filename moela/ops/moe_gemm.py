@@ -24,12 +24,11 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(fp8: bool, kgrouped: bool):
+def _configs():
     if INTERPRET:
         return [triton.Config({"BN": 128, "GROUP_M": 8}, num_warps=4, num_stages=1)]
-    bn = (128, 256)
-    return [triton.Config({"BN": b, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for b in bn for w, s in ((8, 3), (8, 4), (4, 4)) if not (b == 256 and w == 4)]
+    return [triton.Config({"BN": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bn, w, s in ((128, 8, 4), (256, 8, 3), (256, 8, 4), (128, 4, 4))]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -52,7 +51,7 @@ def _mgrouped_step(acc, a_ptrs, b_ptrs, as_ptr, bs_ptr, k0, e, rm, rn, rk, n_ok,
     return acc
 
 
-@triton.autotune(configs=_configs(True, False), key=["N", "K", "FP8"])
+@triton.autotune(configs=_configs(), key=["N", "K", "FP8"])
 @triton.jit
 def _mgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, M,
                      s_am, s_ak, s_asm, s_ask, s_be, s_bn, s_bk, s_bse, s_bsn, s_bsk, s_cm,
@@ -141,7 +140,7 @@ def _kgrouped_step(acc, a_ptr, as_ptr, b_ptr, bs_ptr, t0, rn, rk, rt, n_ok, k_ok
     return acc
 
 
-@triton.autotune(configs=_configs(True, True), key=["N", "K", "FP8"])
+@triton.autotune(configs=_configs(), key=["N", "K", "FP8"])
 @triton.jit
 def _kgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, s_an, s_at, s_bk, s_bt, s_asn, s_ast, s_bsk,
                      s_bst, s_ce, s_cn, N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
@@ -159,8 +158,8 @@ def _kgrouped_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, s_an, s_at, s
     rk = pid_k * BK + tl.arange(0, BK)
     rt = tl.arange(0, BT)
     n_ok, k_ok = rn < N, rk < K
-    start = tl.load(off_ptr + e)
-    end = tl.load(off_ptr + e + 1)
+    start = tl.multiple_of(tl.load(off_ptr + e).to(tl.int32), 128)  # expert blocks are 128-aligned
+    end = tl.load(off_ptr + e + 1).to(tl.int32)
     acc = tl.zeros((BN, BK), tl.float32)
     if INTERP:
         t0 = start

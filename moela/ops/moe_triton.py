@@ -120,7 +120,7 @@ def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_
     if COLWISE:
         cs = _scale_of(tl.max(tl.abs(tile), axis=0))  # [128]
         qc = _quant(tile, cs[None, :])
-        tl.store(qt_ptr + cols[None, :] * ld_qt + rows[:, None], qc, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(qt_ptr + cols[:, None] * ld_qt + rows[None, :], tl.trans(qc), mask=col_ok[:, None] & row_ok[None, :])
         tl.store(st_ptr + cols * ld_st + tl.min(rows, axis=0) // 128, cs, mask=col_ok)
 
 
@@ -259,7 +259,7 @@ def _weight_quant_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, TRANSPOSED: tl.const
     q = _quant(blk, sc)
     tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q)
     if TRANSPOSED:
-        tl.store(qt_ptr + base + rk[None, :] * N + rn[:, None], q)
+        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(q))
     tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
 
 
