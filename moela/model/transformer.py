@@ -8,10 +8,11 @@ Decisions:
       loss = lm + mtp_loss_weight * mtp + aux_loss_coef * aux + z_loss_coef * z
   lm = sum CE / num_targets; mtp = mean over depths of (sum CE_d / num_targets); aux = sum over MoE layers of the
   document-weighted balance loss; z = mean over attention layers of the labelled-token mean of mean_h lse**2.
-- MTP (depth D = num_nextn_predict_layers): depth d sees h^{d-1} (h^0 = the main stack's output before the final
-  norm) and the embedding of the token d steps ahead, h^d = Block_d(eh_proj([enorm(emb); hnorm(h^{d-1})])), and
-  predicts the token d + 1 steps ahead through `mtp.{d}.norm` and the shared output head. The concatenation order
-  [emb; h] is the one of DeepSeek's checkpoints. Tokens and labels are shifted WITHIN each document: a position
+- MTP (depth D = num_nextn_predict_layers): depth d sees h^{d-1} and the embedding of the token d steps ahead,
+  h^d = Block_d(eh_proj([enorm(emb); hnorm(h^{d-1})])), and predicts the token d + 1 steps ahead through
+  `mtp.{d}.norm` and the shared output head. As where DeepSeek's MTP weights are used for speculative
+  decoding (vLLM's `deepseek_mtp`), h^0 is the main stack's output AFTER the final norm, h^d (d >= 1) the
+  MTP block's output before its norm, and the concatenation order is [emb; h]. Tokens and labels are shifted WITHIN each document: a position
   whose shifted token would come from the next document gets label IGNORE_INDEX (and a filler input token, which
   causal attention only lets later positions of the same document see, and those carry no label either).
 - MTP blocks are standard blocks whose FFN kind copies the last main layer (MoE in DeepSeek-V3); their expert load
@@ -158,7 +159,8 @@ class Transformer(nn.Module):
             if load is not None:
                 auxs.append(aux)
                 loads.append(load)
-        logits = self.logits(self.norm(h))  # [T, V]
+        h = self.norm(h)  # [T, D]; also MTP depth 1's input h^0
+        logits = self.logits(h)  # [T, V]
         lm_loss = cross_entropy(logits, batch.labels) / denom
         metrics = {"lm_loss": lm_loss.detach()}
         loss = lm_loss
