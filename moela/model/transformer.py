@@ -12,9 +12,10 @@ Decisions:
   h^d = Block_d(eh_proj([enorm(emb); hnorm(h^{d-1})])), and predicts the token d + 1 steps ahead through
   `mtp.{d}.norm` and the shared output head. As where DeepSeek's MTP weights are used for speculative
   decoding (vLLM's `deepseek_mtp`), h^0 is the main stack's output AFTER the final norm, h^d (d >= 1) the
-  MTP block's output before its norm, and the concatenation order is [emb; h]. Tokens and labels are shifted WITHIN each document: a position
-  whose shifted token would come from the next document gets label IGNORE_INDEX (and a filler input token, which
-  causal attention only lets later positions of the same document see, and those carry no label either).
+  MTP block's output before its norm, and the concatenation order is [emb; h]. Tokens and labels are shifted
+  WITHIN each document: a position whose shifted token would come from the next document gets label
+  IGNORE_INDEX (and a filler input token, which causal attention only lets later positions of the same document
+  see, and those carry no label either).
 - MTP blocks are standard blocks whose FFN kind copies the last main layer (MoE in DeepSeek-V3); their expert load
   rows follow the main MoE layers in `expert_load`, and `update_router_bias` updates them too.
 - Tied embeddings use `embed.weight` directly for the logits (no `head` module), so the tie survives `to_empty`.
