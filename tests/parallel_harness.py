@@ -1,10 +1,9 @@
-"""Run a function on N CPU ranks (spawned processes, gloo) for the multi-rank tests.
+"""Run a function on N CPU ranks (forked processes, gloo) for the multi-rank tests, plus a tiny model and data.
 
-`spawn(fn, world_size, *args)` forks `world_size` processes (fork, not spawn: the children inherit the imported
-modules, which saves seconds of imports per rank on a small machine; each child runs torch single-threaded),
-initializes a gloo process group through a file
-store in a fresh temporary directory (no ports to collide), calls `fn(rank, world_size, *args)` in each and
-re-raises the first failure in the parent. `fn` must be a module-level function so the children can import it.
+`spawn(fn, world_size, *args)` forks `world_size` processes (fork rather than spawn: the children inherit the
+imported modules, which saves seconds of imports per rank on a small machine; each child runs torch
+single-threaded), initializes a gloo process group through a file store in a fresh temporary directory (no ports
+to collide), calls `fn(rank, world_size, *args)` in each and re-raises the first failure in the parent.
 """
 
 from __future__ import annotations
