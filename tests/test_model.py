@@ -325,3 +325,24 @@ def test_config_validation_messages():
         assert any(e.startswith(f"{field_name}:") and ";" in e for e in errors), (field_name, errors)
     with pytest.raises(ValueError, match="n_group"):
         build_model(_cfg(n_group=4))
+
+
+def test_blocks_are_safe_under_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(5)
+    cfg = _cfg(block="fal", num_nextn_predict_layers=1)
+    model = build_model(cfg)
+    batch = _batch(cfg.vocab_size, [11, 17], seed=7)
+    out = model(batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    blocks = list(model.layers) + [m.block for m in model.mtp]
+    plain = [b.forward for b in blocks]
+    for b, fwd in zip(blocks, plain):
+        b.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    again = model(batch)
+    again.loss.backward()
+    assert torch.equal(again.loss, out.loss) and torch.equal(again.expert_load, out.expert_load)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-5), n

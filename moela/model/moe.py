@@ -109,6 +109,8 @@ class MoE(nn.Module):
         y = self.experts(x, topk_ids, topk_weights)  # [T, D]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        load = torch.bincount(topk_ids.reshape(-1), minlength=self.n_experts).float()  # [E]
+        flat = topk_ids.reshape(-1)  # [T*K]
+        ones = torch.ones_like(flat, dtype=torch.float32)  # [T*K]
+        load = torch.zeros(self.n_experts, device=x.device).index_add_(0, flat, ones)  # [E], no host sync
         aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
         return y, aux, load
