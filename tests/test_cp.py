@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -73,7 +74,8 @@ def _local(x: torch.Tensor, plan, rank: int, seed: int) -> torch.Tensor:
     """Rows of this rank (original rows where real, fresh random values on padding)."""
     src = plan.pad_to_orig[plan.local_index[rank]]
     g = torch.Generator().manual_seed(seed + rank)
-    filler = torch.randn((src.numel(),) + tuple(x.shape[1:]), generator=g)
+    filler = torch.randn((src.numel(),) + tuple(x.shape[1:]), generator=g).to(x.device)
+    src = src.to(x.device)
     return torch.where((src >= 0)[:, None, None], x[src.clamp(min=0)], filler)
 
 
@@ -103,6 +105,29 @@ def test_attention_passes_exact_in_one_process(layout, cp):
     torch.testing.assert_close(unshard(lses, plan).t(), ref_lse, rtol=1e-5, atol=1e-6)
     for x, gref in zip((q, k, v), ref_grads):
         torch.testing.assert_close(x.grad, gref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="the Triton attention kernel needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_attention_passes_with_triton_kernel(layout):
+    """The fast kernel's separate cu_seqlens_k / bottom-right path under both layouts (CP=2) vs the reference."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    fast = functools.partial(mla_attention, backend="triton")
+    batch = make_batch(seed=41, n_docs=2, max_len=9)
+    plan = make_plan(batch.cu_seqlens, 2, layout)
+    q, k, v = (x.detach().to(dev).requires_grad_() for x in _qkv(5, batch.num_tokens, h=2, dqk=16, dv=16))
+    grads = []
+    for attention in (REF, fast):
+        kv = torch.cat([torch.cat((_local(k, plan, r, 1), _local(v, plan, r, 2)), -1) for r in range(2)])
+        outs = [attend_passes(_local(q, plan, r, 3), kv, attention_passes(plan, r), attention) for r in range(2)]
+        out = unshard(outs, plan)
+        (out * torch.linspace(-1, 1, out.numel(), device=dev).view_as(out)).sum().backward()
+        grads.append([out.detach()] + [x.grad.clone() for x in (q, k, v)])
+        for x in (q, k, v):
+            x.grad = None
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
 
 
 def _check_attention(rank: int, world: int) -> None:
