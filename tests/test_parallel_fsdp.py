@@ -114,3 +114,30 @@ def test_parallel_training_matches_single_process(world_size, cases):
             assert all(0.0 < loss < 20.0 for loss in expected[key][0])
         resolved.append((cfg, layout, expected[key]))
     spawn(_run, world_size, resolved)
+
+
+def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
+    pcfg = ParallelConfig(ep=2)
+    mesh = build_mesh(pcfg, world_size, "cpu")
+    torch.manual_seed(0)
+    model = apply_parallelism(build_model(cfg, "cpu"), mesh, pcfg, mixed_precision=True)
+    seen = {}
+    block = model.layers[1]
+    block.register_forward_pre_hook(lambda m, args: seen.update(inv_freq=args[1].inv_freq.dtype))
+    block.attn.wq_a.register_forward_pre_hook(lambda m, args: seen.update(weight=m.weight.dtype))
+    block.ffn.experts.register_forward_pre_hook(lambda m, args: seen.update(expert=m.w13.dtype, gate=args[2].dtype))
+    batches = random_batches(world_size, seed=100)
+    total = sum(b.num_targets() for b in batches)
+    out = model(batches[rank])
+    (out.loss * (out.num_targets * world_size / total)).backward()
+    loss = torch.tensor([out.loss.item() * out.num_targets / total])
+    dist.all_reduce(loss)
+    assert seen == dict(inv_freq=torch.float32, weight=torch.bfloat16, expert=torch.bfloat16, gate=torch.float32)
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(loss.item(), ref_loss, rtol=2e-2, atol=0)
+
+
+def test_mixed_precision_gathers_bf16_keeps_fp32_inputs_and_grads():
+    cfg = tiny_moe_config()
+    ref_losses, _ = train_single_process(cfg, 2)
+    spawn(_mixed_precision, 2, cfg, ref_losses[0])

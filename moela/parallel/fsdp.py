@@ -8,7 +8,8 @@ Decisions:
   while the rest of the block shards over `dp_shard_cp`. With `dp_replicate > 1` both meshes are 2D: HSDP
   (shard inside a replica group, all-reduce across replicas).
 - Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32, fp32 master weights and
-  optimizer state. On CPU everything stays fp32.
+  optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
+  packed-batch context (RoPE frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
 - Gradient reduction: every unit averages over all `dp_cp` ranks (the ranks that hold a share of the global
   batch), expert units included, although their FSDP group is `ep` times smaller: each expert's gradient
   already sums the tokens of its whole EP group. So one rule holds for every parameter and the trainer scales
@@ -74,8 +75,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False
                ) -> None:
     """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units."""
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision
-              else MixedPrecisionPolicy())
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     units: list[tuple[nn.Module, int]] = []  # (FSDP module, size of its reduce-scatter group)
     for block in transformer_blocks(model):
