@@ -62,9 +62,9 @@ if INTERPRET:
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
 # tiles so the shared memory fits). Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
 CONFIGS = {
-    "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 128, 8, 2), "xwide": (64, 64, 4, 2)},
-    "dkdv": {"narrow": (32, 128, 8, 2), "wide": (32, 128, 8, 2), "xwide": (32, 64, 4, 2)},
-    "dq": {"narrow": (64, 64, 4, 2), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
+    "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
+    "dkdv": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
+    "dq": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
 INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
