@@ -346,3 +346,25 @@ def test_blocks_are_safe_under_activation_checkpointing():
     assert torch.equal(again.loss, out.loss) and torch.equal(again.expert_load, out.expert_load)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-5), n
+
+
+def test_fused_head_loss_path_equals_logits_path(monkeypatch):
+    import functools
+
+    import moela.model.transformer as tr
+    import moela.ops.linear_cross_entropy as lce
+    torch.manual_seed(6)
+    cfg = _cfg(num_nextn_predict_layers=1, tie_word_embeddings=True)
+    model = build_model(cfg)
+    batch = _batch(cfg.vocab_size, [13, 8], seed=8)
+    ref = model(batch)
+    ref.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 4 * cfg.vocab_size)
+    monkeypatch.setattr(tr, "linear_cross_entropy", functools.partial(lce.linear_cross_entropy, backend="chunked"))
+    out = model(batch)
+    out.loss.backward()
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-4), n

@@ -103,3 +103,22 @@ def test_compiled_backends_match_reference_on_cuda():
         assert (yr - yc).abs().max().item() <= tol, op.__name__
         for a, c in zip(gr, gc):
             assert (a - c).abs().max().item() <= 2e-2 * (a.abs().max().item() + 1e-3), op.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
+    import moela.ops.linear_cross_entropy as lce
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 53)  # chunks of 5 rows: several chunks and a ragged tail
+    h = torch.randn(23, 19, dtype=dtype, requires_grad=True)
+    w = (torch.randn(53, 19, dtype=dtype) * 0.5).requires_grad_(True)
+    labels = torch.randint(0, 53, (23,))
+    labels[[2, 11, 22]] = IGNORE_INDEX
+    loss = lce.linear_cross_entropy(h, w, labels, backend="chunked")
+    (loss * 0.7).backward()
+    h64, w64 = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    keep = labels != IGNORE_INDEX
+    ref = -torch.log_softmax(h64 @ w64.t(), -1)[keep].gather(1, labels[keep][:, None]).sum()
+    (ref * 0.7).backward()
+    assert loss.dtype == torch.float32 and math.isclose(loss.item(), ref.item(), rel_tol=1e-5)
+    assert torch.allclose(h.grad.double(), h64.grad, atol=1e-5) and torch.allclose(w.grad.double(), w64.grad, atol=1e-5)
+    assert torch.allclose(lce.linear_cross_entropy(h, w, labels, backend="reference").double(), ref, rtol=1e-5)

@@ -38,6 +38,7 @@ from moela.model.config import ModelConfig
 from moela.model.layers import Linear, PackedContext, RMSNorm, segment_sum
 from moela.model.moe import Gate, MoE, RoutedExperts
 from moela.model.output import ModelOutput
+from moela.ops.linear_cross_entropy import linear_cross_entropy
 from moela.ops.loss import cross_entropy
 from moela.ops.rope import yarn_inv_freq
 
@@ -143,6 +144,16 @@ class Transformer(nn.Module):
         """Normalized hidden states [T, D] -> logits [T, V]."""
         return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
 
+    def _ce_sum(self, h: torch.Tensor, labels: torch.Tensor, want_logits: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summed CE of normalized h [T, D] against labels [T]; through the fused head + loss unless the logits
+        are wanted (then also returns them, [T, V])."""
+        if want_logits:
+            logits = self.logits(h)  # [T, V]
+            return cross_entropy(logits, labels), logits
+        weight = self.head.weight if self.head is not None else self.embed.weight  # [V, D]
+        return linear_cross_entropy(h, weight, labels), None
+
     def forward(self, batch: PackedBatch, *, return_logits: bool = False,
                 mtp_targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ModelOutput:
         """`mtp_targets`: per MTP depth, (input token [T], label [T]) of every position, for callers whose batch
@@ -161,8 +172,8 @@ class Transformer(nn.Module):
                 auxs.append(aux)
                 loads.append(load)
         h = self.norm(h)  # [T, D]; also MTP depth 1's input h^0
-        logits = self.logits(h)  # [T, V]
-        lm_loss = cross_entropy(logits, batch.labels) / denom
+        lm_sum, logits = self._ce_sum(h, batch.labels, return_logits)
+        lm_loss = lm_sum / denom
         metrics = {"lm_loss": lm_loss.detach()}
         loss = lm_loss
         if self.mtp:
@@ -181,7 +192,7 @@ class Transformer(nn.Module):
                 if load is not None:
                     auxs.append(aux)
                     loads.append(load)
-                mtp_sum = mtp_sum + cross_entropy(self.logits(module.norm(h)), labels)
+                mtp_sum = mtp_sum + self._ce_sum(module.norm(h), labels, False)[0]
             mtp_loss = mtp_sum / (denom * len(self.mtp))
             loss = loss + cfg.mtp_loss_weight * mtp_loss
             metrics["mtp_loss"] = mtp_loss.detach()
@@ -196,7 +207,7 @@ class Transformer(nn.Module):
             loss = loss + cfg.z_loss_coef * z_loss
         return ModelOutput(loss=loss, num_targets=num_targets, metrics=metrics,
                            expert_load=torch.stack(loads).detach() if loads else None,
-                           logits=logits if return_logits else None)
+                           logits=logits)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
