@@ -7,8 +7,9 @@ parallelism reproduce the single-process token-mean gradient exactly. Then: clip
 router-bias update from the expert load summed over all those ranks, LR schedule step.
 
 Decisions:
-- Gradients are averaged by FSDP over its `dp_cp` ranks; the loss is multiplied by that rank count so the
-  average becomes the sum the weighting above needs.
+- The step's labelled tokens are summed over the `dp` ranks (context-parallel peers share micro-batches), while
+  each rank's `loss * num_targets` (its own part under CP) is summed over `dp_cp`. FSDP averages gradients over
+  `dp_cp`; the loss is multiplied by that rank count so the average becomes the sum the weighting needs.
 - A step whose loss or gradient norm is not finite is skipped (no optimizer or bias update; data and LR schedule
   still advance) and counted; after `train.max_nonfinite_steps` in a row training stops with `TrainingError`.
 - SIGTERM / SIGINT set a flag; at the end of the current step every rank agrees on it, a checkpoint is written and
@@ -32,9 +33,7 @@ from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
-import moela.parallel
-from moela.parallel.expert_parallel import reduce_expert_load
-from moela.parallel.mesh import build_mesh
+from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.metrics import MetricsWriter, device_peak_flops, expert_imbalance, memory_gib, plot_losses
@@ -60,7 +59,7 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
 
         seed_everything(cfg.train.seed)
-        self.model = self._parallelize(build_model(cfg.model, self.device))
+        self.model = apply_parallelism(build_model(cfg.model, self.device), self.mesh, cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.train_loader, self.val_loader, self.tokenizer = build_loaders(
@@ -232,16 +231,6 @@ class Trainer:
         self.skipped_total = state["skipped_total"]
         self.tokens_seen = state["tokens_seen"]
 
-    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 / EP / CP wrapping from `moela.parallel.apply_parallelism`; one process runs the model as is."""
-        apply = getattr(moela.parallel, "apply_parallelism", None)
-        if apply is not None:
-            return apply(model, self.mesh, self.cfg.parallel)
-        if self.env.world_size > 1:
-            raise TrainingError("this build has no moela.parallel.apply_parallelism, so it trains on one process "
-                                "only; launch without torchrun")
-        return model
-
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
@@ -263,12 +252,8 @@ class Trainer:
         return {k: float(v) / total_targets for k, v in zip(keys, stacked.tolist())}
 
     def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        return float(clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
         if self.peak_flops is None or tokens == 0:
