@@ -2,7 +2,7 @@
 
 `spawn(fn, world_size, *args)` forks `world_size` processes (fork rather than spawn: the children inherit the
 imported modules, which saves seconds of imports per rank on a small machine; each child runs torch
-single-threaded), initializes a gloo process group through a file store in a fresh temporary directory (no ports
+single-threaded; `backend="nccl"` spawns one process per GPU instead), initializes a gloo process group through a file store in a fresh temporary directory (no ports
 to collide), calls `fn(rank, world_size, *args)` in each and re-raises the first failure in the parent.
 """
 
@@ -16,20 +16,26 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, store: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    extra = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        extra["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **extra)
     try:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args) -> None:
+def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; backend "nccl" uses one GPU per rank and
+    spawned (not forked) processes, since CUDA does not survive a fork."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size,
-                           join=True, start_method="fork")
+        mp.start_processes(_entry, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
+                           nprocs=world_size, join=True, start_method="spawn" if backend == "nccl" else "fork")
 
 
 def tiny_moe_config(**overrides):

@@ -28,9 +28,9 @@ def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
 
 
-def train_single_process(cfg, dp_size: int):
+def train_single_process(cfg, dp_size: int, device: str = "cpu"):
     torch.manual_seed(0)
-    model = build_model(cfg, "cpu")
+    model = build_model(cfg, device)
     opt = make_optimizer(model)
     losses = []
     for step in range(STEPS):
@@ -38,7 +38,7 @@ def train_single_process(cfg, dp_size: int):
         total = sum(b.num_targets() for b in batches)
         step_loss, load = 0.0, 0.0
         for b in batches:
-            out = model(b)
+            out = model(b.to(device))
             (out.loss * (out.num_targets / total)).backward()
             step_loss += out.loss.item() * out.num_targets / total
             load = load + out.expert_load
@@ -47,21 +47,21 @@ def train_single_process(cfg, dp_size: int):
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(load)
         losses.append(step_loss)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def train_parallel(cfg, pcfg: ParallelConfig, world_size: int):
-    mesh = build_mesh(pcfg, world_size, "cpu")
+def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, device: str = "cpu"):
+    mesh = build_mesh(pcfg, world_size, torch.device(device).type)
     torch.manual_seed(0)
-    model = apply_parallelism(build_model(cfg, "cpu"), mesh, pcfg)
+    model = apply_parallelism(build_model(cfg, device), mesh, pcfg, mixed_precision=False)
     opt = make_optimizer(model)
     losses = []
     for step in range(STEPS):
         batches = random_batches(mesh.size("dp"), seed=100 + step)
         total = sum(b.num_targets() for b in batches)
-        out = model(batches[mesh.rank("dp")])
+        out = model(batches[mesh.rank("dp")].to(device))
         (out.loss * (out.num_targets * mesh.size("dp_cp") / total)).backward()
-        step_loss = torch.tensor([out.loss.item() * out.num_targets / total])
+        step_loss = torch.tensor([out.loss.item() * out.num_targets / total], device=device)
         dist.all_reduce(step_loss, group=mesh.group("dp_cp"))
         clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -72,14 +72,14 @@ def train_parallel(cfg, pcfg: ParallelConfig, world_size: int):
 
 
 def full_state(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
             for k, v in model.state_dict().items()}
 
 
-def _run(rank: int, world_size: int, cases) -> None:
+def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
     for cfg, layout, (ref_losses, ref_state) in cases:
         pcfg = ParallelConfig(**layout)
-        model, losses = train_parallel(cfg, pcfg, world_size)
+        model, losses = train_parallel(cfg, pcfg, world_size, f"cuda:{rank}" if device == "cuda" else device)
         if pcfg.ep > 1:
             experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
             assert len(experts) == 3 and experts[0].w13.to_local().shape[0] < cfg.n_routed_experts, layout
@@ -114,6 +114,15 @@ def test_parallel_training_matches_single_process(world_size, cases):
             assert all(0.0 < loss < 20.0 for loss in expected[key][0])
         resolved.append((cfg, layout, expected[key]))
     spawn(_run, world_size, resolved)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_parallel_training_matches_single_process_on_two_gpus():
+    """The same equality over NCCL (float32, reference kernels): FSDP2 alone and with EP=2."""
+    cfg = tiny_moe_config()
+    expected = train_single_process(cfg, 2, "cuda")
+    spawn(_run, 2, [(cfg, dict(), expected), (cfg, dict(ep=2), expected)], "cuda", backend="nccl")
 
 
 def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
