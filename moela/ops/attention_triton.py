@@ -503,9 +503,11 @@ class _FlashMLA(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+@torch.compiler.disable
 def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, causal=True,
                         softmax_scale=None, alibi_slopes=None, return_lse=False):
-    """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable."""
+    """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
+    Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
