@@ -72,3 +72,12 @@ def test_launcher_env_vars_single_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
         init_distributed("cpu")
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    commands = [line for line in readme.splitlines() if "pytest" in line and line.startswith("python3 -m pip")]
+    assert len(commands) == 1, commands
+    assert commands[0] in ci.splitlines()
+    assert 'if [ "$rc" -eq 5 ]' in ci and "exit 1" in ci
