@@ -15,6 +15,9 @@ state dicts and DCP checkpoints see the global expert tensors and convert betwee
 - Both all-to-alls are autograd functions whose backward is the all-to-all with the splits swapped.
 - A rank that receives no rows still builds a graph from the received rows and its expert weights (zero
   gradients), so every rank runs the same backward all-to-alls and FSDP gradient reduce-scatters.
+- `apply_expert_parallel` swaps every `experts` child of the model for this module (meta or materialized);
+  `reduce_expert_load` sums the per-layer expert load over all data ranks, so the sign-based router-bias update
+  is identical everywhere (the router itself runs locally on each rank's tokens, over all E experts).
 
 Shapes: T tokens, D hidden, E experts (global), K top-k, F expert FFN width, R rows received by this rank.
 """
