@@ -58,10 +58,12 @@ def make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed):
 
 
 def run_with_grads(fn, q, k, v, dout, dlse):
+    """fn(q, k, v) -> (out, lse), or (out,) when dlse is None. Returns [out, (lse), dq, dk, dv]."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, lse = fn(q, k, v)
-    torch.autograd.backward([out, lse], [dout.to(out.dtype), dlse.to(lse.dtype)])
-    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+    outs = fn(q, k, v)
+    grads = [dout] if dlse is None else [dout, dlse]
+    torch.autograd.backward(list(outs), [g.to(o.dtype) for g, o in zip(grads, outs)])
+    return [o.detach() for o in outs] + [q.grad, k.grad, v.grad]
 
 
 @pytest.fixture
@@ -120,6 +122,22 @@ def test_triton_bottom_right_causal_longer_k(poisoned_empty):
     """A q chunk that is the tail of a longer k side (context parallelism): masking aligns bottom-right."""
     check_against_float64([5, 0, 33, 70], [5, 0, 97, 131], 3, 192, 128, torch.float16, "cpu", True, True,
                           seed=11, backend="triton")
+
+
+@needs_interpreter
+def test_triton_queries_that_see_no_key(poisoned_empty):
+    """q side longer than k side, causal: the first Lq - Lk queries see nothing -> out 0, lse -inf, no NaN."""
+    q, k, v, cu_q, cu_k, _, dout, _ = make_case([10, 40], [4, 40], 2, 32, 16, torch.float32, "cpu", False, seed=9)
+    got = run_with_grads(lambda a, b, c: (mla_attention(a, b, c, cu_q, 40, cu_seqlens_k=cu_k, max_seqlen_k=40,
+                                                        return_lse=True, backend="triton")[0], None)[:1],
+                         q, k, v, dout, None)
+    want = run_with_grads(lambda a, b, c: (attention_reference(a, b, c, cu_q, cu_k)[0], None)[:1], q, k, v, dout,
+                          None)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert (got[0][:6] == 0).all() and (got[1][:6] == 0).all()  # out and dq of the blind queries
+    _, lse = mla_attention(q, k, v, cu_q, 40, cu_seqlens_k=cu_k, max_seqlen_k=40, return_lse=True, backend="triton")
+    assert torch.isneginf(lse[:, :6]).all() and torch.isfinite(lse[:, 6:]).all()
 
 
 @needs_interpreter
