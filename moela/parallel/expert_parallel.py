@@ -51,6 +51,19 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all-to-all over dim 0."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
@@ -72,6 +85,7 @@ class ExpertParallelExperts(nn.Module):
                              f"ranks; choose parallel.ep among the divisors of {num_experts}")
         self.num_experts, self.ep_mesh, self.recipe, self.backend = num_experts, ep_mesh, recipe, backend
         self.num_local = num_experts // ep
+        self.grad_scale = 1.0  # set by FSDP wrapping: expert gradients are averaged over an ep-times smaller group
         local13 = torch.empty(self.num_local, 2 * ffn_dim, dim, device=device, dtype=dtype)  # [E_local, 2F, D]
         local2 = torch.empty(self.num_local, dim, ffn_dim, device=device, dtype=dtype)  # [E_local, D, F]
         self.w13 = nn.Parameter(self._distribute(local13, (num_experts, 2 * ffn_dim, dim)))
@@ -112,6 +126,8 @@ class ExpertParallelExperts(nn.Module):
         ep, e_local = self.ep_mesh.size(), self.num_local
         group = self.ep_mesh.get_group()
         w13, w2 = _local(self.w13), _local(self.w2)  # [E_local, 2F, D], [E_local, D, F]
+        if self.grad_scale != 1.0:
+            w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
 
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # [T*K] pair index, sorted by expert

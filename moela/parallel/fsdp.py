@@ -1,25 +1,25 @@
 """FSDP2 wrapping, activation checkpointing and gradient-norm clipping for sharded (and expert-parallel) models.
 
 Decisions:
-- FSDP units: every transformer block (`model.layers[i]`, `model.mtp[d].block`) and the root (embedding, final norm,
-  head: the embedding is read again by the MTP depths and possibly tied to the head, so it stays with the root,
-  gathered for the whole step). Routed experts under
-  expert parallelism are their own unit, sharded over the `efsdp` mesh (the ranks holding the same experts),
-  while the rest of the block shards over `dp_shard_cp`. With `dp_replicate > 1` both meshes are 2D: HSDP
+- FSDP units: every transformer block (`model.layers[i]`, `model.mtp[d].block`) and the root (embedding, final
+  norm, head: the embedding is read again by the MTP depths and possibly tied to the head, so it stays with the
+  root, gathered for the whole step). Routed experts under expert parallelism are their own unit, sharded over
+  the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`. With `dp_replicate > 1` both meshes are 2D: HSDP
   (shard inside a replica group, all-reduce across replicas).
 - Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32, fp32 master weights and
   optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
   packed-batch context (RoPE frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
-- Gradient reduction: every unit averages over all `dp_cp` ranks (the ranks that hold a share of the global
-  batch), expert units included, although their FSDP group is `ep` times smaller: each expert's gradient
-  already sums the tokens of its whole EP group. So one rule holds for every parameter and the trainer scales
-  the loss by `mesh.size("dp_cp")`. On gloo (CPU), which has no pre-multiplied sum, units that reduce-scatter
-  over more than one rank issue plain sums plus a division; the others keep FSDP's default path (forcing sums
-  on a one-rank shard group makes torch 2.13 divide twice).
+- Gradient reduction: FSDP's default, the average over the unit's reduce group. For dense units that group is
+  every rank holding a share of the global batch (`dp_cp`), so the trainer scales the loss by
+  `mesh.size("dp_cp")`. Expert units reduce over an `ep` times smaller group (the ranks holding the same
+  experts), while each expert's gradient already sums the tokens of its whole EP group; the experts module
+  therefore scales its weight gradients by 1/ep in backward, which makes every parameter's gradient the same
+  average. No custom divide factor is set: how FSDP applies one on a one-rank group differs between torch
+  versions. On gloo (CPU), which has no averaging collective, reductions are issued as sums plus a division.
 - Activation checkpointing per block without changing parameter names: the block's `forward` is replaced by a
   non-reentrant `torch.utils.checkpoint` of the original. `full` recomputes every block; `selective` recomputes
-  every second block (torchtitan's layer-selective mode: about half the activation memory for a third of the
-  recompute). Op-level selective checkpointing is not used: it requires the recomputation to replay exactly the
+  every second block (torchtitan's layer-selective mode: about half the activation memory of no checkpointing, at
+  half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires the recomputation to replay exactly the
   forward's operator sequence, which the nested FSDP unit of expert-parallel experts does not (its hooks differ
   between forward and recompute).
 - `clip_grad_norm_` handles gradients that live on different meshes (dense vs expert DTensors, plain tensors)
@@ -78,18 +78,16 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    units: list[tuple[nn.Module, int]] = []  # (FSDP module, size of its reduce-scatter group)
+    units = []
     for block in transformer_blocks(model):
         for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
-            units.append((shard(experts, mesh=mesh.expert_fsdp_mesh), mesh.size("efsdp")))
-        units.append((shard(block, mesh=mesh.fsdp_mesh), mesh.size("dp_shard_cp")))
-    root = fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
-    units.append((root, mesh.size("dp_shard_cp")))
-    divide = float(mesh.size("dp_cp"))
-    for module, shard_size in units:
-        module.set_gradient_divide_factor(divide)
-        if mesh.device_type == "cpu" and shard_size > 1:
-            module.set_force_sum_reduction_for_comms(True)
+            experts.grad_scale = 1.0 / mesh.size("ep")
+            units.append(shard(experts, mesh=mesh.expert_fsdp_mesh))
+        units.append(shard(block, mesh=mesh.fsdp_mesh))
+    units.append(fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
+    if mesh.device_type == "cpu":
+        for unit in units:
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
