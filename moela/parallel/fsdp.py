@@ -4,8 +4,8 @@ Decisions:
 - FSDP units: every transformer block (`model.layers[i]`, `model.mtp[d].block`) and the root (embedding, final
   norm, head: the embedding is read again by the MTP depths and possibly tied to the head, so it stays with the
   root, gathered for the whole step). Routed experts under expert parallelism are their own unit, sharded over
-  the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`. With `dp_replicate > 1` both meshes are 2D: HSDP
-  (shard inside a replica group, all-reduce across replicas).
+  the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`.
+  With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas).
 - Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32, fp32 master weights and
   optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
   packed-batch context (RoPE frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
@@ -19,9 +19,9 @@ Decisions:
 - Activation checkpointing per block without changing parameter names: the block's `forward` is replaced by a
   non-reentrant `torch.utils.checkpoint` of the original. `full` recomputes every block; `selective` recomputes
   every second block (torchtitan's layer-selective mode: about half the activation memory of no checkpointing, at
-  half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires the recomputation to replay exactly the
-  forward's operator sequence, which the nested FSDP unit of expert-parallel experts does not (its hooks differ
-  between forward and recompute).
+  half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires the
+  recomputation to replay exactly the forward's operator sequence, which the nested FSDP unit of expert-parallel
+  experts does not (its hooks differ between forward and recompute).
 - `clip_grad_norm_` handles gradients that live on different meshes (dense vs expert DTensors, plain tensors)
   by computing one total norm per mesh and combining them.
 """
