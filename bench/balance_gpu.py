@@ -7,10 +7,14 @@ micro-batches to ranks differs. Each run's `metrics.jsonl` gives per-step `step_
 imbalance (max/mean rank cost, before and after balancing); the first `--warmup` steps are dropped and the
 median step time of the rest is compared.
 
-Long documents: the bundled corpus's texts (in order, cycling) are concatenated into synthetic documents whose
-target lengths are log-normal, median `--median-tokens` (default 6k), sigma 1.2, clipped to [256, 4 * budget]
-tokens (3.3 characters per token assumed); documents longer than the micro-batch budget are cut into
-budget-sized pieces by the loader. The file is written once to `--work-dir`.
+Long documents mixed with short ones (what makes equal-token micro-batches unequal work): the bundled corpus's
+texts (in order, cycling) are cut into synthetic documents; a fraction `--long-frac` (default 2%) of them have
+length uniform in [budget/4, budget] tokens, the rest log-normal with median 800 tokens and sigma 1.0, clipped
+to [16, budget] (3.3 characters per token assumed). With the defaults about a quarter of the tokens sit in long
+documents; bench/balance.py's cost model predicts about 1.11x (ranks syncing once per step) to 1.2x (syncing
+every micro-step) for this setting. The file is written once to `--work-dir`.
+
+Expected device time with the defaults: about 1-2 minutes per run on two H200s, 4 runs, plus tokenization.
 
 Usage (2 GPUs):  python bench/balance_gpu.py                       # writes bench/results/balance_gpu.md
 CPU smoke test:  python bench/balance_gpu.py --smoke               # tiny model, gloo, a few steps
@@ -35,22 +39,24 @@ CORPUS = ROOT / "moela" / "data" / "corpus" / "shakespeare.jsonl"
 CHARS_PER_TOKEN = 3.3
 
 
-def write_long_documents(path: Path, n_docs: int, median_tokens: int, max_tokens: int, seed: int) -> dict:
+def write_documents(path: Path, n_docs: int, budget: int, long_frac: float, seed: int) -> dict:
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
     rng = np.random.default_rng(seed)
-    targets = np.clip(np.exp(rng.normal(math.log(median_tokens), 1.2, size=n_docs)), 256, max_tokens)
+    short = np.clip(np.exp(rng.normal(math.log(800), 1.0, size=n_docs)), 16, budget)
+    long_ = rng.uniform(budget / 4, budget, size=n_docs)
+    targets = np.where(rng.random(n_docs) < long_frac, long_, short).astype(np.int64)
+    stream = "\n\n".join(texts)
     cursor = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for target in targets:
-            parts, chars = [], 0
-            while chars < target * CHARS_PER_TOKEN:
-                parts.append(texts[cursor % len(texts)])
-                chars += len(parts[-1])
-                cursor += 1
-            text = "\n\n".join(parts)[: int(target * CHARS_PER_TOKEN)]
+            n_chars = int(target * CHARS_PER_TOKEN)
+            text = (stream[cursor:] + stream)[:n_chars]
+            cursor = (cursor + n_chars) % len(stream)
             f.write(json.dumps({"text": text}) + "\n")
-    return {"docs": n_docs, "median_tokens": float(np.median(targets)), "max_tokens": float(targets.max())}
+    long_tokens = float(targets[targets >= budget / 4].sum())
+    return {"docs": n_docs, "long_docs": int((targets >= budget / 4).sum()),
+            "long_token_share": long_tokens / float(targets.sum()), "median_tokens": float(np.median(targets))}
 
 
 def run(args, balance: bool, repeat: int, data: Path) -> list[dict]:
@@ -88,21 +94,21 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--budget", type=int, default=32768, help="tokens per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--median-tokens", type=int, default=6000)
-    ap.add_argument("--docs", type=int, default=3000)
+    ap.add_argument("--long-frac", type=float, default=0.02, help="fraction of long documents")
+    ap.add_argument("--docs", type=int, default=6000)
     ap.add_argument("--work-dir", default="/tmp/moela_balance_gpu")
     ap.add_argument("--out", default="bench/results/balance_gpu.md")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo, a few small steps")
     args = ap.parse_args()
     if args.smoke:
         args.budget, args.grad_accum, args.steps, args.warmup, args.repeats = 2048, 4, 3, 1, 1
-        args.docs, args.median_tokens = 200, 600
+        args.docs = 300
         args.out = str(Path(args.work_dir) / "balance_gpu_smoke.md")
-    data = Path(args.work_dir) / "long_docs.jsonl"
-    info = write_long_documents(data, args.docs, args.median_tokens, 4 * args.budget, seed=0)
+    data = Path(args.work_dir) / f"docs-{args.budget}.jsonl"
+    info = write_documents(data, args.docs, args.budget, args.long_frac, seed=0)
     results: dict[bool, list[dict]] = {False: [], True: []}
     for repeat in range(args.repeats):
         for balance in (False, True):
@@ -123,9 +129,10 @@ def main() -> None:
         f"Command: `python {' '.join(sys.argv)}`.",
         "",
         f"`recipes/multi_gpu.yaml`{' (smoke: tiny model on CPU)' if args.smoke else ''}, {args.budget} tokens per "
-        f"micro-batch, grad_accum {args.grad_accum}, {args.steps} steps (first {args.warmup} dropped); long "
-        f"documents: {info['docs']} synthetic documents, median {info['median_tokens']:.0f} tokens, max "
-        f"{info['max_tokens']:.0f} (see the script). Imbalance = max/mean rank cost per the loader's cost model.",
+        f"micro-batch, grad_accum {args.grad_accum}, {args.steps} steps (first {args.warmup} dropped); "
+        f"{info['docs']} synthetic documents (median {info['median_tokens']:.0f} tokens), {info['long_docs']} of them "
+        f"long ({100 * info['long_token_share']:.0f}% of the tokens; see the script). Imbalance = max/mean rank "
+        f"cost per the loader's cost model.",
         "",
         "| sampler | run | median step s | tokens/s | imbalance before | imbalance after |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

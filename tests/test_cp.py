@@ -4,7 +4,6 @@ the single-process result on packed batches of odd document lengths."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 
@@ -130,78 +129,96 @@ def test_attention_passes_with_triton_kernel(layout):
         torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
 
 
-def _check_attention(rank: int, world: int) -> None:
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_attention_heads=2, num_nextn_predict_layers=1,
+            aux_loss_coef=0.0, z_loss_coef=0.1)
+
+
+def _attention_case(world: int, layout: str) -> dict:
+    """Inputs and single-process results (computed once, in the parent) for the multi-rank attention check."""
+    batch = make_batch(seed=7 * world + len(layout), n_docs=5)
+    q, k, v = _qkv(world, batch.num_tokens)
+    ref = REF(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
+    (ref * w).sum().backward()
+    return dict(batch=batch, qkv=[x.detach() for x in (q, k, v)], w=w, out=ref.detach(),
+                grads=[x.grad for x in (q, k, v)])
+
+
+def _model_case(world: int, layout: str) -> dict:
+    """Tiny MLA + MoE model with MTP and attention z-loss: weights, batch and single-process loss / gradients."""
+    torch.manual_seed(11)
+    model = build_model(preset("tiny", **TINY))
+    batch = make_batch(seed=3 * world + len(layout), n_docs=5, max_len=29)
+    ref = model(batch)
+    ref.loss.backward()
+    return dict(batch=batch, state=model.state_dict(), loss=ref.loss.detach(), metrics=ref.metrics,
+                tokens_routed=float(ref.expert_load.sum()),
+                grads={name: p.grad for name, p in model.named_parameters()})
+
+
+def _check_attention(rank: int, world: int, layout: str, case: dict) -> None:
+    q, k, v = (x.clone().requires_grad_() for x in case["qkv"])
+    plan = make_plan(case["batch"].cu_seqlens, world, layout)
+    out = cp_attention(_local(q, plan, rank, 3), _local(k, plan, rank, 1), _local(v, plan, rank, 2),
+                       attention_passes(plan, rank), dist.group.WORLD, REF)
+    src = plan.pad_to_orig[plan.local_index[rank]]
+    real = src >= 0
+    (out[real] * case["w"][src[real]]).sum().backward()
+    outs = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(outs, out.detach().contiguous())
+    torch.testing.assert_close(unshard(outs, plan), case["out"], rtol=1e-5, atol=1e-6)
+    for x, gref in zip((q, k, v), case["grads"]):
+        g = x.grad.clone()
+        dist.all_reduce(g)
+        torch.testing.assert_close(g, gref, rtol=1e-5, atol=1e-5)
+
+
+def _check_model(rank: int, world: int, layout: str, case: dict) -> None:
+    model = build_model(preset("tiny", **TINY))
+    model.load_state_dict(case["state"])
+    batch = case["batch"]
+    cp = ContextParallel(model, dist.group.WORLD, layout)
+    if layout == "striped":  # route model(batch) through the wrapper, as apply_parallelism does
+        cp.model = model.forward
+        model.forward = cp.forward
+        out = model(batch)
+    else:
+        out = cp(batch)
+    share = out.num_targets / batch.num_targets()
+    (out.loss * share).backward()
+    counts = torch.tensor([out.num_targets])
+    dist.all_reduce(counts)
+    assert int(counts) == batch.num_targets()
+    loss = out.loss.detach() * share
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss, case["loss"], rtol=1e-5, atol=1e-6)
+    for name in ("lm_loss", "mtp_loss", "z_loss"):
+        value = out.metrics[name] * share
+        dist.all_reduce(value)
+        torch.testing.assert_close(value, case["metrics"][name], rtol=1e-5, atol=1e-6)
+    load = out.expert_load.clone()
+    dist.all_reduce(load)
+    assert float(load.sum()) >= case["tokens_routed"]  # padding tokens are routed too
+    for name, p in model.named_parameters():
+        gref = case["grads"][name]
+        assert gref is not None, name
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(gref)
+        dist.all_reduce(g)
+        torch.testing.assert_close(g, gref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _cp_group(rank: int, world: int, cases: dict) -> None:
     for layout in LAYOUTS:
-        batch = make_batch(seed=7 * world + len(layout), n_docs=5)
-        q, k, v = _qkv(world, batch.num_tokens)
-        ref = REF(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5))
-        (ref * w).sum().backward()
-        ref_grads = [x.grad.clone() for x in (q, k, v)]
-        for x in (q, k, v):
-            x.grad = None
-        plan = make_plan(batch.cu_seqlens, world, layout)
-        out = cp_attention(_local(q, plan, rank, 3), _local(k, plan, rank, 1), _local(v, plan, rank, 2),
-                           attention_passes(plan, rank), dist.group.WORLD, REF)
-        src = plan.pad_to_orig[plan.local_index[rank]]
-        real = src >= 0
-        (out[real] * w[src[real]]).sum().backward()
-        outs = [torch.empty_like(out) for _ in range(world)]
-        dist.all_gather(outs, out.detach().contiguous())
-        torch.testing.assert_close(unshard(outs, plan), ref, rtol=1e-5, atol=1e-6)
-        for x, gref in zip((q, k, v), ref_grads):
-            g = x.grad.clone()
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, gref, rtol=1e-5, atol=1e-5)
-
-
-def _check_model(rank: int, world: int) -> None:
-    """Tiny MLA + MoE model with MTP and attention z-loss: CP loss and summed gradients = single process."""
-    cfg = preset("tiny", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                 num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                 q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                 num_attention_heads=2, num_nextn_predict_layers=1, aux_loss_coef=0.0, z_loss_coef=0.1)
-    for layout in LAYOUTS:
-        torch.manual_seed(11)
-        ref_model = build_model(cfg)
-        cp_model = copy.deepcopy(ref_model)
-        batch = make_batch(seed=3 * world + len(layout), n_docs=5, max_len=29)
-        ref = ref_model(batch)
-        ref.loss.backward()
-        cp = ContextParallel(cp_model, dist.group.WORLD, layout)
-        if layout == "striped":  # route model(batch) through the wrapper, as apply_parallelism does
-            cp.model = cp_model.forward
-            cp_model.forward = cp.forward
-            out = cp_model(batch)
-        else:
-            out = cp(batch)
-        share = out.num_targets / batch.num_targets()
-        (out.loss * share).backward()
-        counts = torch.tensor([out.num_targets])
-        dist.all_reduce(counts)
-        assert int(counts) == batch.num_targets()
-        loss = out.loss.detach() * share
-        dist.all_reduce(loss)
-        torch.testing.assert_close(loss, ref.loss.detach(), rtol=1e-5, atol=1e-6)
-        for name in ("lm_loss", "mtp_loss", "z_loss"):
-            value = out.metrics[name] * share
-            dist.all_reduce(value)
-            torch.testing.assert_close(value, ref.metrics[name], rtol=1e-5, atol=1e-6)
-        load = out.expert_load.clone()
-        dist.all_reduce(load)
-        assert load.sum() >= ref.expert_load.sum()  # padding tokens are routed too
-        for (name, p_ref), (_, p_cp) in zip(ref_model.named_parameters(), cp_model.named_parameters()):
-            assert p_ref.grad is not None, name
-            g = p_cp.grad.clone() if p_cp.grad is not None else torch.zeros_like(p_ref)
-            dist.all_reduce(g)
-            torch.testing.assert_close(g, p_ref.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
-def _cp_group(rank: int, world: int) -> None:
-    _check_attention(rank, world)
-    _check_model(rank, world)
+        _check_attention(rank, world, layout, cases["attention", layout])
+        _check_model(rank, world, layout, cases["model", layout])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_cp_attention_and_model_with_gloo(world):
-    spawn(_cp_group, world)
+    cases = {}
+    for layout in LAYOUTS:
+        cases["attention", layout] = _attention_case(world, layout)
+        cases["model", layout] = _model_case(world, layout)
+    spawn(_cp_group, world, cases)
