@@ -1,5 +1,6 @@
 """Resharded resume through DCP: a checkpoint saved on 2 ranks (FSDP2 + EP=2) loads on 1 process and on 4 ranks
-(FSDP2 + EP=4) with identical model weights and AdamW state.
+(FSDP2 + EP=4, and FSDP2 + EP=2 where each expert is also sharded over 2 ranks) with identical model weights and
+AdamW state.
 
 The saving ranks train one step, write model + optimizer with `get_state_dict` + `dcp.save`, and rank 0 also
 stores the full (unsharded) tensors as the expectation. Loaders start from a differently seeded model, load with
@@ -73,10 +74,11 @@ def check_loaded(model, opt, expected_file: str) -> None:
 
 
 def _load(rank: int, world_size: int, path: str, expected_file: str) -> None:
-    model, opt = build(dict(ep=4), world_size, seed=1)
-    load_into(model, opt, path)
-    check_loaded(model, opt, expected_file)
-    dist.barrier()
+    for layout in (dict(ep=4), dict(ep=2, activation_checkpointing="full")):  # ep=2: experts also FSDP-sharded
+        model, opt = build(layout, world_size, seed=1)
+        load_into(model, opt, path)
+        check_loaded(model, opt, expected_file)
+        dist.barrier()
 
 
 def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(tmp_path):
