@@ -116,8 +116,8 @@ def row(name, r, fl, ref=None):
         f"{tf(fl[0] + fl[1], r['fwdbwd']):.0f} | {r['peak'] / 2**20:.0f} | {ratio} |")
 
 
-HEADER = ("| impl | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB | fwd+bwd time / ref row |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = ("| impl | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB "
+          "| fwd+bwd time / ref row |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def packed_inputs(lens, d_qk, d_v):

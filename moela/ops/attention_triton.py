@@ -246,9 +246,9 @@ def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt,
                      stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
-                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr,
-                     HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
+                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                      BLOCK_DV: tl.constexpr):
     pid_n = tl.program_id(0)
     h = tl.program_id(1) % H
@@ -342,9 +342,9 @@ def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stri
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, qk_scale,
-                   sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr,
-                   UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
-                   BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1) % H
     b = tl.program_id(1) // H
