@@ -135,20 +135,22 @@ def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr,
     padding rows. Programs [T+E, T+2E+1): zero 128 rows each of the tail after the last expert."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
+    groups = tl.arange(0, BLOCK_D // 128)
     if pid < T:
         for c0 in range(0, D, BLOCK_D):
-            c = c0 + cols
-            xv = tl.load(x_ptr + pid.to(tl.int64) * D + c, mask=c < D, other=0.0).to(tl.float32)
-            if QUANT:
-                amax = tl.max(tl.abs(tl.reshape(xv, (BLOCK_D // 128, 128))), axis=1)  # [BLOCK_D/128]
-                sc = _scale_of(amax)
-                q = _quant(tl.reshape(xv, (BLOCK_D // 128, 128)), sc[:, None])
-                q = tl.reshape(q, (BLOCK_D,))
-                g = c0 // 128 + tl.arange(0, BLOCK_D // 128)
+            if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
+                c2 = c0 + groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
+                sc = _scale_of(tl.max(tl.abs(xv), axis=1))  # [G]
+                q = _quant(xv, sc[:, None])
+                g = c0 // 128 + groups
+            else:
+                c = c0 + cols
+                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c, mask=c < D, other=0.0)
             for kk in tl.static_range(K):
                 row = tl.load(row_map_ptr + pid * K + kk).to(tl.int64)
                 if QUANT:
-                    tl.store(out_ptr + row * D + c, q, mask=c < D)
+                    tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
                     tl.store(s_ptr + row * (D // 128) + g, sc, mask=g < D // 128)
                 else:
                     tl.store(out_ptr + row * D + c, xv.to(out_ptr.dtype.element_ty), mask=c < D)
@@ -249,32 +251,36 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, TRANSPOSED: tl.constexpr):
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K, WRITE_SCALE: tl.constexpr):
+    """One 128x128 block of expert e of a (possibly transposed) strided view [E, N, K] -> contiguous q [E, N, K]."""
     e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
-    base = e.to(tl.int64) * N * K
-    blk = tl.load(w_ptr + base + rn[:, None] * K + rk[None, :]).to(tl.float32)  # [128, 128]
+    src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
+    blk = tl.load(src).to(tl.float32)  # [128, 128]
     sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
-    q = _quant(blk, sc)
-    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q)
-    if TRANSPOSED:
-        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(q))
-    tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
+    tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, sc))
+    if WRITE_SCALE:
+        tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
 
 
 def quant_weights(w: torch.Tensor, *, transposed: bool = True):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. The transposed copy is the same
+    quantization read through the transposed view (a 128x128 block's amax does not depend on orientation), so no
+    fp8 tile is transposed in registers."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
-    w = w.contiguous()
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
-    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if transposed else None
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, qt if transposed else q, s, n, k, TRANSPOSED=transposed,
-                                                  num_warps=8)
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
+                                                  WRITE_SCALE=True, num_warps=8)
+    qt = None
+    if transposed:
+        qt = torch.empty(e, k, n, device=w.device, dtype=FP8)
+        _weight_quant_kernel[(e, k // 128, n // 128)](w, qt, s, w.stride(0), w.stride(2), w.stride(1), k, n,
+                                                      WRITE_SCALE=False, num_warps=8)
     return q, s, qt
 
 
