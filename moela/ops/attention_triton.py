@@ -19,6 +19,8 @@ Decisions:
 - Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and
   small blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
   autotuned at run time: no first-step stall, and every rank runs the same kernels.
+- The public entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around
+  attention and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
 
 Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents; BM / BN block rows.
 """
@@ -39,7 +41,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def _fix_interpreter_loop_bounds():
     """Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with `int(array)`,
-    which numpy >= 2.3 rejects; any `range(lo, hi)` over loaded values then fails. Convert via `.item()`."""
+    which numpy >= 2.3 rejects; any `range(lo, hi)` over loaded values then fails. Read the single element."""
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
