@@ -13,6 +13,7 @@ import torch
 
 from moela.config import Config, OptimConfig, ScheduleConfig, load_config
 from moela.trainer import Trainer, TrainingError
+from moela.trainer.metrics import LogWindow
 from moela.trainer.optim import LRMultiplier, build_optimizer, param_groups
 
 TINY_MODEL = [
@@ -57,7 +58,7 @@ class SignalAtStep(Trainer):
 
 
 def test_interrupted_and_resumed_run_matches_uninterrupted_exactly(tmp_path, cache_dir):
-    extra = ("train.grad_accum=2",)
+    extra = ("train.grad_accum=2", "logging.log_every=2")  # the signal lands inside a logging window
     straight = Trainer(make_cfg(tmp_path / "a", cache_dir, *extra))
     straight.fit()
 
@@ -72,9 +73,9 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_exactly(tmp_path, cac
     assert resumed.step == 6
 
     a, b = train_records(tmp_path / "a"), train_records(tmp_path / "b")
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 4, 6]
     for ra, rb in zip(a, b):
-        for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_seen"):
+        for key in ("loss", "loss_step", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_seen", "window_steps"):
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
     for (name, pa), pb in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(pa, pb), name
@@ -176,6 +177,19 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
 def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, cache_dir):
     with pytest.raises(TrainingError, match="model.vocab_size=1000 is smaller than the tokenizer"):
         Trainer(make_cfg(tmp_path, cache_dir, "model.vocab_size=1000"))
+
+
+def test_log_window_averages_finite_losses_and_throughput():
+    window = LogWindow()
+    steps = [dict(loss=4.0, lm_loss=3.0, step_time_s=1.0, tokens_per_s=100.0, mfu=0.2, lr=1.0),
+             dict(loss=float("nan"), lm_loss=float("nan"), step_time_s=1.0, tokens_per_s=300.0, mfu=0.6, lr=2.0),
+             dict(loss=2.0, lm_loss=1.0, step_time_s=2.0, tokens_per_s=50.0, mfu=0.1, lr=3.0)]
+    for rec in steps:
+        window.add(rec)
+    out = window.summarize(steps[-1])
+    assert (out["loss"], out["lm_loss"], out["loss_step"], out["lr"]) == (3.0, 2.0, 2.0, 3.0)
+    assert out["tokens_per_s"] == pytest.approx(500 / 4) and out["mfu"] == pytest.approx(1.0 / 4)
+    assert out["window_steps"] == 3 and window.steps == 0 and window.sums == {}
 
 
 def test_param_groups_exclude_norms_biases_embeddings_and_router_bias():

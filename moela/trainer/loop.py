@@ -36,7 +36,8 @@ from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
-from moela.trainer.metrics import MetricsWriter, device_peak_flops, expert_imbalance, memory_gib, plot_losses
+from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib,
+                                   plot_losses)
 from moela.trainer.optim import build_optimizer, build_scheduler
 
 
@@ -75,6 +76,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.skipped_total = 0
         self.tokens_seen = 0
+        self.window = LogWindow()
         self._stop_signal: int | None = None
 
     # ----------------------------------------------------------------------------------------------------------
@@ -100,8 +102,9 @@ class Trainer:
             while self.step < cfg.train.steps:
                 record = self.train_step()
                 writer.advance(self.step)
+                self.window.add(record)
                 if self.step == 1 or self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
-                    writer.log(record)
+                    writer.log(self.window.summarize(record))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     writer.log(self.evaluate())
                 stop = self._agree_to_stop()
@@ -220,7 +223,8 @@ class Trainer:
     def _trainer_state(self) -> dict:
         return {"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self.train_loader.state_dict(),
                 "rng": rng_state(self.device), "nonfinite_in_row": self.nonfinite_in_row,
-                "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen}
+                "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen,
+                "log_window": self.window.state_dict()}
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]
@@ -230,6 +234,7 @@ class Trainer:
         self.nonfinite_in_row = state["nonfinite_in_row"]
         self.skipped_total = state["skipped_total"]
         self.tokens_seen = state["tokens_seen"]
+        self.window.load_state_dict(state["log_window"])
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -9,6 +9,10 @@ Decisions:
   dense numbers) or `logging.peak_tflops`; on CPU or an unknown GPU without that key MFU is not reported.
 - Expert-load imbalance = max / mean tokens per expert, averaged over MoE layers (1.0 is perfectly balanced);
   DP imbalance = max / mean micro-batch cost over data-parallel ranks, as the loader reports it.
+- Like Megatron-LM, a logged line averages the loss terms (keys ending in `loss`) over the steps since the
+  previous line, skipped non-finite steps excluded, and reports throughput and MFU over that window; `loss_step`
+  is the logged step's own loss. Step 1 is always logged on its own. The window is part of the checkpoint, so a
+  resumed run logs exactly what an uninterrupted one does.
 - After a resume, records past the resumed step are dropped from metrics.jsonl, so the file and the plot show one
   consistent history.
 - wandb is imported only when `logging.wandb.mode` is not `disabled`; offline runs write under `run_dir/wandb`.
@@ -65,6 +69,56 @@ def expert_imbalance(expert_load: torch.Tensor | None) -> float | None:
     load = expert_load.double()
     mean = load.mean(dim=1).clamp_min(1e-12)  # [L_moe]
     return float((load.max(dim=1).values / mean).mean())
+
+
+class LogWindow:
+    """Accumulates step records between two logged lines and averages them (see the module docstring)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.finite_steps = 0
+        self.time_s = 0.0
+        self.tokens = 0.0
+        self.mfu_time = 0.0  # sum of mfu * step time: MFU over the window is this / time_s
+        self.sums: dict[str, float] = {}
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.steps += 1
+        self.time_s += rec["step_time_s"]
+        self.tokens += rec["tokens_per_s"] * rec["step_time_s"]
+        if rec.get("mfu") is not None:
+            self.mfu_time += rec["mfu"] * rec["step_time_s"]
+        if math.isfinite(rec["loss"]):
+            self.finite_steps += 1
+            for key, value in rec.items():
+                if key.endswith("loss"):
+                    self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def summarize(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """The logged record: `rec` (the last step) with window averages in place of its loss terms."""
+        out = dict(rec)
+        out["loss_step"] = rec["loss"]
+        if self.finite_steps:
+            out.update({key: value / self.finite_steps for key, value in self.sums.items()})
+        out["window_steps"] = self.steps
+        if self.time_s > 0:
+            out["tokens_per_s"] = self.tokens / self.time_s
+            if rec.get("mfu") is not None:
+                out["mfu"] = self.mfu_time / self.time_s
+        self.reset()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "finite_steps": self.finite_steps, "time_s": self.time_s, "tokens": self.tokens,
+                "mfu_time": self.mfu_time, "sums": dict(self.sums)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.finite_steps = state["steps"], state["finite_steps"]
+        self.time_s, self.tokens, self.mfu_time = state["time_s"], state["tokens"], state["mfu_time"]
+        self.sums = dict(state["sums"])
 
 
 def _fmt_count(x: float) -> str:
