@@ -2,9 +2,9 @@
 
 Returns the per-token loss or its sum (never a mean: the model divides by the step's labelled-token count itself so
 that gradient accumulation and data parallelism reproduce the single-process objective exactly). Logits are upcast
-to float32 inside the computation. Backends: `reference`, `compiled` (the reference through TorchInductor, CUDA:
-no float32 copy of the logits is kept); further kernels (e.g. fused linear + cross-entropy) register in
-`_FAST_BACKENDS`.
+to float32 inside the computation. Backends: `reference`, `compiled` (the reference through TorchInductor, CUDA);
+further kernels register in `_FAST_BACKENDS`. The model's training path uses the fused head + loss of
+`moela.ops.linear_cross_entropy` instead, which never forms the [T, V] logits.
 
 Shapes: T tokens, V vocabulary.
 """
