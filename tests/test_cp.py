@@ -56,7 +56,6 @@ def test_partition_round_trip(layout, cp):
         assert bool((s.labels[pad] == IGNORE_INDEX).all())
     assert sum(s.num_targets() for s in shards) == batch.num_targets()
     if layout == "dualchunk" and cp == 2:  # chunks r and 2cp-1-r of a 4-chunk document
-        one = make_batch(seed=0, n_docs=1)
         one = PackedBatch(torch.arange(8), torch.arange(8), torch.arange(8, dtype=torch.int32),
                           torch.tensor([0, 8], dtype=torch.int32), 8)
         p = make_plan(one.cu_seqlens, 2, "dualchunk")

@@ -82,6 +82,7 @@ def _max(lengths: torch.Tensor) -> int:
 
 
 def make_plan(cu_seqlens: torch.Tensor, cp_size: int, layout: str = "dualchunk") -> CPPlan:
+    """Where each token of a batch with these document boundaries goes under `cp_size`-way CP (module docstring)."""
     if layout not in LAYOUTS:
         raise ValueError(f"context parallel layout {layout!r} is unknown; use one of {', '.join(LAYOUTS)}")
     if cp_size < 1:
