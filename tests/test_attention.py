@@ -112,8 +112,8 @@ LENS = [1, 7, 64, 129, 300]
     (192, 128, True, False), (192, 128, False, True), (64, 64, True, True), (64, 64, False, False),
 ])
 def test_triton_varlen_matches_float64(poisoned_empty, d_qk, d_v, causal, alibi):
-    heads = 1 if d_qk > 128 else 2  # the interpreter's time grows with heads; other tests cover head strides
-    check_against_float64(LENS, LENS, heads, d_qk, d_v, torch.float16, "cpu", causal, alibi,
+    # one head: the interpreter's time grows with heads; the other Triton tests cover head strides (H = 2, 3)
+    check_against_float64(LENS, LENS, 1, d_qk, d_v, torch.float16, "cpu", causal, alibi,
                           seed=d_qk + 2 * causal + alibi, backend="triton")
 
 
