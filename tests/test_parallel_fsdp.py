@@ -1,4 +1,5 @@
-"""FSDP2, expert parallelism and HSDP on 2 and 4 gloo ranks train exactly like one process (float32, 3 steps).
+"""FSDP2, expert parallelism, HSDP, plain replication and context parallelism on 2 and 4 gloo ranks train exactly
+like one process (float32, 3 steps).
 
 The parent process trains the tiny MoE model on every micro-batch of each global step (gradient clipping,
 router-bias updates from the summed expert load). Each rank then builds the same model, applies
@@ -100,7 +101,7 @@ EXACT_UNDER_CP = dict(aux_loss_coef=0.0, bias_update_rate=0.0)
 
 @pytest.mark.parametrize("world_size, cases", [
     (2, [({}, dict()), ({}, dict(ep=2, activation_checkpointing="full")),
-         (EXACT_UNDER_CP, dict(cp=2, ep=2))]),
+         (EXACT_UNDER_CP, dict(cp=2, ep=2)), ({}, dict(dp_replicate=2, dp_shard=1, fsdp=False))]),
     (4, [({}, dict(ep=4, activation_checkpointing="selective")),
          ({}, dict(dp_replicate=2, ep=2, reshard_after_forward=False))]),
 ])
