@@ -80,6 +80,9 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_exactly(tmp_path, cac
     for (name, pa), pb in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(pa, pb), name
     assert a[0]["loss"] > a[-1]["loss"]
+    metrics = (tmp_path / "b" / "metrics.jsonl").read_text()
+    Trainer(make_cfg(tmp_path / "b", cache_dir, *extra)).fit()  # already complete: nothing changes
+    assert (tmp_path / "b" / "metrics.jsonl").read_text() == metrics
 
 
 def test_micro_batches_are_weighted_by_their_targets(tmp_path, cache_dir, monkeypatch):

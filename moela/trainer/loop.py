@@ -99,6 +99,10 @@ class Trainer:
         previous = self._install_signal_handlers()
         try:
             last_saved = self.step if resume is not None else -1
+            if self.step >= cfg.train.steps:
+                writer.echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
+                            f"train.steps to continue, or set checkpoint.resume=none to start over)")
+                return
             while self.step < cfg.train.steps:
                 record = self.train_step()
                 writer.advance(self.step)
