@@ -251,8 +251,8 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K, WRITE_SCALE: tl.constexpr):
-    """One 128x128 block of expert e of a (possibly transposed) strided view [E, N, K] -> contiguous q [E, N, K]."""
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
+    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
     e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
@@ -260,27 +260,20 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K, WRITE_SCAL
     blk = tl.load(src).to(tl.float32)  # [128, 128]
     sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
     tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, sc))
-    if WRITE_SCALE:
-        tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
+    tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
 
 
 def quant_weights(w: torch.Tensor, *, transposed: bool = True):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. The transposed copy is the same
-    quantization read through the transposed view (a 128x128 block's amax does not depend on orientation), so no
-    fp8 tile is transposed in registers."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. The transposed copy is a plain byte
+    transpose by torch: the earlier in-kernel transposed fp8 store gave a wrong copy on the H200."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
-                                                  WRITE_SCALE=True, num_warps=8)
-    qt = None
-    if transposed:
-        qt = torch.empty(e, k, n, device=w.device, dtype=FP8)
-        _weight_quant_kernel[(e, k // 128, n // 128)](w, qt, s, w.stride(0), w.stride(2), w.stride(1), k, n,
-                                                      WRITE_SCALE=False, num_warps=8)
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k, num_warps=8)
+    qt = q.transpose(1, 2).contiguous() if transposed else None  # [E, K, N]
     return q, s, qt
 
 
