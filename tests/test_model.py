@@ -368,3 +368,33 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
     assert torch.allclose(out.loss, ref.loss, rtol=1e-6)
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[n], atol=1e-6, rtol=1e-4), n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_auto_backends_match_reference_backends():
+    """float32 on CUDA: the fast paths that accept float32 (compiled small ops, chunked head + loss, and any
+    attention / expert kernels that support it) give the reference model's loss and gradients."""
+    dtype = torch.float32
+    torch.manual_seed(7)
+    cfg = _cfg(hidden_size=128, num_attention_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+               kv_lora_rank=64, q_lora_rank=96, moe_intermediate_size=128, n_routed_experts=8, n_group=2,
+               num_nextn_predict_layers=1, block="fal", qk_norm="head")
+    model = build_model(cfg, "cuda", dtype=dtype)
+    batch = _batch(cfg.vocab_size, [37, 200, 5, 130], seed=9).to("cuda")
+
+    def run(attn_backend, moe_backend):
+        for blk in list(model.layers) + [m.block for m in model.mtp]:
+            blk.attn.core_attention.keywords["backend"] = attn_backend
+            if isinstance(blk.ffn, MoE):
+                blk.ffn.experts.backend = moe_backend
+        model.zero_grad(set_to_none=True)
+        out = model(batch)
+        out.loss.backward()
+        return out, {n: p.grad.float() for n, p in model.named_parameters()}
+    ref, ref_grads = run("reference", "reference")
+    fast, fast_grads = run("auto", "auto")
+    assert math.isclose(fast.loss.item(), ref.loss.item(), rel_tol=1e-4)
+    for n, g in ref_grads.items():
+        err = (fast_grads[n] - g).norm() / (g.norm() + 1e-12)
+        assert err < 1e-3, (n, err.item())
