@@ -316,7 +316,7 @@ def test_flops_per_token():
 def test_config_validation_messages():
     bad = {"n_group": dict(n_routed_experts=6, n_group=4), "topk_group": dict(n_group=2, topk_group=3),
            "qk_rope_head_dim": dict(qk_rope_head_dim=5), "num_experts_per_tok": dict(num_experts_per_tok=9),
-           "size": dict(size="huge")}
+           "size": dict(size="huge"), "attention_backend": dict(attention_backend="flash9")}
     for field_name, kw in bad.items():
         cfg = _cfg()
         for k, v in kw.items():

@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from moela.ops.attention import BACKENDS as ATTENTION_BACKENDS
+from moela.ops.moe import BACKENDS as MOE_BACKENDS
+
 
 @dataclass
 class RopeScaling:
@@ -141,6 +144,9 @@ class ModelConfig:
             errors.append(f"rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
         if self.initializer_range <= 0:
             errors.append(f"initializer_range: must be > 0, got {self.initializer_range}")
+        for name, known in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+            if getattr(self, name) not in known:
+                errors.append(f"{name}: unknown backend {getattr(self, name)!r}; choose one of {', '.join(known)}")
         if self.size not in PRESETS:
             errors.append(f"size: unknown preset {self.size!r}; choose one of {', '.join(PRESETS)}")
         return errors

@@ -153,8 +153,9 @@ def _hf_to_ours_names(cfg: ModelConfig) -> dict[str, str]:
     def block(ours: str, hf: str, moe: bool) -> None:
         m[f"{hf}.input_layernorm.weight"] = f"{ours}.attn_norm.weight"
         m[f"{hf}.post_attention_layernorm.weight"] = f"{ours}.ffn_norm.weight"
+        q_path = ("wq",) if cfg.q_lora_rank is None else ("wq_a", "q_norm", "wq_b")
         for name, hf_name in _ATTN.items():
-            if (name == "wq") == (cfg.q_lora_rank is None) or name not in ("wq", "wq_a", "q_norm", "wq_b"):
+            if name in q_path or name not in ("wq", "wq_a", "q_norm", "wq_b"):
                 m[f"{hf}.self_attn.{hf_name}.weight"] = f"{ours}.attn.{name}.weight"
         if moe:
             m[f"{hf}.mlp.gate.weight"] = f"{ours}.ffn.gate.weight"
