@@ -132,3 +132,27 @@ def test_import_refuses_what_moela_would_misread(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="kv_lora_rank"):
         load_hf_config(tmp_path)
+
+
+def test_deepseek_v3_published_config_json(tmp_path):
+    """The keys of DeepSeek-V3's published config.json (extra keys such as ep_size or aux_loss_alpha ignored)."""
+    published = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "aux_loss_alpha": 0.001,
+        "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+        "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False,
+        "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128,
+        "vocab_size": 129280}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    cfg = load_hf_config(tmp_path)
+    assert cfg.rope_scaling == RopeScaling(factor=40, original_max_position_embeddings=4096)
+    assert (cfg.q_lora_rank, cfg.n_group, cfg.topk_group, cfg.num_nextn_predict_layers) == (1536, 8, 4, 1)
+    from moela.model import count_params
+    total, active = count_params(cfg, include_mtp=False)
+    assert 670e9 < total < 672e9 and 36.5e9 < active < 38e9
