@@ -398,3 +398,17 @@ def test_cuda_auto_backends_match_reference_backends():
     for n, g in ref_grads.items():
         err = (fast_grads[n] - g).norm() / (g.norm() + 1e-12)
         assert err < 1e-3, (n, err.item())
+
+
+def test_fp8_expert_recipe_runs_through_the_model():
+    torch.manual_seed(8)
+    cfg = _cfg(hidden_size=136, moe_intermediate_size=72)
+    model = build_model(cfg)
+    fp8 = build_model(_cfg(hidden_size=136, moe_intermediate_size=72, moe_recipe="fp8_blockwise"))
+    fp8.load_state_dict(model.state_dict())
+    batch = _batch(cfg.vocab_size, [21, 30], seed=10)
+    a, b = model(batch), fp8(batch)
+    assert fp8.moe_layers()[0].experts.recipe == "fp8_blockwise"
+    assert a.loss.item() != b.loss.item() and math.isclose(a.loss.item(), b.loss.item(), rel_tol=1e-2)
+    b.loss.backward()
+    assert all(p.grad is not None for p in fp8.parameters())
