@@ -122,3 +122,23 @@ def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
     assert loss.dtype == torch.float32 and math.isclose(loss.item(), ref.item(), rel_tol=1e-5)
     assert torch.allclose(h.grad.double(), h64.grad, atol=1e-5) and torch.allclose(w.grad.double(), w64.grad, atol=1e-5)
     assert torch.allclose(lce.linear_cross_entropy(h, w, labels, backend="reference").double(), ref, rtol=1e-5)
+
+
+def test_compiled_backend_falls_back_to_the_reference_when_compilation_fails(monkeypatch, caplog):
+    from moela.ops import compiled as comp
+
+    def broken(fn, **kw):
+        def fail(*a, **k):
+            raise RuntimeError("no compiler here")
+        return fail
+    monkeypatch.setattr(comp.torch, "compile", broken)
+    calls = []
+
+    def ref(x):
+        calls.append(1)
+        return x * 2
+    run = comp.compiled(ref)
+    with caplog.at_level("WARNING", logger="moela.ops"):
+        assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
+        assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
+    assert len(calls) == 2 and "no compiler here" in caplog.text and caplog.text.count("torch.compile failed") == 1

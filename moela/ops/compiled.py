@@ -5,14 +5,19 @@ fuse the float32 upcast, the math and the backward into a few memory-bound passe
 kernel would do; the reference stays the single source of truth. Decisions:
 - compiled lazily on first use (importing moela never compiles) with `dynamic=True`, since the token count of a
   packed micro-batch changes every step and must not trigger recompilation;
-- offered only for CUDA tensors (`on_cuda`); on CPU `auto` keeps the plain reference.
+- offered only for CUDA tensors (`on_cuda`); on CPU `auto` keeps the plain reference;
+- if compilation itself fails (e.g. no working C compiler or Triton on the machine), the reference runs instead
+  and a warning names the op and the error, once.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
+
+log = logging.getLogger("moela.ops")
 
 
 def on_cuda(x: torch.Tensor, *args, **kwargs) -> bool:
@@ -23,9 +28,18 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     holder: list[Callable[..., torch.Tensor]] = []
 
     def run(*args, **kwargs):
-        if not holder:
-            holder.append(torch.compile(fn, dynamic=True))
-        return holder[0](*args, **kwargs)
+        if holder:
+            return holder[0](*args, **kwargs)
+        fast = torch.compile(fn, dynamic=True)
+        try:
+            out = fast(*args, **kwargs)
+        except Exception as err:  # compilation failure: keep training on the reference, say so once
+            log.warning("%s: torch.compile failed (%s: %s); using the reference implementation", fn.__name__,
+                        type(err).__name__, err)
+            holder.append(fn)
+            return fn(*args, **kwargs)
+        holder.append(fast)
+        return out
 
     run.__name__ = f"compiled_{fn.__name__}"
     return run
