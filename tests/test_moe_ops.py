@@ -312,3 +312,12 @@ def test_gpu_fp8_gemm_v3_shape_vs_float64():
     got = out[rows[sel]]
     assert _rel(got, deq) < 5e-3  # bf16 output rounding only
     assert _rel(got, ref) <= 1.25 * _rel(deq, ref) + 1e-3
+
+
+def test_backend_recipe_mismatches_are_explained():
+    x, ids, w, w13, w2, _ = _problem(5, 128, 128, 3, 2, torch.float16)
+    with pytest.raises(ValueError, match="recipe='bf16'"):
+        moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="torch")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="deep_gemm"):
+            moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="deep_gemm")

@@ -7,7 +7,11 @@ Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate)
 - `reference`: pure torch, any device, loops over experts; the specification. With `recipe="fp8_blockwise"` it
   simulates DeepSeek-V3's FP8 recipe (e4m3, activations 1x128 groups, weights 128x128 blocks) by quantize ->
   dequantize around each GEMM, so fast kernels can be compared against it with the same scales.
-- fast backends register in `_FAST_BACKENDS` (see `moela.ops.moe_triton`).
+- fast backends (CUDA; on CPU only when asked for by name, under TRITON_INTERPRET=1 for tests) register in
+  `_FAST_BACKENDS` from `moela.ops.moe_fused`, in `auto` preference order: `deep_gemm` (fp8, when `import deep_gemm`
+  works), `torch` (bf16, `torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All three share
+  the fused Triton layout/quantization kernels of `moela.ops.moe_triton` and need D and F multiples of 128 and x in
+  bf16/fp16; `auto` falls back to the reference otherwise.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
 """

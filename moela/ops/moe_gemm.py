@@ -10,7 +10,10 @@
   (the columnwise-quantized, transposed operands), rows_e = expert e's padded block; reduction along tokens.
   Empty experts get zeros.
 Operands are addressed through strides, so the bf16 path reads row-major activations as their transposes
-without copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong).
+without copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong), and loops
+whose bounds are loaded from memory are written as `while` loops (the interpreter cannot index with them).
+`torch._grouped_mm` exists on torch 2.11 CUDA (used on the H200) and on torch 2.13 CPU (used by the CPU tests),
+including the 2-D x 2-D form with `offs` for the weight gradient.
 """
 
 from __future__ import annotations
