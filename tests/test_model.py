@@ -412,3 +412,13 @@ def test_fp8_expert_recipe_runs_through_the_model():
     assert a.loss.item() != b.loss.item() and math.isclose(a.loss.item(), b.loss.item(), rel_tol=1e-2)
     b.loss.backward()
     assert all(p.grad is not None for p in fp8.parameters())
+
+
+def test_router_stays_float32_under_autocast():
+    cfg = _cfg(first_k_dense_replace=0)
+    gate = build_model(cfg).layers[0].ffn.gate
+    x = torch.randn(9, cfg.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids, weights, scores = gate(x)
+    assert scores.dtype == torch.float32
+    assert torch.allclose(scores, torch.sigmoid(x.double() @ gate.weight.double().t()).float(), atol=1e-6)

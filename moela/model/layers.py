@@ -82,5 +82,6 @@ def segment_sum(values: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> t
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T in float32 (router logits are computed in float32 whatever the model's dtype)."""
-    return F.linear(x.float(), weight.float())
+    """x W^T in float32 (router logits are computed in float32 whatever the model's dtype, autocast included)."""
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.float(), weight.float())
