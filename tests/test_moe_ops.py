@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moela.ops.moe import moe_experts
 from moela.ops.quant import dequant_128x128, dequant_1x128, quant_1x128
@@ -72,6 +74,22 @@ def test_layout_invariants(case):
         assert (mi[real] == ex).all() and (mi[rows[counts[ex]:]] == -1).all()
         assert (src[real].diff() > 0).all()  # stable: token order inside each expert
     assert (mi[off[-1]:] == -1).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 300), e=st.integers(1, 40), k=st.integers(1, 8), seed=st.integers(0, 2 ** 31 - 1))
+def test_layout_invariants_random_routing(t, e, k, seed):
+    from moela.ops.moe_triton import build_layout
+
+    k = min(k, e)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(t, e, generator=g).argsort(1)[:, :k]  # distinct experts per token, any skew
+    lay = build_layout(ids, e)
+    off, src, mi = lay.offsets, lay.src.long(), lay.m_indices.long()
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    assert torch.equal(off[1:] - off[:-1], (counts + 127) // 128 * 128) and lay.m_pad >= off[-1]
+    assert torch.equal(src[lay.row_map.long()], torch.arange(t * k))
+    assert torch.equal(mi[lay.row_map.long()], ids.reshape(-1)) and ((mi == -1) == (src == -1)).all()
 
 
 @pytest.mark.parametrize("quant", [None, "fp8_1x128"])
