@@ -81,3 +81,23 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert len(commands) == 1, commands
     assert commands[0] in ci.splitlines()
     assert 'if [ "$rc" -eq 5 ]' in ci and "exit 1" in ci
+
+
+def test_torchrun_two_cpu_processes(tmp_path):
+    """The unchanged CLI under torchrun: 2 gloo ranks, FSDP2, one checkpoint with a trainer file per rank."""
+    run = tmp_path / "run"
+    overrides = [
+        "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
+        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
+        "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
+        "train.steps=2", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "schedule.warmup_steps=1",
+        "logging.log_every=1", "logging.plot=false"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "on 2 x cpu" in proc.stdout and "step 2/2" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints" / "step-2").glob("trainer-rank*.pt")) == [
+        "trainer-rank0.pt", "trainer-rank1.pt"]
