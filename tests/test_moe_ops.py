@@ -275,6 +275,16 @@ def test_fp8_recipe_path_vs_float64_and_simulated_reference():
         assert err[name][0] < 0.12, (name, err)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_blockwise"])
+def test_empty_batch(recipe):
+    """An expert-parallel rank can receive no rows: zeros out, zero weight gradients."""
+    x, _, w, w13, w2, g = _problem(1, 128, 128, 3, 1, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    ids = torch.zeros(0, 1, dtype=torch.int64, device=DEV)
+    y, dx, dw, dw13, dw2 = _run(x[:0], ids, w[:0], w13, w2, g[:0], recipe, "triton")
+    assert y.shape == (0, 128) and dx.shape == (0, 128)
+    assert (dw13 == 0).all() and (dw2 == 0).all()
+
+
 def test_auto_backend_on_cpu_is_reference():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU choice")

@@ -90,17 +90,17 @@ def _lay_tensors(lay: L.Layout):
     return lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
 
 
-def _shapes_ok(x, w13, recipe):
+def _shapes_ok(x, w13):
     d, f = x.shape[1], w13.shape[1] // 2
     return d % 128 == 0 and f % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return x.is_cuda and _shapes_ok(x, w13, recipe)
+    return x.is_cuda and _shapes_ok(x, w13)
 
 
 def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return (recipe == "bf16" and x.is_cuda and x.dtype == torch.bfloat16 and _shapes_ok(x, w13, recipe)
+    return (recipe == "bf16" and x.is_cuda and x.dtype == torch.bfloat16 and _shapes_ok(x, w13)
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
@@ -111,7 +111,7 @@ def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
 
 def _impl(provider):
     def run(x, topk_ids, topk_weights, w13, w2, *, recipe):
-        if not _shapes_ok(x, w13, recipe):
+        if not _shapes_ok(x, w13):
             raise ValueError(f"moe_experts backend {provider!r} needs D and F multiples of 128 and x in bf16/fp16; "
                              f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
         if provider == "torch" and recipe != "bf16":
