@@ -239,9 +239,11 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(run_dir: str | Path) -> Path | None:
-    """Write run_dir/loss.png: training loss (and validation loss when present) against the step."""
+    """Write run_dir/loss.png: the training objective, its LM part and the validation LM loss against the step."""
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and math.isfinite(r["loss"])]
+    train_lm = [(r["step"], r["lm_loss"]) for r in records
+                if r["kind"] == "train" and "lm_loss" in r and math.isfinite(r["lm_loss"])]
     val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
     if not train and not val:
         return None
@@ -251,9 +253,11 @@ def plot_losses(run_dir: str | Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+        ax.plot(*zip(*train), label="train objective (loss)", linewidth=1.2)
+    if train_lm:
+        ax.plot(*zip(*train_lm), label="train LM loss", linewidth=1.2)
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", linewidth=1.2, markersize=4)
+        ax.plot(*zip(*val), "o-", label="validation LM loss", linewidth=1.2, markersize=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(Path(run_dir).name)
