@@ -137,7 +137,9 @@ def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
     if rec.get("expert_imbalance") is not None:
         parts.append(f"load max/mean {rec['expert_imbalance']:.2f}")
     if rec.get("dp_imbalance") is not None:
-        parts.append(f"dp cost max/mean {rec['dp_imbalance']:.3f}")
+        before = rec.get("dp_imbalance_unbalanced")
+        parts.append(f"dp cost max/mean {rec['dp_imbalance']:.3f}"
+                     + (f" (round robin {before:.3f})" if before is not None and before != rec["dp_imbalance"] else ""))
     if rec.get("skipped"):
         parts.append(f"skipped {rec['skipped']}")
     return " | ".join(parts)
