@@ -2,12 +2,14 @@
 
 Works unchanged under `torchrun` / `accelerate launch` (the process group comes from their env vars). A mistake
 in the recipe or the overrides exits with code 2 and lists every problem (file, key path, suggestion); no
-traceback. `--print-config` prints the resolved recipe and exits.
+traceback. `--print-config` prints the resolved recipe and exits. Log records (e.g. which kernel backend each op
+uses) go to stderr, INFO on rank 0 and WARNING elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from moela.trainer import Trainer, TrainingError
 
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
     try:
         Trainer(cfg).fit()
     except TrainingError as e:
