@@ -175,3 +175,14 @@ def test_loader_with_balanced_assign_covers_the_step_and_resumes(tmp_path):
     resumed = _loader(cache, 1, dp, ga, balanced_assign)
     resumed.load_state_dict(state)
     assert [[b.input_ids.tolist() for b in resumed.next_step()] for _ in range(2)] == expected
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "v2-lite", "v3"])
+def test_linear_coefficient_agrees_with_the_model_flop_count(size):
+    """`a` equals the model's own (independently written) training FLOPs per token without attention."""
+    from moela.model import flops_per_token
+    cfg = preset(size)
+    a, b = cost_coefficients(cfg)
+    assert a == flops_per_token(cfg, 0)
+    assert b == (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) * cfg.num_attention_heads * (
+        4 * cfg.qk_head_dim + 3 * cfg.v_head_dim)
