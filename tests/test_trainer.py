@@ -85,6 +85,7 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_exactly(tmp_path, cac
     assert (tmp_path / "b" / "metrics.jsonl").read_text() == metrics
 
 
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_micro_batches_are_weighted_by_their_targets(tmp_path, cache_dir, monkeypatch):
     """One step with grad_accum=3 gives the gradient of the token-mean loss over all three micro-batches."""
     trainer = Trainer(make_cfg(tmp_path, cache_dir, "train.grad_accum=3", "optim.grad_clip=0"))
