@@ -12,6 +12,7 @@ import pytest
 
 from moela.config import load_config
 from moela.trainer.distributed import init_distributed
+from moela.trainer.errors import TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,7 +71,7 @@ def test_launcher_env_vars_single_process(monkeypatch):
     assert (env.rank, env.world_size, env.local_rank, env.device.type, env.owns_process_group) == (0, 1, 0, "cpu",
                                                                                                    False)
     monkeypatch.setenv("WORLD_SIZE", "two")
-    with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
+    with pytest.raises(TrainingError, match="WORLD_SIZE='two' is not an integer"):
         init_distributed("cpu")
 
 

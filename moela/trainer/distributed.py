@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moela.trainer.errors import TrainingError
+
 
 @dataclass
 class DistEnv:
@@ -36,14 +38,14 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; unset it or launch with "
-                         f"torchrun, which sets it") from None
+        raise TrainingError(f"environment variable {name}={raw!r} is not an integer; unset it or launch with "
+                            f"torchrun, which sets it") from None
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
     """`train.device` (auto / cpu / cuda) -> the torch device of this process."""
     if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device: cuda requested but no CUDA device is visible; use train.device=cpu "
+        raise TrainingError("train.device: cuda requested but no CUDA device is visible; use train.device=cpu "
                            "or auto")
     if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

@@ -36,13 +36,10 @@ from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
+from moela.trainer.errors import TrainingError
 from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib,
                                    plot_losses)
 from moela.trainer.optim import build_optimizer, build_scheduler
-
-
-class TrainingError(RuntimeError):
-    """Training cannot continue (e.g. repeated non-finite losses); the message says why and what to do."""
 
 
 class Trainer:
