@@ -142,7 +142,7 @@ def test_attention_passes_with_triton_kernel(layout):
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_attention_heads=2, num_nextn_predict_layers=1,
-            aux_loss_coef=0.0, z_loss_coef=0.1)
+            aux_loss_coef=0.03, z_loss_coef=0.1)
 
 
 def _attention_case(world: int, layout: str) -> dict:
@@ -157,7 +157,8 @@ def _attention_case(world: int, layout: str) -> dict:
 
 
 def _model_case(world: int, layout: str) -> dict:
-    """Tiny MLA + MoE model with MTP and attention z-loss: weights, batch and single-process loss / gradients."""
+    """Tiny MLA + MoE model with MTP, sequence-wise balance loss and attention z-loss: weights, batch and
+    single-process loss / gradients."""
     torch.manual_seed(11)
     model = build_model(preset("tiny", **TINY))
     batch = make_batch(seed=3 * world + len(layout), n_docs=5, max_len=29)
@@ -204,7 +205,7 @@ def _check_model(rank: int, world: int, layout: str, case: dict) -> None:
     loss = out.loss.detach() * share
     dist.all_reduce(loss)
     torch.testing.assert_close(loss, case["loss"], rtol=1e-5, atol=1e-6)
-    for name in ("lm_loss", "mtp_loss", "z_loss"):
+    for name in ("lm_loss", "mtp_loss", "z_loss", "aux_loss"):
         value = out.metrics[name] * share
         dist.all_reduce(value)
         torch.testing.assert_close(value, case["metrics"][name], rtol=1e-5, atol=1e-6)

@@ -22,8 +22,10 @@ Decisions:
   bias update sees.
 - Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
   computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
-- Terms that need per-document statistics across the group (the sequence-wise balance loss) are computed on each
-  rank's part of the document; they are exact only when `aux_loss_coef` is 0.
+- The sequence-wise balance loss needs per-document statistics (tokens routed to each expert, mean router
+  probabilities, document length) over the whole document: `ContextParallel` replaces each MoE's `balance_loss`
+  with one that sums them over the group's real (non-padding) tokens with a differentiable all-reduce, then
+  applies the same formula, so that term is exact too.
 
 Shapes: T_loc local tokens, H heads, Dqk / Dv head dims.
 """
@@ -35,6 +37,8 @@ import torch.distributed as dist
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch, shard_tokens
+from moela.model.layers import segment_sum
+from moela.model.moe import MoE
 from moela.model.transformer import shift_within_docs
 
 
@@ -55,6 +59,23 @@ class _GatherTokens(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
         dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the all-reduce (sum) of the gradients: every rank's loss uses the sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
@@ -126,6 +147,27 @@ class _CPCoreAttention:
                             softmax_scale=softmax_scale, return_lse=return_lse)
 
 
+class _CPBalanceLoss:
+    """Drop-in for `MoE.balance_loss` under CP: the per-document statistics are summed over the group."""
+
+    def __init__(self, owner: "ContextParallel", moe: MoE):
+        self.owner = owner
+        self.n_experts, self.topk = moe.n_experts, moe.topk
+
+    def __call__(self, topk_ids: torch.Tensor, scores: torch.Tensor, ctx) -> torch.Tensor:
+        n, e = ctx.num_docs, self.n_experts
+        real = self.owner.real_tokens(scores.device).float()[:, None]  # [T_loc, 1]
+        hits = torch.zeros_like(scores).scatter_(1, topk_ids, 1.0) * real  # [T_loc, E]
+        probs = scores / scores.sum(-1, keepdim=True) * real  # [T_loc, E]
+        stats = torch.cat((segment_sum(hits, ctx.doc_ids, n), segment_sum(probs, ctx.doc_ids, n),
+                           segment_sum(real, ctx.doc_ids, n)), dim=1)  # [N, 2E + 1] this rank's sums
+        stats = _SumOverGroup.apply(stats, self.owner.group)  # [N, 2E + 1] whole documents
+        lengths = stats[:, 2 * e:]  # [N, 1]
+        f = stats[:, :e] * (self.n_experts / self.topk) / lengths  # [N, E]
+        p = stats[:, e:2 * e] / lengths  # [N, E]
+        return ((f * p).sum(-1) * ctx.doc_weight).sum()
+
+
 class ContextParallel:
     """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
 
@@ -138,12 +180,16 @@ class ContextParallel:
         self.layout = layout
         self.plan: CPPlan | None = None
         self._passes: list[AttentionPass] | None = None
+        self._real: torch.Tensor | None = None
         wrapped = 0
         for module in model.modules():
             attention = getattr(module, "core_attention", None)
             if attention is not None and not isinstance(attention, _CPCoreAttention):
                 module.core_attention = _CPCoreAttention(self, attention)
                 wrapped += 1
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.balance_loss = _CPBalanceLoss(self, module)
         if wrapped == 0:
             raise ValueError("ContextParallel found no module with a `core_attention` attribute in the model; "
                              "wrap a moela Transformer (its attention modules expose that hook)")
@@ -158,7 +204,14 @@ class ContextParallel:
         """Plan the batch for the group and return this rank's part (also arms the attention modules)."""
         self.plan = make_plan(batch.cu_seqlens, self.cp_size, self.layout)
         self._passes = attention_passes(self.plan, self.cp_rank)
+        self._real = None
         return shard_batch(batch, self.plan, self.cp_rank)
+
+    def real_tokens(self, device) -> torch.Tensor:
+        """[T_loc] bool: this rank's tokens that are not CP padding."""
+        if self._real is None or self._real.device != torch.device(device):
+            self._real = (self.plan.pad_to_orig[self.plan.local_index[self.cp_rank]] >= 0).to(device)
+        return self._real
 
     def mtp_targets(self, batch: PackedBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per MTP depth, this rank's (input token, label): shifted within documents on the whole batch first,
