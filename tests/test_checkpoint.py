@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moela.config import OptimConfig, ScheduleConfig
+from moela.trainer import TrainingError
 from moela.trainer import checkpoint as ckpt
 from moela.trainer.optim import build_optimizer, build_scheduler
 
@@ -70,7 +71,7 @@ def test_keep_last_k_and_resume_resolution(tmp_path):
     assert ckpt.resolve_resume(tmp_path, "none") is None
     explicit = tmp_path / "checkpoints" / "step-6"
     assert ckpt.resolve_resume(tmp_path, str(explicit)) == explicit
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(TrainingError, match="not a complete checkpoint"):
         ckpt.resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step-2"))
 
 
@@ -110,7 +111,8 @@ def test_process_killed_mid_save_leaves_no_partial_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
         from torch import nn
-        from moela.trainer import checkpoint as ckpt
+        from moela.trainer import TrainingError
+from moela.trainer import checkpoint as ckpt
         from moela.trainer.optim import build_optimizer
         from moela.config import OptimConfig
         model = nn.Linear(64, 64)

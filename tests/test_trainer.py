@@ -176,6 +176,9 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
     assert list(offline[0].glob("run-*.wandb")) and (offline[0] / "files").is_dir()
+    changed = make_cfg(run, cache_dir, "train.steps=4", "data.max_doc_len=32")
+    with pytest.raises(TrainingError, match="cannot resume the data stream.*max_doc_len"):
+        Trainer(changed).fit()
 
 
 def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, cache_dir):

@@ -34,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from moela.trainer.errors import TrainingError
+
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -61,7 +63,7 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: None for a fresh start. Raises FileNotFoundError for a bad explicit path."""
+    """The checkpoint to resume from: None for a fresh start. Raises TrainingError for a bad explicit path."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -69,7 +71,7 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
         return found[-1][1] if found else None
     path = Path(resume)
     if not is_complete(path):
-        raise FileNotFoundError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected "
+        raise TrainingError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected "
                                 f"a step-N folder with .metadata); use 'auto', 'none' or an existing step-N path")
     return path
 

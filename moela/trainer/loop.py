@@ -230,7 +230,11 @@ class Trainer:
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]
         self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["loader"])
+        try:
+            self.train_loader.load_state_dict(state["loader"])
+        except ValueError as e:
+            raise TrainingError(f"cannot resume the data stream: {e}; or start a fresh run with "
+                                f"checkpoint.resume=none or another train.run_dir") from None
         set_rng_state(state["rng"], self.device)
         self.nonfinite_in_row = state["nonfinite_in_row"]
         self.skipped_total = state["skipped_total"]
