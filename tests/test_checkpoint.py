@@ -111,8 +111,7 @@ def test_process_killed_mid_save_leaves_no_partial_checkpoint(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
         from torch import nn
-        from moela.trainer import TrainingError
-from moela.trainer import checkpoint as ckpt
+        from moela.trainer import checkpoint as ckpt
         from moela.trainer.optim import build_optimizer
         from moela.config import OptimConfig
         model = nn.Linear(64, 64)

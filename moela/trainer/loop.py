@@ -56,10 +56,6 @@ class Trainer:
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
 
-        seed_everything(cfg.train.seed)
-        self.model = apply_parallelism(build_model(cfg.model, self.device), self.mesh, cfg.parallel)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.train_loader, self.val_loader, self.tokenizer = build_loaders(
             cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
             dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
@@ -68,6 +64,10 @@ class Trainer:
             raise TrainingError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                                 f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
                                 f"{self.tokenizer.vocab_size}")
+        seed_everything(cfg.train.seed)
+        self.model = apply_parallelism(build_model(cfg.model, self.device), self.mesh, cfg.parallel)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.peak_flops = device_peak_flops(self.device, cfg.logging)
         self.step = 0
         self.nonfinite_in_row = 0
