@@ -390,7 +390,7 @@ def _source_of(path: str, sources: dict) -> str:
     while path:
         if path in sources:
             return sources[path]
-        path = path.rpartition(".")[0]
+        path = path[:path.rindex("[")] if path.endswith("]") else path.rpartition(".")[0]
     return sources.get("", "defaults")
 
 

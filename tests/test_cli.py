@@ -99,6 +99,6 @@ def test_torchrun_two_cpu_processes(tmp_path):
          str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "on 2 x cpu" in proc.stdout and "step 2/2" in proc.stdout
+    assert "on 2 x cpu" in proc.stdout and "step 2/2" in proc.stdout and "dp cost max/mean" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints" / "step-2").glob("trainer-rank*.pt")) == [
         "trainer-rank0.pt", "trainer-rank1.pt"]

@@ -127,6 +127,20 @@ def test_overrides_are_typed_by_yaml_and_win(tmp_path):
     assert parse_override("a.b=c=d") == (["a", "b"], "c=d")
 
 
+def test_lists_of_sections(tmp_path):
+    recipe = write(tmp_path / "r.yaml", """
+        data:
+          mixture:
+            - {source: bundled, weight: 2}
+            - {source: text, paths: [r.yaml], wieght: 1}
+    """)
+    (error,) = errors_of(recipe)
+    assert error == (f"{recipe}: data.mixture[1].wieght: unknown key in section 'data.mixture[1]'; "
+                     f"did you mean 'weight'?")
+    cfg = load_config(recipe, ["data.mixture=[{source: bundled, weight: 3}]"])
+    assert len(cfg.data.mixture) == 1 and cfg.data.mixture[0].weight == 3.0
+
+
 def test_bad_overrides_are_reported_with_the_recipe_errors(tmp_path):
     recipe = write(tmp_path / "r.yaml", "optim: {lrr: 1}\n")
     errors = errors_of(recipe, ["optim.lr", "=3", "train.stepz=4"])
