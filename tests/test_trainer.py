@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moela.config import Config, OptimConfig, ScheduleConfig, load_config
+from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.metrics import LogWindow
 from moela.trainer.optim import LRMultiplier, build_optimizer, param_groups
@@ -161,7 +162,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop_with_a_clear_message(tmp_path, c
 def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
     run = tmp_path / "run"
     cfg = make_cfg(run, cache_dir, "train.steps=3", "train.eval_every=2", "logging.plot=true",
-                   "logging.wandb.mode=offline", "logging.wandb.tags=[test]")
+                   "logging.wandb.mode=offline", "logging.wandb.tags=[test]", "logging.peak_tflops=0.001")
     Trainer(cfg).fit()
     assert load_config(run / "config.yaml") == cfg
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -171,6 +172,9 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "expert_imbalance", "lm_loss"):
             assert math.isfinite(r[key]), key
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    # MFU = FLOPs per token (at the token-weighted mean document length, <= max_doc_len 64) x tokens/s / peak
+    flops = records[0]["mfu"] * 1e9 / records[0]["tokens_per_s"]
+    assert flops_per_token(cfg.model, 2) <= flops <= flops_per_token(cfg.model, 64)
     assert (run / "loss.png").stat().st_size > 1000
     assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-3"]
     offline = list((run / "wandb").glob("offline-run-*"))
