@@ -1,8 +1,10 @@
-"""train.py: exit code 2 with every recipe error at once and no traceback; --print-config; launcher env vars."""
+"""train.py: exit code 2 with every recipe error at once and no traceback; --print-config; launcher env vars;
+torchrun with 2 gloo ranks; Ctrl-C saves and exits cleanly; CI runs the README command."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,3 +104,24 @@ def test_torchrun_two_cpu_processes(tmp_path):
     assert "on 2 x cpu" in proc.stdout and "step 2/2" in proc.stdout and "dp cost max/mean" in proc.stdout
     assert sorted(p.name for p in (run / "checkpoints" / "step-2").glob("trainer-rank*.pt")) == [
         "trainer-rank0.pt", "trainer-rank1.pt"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run = tmp_path / "run"
+    overrides = [
+        "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
+        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
+        "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
+        "train.steps=100000", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "logging.log_every=1", "logging.plot=false"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGINT after step" in out
+    (saved,) = (run / "checkpoints").glob("step-*")
+    assert int(saved.name.split("-")[1]) >= 3 and (run / "checkpoints" / "latest").read_text().strip() == saved.name
