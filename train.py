@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted before a checkpoint was written; the newest complete checkpoint is kept",
+              file=sys.stderr)
+        return 130
     return 0
 
 
