@@ -75,6 +75,22 @@ def test_keep_last_k_and_resume_resolution(tmp_path):
         ckpt.resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step-2"))
 
 
+def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
+    """Resuming from an explicit older step-N and saving again: the new save is kept (never pruned) and is what
+    `auto` resumes, not a higher-numbered checkpoint left by the abandoned continuation."""
+    model, opt, _ = make(0)
+    for step in (2, 4, 6):
+        ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last_k=3)
+    ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last_k=2)  # continued from step-2
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 6]
+    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-3"
+    ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep_last_k=1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5]
+    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
+    (tmp_path / "checkpoints" / "latest").write_text("step-9\n")  # a pointer to a missing checkpoint
+    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     model, opt, sched = make(0)
     ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep_last_k=2)

@@ -10,8 +10,11 @@ Decisions:
   `step-N/` (one `os.replace`, atomic on POSIX) and then rewrite `latest` through a temporary file. A kill at any
   moment leaves either the previous complete checkpoint or the new one, never a half-written `step-N/`;
   leftover `*.tmp` directories are ignored and cleaned up by the next save.
-- `resume: auto` scans for complete `step-N/` directories (those with DCP's `.metadata`) rather than trusting
-  `latest`, so even a stale pointer cannot lead to a corrupt load.
+- `resume: auto` takes the checkpoint `latest` names when that one is complete (it is the newest save even when
+  a run resumed from an explicit older `step-N` left higher-numbered checkpoints of the abandoned continuation
+  behind), else the highest complete `step-N/` (those with DCP's `.metadata`), so a stale or missing pointer
+  cannot lead to a corrupt load.
+- Pruning to `keep_last_k` never deletes the checkpoint just written.
 - Model and optimizer state go through `get_state_dict` / `set_state_dict`, which key the optimizer state by
   parameter name and handle FSDP2's DTensors, so resharded resume works.
 - A rank with no trainer file of its own (resuming on more ranks than saved) takes rank 0's; its RNG streams then
@@ -67,6 +70,11 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
+        pointer = checkpoints_root(run_dir) / LATEST
+        if pointer.is_file():
+            named = pointer.parent / pointer.read_text().strip()
+            if _STEP_DIR.match(named.name) and is_complete(named):
+                return named
         found = list_checkpoints(run_dir)
         return found[-1][1] if found else None
     path = Path(resume)
@@ -123,7 +131,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomic(root / LATEST, final.name + "\n")
-        for _, old in list_checkpoints(run_dir)[:-keep_last_k]:
+        others = [path for _, path in list_checkpoints(run_dir) if path != final]
+        for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
