@@ -2,6 +2,7 @@
 and import(export(model)) is the same model."""
 
 import json
+import zlib
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def _batch(vocab, lens):
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers' zero-width shared experts
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_transformers_logits_match(name, tmp_path):
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()))  # str hash() changes per process: not reproducible
     cfg = _tiny(**CONFIGS[name])
     model = _model(cfg)
     export_hf(model, tmp_path)
