@@ -11,7 +11,9 @@ Decisions:
   yarn_mscale(factor, mscale_all_dim)**2, exactly as HF `deepseek_v3` does, so exported models agree.
 - QK-Norm (`qk_norm`) acts on the full q / k (nope and rope parts) before RoPE: `head` = RMSNorm over each head's
   Dqk dims (one weight [Dqk] shared by the heads, Qwen3 style), `layer` = RMSNorm over all heads concatenated
-  (weight [H*Dqk], OLMo2 style). The latent norms `q_norm` / `kv_norm` use eps 1e-6 as DeepSeek and HF do.
+  (weight [H*Dqk], OLMo2 style). Both normalize k_pe together with each head's k_nope, so with QK-Norm on the
+  RoPE part of the key differs per head (it is shared only without QK-Norm). The latent norms `q_norm` /
+  `kv_norm` use eps 1e-6 as DeepSeek and HF do.
 - The attention itself is `self.core_attention(q, k, v, cu_seqlens, max_seqlen, causal=, softmax_scale=,
   return_lse=)`, an attribute (default: `mla_attention` with the configured backend) that context parallelism
   replaces per module. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
