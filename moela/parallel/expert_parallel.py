@@ -13,6 +13,13 @@ state dicts and DCP checkpoints see the global expert tensors and convert betwee
 - Combine: outputs return by the inverse all-to-all; the gate weights are applied on the sending side in float32
   and pairs summed per token, so d(topk_weights) never crosses the network.
 - Both all-to-alls are autograd functions whose backward is the all-to-all with the splits swapped.
+- Gradient scale: a local expert's weight gradient sums the tokens of all `ep` ranks of its EP group, but FSDP
+  averages it only over the ranks holding the same experts (`efsdp`, times `dp_replicate` under HSDP), a group
+  `ep` times smaller than the `dp_cp` group every dense gradient is averaged over. `apply_fsdp` therefore sets
+  `grad_scale = 1 / ep`, applied to the local weights in backward, so expert and dense gradients are the same
+  average in every layout (`efsdp` of one rank or several, with or without HSDP; tested in
+  tests/test_parallel_fsdp.py). Used on its own, without FSDP, the module leaves gradients as they are
+  (`grad_scale = 1`): each local expert's gradient is then the sum over its EP group's tokens.
 - A rank that receives no rows still builds a graph from the received rows and its expert weights (zero
   gradients), so every rank runs the same backward all-to-alls and FSDP gradient reduce-scatters.
 - `apply_expert_parallel` swaps every `experts` child of the model for this module (meta or materialized);
@@ -85,7 +92,7 @@ class ExpertParallelExperts(nn.Module):
                              f"ranks; choose parallel.ep among the divisors of {num_experts}")
         self.num_experts, self.ep_mesh, self.recipe, self.backend = num_experts, ep_mesh, recipe, backend
         self.num_local = num_experts // ep
-        self.grad_scale = 1.0  # set by FSDP wrapping: expert gradients are averaged over an ep-times smaller group
+        self.grad_scale = 1.0  # 1/ep under FSDP (set by apply_fsdp; see the module docstring)
         local13 = torch.empty(self.num_local, 2 * ffn_dim, dim, device=device, dtype=dtype)  # [E_local, 2F, D]
         local2 = torch.empty(self.num_local, dim, ffn_dim, device=device, dtype=dtype)  # [E_local, D, F]
         self.w13 = nn.Parameter(self._distribute(local13, (num_experts, 2 * ffn_dim, dim)))
