@@ -185,6 +185,19 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
         Trainer(changed).fit()
 
 
+def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
+    """Raising train.steps (and changing optim.lr) on resume continues on the new schedule, not the saved one."""
+    Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
+    longer = make_cfg(tmp_path, cache_dir, "train.steps=8", "optim.lr=2e-3")
+    trainer = Trainer(longer)
+    trainer.fit()
+    assert trainer.step == 8
+    resumed = [r for r in train_records(tmp_path) if r["step"] > 3]
+    multiplier = LRMultiplier(longer.schedule, total_steps=8)
+    assert [r["lr"] for r in resumed] == pytest.approx([2e-3 * multiplier(r["step"] - 1) for r in resumed])
+    assert resumed[-1]["lr"] == pytest.approx(2e-3 * longer.schedule.min_lr_ratio)
+
+
 def test_vocab_smaller_than_tokenizer_is_rejected(tmp_path, cache_dir):
     with pytest.raises(TrainingError, match="model.vocab_size=1000 is smaller than the tokenizer"):
         Trainer(make_cfg(tmp_path, cache_dir, "model.vocab_size=1000"))

@@ -229,7 +229,8 @@ class Trainer:
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.train.steps,
+                                         peak_lr=self.cfg.optim.lr, start_step=state["scheduler"]["last_epoch"])
         try:
             self.train_loader.load_state_dict(state["loader"])
         except ValueError as e:

@@ -6,9 +6,11 @@ Decisions:
   `e_score_correction_bias`); the output head decays unless it is tied to the embedding.
 - On CUDA the fused AdamW kernel is used (`optim.fused`); on CPU the default implementation, whose result the
   tests treat as the reference.
-- The schedule is a `LambdaLR` over a picklable multiplier object, so its state round-trips through a checkpoint.
-  Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to the peak reaching it at step
-  `warmup_steps - 1`, and every decay ends exactly at `min_lr_ratio` on the last step.
+- The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
+  run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
+  instead of loading the saved one. Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to
+  the peak reaching it at step `warmup_steps - 1`, and every decay ends exactly at `min_lr_ratio` on the last
+  step.
 """
 
 from __future__ import annotations
@@ -85,6 +87,17 @@ def _progress(step: int, start: int, total: int) -> float:
     return 1.0 if span <= 0 else min(1.0, max(0.0, (step - start) / span))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRMultiplier(cfg, total_steps))
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int, *,
+                    peak_lr: float | None = None, start_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule, positioned before optimizer step `start_step` (0: a fresh run).
+
+    `peak_lr` (default: each group's lr when the scheduler is built at step 0) becomes every group's peak; a
+    resumed run passes `optim.lr` and the checkpoint's step, so the schedule follows the current recipe (e.g. a
+    raised `train.steps`) rather than the lr saved in the optimizer's param groups.
+    """
+    if start_step < 0 or (start_step > 0 and peak_lr is None):
+        raise ValueError(f"build_scheduler: start_step={start_step} needs start_step >= 0, and peak_lr when > 0")
+    if peak_lr is not None:
+        for group in optimizer.param_groups:
+            group["initial_lr"] = peak_lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRMultiplier(cfg, total_steps), last_epoch=start_step - 1)
