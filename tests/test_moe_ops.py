@@ -20,6 +20,19 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """Every float tensor (fp8 included) allocated with torch.empty starts as NaN, so a row, scale or padding block
+    a kernel forgot to write fails the comparisons below instead of reading whatever the allocator returned."""
+    empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = empty(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
 def _routing(t, e, k, skew=False, device=DEV):
     if skew:  # expert 0 is picked by every token, the last expert by none
         rest = torch.stack([torch.randperm(e - 2)[: k - 1] + 1 for _ in range(t)])
