@@ -229,6 +229,66 @@ def test_z_loss_is_mean_squared_lse_over_labelled_tokens():
     assert math.isclose(z.item(), want.item(), rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", ["none", "head", "layer"])
+def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
+    """q / k handed to the attention, rebuilt in float64: QK-Norm on the whole head (nope + rope parts) BEFORE
+    RoPE, the RoPE key k_pe one vector for all heads (before any QK-Norm), interleaved pairs, YaRN's softmax scale
+    qk_head_dim**-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)**2."""
+    from moela.model import RopeScaling
+
+    torch.manual_seed(7)
+    rs = RopeScaling(factor=4.0, original_max_position_embeddings=8, mscale=0.8, mscale_all_dim=0.8)
+    cfg = _cfg(qk_norm=qk_norm, rope_scaling=rs, num_hidden_layers=1, first_k_dense_replace=1,
+               num_nextn_predict_layers=0)
+    model = build_model(cfg)
+    attn = model.layers[0].attn
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    seen = {}
+
+    def recording(q, k, v, cu, mx, **kw):
+        seen.update(q=q.detach().double(), k=k.detach().double(), scale=kw["softmax_scale"])
+        return mla_attention(q, k, v, cu, mx, **kw)
+    attn.core_attention = recording
+    batch = _batch(cfg.vocab_size, [5, 13], seed=8)
+    ctx = model._context(batch, batch.num_targets())
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
+    attn(x.float(), ctx)
+
+    def rms(v, w, eps):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    def rotate(v):  # [T, H, R], DeepSeek's interleaved pairs (x[2i], x[2i+1])
+        ang = batch.position_ids.double()[:, None] * ctx.inv_freq.double()[None, :]  # [T, R/2]
+        cos, sin = ang.cos()[:, None] * attn.attention_factor, ang.sin()[:, None] * attn.attention_factor
+        v0, v1 = v[..., 0::2], v[..., 1::2]
+        return torch.stack((v0 * cos - v1 * sin, v1 * cos + v0 * sin), -1).flatten(-2)
+
+    t, h, dn, r = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    w = {n: p.detach().double() for n, p in attn.named_parameters()}
+    q = rms(x @ w["wq_a.weight"].t(), w["q_norm.weight"], 1e-6) @ w["wq_b.weight"].t()
+    q = q.view(t, h, dn + r)  # [T, H, Dqk]
+    kv_a = x @ w["wkv_a.weight"].t()  # [T, C + R]
+    kv = rms(kv_a[:, :cfg.kv_lora_rank], w["kv_norm.weight"], 1e-6) @ w["wkv_b.weight"].t()
+    k_nope = kv.view(t, h, -1)[..., :dn]  # [T, H, Dn]
+    k = torch.cat((k_nope, kv_a[:, None, cfg.kv_lora_rank:].expand(t, h, r)), -1)  # [T, H, Dqk]
+    eps = cfg.rms_norm_eps
+    if qk_norm == "head":
+        q, k = rms(q, w["q_qk_norm.weight"], eps), rms(k, w["k_qk_norm.weight"], eps)
+    elif qk_norm == "layer":
+        q = rms(q.reshape(t, -1), w["q_qk_norm.weight"], eps).view(t, h, -1)
+        k = rms(k.reshape(t, -1), w["k_qk_norm.weight"], eps).view(t, h, -1)
+    q = torch.cat((q[..., :dn], rotate(q[..., dn:])), -1)
+    k = torch.cat((k[..., :dn], rotate(k[..., dn:])), -1)
+    torch.testing.assert_close(seen["q"], q, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(seen["k"], k, rtol=1e-4, atol=1e-5)
+    if qk_norm == "none":
+        assert torch.equal(seen["k"][:, :1, dn:].expand(t, h, r), seen["k"][..., dn:])  # k_pe shared by the heads
+    assert math.isclose(seen["scale"], (dn + r) ** -0.5 * (0.1 * 0.8 * math.log(4.0) + 1) ** 2, rel_tol=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["fal", "fal_plus"])
 def test_fal_blocks_follow_the_formulas(kind):
     torch.manual_seed(4)
