@@ -1,4 +1,4 @@
-"""Measured step time of a two-rank run with and without the cost-balanced DP sampler, on long documents.
+"""Measured step time of a multi-rank run with and without the cost-balanced DP sampler, on long documents.
 
 The same training run (the `small` preset through `recipes/multi_gpu.yaml`, the same seed, hence the same global
 micro-batches every step) is launched with `torchrun` with `data.balance=false` and `data.balance=true`,
@@ -10,14 +10,18 @@ median step time of the rest is compared.
 Long documents mixed with short ones (what makes equal-token micro-batches unequal work): the bundled corpus's
 texts (in order, cycling) are cut into synthetic documents; a fraction `--long-frac` (default 2%) of them have
 length uniform in [budget/4, budget] tokens, the rest log-normal with median 800 tokens and sigma 1.0, clipped
-to [16, budget] (3.3 characters per token assumed). With the defaults about a quarter of the tokens sit in long
-documents; bench/balance.py's cost model predicts about 1.11x (ranks syncing once per step) to 1.2x (syncing
-every micro-step) for this setting. The file is written once to `--work-dir`.
+to [16, budget] (3.3 characters per token assumed). With the defaults about a quarter to a third of the tokens
+sit in long documents. The report's imbalance columns are the cost model's prediction for the run's own
+micro-batches (the loader's max/mean rank cost), next to the measured step times. The file is written once to
+`--work-dir`.
 
 Expected device time with the defaults: about 1-2 minutes per run on two H200s, 4 runs, plus tokenization.
 
-Usage (2 GPUs):  python bench/balance_gpu.py                       # writes bench/results/balance_gpu.md
-CPU smoke test:  python bench/balance_gpu.py --smoke               # tiny model, gloo, a few steps
+The script launches `torchrun --standalone --nproc_per_node=NPROC train.py recipes/multi_gpu.yaml ...` itself
+(NCCL on GPUs; `parallel.ep=2` from the recipe), so it is started with plain python:
+  2 GPUs:          python bench/balance_gpu.py                    # writes bench/results/balance_gpu.md
+  4 GPUs:          python bench/balance_gpu.py --nproc 4 --out bench/results/balance_gpu_4.md
+  CPU smoke test:  python bench/balance_gpu.py --smoke            # tiny model, gloo, 2 ranks; writes to --work-dir
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ def main() -> None:
     base = statistics.median(r["step_time_s"] for r in results[False])
     bal = statistics.median(r["step_time_s"] for r in results[True])
     lines = [
-        "# Two-rank step time with and without the cost-balanced DP sampler",
+        f"# {args.nproc}-rank step time with and without the cost-balanced DP sampler",
         "",
         f"Date {datetime.date.today()}; {args.nproc} x {gpu}; torch {torch.__version__}, triton {triton_version}. "
         f"Command: `python {' '.join(sys.argv)}`.",
