@@ -13,12 +13,16 @@ torch.profiler to split the GPU time of NCCL kernels by collective. Reported per
   a2a / AG / RS / AR   GPU time of all-to-all (NCCL SendRecv), all-gather, reduce-scatter and all-reduce
                 kernels as a share of the step time (kernels can overlap compute: an upper bound on exposed time)
   loss@1        first step's loss (mean over ranks): equal across layouts of one GPU count (same weights, data)
-Without CUDA it runs on CPU with gloo (a smoke test of the script: no memory or collective numbers).
 Every run appends its rows to `--jsonl`; the markdown table `--out` is rebuilt from all rows, so run it once
-per GPU count:
+per GPU count (one process per GPU, NCCL; the 1-GPU run is the baseline of the "vs 1 GPU" column):
   torchrun --standalone --nproc_per_node=1 bench/scaling.py --layout ep=1
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --layout ep=1 --layout ep=2
   torchrun --standalone --nproc_per_node=4 bench/scaling.py --layout ep=1 --layout ep=2 --layout ep=4
+Without CUDA it runs on CPU with gloo, fp32 parameters (a smoke test of the script: no memory or collective
+numbers); keep its rows out of the results files:
+  torchrun --standalone --nproc_per_node=2 bench/scaling.py --recipe recipes/tiny.yaml --layout ep=1 \\
+      --layout ep=2 --set train.tokens_per_microbatch=256 --doc-len 64 --warmup 1 --steps 2 --profile-steps 1 \\
+      --jsonl /tmp/scaling.jsonl --out /tmp/scaling.md
 """
 
 from __future__ import annotations
@@ -153,7 +157,8 @@ def render(rows: list[dict]) -> str:
         f"{last['date']}; {last['gpu']}; torch {last['torch']}; triton {triton.__version__}.",
         f"Model `{last['size']}` ({last['params'] / 1e6:.0f}M params, {last['active'] / 1e6:.0f}M active per token), "
         f"{last['tokens_per_gpu']} tokens per GPU per step in documents of {last['doc_len']}; bf16 autocast, "
-        "FSDP2 bf16 params / fp32 reduce; fused AdamW. Command lines and column meanings: `bench/scaling.py`.",
+        + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu" else "FSDP2 bf16 params / fp32 reduce")
+        + "; fused AdamW. Command lines and column meanings: `bench/scaling.py`.",
         "",
         "| GPUs | layout | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | a2a | AG | RS | AR | loss@1 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
