@@ -256,6 +256,11 @@ def test_build_loaders_balanced_assignment(tmp_path):
         imb = balanced[0].last_imbalance
         assert imb == balanced[1].last_imbalance and imb["after"] <= imb["before"] + 1e-9
         assert plain[0].last_imbalance["after"] == plain[0].last_imbalance["before"]
+    # the balancing cost: data.attn_cost_len when the recipe sets it, else the caller's (model) coefficients
+    assert plain[0].cost_coefficients == (1.0, 1 / 4096)
+    model_ab = dict(common, cost_coefficients=(6.0, 0.5))
+    assert build_loaders(DataConfig(**cfg), **model_ab)[0].cost_coefficients == (6.0, 0.5)
+    assert build_loaders(DataConfig(**cfg, attn_cost_len=64), **model_ab)[0].cost_coefficients == (1.0, 1 / 64)
 
 
 def test_prepare_data_script(tmp_path, capsys):

@@ -17,6 +17,8 @@ from .tokenizer import Tokenizer, load_tokenizer
 __all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "load_tokenizer", "Tokenizer",
            "TrainLoader", "ValLoader", "TokenCache", "round_robin_assign"]
 
+DEFAULT_ATTN_COST_LEN = 4096  # quadratic weight of the balancing cost when neither the recipe nor a model sets it
+
 
 def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int = 0, dp_size: int = 1,
                   grad_accum: int = 1, seed: int = 0, cost_coefficients: tuple[float, float] | None = None,
@@ -28,8 +30,8 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     same data, e.g. context- or tensor-parallel peers, pass the same dp_rank). grad_accum: micro-batches per rank
     per optimizer step. seed: shuffling seed (the held-out split does not depend on it).
     cost_coefficients: (a, b) of the micro-batch cost a * sum L + b * sum L^2 used for DP balancing and the
-    `last_imbalance` report, e.g. `moela.data.balance.cost_coefficients(cfg.model)` (training FLOPs); default
-    (1, 1 / data.attn_cost_len).
+    `last_imbalance` report, e.g. `moela.data.balance.cost_coefficients(cfg.model)` (training FLOPs). A recipe's
+    `data.attn_cost_len` takes precedence, as (1, 1 / attn_cost_len); with neither, (1, 1 / 4096).
     show_progress: show a progress bar while the token cache is built.
     """
     errors = cfg.validate()
@@ -56,7 +58,10 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         val_parts.append(Part(cache, val_docs, weight))
 
     assign = balanced_assign if cfg.balance else round_robin_assign
-    coefficients = cost_coefficients or (1.0, 1.0 / cfg.attn_cost_len)
+    if cfg.attn_cost_len is not None:
+        coefficients = (1.0, 1.0 / cfg.attn_cost_len)
+    else:
+        coefficients = cost_coefficients or (1.0, 1.0 / DEFAULT_ATTN_COST_LEN)
     settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
     train = TrainLoader(train_parts, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,

@@ -112,12 +112,13 @@ class DataConfig(SourceConfig):
     max_doc_len: int | None = None
     # Shuffle document pieces at every epoch (deterministically from the seed and the epoch number).
     shuffle: bool = True
-    # Assign each step's micro-batches to data-parallel ranks so that their cost (sum L + sum L^2 / attn_cost_len,
+    # Assign each step's micro-batches to data-parallel ranks so that their cost (a * sum L + b * sum L^2,
     # L = document lengths) is balanced; false = round robin.
     balance: bool = False
-    # Document length at which a token's attention cost equals its other (length-independent) cost; sets the
-    # quadratic weight of the balancing cost. Larger models (wider layers) have a larger value.
-    attn_cost_len: int = 4096
+    # The cost's quadratic weight as a document length: the length at which a token's attention cost equals its
+    # other (length-independent) cost, i.e. b / a = 1 / attn_cost_len. null = derive a and b from the model's
+    # training FLOPs (what train.py does; moela.data.balance.cost_coefficients), or 4096 without a model.
+    attn_cost_len: int | None = None
 
     def sources(self) -> list[tuple[SourceConfig, float]]:
         """(source, normalized weight) pairs: the mixture, or this section's own source with weight 1."""
@@ -149,8 +150,8 @@ class DataConfig(SourceConfig):
             errors.append(f"val_max_tokens: must be >= 0, got {self.val_max_tokens}")
         if self.max_doc_len is not None and self.max_doc_len < 2:
             errors.append(f"max_doc_len: must be >= 2 or null, got {self.max_doc_len}")
-        if self.attn_cost_len < 1:
-            errors.append(f"attn_cost_len: must be >= 1, got {self.attn_cost_len}")
+        if self.attn_cost_len is not None and self.attn_cost_len < 1:
+            errors.append(f"attn_cost_len: must be >= 1 or null (from the model's FLOPs), got {self.attn_cost_len}")
         return errors
 
 

@@ -13,8 +13,8 @@ Decisions:
   repeated and a large one is walked through across epochs; the window depends only on e, never on history.
 - Who gets which micro-batch is a pluggable `assign(costs, dp_size, grad_accum) -> per-rank index lists` function
   (moela.data.balance: `round_robin_assign`, or `balanced_assign` with `data.balance: true`). Cost of a micro-batch:
-  a * sum L + b * sum L^2 over its pieces' lengths L (by default a = 1, b = 1 / data.attn_cost_len; the trainer
-  may pass the model's FLOP coefficients).
+  a * sum L + b * sum L^2 over its pieces' lengths L (the trainer passes the model's FLOP coefficients unless the
+  recipe sets data.attn_cost_len: then a = 1, b = 1 / attn_cost_len).
 - State is the number of global micro-batches consumed plus the current epoch's start, so `load_state_dict`
   resumes exactly (even with a different dp_size * grad_accum: the stream continues where it stopped), and it
   refuses a state from different data, seed or packing settings instead of silently training on other batches.
