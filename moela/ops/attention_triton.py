@@ -16,8 +16,11 @@ Decisions:
 - ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized; positions
   are converted to float per row / column (exact below 2^24) so the per-element cost is one subtract and one FMA
   (an int -> float conversion per element ran the forward at a third of its speed).
-- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and
-  small blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
+- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), small
+  blocks are used, and the block loops, whose bounds are loaded from cu_seqlens, run as `while` loops (Triton 3.6's
+  interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3 rejects); the compiled GPU code
+  keeps the `range()` loops that the pipeliner software-pipelines (sm_90 PTX identical to before the split into
+  `_*_step` functions). On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
   autotuned at run time: no first-step stall, and every rank runs the same kernels.
 - The public entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around
   attention and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
@@ -37,27 +40,7 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _fix_interpreter_loop_bounds():
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with `int(array)`,
-    which numpy >= 2.3 rejects; any `range(lo, hi)` over loaded values then fails. Read the single element."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_moela_fixed", False):
-        return
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch._moela_fixed = True
-    interpreter._patch_lang_tensor = patch
-
-
-if INTERPRET:
-    _fix_interpreter_loop_bounds()
+_INTERP = tl.constexpr(INTERPRET)
 
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
@@ -119,25 +102,44 @@ def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, 
                qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
                HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
                BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    if _INTERP:
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
+                                      diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
+                                      BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
+                                      diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
+                                      BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk, slope,
+              qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+              HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+              BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One key block [start_n, start_n + BN) of the online softmax."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
-        k2 = k1
-        if HAS_D2:
-            k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
-        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
-        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])  # [BM, BN]
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    return acc, l_i, m_i
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
+    k2 = k1
+    if HAS_D2:
+        k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
+    s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+    s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])  # [BM, BN]
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -216,32 +218,52 @@ def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, 
                 HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Transposed formulation: rows are keys [BN], columns queries [BM]."""
+    if _INTERP:
+        start_m = lo
+        while start_m < hi:
+            dk1, dk2, dv = _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                      stride_dot, start_m, offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI,
+                                      MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+            start_m += BLOCK_M
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk1, dk2, dv = _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                      stride_dot, start_m, offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI,
+                                      MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    return dk1, dk2, dv
+
+
+@triton.jit
+def _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start_m,
+               offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr,
+               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One query block [start_m, start_m + BM) of dk / dv."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q1 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d1, D_QK, UPCAST)  # [BM, D1]
-        q2 = q1
-        if HAS_D2:
-            q2 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d2, D_QK, UPCAST)  # [BM, D2]
-        lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
-        st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale  # [BN, BM]
-        qpos = (offs_m + diag)[None, :]
-        kpos = offs_n[:, None]
-        if HAS_ALIBI:
-            st = st - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
-        pt = tl.exp2(st - lse2[None, :])  # [BN, BM]
-        if MASK:
-            pt = tl.where(kpos <= qpos, pt, 0.0)
-        do = _load_rows(do_base, offs_m, lq, stride_dot, offs_dv, D_V, UPCAST)  # [BM, Dv]
-        dv = tl.dot(pt.to(do.dtype), do, dv)
-        delta = tl.load(delta_base + offs_m, mask=offs_m < lq, other=0.0)  # [BM]
-        dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
-        dst = (pt * (dpt - delta[None, :])).to(q1.dtype)
-        dk1 = tl.dot(dst, q1, dk1)
-        if HAS_D2:
-            dk2 = tl.dot(dst, q2, dk2)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q1 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d1, D_QK, UPCAST)  # [BM, D1]
+    q2 = q1
+    if HAS_D2:
+        q2 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d2, D_QK, UPCAST)  # [BM, D2]
+    lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
+    st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale  # [BN, BM]
+    qpos = (offs_m + diag)[None, :]
+    kpos = offs_n[:, None]
+    if HAS_ALIBI:
+        st = st - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
+    pt = tl.exp2(st - lse2[None, :])  # [BN, BM]
+    if MASK:
+        pt = tl.where(kpos <= qpos, pt, 0.0)
+    do = _load_rows(do_base, offs_m, lq, stride_dot, offs_dv, D_V, UPCAST)  # [BM, Dv]
+    dv = tl.dot(pt.to(do.dtype), do, dv)
+    delta = tl.load(delta_base + offs_m, mask=offs_m < lq, other=0.0)  # [BM]
+    dpt = tl.dot(v, tl.trans(do))  # [BN, BM]
+    dst = (pt * (dpt - delta[None, :])).to(q1.dtype)
+    dk1 = tl.dot(dst, q1, dk1)
+    if HAS_D2:
+        dk2 = tl.dot(dst, q2, dk2)
     return dk1, dk2, dv
 
 
@@ -312,32 +334,52 @@ def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stri
               slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    if _INTERP:
+        start_n = lo
+        while start_n < hi:
+            dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n,
+                                offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
+                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n,
+                                offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
+                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+    return dq1, dq2
+
+
+@triton.jit
+def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk,
+             slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+             HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
+             BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One key block [start_n, start_n + BN) of dq."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
-        k2 = k1
-        if HAS_D2:
-            k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
-        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
-        qpos = (offs_m + diag)[:, None]
-        kpos = offs_n[None, :]
-        if HAS_ALIBI:
-            s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
-        p = tl.exp2(s - lse2[:, None])  # [BM, BN]
-        if MASK:
-            keep = kpos < lk
-            if CAUSAL:
-                keep = keep & (kpos <= qpos)
-            p = tl.where(keep, p, 0.0)
-        v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
-        dp = tl.dot(do, tl.trans(v))  # [BM, BN]
-        ds = (p * (dp - delta[:, None])).to(k1.dtype)
-        dq1 = tl.dot(ds, k1, dq1)
-        if HAS_D2:
-            dq2 = tl.dot(ds, k2, dq2)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
+    k2 = k1
+    if HAS_D2:
+        k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
+    s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+    qpos = (offs_m + diag)[:, None]
+    kpos = offs_n[None, :]
+    if HAS_ALIBI:
+        s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
+    p = tl.exp2(s - lse2[:, None])  # [BM, BN]
+    if MASK:
+        keep = kpos < lk
+        if CAUSAL:
+            keep = keep & (kpos <= qpos)
+        p = tl.where(keep, p, 0.0)
+    v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+    dp = tl.dot(do, tl.trans(v))  # [BM, BN]
+    ds = (p * (dp - delta[:, None])).to(k1.dtype)
+    dq1 = tl.dot(ds, k1, dq1)
+    if HAS_D2:
+        dq2 = tl.dot(ds, k2, dq2)
     return dq1, dq2
 
 
