@@ -19,7 +19,7 @@ from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
 IGNORE_INDEX = -100
-BACKENDS = ("auto", "reference", "compiled", "triton")
+BACKENDS = ("auto", "reference", "compiled")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 

@@ -15,7 +15,7 @@ import torch
 from moela.ops.compiled import compiled, on_cuda
 from moela.ops.dispatch import check_backend, log_choice
 
-BACKENDS = ("auto", "reference", "compiled", "triton")
+BACKENDS = ("auto", "reference", "compiled")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 

@@ -1,8 +1,8 @@
 """FP8 (e4m3) blockwise quantization, DeepSeek-V3 recipe: reference math shared by every backend.
 
 Activations: one fp32 scale per 1x128 group (per row, per 128 consecutive channels). Weights: one fp32 scale per
-128x128 block. scale = amax / 448 (e4m3's largest finite value), with amax clamped below at 1e-4 * 448 style
-epsilon so all-zero groups quantize to zero with a finite scale. Dequantize = fp8 value * scale.
+128x128 block. scale = amax / 448 (e4m3's largest finite value), with amax clamped below at AMAX_EPS = 1e-4
+so all-zero groups quantize to zero with a finite scale. Dequantize = fp8 value * scale.
 A trailing partial group (channels not a multiple of 128) is its own, shorter group.
 """
 
