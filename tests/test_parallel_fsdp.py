@@ -94,25 +94,20 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
         dist.barrier()
 
 
-# Context parallelism routes its padding tokens through the experts and counts them in the expert load (see
-# moela.parallel.context_parallel), so its case turns the router-bias updates off; the balance loss stays on (CP
-# sums its per-document statistics over the group, so it is exact).
-EXACT_UNDER_CP = dict(bias_update_rate=0.0)
-
-
 @pytest.mark.parametrize("world_size, cases", [
     (2, [({}, dict()), ({}, dict(ep=2, activation_checkpointing="full")),
-         (EXACT_UNDER_CP, dict(cp=2, ep=2)), ({}, dict(dp_replicate=2, dp_shard=1, fsdp=False))]),
+         ({}, dict(cp=2, ep=2)), ({}, dict(dp_replicate=2, dp_shard=1, fsdp=False))]),
     (4, [({}, dict(ep=4, activation_checkpointing="selective")), ({}, dict(ep=2)),
          ({}, dict(dp_replicate=2, ep=2, reshard_after_forward=False))]),
 ])
 def test_parallel_training_matches_single_process(world_size, cases):
     expected, resolved = {}, []
     for overrides, layout in cases:
-        key = tuple(sorted(overrides.items()))
+        dp_size = world_size // layout.get("cp", 1)
+        key = (tuple(sorted(overrides.items())), dp_size)
         cfg = tiny_moe_config(**overrides)
         if key not in expected:
-            expected[key] = train_single_process(cfg, world_size // layout.get("cp", 1))
+            expected[key] = train_single_process(cfg, dp_size)
             assert all(0.0 < loss < 20.0 for loss in expected[key][0])
         resolved.append((cfg, layout, expected[key]))
     spawn(_run, world_size, resolved)

@@ -103,14 +103,18 @@ class MoE(nn.Module):
         p = segment_sum(probs, ctx.doc_ids, n) / lengths[:, None]  # [N, E]
         return ((f * p).sum(-1) * ctx.doc_weight).sum()
 
+    def expert_load(self, topk_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """Tokens routed to each expert, topk_ids [T, K] -> [E] float32 (no host sync). Context parallelism
+        replaces it to leave out its padding tokens."""
+        flat = topk_ids.reshape(-1)  # [T*K]
+        ones = torch.ones_like(flat, dtype=torch.float32)  # [T*K]
+        return torch.zeros(self.n_experts, device=topk_ids.device).index_add_(0, flat, ones)  # [E]
+
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (y [T, D], balance loss [], expert load [E] float32 detached)."""
         topk_ids, topk_weights, scores = self.gate(x)  # [T, K], [T, K], [T, E]
         y = self.experts(x, topk_ids, topk_weights)  # [T, D]
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        flat = topk_ids.reshape(-1)  # [T*K]
-        ones = torch.ones_like(flat, dtype=torch.float32)  # [T*K]
-        load = torch.zeros(self.n_experts, device=x.device).index_add_(0, flat, ones)  # [E], no host sync
         aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
-        return y, aux, load
+        return y, aux, self.expert_load(topk_ids, ctx)

@@ -18,8 +18,9 @@ Decisions:
   group (loss, metrics, parameter gradients - e.g. FSDP over dp_shard x cp) gives the single-process values, so
   the trainer's usual weighting works unchanged as long as it counts the step's labelled tokens once per
   micro-batch (sum over the `dp` ranks: the ranks of a CP group share micro-batches). No collective runs here
-  beyond the attention's. `expert_load` includes padding tokens (at most 2*cp-1 per document), which only the
-  bias update sees.
+  beyond the attention's (and the balance loss's, below). Padding tokens (at most 2*cp-1 per document) are
+  routed through the experts like the others but left out of `expert_load` (each MoE's `expert_load` is
+  replaced), so the summed load, hence the router-bias update, equals the single-process one.
 - Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
   computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
 - The sequence-wise balance loss needs per-document statistics (tokens routed to each expert, mean router
@@ -168,6 +169,19 @@ class _CPBalanceLoss:
         return ((f * p).sum(-1) * ctx.doc_weight).sum()
 
 
+class _CPExpertLoad:
+    """Drop-in for `MoE.expert_load` under CP: tokens per expert over this rank's real (non-padding) tokens."""
+
+    def __init__(self, owner: "ContextParallel", moe: MoE):
+        self.owner = owner
+        self.n_experts = moe.n_experts
+
+    def __call__(self, topk_ids: torch.Tensor, ctx) -> torch.Tensor:
+        real = self.owner.real_tokens(topk_ids.device)  # [T_loc] bool
+        weight = real.float()[:, None].expand(topk_ids.shape).reshape(-1)  # [T_loc*K]
+        return torch.zeros(self.n_experts, device=topk_ids.device).index_add_(0, topk_ids.reshape(-1), weight)
+
+
 class ContextParallel:
     """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
 
@@ -190,6 +204,7 @@ class ContextParallel:
         for module in model.modules():
             if isinstance(module, MoE):
                 module.balance_loss = _CPBalanceLoss(self, module)
+                module.expert_load = _CPExpertLoad(self, module)
         if wrapped == 0:
             raise ValueError("ContextParallel found no module with a `core_attention` attribute in the model; "
                              "wrap a moela Transformer (its attention modules expose that hook)")
