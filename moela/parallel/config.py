@@ -19,7 +19,9 @@ class ParallelConfig:
     cp_layout: Literal["dualchunk", "striped"] = "dualchunk"
     tp: int = 1  # tensor parallel group size (not available yet: must be 1)
     ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
-    fsdp: bool = True  # FSDP2 over dp_shard * cp; false only for dp_shard * cp = 1 (pure replication via HSDP)
+    # FSDP2 over dp_shard * cp. false is accepted only where there is nothing to shard (dp_shard * cp = 1), and
+    # then changes nothing: the model is replicated over dp_replicate through HSDP with one-rank shard groups
+    fsdp: bool = True
     reshard_after_forward: bool = True
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
 
