@@ -8,7 +8,7 @@ Candidates, all on the same weights and tokens (documents of equal length L pack
 Reported: median ms per micro-step (`triton.testing.do_bench`), tokens/s, model TFLOP/s from `flops_per_token`
 (6N active + causal attention), peak memory, and the loss of each candidate (they must agree to bf16 noise).
 
-Usage: python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out bench/results/model.md]
+Usage (one GPU): python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out bench/results/model.md]
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default="bench/results/model.md")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/model.py needs a CUDA GPU (it times the micro-step with triton.testing.do_bench)")
     torch.manual_seed(0)
     dev = "cuda"
     cfg = preset(args.size, num_nextn_predict_layers=0, aux_loss_coef=0.0)
