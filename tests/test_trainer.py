@@ -248,3 +248,14 @@ def test_schedules():
     assert [const(i) for i in range(5)] == [1.0] * 5
     short = LRMultiplier(ScheduleConfig(kind="cosine", warmup_steps=10), total_steps=4)
     assert [short(i) for i in range(4)] == [0.1, 0.2, 0.3, 0.4]  # a run shorter than its warmup never decays
+
+
+def test_cpu_peak_memory_is_gib_on_linux_and_macos(monkeypatch):
+    from types import SimpleNamespace
+
+    from moela.trainer import metrics
+
+    for platform, maxrss in (("linux", 3 * 2**20), ("darwin", 3 * 2**30)):  # ru_maxrss: KiB on Linux, bytes on macOS
+        monkeypatch.setattr(metrics.sys, "platform", platform)
+        monkeypatch.setattr(metrics.resource, "getrusage", lambda _who, m=maxrss: SimpleNamespace(ru_maxrss=m))
+        assert metrics.memory_gib(torch.device("cpu")) == 3.0

@@ -59,7 +59,8 @@ def memory_gib(device: torch.device) -> float:
     """Peak memory: CUDA max allocated on the device, else this process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def expert_imbalance(expert_load: torch.Tensor | None) -> float | None:
