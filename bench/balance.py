@@ -157,7 +157,7 @@ def main() -> None:
         "",
         f"Date {datetime.date.today()}; CPU only ({platform.processor() or platform.machine()}), "
         f"torch {torch.__version__}; numbers are FLOP-model costs, not timings. "
-        f"Command: `python bench/balance.py {' '.join(sys.argv[1:])}`.",
+        f"Command: `{' '.join(['python bench/balance.py'] + sys.argv[1:])}`.",
         "",
         f"Cost = a*sum L + b*sum L^2 with the `{args.preset}` preset: a = {a:.4g}, b = {b:.4g} FLOPs "
         f"(attention equals the linear layers at L = a/b = {a / b:.0f} tokens). Corpus document lengths: "
