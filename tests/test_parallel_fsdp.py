@@ -147,3 +147,33 @@ def test_mixed_precision_gathers_bf16_keeps_fp32_inputs_and_grads():
     cfg = tiny_moe_config()
     ref_losses, _ = train_single_process(cfg, 2)
     spawn(_mixed_precision, 2, cfg, ref_losses[0])
+
+
+def _meta_build(rank: int, world_size: int) -> None:
+    from moela.model.transformer import Transformer
+
+    cfg, pcfg = tiny_moe_config(), ParallelConfig(ep=2)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    state = full_state(model)
+    for name, value in state.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif name.endswith("e_score_correction_bias"):
+            assert torch.equal(value, torch.zeros_like(value)), name
+        else:  # every matrix ~ N(0, initializer_range), each expert drawn separately
+            assert abs(value.std().item() / cfg.initializer_range - 1) < 0.2, name
+    w13 = state["layers.1.ffn.experts.w13"]  # [E, 2F, D]: experts of both EP ranks
+    assert len({tuple(w13[e, 0, :4].tolist()) for e in range(cfg.n_routed_experts)}) == cfg.n_routed_experts
+    out = model(random_batches(world_size, seed=3)[rank])
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and 0.0 < out.loss.item() < 20.0
+
+
+def test_meta_build_then_parallelize_then_init():
+    """torchtitan's order, for models too large for one device: build on meta, shard, `to_empty`, `init_weights`."""
+    spawn(_meta_build, 2)
