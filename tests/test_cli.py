@@ -1,5 +1,6 @@
 """train.py: exit code 2 with every recipe error at once and no traceback; --print-config; launcher env vars;
-torchrun with 2 gloo ranks; Ctrl-C saves and exits cleanly; CI runs the README command."""
+torchrun with 2 gloo ranks that agree to stop when one gets SIGTERM; Ctrl-C saves and exits cleanly; CI runs the
+README command."""
 
 from __future__ import annotations
 
@@ -86,24 +87,47 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert 'if [ "$rc" -eq 5 ]' in ci and "exit 1" in ci
 
 
-def test_torchrun_two_cpu_processes(tmp_path):
-    """The unchanged CLI under torchrun: 2 gloo ranks, FSDP2, one checkpoint with a trainer file per rank."""
+def _worker_pid(agent_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker process with RANK=`rank` (a child of the agent)."""
+    children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()
+    for pid in map(int, children):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} among {children}")
+
+
+@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+                    reason="finds the worker pid through /proc/PID/task/PID/children (Linux)")
+def test_torchrun_two_cpu_processes_agree_to_stop_on_one_ranks_sigterm(tmp_path):
+    """The unchanged CLI under torchrun: 2 gloo ranks, FSDP2. SIGTERM reaches rank 1 only; both ranks stop after
+    the same step and write one checkpoint with a trainer file per rank."""
     run = tmp_path / "run"
     overrides = [
         "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
         "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
         "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
-        "train.steps=2", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
+        "train.steps=100000", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
         f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "schedule.warmup_steps=1",
         "logging.log_every=1", "logging.plot=false"]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "on 2 x cpu" in proc.stdout and "step 2/2" in proc.stdout and "dp cost max/mean" in proc.stdout
-    assert sorted(p.name for p in (run / "checkpoints" / "step-2").glob("trainer-rank*.pt")) == [
-        "trainer-rank0.pt", "trainer-rank1.pt"]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 2/"):
+            os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    out = "".join(seen) + out
+    assert proc.returncode == 0, err[-3000:]
+    assert "on 2 x cpu" in out and "dp cost max/mean" in out
+    assert "stopped by SIGTERM after step" in out  # printed by rank 0, which did not receive the signal
+    (saved,) = (run / "checkpoints").glob("step-*")
+    assert sorted(p.name for p in saved.glob("trainer-rank*.pt")) == ["trainer-rank0.pt", "trainer-rank1.pt"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == saved.name
 
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
