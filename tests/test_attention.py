@@ -215,6 +215,21 @@ def test_explicit_backend_errors(monkeypatch):
         mla_attention(q, q, q, cu, 10, backend="flash")
 
 
+def test_triton_rejects_more_documents_than_a_grid_dim_holds():
+    q = torch.zeros(65536, 1, 16, dtype=torch.float16)
+    cu = torch.arange(65537, dtype=torch.int32)  # 65536 one-token documents: one more than CUDA's grid z limit
+    with pytest.raises(ValueError, match="65535"):
+        triton_mod.flash_mla_attention(q, q, q, cu, 1, cu, 1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_triton_gpu_heads_times_documents_above_grid_y_limit():
+    """16 heads x 4500 documents = 72000 program rows: more than grid dim y alone allows (heads on y, docs on z)."""
+    lens = [1, 2, 3, 17, 9] * 900
+    check_against_float64(lens, lens, 16, 64, 64, torch.bfloat16, "cuda", True, False, seed=3, backend="triton")
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi,dtype", [

@@ -41,6 +41,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _INTERP = tl.constexpr(INTERPRET)
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z: heads go on y, documents on z
 
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
@@ -144,13 +145,13 @@ def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr,
+                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, D_QK: tl.constexpr, D_V: tl.constexpr,
                 CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                 BLOCK_DV: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
-    h = tl.program_id(1) % H
-    b = tl.program_id(1) // H
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q0 = tl.load(CU_Q + b).to(tl.int64)
     lq = tl.load(CU_Q + b + 1) - q0
     k0 = tl.load(CU_K + b).to(tl.int64)
@@ -270,13 +271,13 @@ def _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, s
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt,
                      stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
-                     stride_dvh, stride_lh, qk_scale, sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr,
+                     stride_dvh, stride_lh, qk_scale, sm_scale, D_QK: tl.constexpr, D_V: tl.constexpr,
                      CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
                      BLOCK_DV: tl.constexpr):
     pid_n = tl.program_id(0)
-    h = tl.program_id(1) % H
-    b = tl.program_id(1) // H
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q0 = tl.load(CU_Q + b).to(tl.int64)
     lq = tl.load(CU_Q + b + 1) - q0
     k0 = tl.load(CU_K + b).to(tl.int64)
@@ -386,12 +387,12 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, strid
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh,
                    stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh, qk_scale,
-                   sm_scale, H, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr,
+                   sm_scale, D_QK: tl.constexpr, D_V: tl.constexpr, CAUSAL: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1) % H
-    b = tl.program_id(1) // H
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q0 = tl.load(CU_Q + b).to(tl.int64)
     lq = tl.load(CU_Q + b + 1) - q0
     k0 = tl.load(CU_K + b).to(tl.int64)
@@ -458,6 +459,10 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton mla_attention needs {name} contiguous in its last dim; call .contiguous()")
+    if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
+        raise ValueError(f"triton mla_attention launches one program row per head and document, at most "
+                         f"{MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents (split the "
+                         f"micro-batch)")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t.dtype != torch.int32 or t.device != q.device:
             raise TypeError(f"{name} must be int32 on {q.device}; got {t.dtype} on {t.device}")
@@ -478,9 +483,9 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, caus
         return out, lse
     slopes = alibi_slopes if alibi_slopes is not None else lse  # placeholder pointer when no ALiBi
     cfg = launch_config("fwd", d_qk, d_v)
-    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](
+    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, n_docs)](
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), softmax_scale * LOG2E.value, h,
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), softmax_scale * LOG2E.value,
         d_qk, d_v, CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
         UPCAST=INTERPRET and q.dtype == torch.bfloat16, **_dims(d_qk, d_v), **cfg)
     return out, lse
@@ -510,14 +515,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     slopes = alibi_slopes if alibi_slopes is not None else delta
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
                  UPCAST=INTERPRET and q.dtype == torch.bfloat16, **dims)
-    common = (softmax_scale * LOG2E.value, softmax_scale, h, d_qk, d_v)
+    common = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
     cfg = launch_config("dkdv", d_qk, d_v)
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), h * n_docs)](
+    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), h, n_docs)](
         q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0),
         dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0), *common, **flags, **cfg)
     cfg = launch_config("dq", d_qk, d_v)
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h * n_docs)](
+    _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, n_docs)](
         q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         lse.stride(0), *common, **flags, **cfg)
