@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger("moela.ops")
-_logged: set[tuple[str, str]] = set()
+_logged: set[tuple[str, str, str]] = set()
 
 
 def check_backend(op: str, backend: str, known: tuple[str, ...]) -> None:
@@ -19,7 +19,7 @@ def check_backend(op: str, backend: str, known: tuple[str, ...]) -> None:
 
 
 def log_choice(op: str, backend: str, reason: str = "") -> None:
-    key = (op, backend)
+    key = (op, backend, reason)
     if key not in _logged:
         _logged.add(key)
         log.info("%s: using backend %r%s", op, backend, f" ({reason})" if reason else "")
