@@ -27,6 +27,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def _is_rank0() -> bool:
+    """Whether this process is rank 0 of its launcher (or unlaunched); a malformed RANK counts as rank 0 here and
+    is reported by the trainer."""
+    try:
+        return int(os.environ.get("RANK") or 0) == 0
+    except ValueError:
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from moela.config import ConfigError, dump_config, load_config
@@ -40,14 +49,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {message}", file=sys.stderr)
         return USAGE_ERROR
     if args.print_config:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if _is_rank0():
             print(dump_config(cfg), end="")
         return 0
 
     from moela.trainer import Trainer, TrainingError
 
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING, format="%(name)s: %(message)s")
     try:
         Trainer(cfg).fit()
     except TrainingError as e:

@@ -78,6 +78,12 @@ def test_launcher_env_vars_single_process(monkeypatch):
         init_distributed("cpu")
 
 
+def test_malformed_rank_exits_1_without_traceback(tmp_path):
+    proc = run_cli("recipes/tiny.yaml", f"train.run_dir={tmp_path}", env={"RANK": "abc"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "RANK='abc' is not an integer" in proc.stderr
+
+
 def test_ci_runs_exactly_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
