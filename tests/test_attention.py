@@ -215,11 +215,14 @@ def test_explicit_backend_errors(monkeypatch):
         mla_attention(q, q, q, cu, 10, backend="flash")
 
 
-def test_triton_rejects_more_documents_than_a_grid_dim_holds():
+def test_triton_rejects_what_its_launch_cannot_address():
     q = torch.zeros(65536, 1, 16, dtype=torch.float16)
     cu = torch.arange(65537, dtype=torch.int32)  # 65536 one-token documents: one more than CUDA's grid z limit
     with pytest.raises(ValueError, match="65535"):
         triton_mod.flash_mla_attention(q, q, q, cu, 1, cu, 1)
+    strided = torch.tensor([0, 9, 5, 9, 10, 9], dtype=torch.int32)[::2]  # [0, 5, 10], read as [0, 9, 5] by a kernel
+    with pytest.raises(TypeError, match="strided"):
+        triton_mod.flash_mla_attention(q[:10], q[:10], q[:10], strided, 5, strided, 5)
 
 
 @pytest.mark.gpu

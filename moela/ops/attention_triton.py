@@ -459,16 +459,21 @@ def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"triton mla_attention needs {name} contiguous in its last dim; call .contiguous()")
+        if t.device != q.device:
+            raise ValueError(f"triton mla_attention wants q, k, v on one device; got {name} on {t.device}, q on "
+                             f"{q.device}")
     if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
         raise ValueError(f"triton mla_attention launches one program row per head and document, at most "
                          f"{MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents (split the "
                          f"micro-batch)")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise TypeError(f"{name} must be int32 on {q.device}; got {t.dtype} on {t.device}")
-    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device):
-        raise TypeError(f"alibi_slopes must be float32 on {q.device}; got {alibi_slopes.dtype} on "
-                        f"{alibi_slopes.device}")
+        if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous int32 tensor on {q.device}; got {t.dtype} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', strided'}")
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device
+                                     or not alibi_slopes.is_contiguous()):
+        raise TypeError(f"alibi_slopes must be a contiguous float32 tensor on {q.device}; got {alibi_slopes.dtype} "
+                        f"on {alibi_slopes.device}{'' if alibi_slopes.is_contiguous() else ', strided'}")
 
 
 def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, causal, softmax_scale,
