@@ -56,10 +56,13 @@ class Trainer:
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
 
-        self.train_loader, self.val_loader, self.tokenizer = build_loaders(
-            cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
-            dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
-            cost_coefficients=cost_coefficients(cfg.model))
+        try:
+            self.train_loader, self.val_loader, self.tokenizer = build_loaders(
+                cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
+                dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
+                cost_coefficients=cost_coefficients(cfg.model))
+        except (OSError, ValueError, TypeError) as e:  # unreadable files, bad records, missing columns or tokens
+            raise TrainingError(f"cannot read the training data: {e}") from e
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise TrainingError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                                 f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
