@@ -184,6 +184,9 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
     changed = make_cfg(run, cache_dir, "train.steps=4", "data.max_doc_len=32")
     with pytest.raises(TrainingError, match="cannot resume the data stream.*max_doc_len"):
         Trainer(changed).fit()
+    wider = make_cfg(run, cache_dir, "train.steps=4", "model.hidden_size=48")
+    with pytest.raises(TrainingError, match="cannot resume from .*step-3: Size mismatch.*checkpoint.resume=none"):
+        Trainer(wider).fit()
 
 
 def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moela.config import Config, dump_config
 from moela.data import build_loaders
@@ -85,7 +86,14 @@ class Trainer:
         cfg = self.cfg
         resume = resolve_resume(self.run_dir, cfg.checkpoint.resume)
         if resume is not None:
-            self._load_state(load_checkpoint(resume, self.model, self.optimizer))
+            try:
+                state = load_checkpoint(resume, self.model, self.optimizer)
+            except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+                cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+                raise TrainingError(f"cannot resume from {resume}: {str(cause).rstrip('.')}. The model section must match the "
+                                    f"checkpointed run's; or start fresh with checkpoint.resume=none or another "
+                                    f"train.run_dir") from e
+            self._load_state(state)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
