@@ -215,10 +215,11 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dot,
 
 @triton.jit
 def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi,
-                offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Transposed formulation: rows are keys [BN], columns queries [BM]."""
+                offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr,
+                BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Transposed formulation: rows are keys [BN], columns queries [BM]. MASK is the causal mask only: rows of keys
+    past the document are computed from zero-filled loads and never stored."""
     if _INTERP:
         start_m = lo
         while start_m < hi:
@@ -314,10 +315,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
     dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                               stride_dot, lo, mid, offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL,
+                               stride_dot, lo, mid, offs_n, diag, lq, slope, qk_scale, D_QK, D_V,
                                HAS_ALIBI, True, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                               stride_dot, mid, lq, offs_n, diag, lq, lk, slope, qk_scale, D_QK, D_V, CAUSAL,
+                               stride_dot, mid, lq, offs_n, diag, lq, slope, qk_scale, D_QK, D_V,
                                HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     row_ok = offs_n[:, None] < lk
     dk_base = DK + k0 * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt
