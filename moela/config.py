@@ -12,7 +12,9 @@ Decisions:
   win, mappings merge key by key, everything else is replaced.
 - Overrides `a.b=value` are parsed with YAML rules (`lr=1e-3` is a float, `name=null` is None, `x=[1,2]` a list)
   and applied after all files, so they win over everything.
-- The model section starts from `PRESETS[model.size]` and the recipe's other model keys overlay the preset.
+- The model section starts from `PRESETS[model.size]` and the recipe's other model keys overlay the preset. A
+  file (or an override) that changes `model.size` from what its bases (or the recipe) set drops the model keys
+  they set: those were chosen for the other size, so `base: tiny.yaml` + `size: small` is the small preset.
 - After typing, each section's `validate() -> list[str]` runs (messages `"<field>: <problem>; <fix>"`), and its
   messages are reported with the section path in front.
 """
@@ -274,9 +276,25 @@ def _load_tree(path: Path, errors: list[str], chain: tuple[Path, ...] = ()) -> t
         base_data, base_sources = _load_tree(path.parent / base, errors, (*chain, resolved))
         _merge(merged, base_data, sources)
         sources.update(base_sources)
+    model = data.get("model")
+    if isinstance(model, dict) and "size" in model:
+        _drop_model_keys_of_other_size(merged, sources, model["size"], keep=lambda source: False)
     _merge(merged, data, sources)
     sources.update(_record_sources(data, str(path)))
     return merged, sources
+
+
+def _drop_model_keys_of_other_size(tree: dict, sources: dict, size: Any, keep) -> None:
+    """Before `model.size` changes to `size`: drop the model keys set so far (except those whose source `keep`
+    accepts), since they were chosen for the previous size and would silently overlay the new preset."""
+    model = tree.get("model")
+    if not isinstance(model, dict) or model.get("size", ModelConfig().size) == size:
+        return
+    for key in list(model):
+        if not keep(sources.get(f"model.{key}")):
+            del model[key]
+            for p in [p for p in sources if p == f"model.{key}" or p.startswith(f"model.{key}.")]:
+                del sources[p]
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -463,6 +481,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except ValueError as e:
             errors.append(f"{OVERRIDE_SOURCE}: {e}")
             continue
+        if keys == ["model", "size"]:
+            _drop_model_keys_of_other_size(tree, sources, value, keep=lambda source: source == OVERRIDE_SOURCE)
         node = tree
         for key in keys[:-1]:
             if not isinstance(node.get(key), dict):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from moela.config import Config, ConfigError, dump_config, load_config, parse_override
 from moela.model.config import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write(path, text):
@@ -172,6 +175,30 @@ def test_model_preset_overlay_and_unknown_size(tmp_path):
     assert cfg.model.num_hidden_layers == 3
     (error,) = errors_of(recipe, ["model.size=smal"])
     assert "command line: model.size: unknown preset 'smal'" in error and "did you mean 'small'" in error
+
+
+def test_changing_model_size_drops_the_model_keys_set_for_the_old_size(tmp_path):
+    base = write(tmp_path / "base.yaml", """
+        model: {hidden_size: 96, num_hidden_layers: 3, qk_norm: head}
+        train: {steps: 5}
+    """)
+    same = write(tmp_path / "same.yaml", "base: base.yaml\nmodel: {size: tiny, n_routed_experts: 4}\n")
+    cfg = load_config(same)
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers, cfg.model.n_routed_experts) == (96, 3, 4)
+    bigger = write(tmp_path / "bigger.yaml", "base: base.yaml\nmodel: {size: small, num_hidden_layers: 2}\n")
+    cfg = load_config(bigger)
+    assert cfg.model.hidden_size == PRESETS["small"]["hidden_size"] and cfg.model.num_hidden_layers == 2
+    assert cfg.model.qk_norm == "none" and cfg.train.steps == 5  # only the model section starts afresh
+    cfg = load_config(base, ["model.qk_norm=layer", "model.size=small", "model.n_routed_experts=16"])
+    assert cfg.model.hidden_size == PRESETS["small"]["hidden_size"] and cfg.model.num_hidden_layers == 12
+    assert cfg.model.qk_norm == "layer" and cfg.model.n_routed_experts == 16  # earlier overrides are kept
+
+
+def test_small_recipe_is_the_small_preset():
+    small = load_config(ROOT / "recipes" / "small.yaml")
+    for key in ("hidden_size", "num_hidden_layers", "n_routed_experts", "num_experts_per_tok", "q_lora_rank"):
+        assert getattr(small.model, key) == PRESETS["small"][key], key
+    assert small.model.vocab_size == 4096 and small.train.run_dir == "runs/small"
 
 
 def test_invalid_yaml_and_non_mapping(tmp_path):
