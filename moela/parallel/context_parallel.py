@@ -42,6 +42,10 @@ from moela.model.layers import segment_sum
 from moela.model.moe import MoE
 from moela.model.transformer import shift_within_docs
 
+# torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _GatherTokens(torch.autograd.Function):
     """All-gather along dim 0 (rank-major) in forward; reduce-scatter (sum) of the gradient in backward."""
@@ -51,14 +55,14 @@ class _GatherTokens(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))  # [cp*T_loc, ...]
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
-        dist.reduce_scatter_tensor(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        _reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 
