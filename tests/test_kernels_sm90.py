@@ -1,0 +1,26 @@
+"""The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200)
+with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+H200_SHARED_BYTES = 232448  # the per-block shared memory limit Triton reports on the H200
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result) == 5, result
+    for name, (shared, async_copies) in result.items():
+        assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"
+        assert async_copies > 0, f"{name}: its block loop is not software-pipelined (no async copies)"
