@@ -1,18 +1,20 @@
 """Weak scaling of FSDP2 + expert parallelism: tokens/s per GPU, MFU, memory per GPU and communication share.
 
-Each rank trains on its own micro-batch of `train.tokens_per_microbatch` tokens (documents of `--doc-len` tokens,
-random ids), so the work per GPU is fixed and tokens/s per GPU should stay flat as GPUs are added. For every
+Each data-parallel rank trains on its own micro-batch of `train.tokens_per_microbatch` tokens (documents of
+`--doc-len` tokens, random ids), so the work per GPU is fixed and tokens/s per GPU should stay flat as GPUs are
+added (a layout with cp > 1 splits each micro-batch over its CP group: 1/cp of the tokens per GPU). For every
 `--layout` (parallel-section overrides, e.g. `ep=2` or `ep=2,activation_checkpointing=full`) the script builds
 the recipe's model, applies `apply_parallelism`, runs warm-up steps, times `--steps` full optimizer steps
 (forward, backward, gradient clipping, AdamW, router-bias update) and profiles `--profile-steps` more with
 torch.profiler to split the GPU time of NCCL kernels by collective. Reported per layout:
-  tok/s/GPU     tokens_per_microbatch / median step time
+  tok/s/GPU     tokens_per_microbatch / cp / median step time
   vs 1 GPU      ratio to the 1-GPU `ep=1` row of the same recipe in the results file (the weak-scaling target)
   MFU           flops_per_token(model, doc_len) * tok/s/GPU / 989 TFLOP/s (H200 dense bf16 datasheet peak)
   mem/GPU       max over ranks of torch.cuda.max_memory_allocated
   a2a / AG / RS / AR   GPU time of all-to-all (NCCL SendRecv), all-gather, reduce-scatter and all-reduce
                 kernels as a share of the step time (kernels can overlap compute: an upper bound on exposed time)
-  loss@1        first step's loss (mean over ranks): equal across layouts of one GPU count (same weights, data)
+  loss@1        first step's loss (mean over ranks): equal across the cp=1 layouts of one GPU count (same
+                weights and data; under CP the ranks hold parts of the same micro-batches)
 Every run appends its rows to `--jsonl`; the markdown table `--out` is rebuilt from all rows, so run it once
 per GPU count (one process per GPU, NCCL; the 1-GPU run is the baseline of the "vs 1 GPU" column):
   torchrun --standalone --nproc_per_node=1 bench/scaling.py --layout ep=1
@@ -130,10 +132,11 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     dist.all_reduce(summed)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     median = float(stats[2])  # the slowest rank's median step
-    tok_s = tokens / median
+    tokens_gpu = tokens // mesh.size("cp")  # the ranks of a CP group share one micro-batch
+    tok_s = tokens_gpu / median
     total, active = count_params(cfg.model)
     row = dict(world=world, layout=layout or "default", recipe=args.recipe, size=cfg.model.size,
-               params=total, active=active, tokens_per_gpu=tokens, doc_len=args.doc_len,
+               params=total, active=active, tokens_per_gpu=tokens_gpu, doc_len=args.doc_len,
                step_ms=median * 1e3, tok_s_gpu=tok_s,
                mfu=flops_per_token(cfg.model, args.doc_len) * tok_s / (PEAK_TFLOPS * 1e12),
                mem_gib=float(stats[1]), loss1=float(summed[0]) / world,
