@@ -202,6 +202,12 @@ def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
     assert resumed[-1]["lr"] == pytest.approx(2e-3 * longer.schedule.min_lr_ratio)
 
 
+def test_no_held_out_split_means_no_evaluation(tmp_path, cache_dir):
+    Trainer(make_cfg(tmp_path, cache_dir, "data.val_fraction=0", "train.steps=2", "train.eval_every=1")).fit()
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["train", "train"]  # not a val_loss of 0 over no tokens
+
+
 def test_unreadable_data_is_a_training_error(tmp_path, cache_dir):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a document"}\n{"body": "another"}\n')

@@ -118,7 +118,7 @@ class Trainer:
                 if self.step == 1 or self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     writer.log(self.window.summarize(record))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    writer.log(self.evaluate())
+                    self._evaluate_and_log()
                 stop = self._agree_to_stop()
                 if stop or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
@@ -129,7 +129,7 @@ class Trainer:
                                 f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
                     return
             if not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every:
-                writer.log(self.evaluate())
+                self._evaluate_and_log()
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
         finally:
@@ -222,6 +222,11 @@ class Trainer:
         val_loss = float(sums[0] / sums[1].clamp_min(1))
         return {"kind": "eval", "step": self.step, "val_loss": val_loss,
                 "val_ppl": math.exp(min(val_loss, 50.0)), "val_targets": int(sums[1])}
+
+    def _evaluate_and_log(self) -> None:
+        """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0)."""
+        if len(self.val_loader):  # the same on every rank
+            self.writer.log(self.evaluate())
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),
