@@ -7,7 +7,9 @@ Decisions:
 - `size` names a preset from `PRESETS`; the config loader builds the section from `PRESETS[size]` and overlays
   the recipe's other model keys. The dataclass defaults equal the `tiny` preset.
 - The presets are pretraining shapes: `v2-lite` and `v3` have YaRN off (DeepSeek extends context after
-  pretraining); set `rope_scaling` to train long-context stages.
+  pretraining); set `rope_scaling` to train long-context stages. `v2-lite` takes DeepSeek-V2-Lite's sizes only:
+  its routing is moela's (V3's sigmoid gate with a balancing bias), not V2's softmax gate, so V2-Lite checkpoints
+  do not load (`hf.py` refuses softmax-routed configs).
 - `validate()` returns messages `"<field>: <what is wrong>; <how to fix>"`; the loader prefixes `model.`.
 """
 
