@@ -223,6 +223,10 @@ def test_triton_rejects_what_its_launch_cannot_address():
     strided = torch.tensor([0, 9, 5, 9, 10, 9], dtype=torch.int32)[::2]  # [0, 5, 10], read as [0, 9, 5] by a kernel
     with pytest.raises(TypeError, match="strided"):
         triton_mod.flash_mla_attention(q[:10], q[:10], q[:10], strided, 5, strided, 5)
+    big = torch.zeros(1, 1, 64, dtype=torch.float16).expand(2048, 2 ** 14, 64)  # 2048 rows of 2^20 elements (views)
+    one_doc = torch.tensor([0, 2048], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        triton_mod.flash_mla_attention(big, big, big, one_doc, 2048, one_doc, 2048)
 
 
 @pytest.mark.gpu

@@ -564,9 +564,15 @@ def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_s
     """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
     Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    for name, t, length in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
+        if length * max(t.stride(0), t.shape[1] * t.shape[2]) >= 2 ** 31:  # (the outputs are contiguous)
+            raise ValueError(f"triton mla_attention addresses a document's rows with int32 offsets: {length} tokens "
+                             f"x {name}'s row stride {t.stride(0)} exceed 2^31; split long documents or use context "
+                             f"parallelism")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
-                           float(scale), alibi_slopes)
+    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(scale),
+                           alibi_slopes)
 
 
 def triton_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, explicit=False, **_):
