@@ -1,14 +1,15 @@
 """Token cache: every document tokenized once into a flat memmap, reused by later runs.
 
-Layout of one cache (a directory named by the sha256 of the source fingerprint and the tokenizer):
-`tokens.bin` (all documents back to back, each ending with EOS and starting with BOS if one is configured; uint16 when the vocabulary fits, else uint32),
-`offsets.npy` (int64 [N+1], document i is tokens[offsets[i]:offsets[i+1]]) and `meta.json` (counts, dtype, the
-key's inputs). Decisions: the cache is written into a private temporary directory and renamed into place only
-when complete, so a crash never leaves a half cache that looks finished, and concurrent builders (several ranks,
-several nodes on a shared filesystem) can never corrupt each other. An advisory file lock makes the other
-processes on a machine wait for the first builder instead of duplicating its work (rank 0 builds, others wait);
-the lock is an empty `<name>.lock` file beside the cache. A process killed mid-build may leave a `.<name>.tmp-*`
-directory behind; it is never read and can be deleted.
+Layout of one cache (a directory named by the sha256 of the source fingerprint and the tokenizer): `tokens.bin`
+(all documents back to back, each ending with EOS and starting with BOS if one is configured; uint16 when the
+vocabulary fits, else uint32), `offsets.npy` (int64 [N+1], document i is tokens[offsets[i]:offsets[i+1]]) and
+`meta.json` (counts, dtype, the key's inputs). Decisions: the cache is written into a private temporary directory
+and renamed into place only when complete, so a crash never leaves a half cache that looks finished, and
+concurrent builders (several ranks, several nodes on a shared filesystem) can never corrupt each other. An
+advisory file lock makes the other processes on a machine wait for the first builder instead of duplicating its
+work (whichever process takes the lock first builds, the others then open its cache); the lock is an empty
+`<name>.lock` file beside the cache. A process killed mid-build may leave a `.<name>.tmp-*` directory behind; it
+is never read and can be deleted.
 """
 
 from __future__ import annotations

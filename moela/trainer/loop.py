@@ -90,9 +90,9 @@ class Trainer:
                 state = load_checkpoint(resume, self.model, self.optimizer)
             except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
                 cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-                raise TrainingError(f"cannot resume from {resume}: {str(cause).rstrip('.')}. The model section must match the "
-                                    f"checkpointed run's; or start fresh with checkpoint.resume=none or another "
-                                    f"train.run_dir") from e
+                raise TrainingError(f"cannot resume from {resume}: {str(cause).rstrip('.')}. The model section "
+                                    f"must match the checkpointed run's; or start fresh with checkpoint.resume=none "
+                                    f"or another train.run_dir") from e
             self._load_state(state)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
