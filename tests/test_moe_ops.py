@@ -306,6 +306,14 @@ def test_auto_backend_on_cpu_is_reference():
     torch.testing.assert_close(y, moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="reference"))
 
 
+def test_fast_backend_rejects_layouts_past_int32_offsets():
+    t, d, f = 300_000, 128, 4096  # 2.4M padded rows x 2F = 8192 columns > 2^31
+    x = torch.zeros(1, d, dtype=torch.float16).expand(t, d)
+    ids = torch.zeros(t, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        moe_experts(x, ids, torch.zeros(t, 8), torch.zeros(2, 2 * f, d), torch.zeros(2, d, f), backend="triton")
+
+
 def test_fast_backend_rejects_unaligned_shapes_with_a_clear_message():
     x, ids, w, w13, w2, _ = _problem(5, 96, 128, 3, 2, torch.float16)
     with pytest.raises(ValueError, match="multiples of 128"):

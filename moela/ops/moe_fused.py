@@ -117,6 +117,12 @@ def _impl(provider):
         if provider == "torch" and recipe != "bf16":
             raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
                              "backend='triton' or 'deep_gemm' for fp8_blockwise")
+        t, k = topk_ids.shape
+        m_pad = L.build_layout_rows(t, k, w13.shape[0])
+        if m_pad * max(x.shape[1], w13.shape[1]) >= 2 ** 31:
+            raise ValueError(f"moe_experts backend {provider!r}: {m_pad} padded rows x width "
+                             f"{max(x.shape[1], w13.shape[1])} overflow the kernels' int32 offsets; use fewer tokens "
+                             f"per micro-batch (or per expert-parallel rank)")
         if provider == "deep_gemm" and not G.deep_gemm_available():
             raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
                                "use backend='triton'")

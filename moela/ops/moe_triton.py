@@ -55,12 +55,17 @@ class Layout:
         return self.m_indices.numel()
 
 
+def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int = ALIGN) -> int:
+    """M_pad: the rows of the layout, an upper bound on the padded total known without looking at the routing."""
+    return triton.cdiv(num_tokens * topk, align) * align + num_experts * align
+
+
 def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
     """Index math of the contiguous layout; no host sync (M_pad is the upper bound)."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
     tk = flat.numel()
-    m_pad = triton.cdiv(tk, align) * align + num_experts * align
+    m_pad = build_layout_rows(t, k, num_experts, align)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + align - 1) // align * align  # [E]
