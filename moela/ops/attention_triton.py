@@ -19,8 +19,8 @@ Decisions:
 - Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), small
   blocks are used, and the block loops, whose bounds are loaded from cu_seqlens, run as `while` loops (Triton 3.6's
   interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3 rejects); the compiled GPU code
-  keeps the `range()` loops that the pipeliner software-pipelines (sm_90 PTX identical to before the split into
-  `_*_step` functions). On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
+  keeps `range()` loops, which Triton software-pipelines (tests/test_kernels_sm90.py checks for the async copies).
+  On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
   autotuned at run time: no first-step stall, and every rank runs the same kernels.
 - The public entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around
   attention and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
