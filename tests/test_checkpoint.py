@@ -89,6 +89,9 @@ def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
     assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
     (tmp_path / "checkpoints" / "latest").write_text("step-9\n")  # a pointer to a missing checkpoint
     assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
+    ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5, "again": True}, keep_last_k=1)  # the same step again
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
+    assert ckpt.load_checkpoint(tmp_path / "checkpoints" / "step-5", model, opt) == {"step": 5, "again": True}
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):

@@ -3,13 +3,14 @@
 Layout: `run_dir/checkpoints/step-N/` holds DCP's shard files and `.metadata` (model and optimizer state, saved
 by every rank in SPMD style, so a checkpoint written under one parallel layout loads under another) plus
 `trainer-rank{r}.pt` (step, scheduler, data loader, RNG states and counters of rank r). `checkpoints/latest` is a
-one-line file naming the newest complete checkpoint.
+one-line file naming the most recently saved checkpoint.
 
 Decisions:
 - Atomic: everything is written into `step-N.tmp/`; only after every rank has finished does rank 0 rename it to
   `step-N/` (one `os.replace`, atomic on POSIX) and then rewrite `latest` through a temporary file. A kill at any
-  moment leaves either the previous complete checkpoint or the new one, never a half-written `step-N/`;
-  leftover `*.tmp` directories are ignored and cleaned up by the next save.
+  moment leaves either the previous complete checkpoint or the new one, never a half-written `step-N/` (an
+  existing `step-N/` being saved again is renamed aside before it is deleted); leftover `*.tmp` directories are
+  ignored and cleaned up by the next save.
 - `resume: auto` takes the checkpoint `latest` names when that one is complete (it is the newest save even when
   a run resumed from an explicit older `step-N` left higher-numbered checkpoints of the abandoned continuation
   behind), else the highest complete `step-N/` (those with DCP's `.metadata`), so a stale or missing pointer
@@ -127,10 +128,12 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
     _barrier()
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
+        replaced = root / f"step-{step}.replaced.tmp"
+        if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
+            os.replace(final, replaced)
         os.replace(tmp, final)
         _write_atomic(root / LATEST, final.name + "\n")
+        shutil.rmtree(replaced, ignore_errors=True)
         others = [path for _, path in list_checkpoints(run_dir) if path != final]
         for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
