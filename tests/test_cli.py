@@ -153,5 +153,6 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "stopped by SIGINT after step" in out
+    assert "received SIGINT: saving a checkpoint after this step" in err
     (saved,) = (run / "checkpoints").glob("step-*")
     assert int(saved.name.split("-")[1]) >= 3 and (run / "checkpoints" / "latest").read_text().strip() == saved.name

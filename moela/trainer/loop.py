@@ -20,7 +20,9 @@ Decisions:
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import threading
 import time
 from contextlib import nullcontext
@@ -306,9 +308,9 @@ class Trainer:
             if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
                 raise KeyboardInterrupt
             self.request_stop(signum)
-            if self.env.is_main:
-                self.writer.echo(f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
-                                 f"(press Ctrl-C again to abort now)")
+            if self.env.is_main:  # os.write: print() may be mid-write on the same stream when the signal lands
+                os.write(sys.stderr.fileno(), f"received {signal.Signals(signum).name}: saving a checkpoint after "
+                                              f"this step (press Ctrl-C again to abort now)\n".encode())
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, handler)
