@@ -126,6 +126,9 @@ def test_import_refuses_what_moela_would_misread(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**hf, "scoring_func": "softmax"}))
     with pytest.raises(ValueError, match="scoring_func"):
         load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "topk_method": "greedy"}))  # no group limit, no bias
+    with pytest.raises(ValueError, match="topk_method='greedy'"):
+        load_hf_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**hf, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ValueError, match="quantized"):
         import_hf(tmp_path)

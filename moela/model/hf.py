@@ -65,8 +65,7 @@ def to_hf_config(cfg: ModelConfig) -> dict:
 def from_hf_config(hf: dict, **overrides) -> ModelConfig:
     """ModelConfig from a deepseek_v3 config.json dict (legacy `rope_scaling` or newer `rope_parameters`)."""
     where = "HF config.json"
-    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") not in ("noaux_tc",
-                                                                                                  "greedy"):
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r} / topk_method="
                          f"{hf.get('topk_method')!r} is not DeepSeek-V3 routing (sigmoid, noaux_tc); moela "
                          f"cannot import it")
