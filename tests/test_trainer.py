@@ -190,12 +190,16 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
 
 
 def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
-    """Raising train.steps (and changing optim.lr) on resume continues on the new schedule, not the saved one."""
+    """Raising train.steps (and changing optim settings) on resume continues on the new schedule and
+    hyperparameters, not the saved ones."""
     Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
-    longer = make_cfg(tmp_path, cache_dir, "train.steps=8", "optim.lr=2e-3")
+    longer = make_cfg(tmp_path, cache_dir, "train.steps=8", "optim.lr=2e-3", "optim.weight_decay=0.05",
+                      "optim.beta2=0.99")
     trainer = Trainer(longer)
     trainer.fit()
     assert trainer.step == 8
+    assert [(g["name"], g["weight_decay"], g["betas"]) for g in trainer.optimizer.param_groups] == [
+        ("decay", 0.05, (0.9, 0.99)), ("no_decay", 0.0, (0.9, 0.99))]
     resumed = [r for r in train_records(tmp_path) if r["step"] > 3]
     multiplier = LRMultiplier(longer.schedule, total_steps=8)
     assert [r["lr"] for r in resumed] == pytest.approx([2e-3 * multiplier(r["step"] - 1) for r in resumed])

@@ -42,7 +42,7 @@ from moela.trainer.distributed import init_distributed, rng_state, seed_everythi
 from moela.trainer.errors import TrainingError
 from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib,
                                    plot_losses)
-from moela.trainer.optim import build_optimizer, build_scheduler
+from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 
 
 class Trainer:
@@ -247,6 +247,7 @@ class Trainer:
 
     def _load_state(self, state: dict) -> None:
         self.step = state["step"]
+        apply_hyperparameters(self.optimizer, self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.train.steps,
                                          peak_lr=self.cfg.optim.lr, start_step=state["scheduler"]["last_epoch"])
         try:

@@ -8,7 +8,7 @@ Decisions:
   tests treat as the reference.
 - The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
   run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
-  instead of loading the saved one. Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to
+  instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to
   the peak reaching it at step `warmup_steps - 1`, and every decay ends exactly at `min_lr_ratio` on the last
   step.
 """
@@ -39,6 +39,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
+    """Set the recipe's weight decay, betas and eps on the groups of `param_groups` (after loading a checkpoint,
+    whose param groups carry the values of the run that saved it)."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = cfg.weight_decay if group.get("name") == "decay" else 0.0
+        group["betas"] = (cfg.beta1, cfg.beta2)
+        group["eps"] = cfg.eps
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
