@@ -15,7 +15,7 @@ from moela.config import Config, OptimConfig, ScheduleConfig, load_config
 from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.metrics import LogWindow
-from moela.trainer.optim import LRMultiplier, build_optimizer, param_groups
+from moela.trainer.optim import LRMultiplier, apply_hyperparameters, build_optimizer, param_groups
 
 TINY_MODEL = [
     "model.vocab_size=4096", "model.hidden_size=32", "model.num_hidden_layers=2", "model.first_k_dense_replace=1",
@@ -236,6 +236,16 @@ def test_log_window_averages_finite_losses_and_throughput():
     assert (out["loss"], out["lm_loss"], out["loss_step"], out["lr"]) == (3.0, 2.0, 2.0, 3.0)
     assert out["tokens_per_s"] == pytest.approx(500 / 4) and out["mfu"] == pytest.approx(1.0 / 4)
     assert out["window_steps"] == 3 and window.steps == 0 and window.sums == {}
+
+
+def test_apply_hyperparameters_overrides_what_a_checkpoint_loaded():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, OptimConfig(), "cpu")
+    for group in opt.param_groups:  # as loaded from a checkpoint written on CUDA with other settings
+        group.update(weight_decay=0.7, betas=(0.5, 0.5), eps=1.0, fused=True)
+    apply_hyperparameters(opt, OptimConfig(weight_decay=0.02, beta1=0.8, beta2=0.9, eps=1e-6))
+    assert [(g["name"], g["weight_decay"], g["betas"], g["eps"], g["fused"]) for g in opt.param_groups] == [
+        ("decay", 0.02, (0.8, 0.9), 1e-6, None), ("no_decay", 0.0, (0.8, 0.9), 1e-6, None)]
 
 
 def test_param_groups_exclude_norms_biases_embeddings_and_router_bias():

@@ -42,12 +42,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
-    """Set the recipe's weight decay, betas and eps on the groups of `param_groups` (after loading a checkpoint,
-    whose param groups carry the values of the run that saved it)."""
+    """Set the recipe's weight decay, betas and eps, and this device's kernel choice (fused / foreach), on the
+    groups of `param_groups` after loading a checkpoint, whose param groups carry the run that saved it."""
     for group in optimizer.param_groups:
         group["weight_decay"] = cfg.weight_decay if group.get("name") == "decay" else 0.0
         group["betas"] = (cfg.beta1, cfg.beta2)
         group["eps"] = cfg.eps
+        for key in ("fused", "foreach", "capturable"):
+            if key in optimizer.defaults:
+                group[key] = optimizer.defaults[key]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
