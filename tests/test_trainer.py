@@ -172,6 +172,8 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mem_gib", "expert_imbalance", "lm_loss"):
             assert math.isfinite(r[key]), key
     assert records[-1]["val_ppl"] == pytest.approx(math.exp(records[-1]["val_loss"]))
+    epochs = [r["epoch"] for r in records if r["kind"] == "train"]
+    assert 0 < epochs[0] < epochs[1] < epochs[2] < 1  # fractional passes over the training split
     # MFU = FLOPs per token (at the token-weighted mean document length, <= max_doc_len 64) x tokens/s / peak
     flops = records[0]["mfu"] * 1e9 / records[0]["tokens_per_s"]
     rounding = 1e-9  # mfu and tokens/s are each a ratio to the step time

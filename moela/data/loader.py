@@ -135,7 +135,6 @@ class TrainLoader:
         self._epoch, self._epoch_start, self._plan = 0, 0, None
         self.last_imbalance: dict = {}
         self.last_global_num_targets = 0
-        self.last_global_num_tokens = 0
 
     def _pieces_per_epoch(self, weights: list[float]) -> list[int]:
         """Pieces each part contributes per epoch: its weight's share of all training tokens."""
@@ -189,7 +188,6 @@ class TrainLoader:
         self.last_imbalance = imbalance_report(costs, self.dp_size, self.grad_accum, groups)
         step = np.concatenate(layouts)  # [pieces of the step]
         self.last_global_num_targets = num_targets(p.start[step], p.len[step], p.doc_len[step])
-        self.last_global_num_tokens = int(p.len[step].sum())
         self.consumed += m
         self.step += 1
         return [p.batch(layouts[j]) for j in groups[self.dp_rank]]

@@ -197,7 +197,8 @@ class Trainer:
         self.tokens_seen += int(tokens)
         record = {"kind": "train", "step": self.step, **means, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt, "tokens_seen": self.tokens_seen,
-                  "mem_gib": memory_gib(self.device), "skipped": self.skipped_total}
+                  "mem_gib": memory_gib(self.device), "skipped": self.skipped_total,
+                  "epoch": self.train_loader.epoch}
         record["mfu"] = self._mfu(tokens, float(counts[2]), dt)
         record["expert_imbalance"] = expert_imbalance(load)
         imbalance = getattr(self.train_loader, "last_imbalance", None)
