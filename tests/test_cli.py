@@ -76,6 +76,10 @@ def test_launcher_env_vars_single_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(TrainingError, match="WORLD_SIZE='two' is not an integer"):
         init_distributed("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(TrainingError, match="cannot start the process group.*MASTER_ADDR.*launch with torchrun"):
+        init_distributed("cpu")
 
 
 def test_malformed_rank_exits_1_without_traceback(tmp_path):

@@ -64,7 +64,11 @@ def init_distributed(device_kind: str) -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world_size, **kwargs)
+        except ValueError as e:  # env:// rendezvous without MASTER_ADDR / MASTER_PORT
+            raise TrainingError(f"cannot start the process group (WORLD_SIZE={world_size}): {e}; launch with "
+                                f"torchrun, which sets every variable, or unset WORLD_SIZE") from None
         owns = True
     if dist.is_initialized():
         rank, world_size = dist.get_rank(), dist.get_world_size()
