@@ -14,6 +14,9 @@ Decisions:
   still advance) and counted; after `train.max_nonfinite_steps` in a row training stops with `TrainingError`.
 - SIGTERM / SIGINT set a flag; at the end of the current step every rank agrees on it, a checkpoint is written and
   `fit()` returns normally. A second SIGINT interrupts immediately.
+- Resume restores weights, optimizer moments, the data position, RNG states and counters from the checkpoint; the
+  LR schedule and AdamW hyperparameters come from the current recipe at the saved step. A checkpoint that does
+  not fit the model or the data settings stops with a `TrainingError` naming the mismatch.
 - bf16 autocast on CUDA (fp32 master weights and optimizer state), plain fp32 on CPU (`train.precision`).
 """
 
