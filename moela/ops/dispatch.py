@@ -23,3 +23,18 @@ def log_choice(op: str, backend: str, reason: str = "") -> None:
     if key not in _logged:
         _logged.add(key)
         log.info("%s: using backend %r%s", op, backend, f" ({reason})" if reason else "")
+
+
+def resolve_backend(op: str, backend: str, registry: dict, *args, reason: str = "", needs: str = "",
+                    **kwargs) -> str:
+    """The backend that runs this call (`backend` already passed `check_backend`): the named one if registered, or
+    for `auto` the first registered one whose `supported(*args, **kwargs)` accepts the call, else "reference".
+    `registry` maps name -> (supported, impl); `needs` says what a missing backend requires (for the error)."""
+    if backend == "auto":
+        chosen = next((name for name, (ok, _) in registry.items() if ok(*args, **kwargs)), "reference")
+        log_choice(op, chosen, reason)
+        return chosen
+    if backend != "reference" and backend not in registry:
+        raise RuntimeError(f"{op}: backend {backend!r} is not available here{f' (needs {needs})' if needs else ''}; "
+                           f"use backend='auto' or 'reference'")
+    return backend

@@ -16,7 +16,7 @@ from typing import Callable, Literal
 import torch
 
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.dispatch import check_backend, resolve_backend
 
 IGNORE_INDEX = -100
 BACKENDS = ("auto", "reference", "compiled")
@@ -49,14 +49,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Lite
                          f"{tuple(labels.shape)}")
     if reduction not in ("sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}")
-    chosen = backend
-    if backend == "auto":
-        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(logits, labels)), "reference")
-        log_choice("cross_entropy", chosen)
+    chosen = resolve_backend("cross_entropy", backend, _FAST_BACKENDS, logits, labels)
     if chosen == "reference":
         per_token = cross_entropy_reference(logits, labels)
-    elif chosen in _FAST_BACKENDS:
-        per_token = _FAST_BACKENDS[chosen][1](logits, labels)
     else:
-        raise RuntimeError(f"cross_entropy: backend {chosen!r} is not available here; use 'auto' or 'reference'")
+        per_token = _FAST_BACKENDS[chosen][1](logits, labels)
     return per_token.sum() if reduction == "sum" else per_token

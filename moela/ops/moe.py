@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.dispatch import check_backend, resolve_backend
 
 RECIPES = ("bf16", "fp8_blockwise")
 BACKENDS = ("auto", "reference", "triton", "torch", "deep_gemm")
@@ -81,19 +81,10 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="a
     """Weighted sum over each token's top-k experts of SwiGLU expert FFNs. x [T, D] -> y [T, D] (x's dtype)."""
     check_backend("moe_experts", backend, BACKENDS)
     _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe)
-    chosen = backend
-    if backend == "auto":
-        chosen = "reference"
-        for name, (supported, _) in _FAST_BACKENDS.items():
-            if supported(x, topk_ids, topk_weights, w13, w2, recipe=recipe):
-                chosen = name
-                break
-        log_choice("moe_experts", chosen, recipe)
+    chosen = resolve_backend("moe_experts", backend, _FAST_BACKENDS, x, topk_ids, topk_weights, w13, w2,
+                             recipe=recipe, reason=recipe, needs="CUDA and its package")
     if chosen == "reference":
         return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
-    if chosen not in _FAST_BACKENDS:
-        raise RuntimeError(f"moe_experts: backend {chosen!r} is not available here (needs CUDA and its package); "
-                           f"use backend='auto' or 'reference'")
     return _FAST_BACKENDS[chosen][1](x, topk_ids, topk_weights, w13, w2, recipe=recipe)
 
 

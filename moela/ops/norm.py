@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.dispatch import check_backend, resolve_backend
 
 BACKENDS = ("auto", "reference", "compiled")
 
@@ -39,12 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: weight must be [C] with C = x.shape[-1]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    chosen = backend
-    if backend == "auto":
-        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(x, weight)), "reference")
-        log_choice("rms_norm", chosen)
+    chosen = resolve_backend("rms_norm", backend, _FAST_BACKENDS, x, weight)
     if chosen == "reference":
         return rms_norm_reference(x, weight, eps)
-    if chosen not in _FAST_BACKENDS:
-        raise RuntimeError(f"rms_norm: backend {chosen!r} is not available here; use 'auto' or 'reference'")
     return _FAST_BACKENDS[chosen][1](x, weight, eps)

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.dispatch import check_backend, resolve_backend
 
 BACKENDS = ("auto", "reference", "compiled")
 
@@ -80,12 +80,7 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, *,
     if x.dim() != 3 or x.shape[-1] % 2 or position_ids.shape != x.shape[:1] or inv_freq.shape != (x.shape[-1] // 2,):
         raise ValueError(f"rope wants x [T, H, R] with R even, position_ids [T], inv_freq [R/2]; got "
                          f"{tuple(x.shape)}, {tuple(position_ids.shape)}, {tuple(inv_freq.shape)}")
-    chosen = backend
-    if backend == "auto":
-        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(x, position_ids, inv_freq)), "reference")
-        log_choice("rope", chosen)
+    chosen = resolve_backend("rope", backend, _FAST_BACKENDS, x, position_ids, inv_freq)
     if chosen == "reference":
         return rope_reference(x, position_ids, inv_freq, attention_factor)
-    if chosen not in _FAST_BACKENDS:
-        raise RuntimeError(f"rope: backend {chosen!r} is not available here; use 'auto' or 'reference'")
     return _FAST_BACKENDS[chosen][1](x, position_ids, inv_freq, attention_factor)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.dispatch import check_backend, resolve_backend
 
 BACKENDS = ("auto", "reference", "compiled")
 
@@ -35,12 +35,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> to
     check_backend("swiglu", backend, BACKENDS)
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
-    chosen = backend
-    if backend == "auto":
-        chosen = next((n for n, (ok, _) in _FAST_BACKENDS.items() if ok(gate, up)), "reference")
-        log_choice("swiglu", chosen)
+    chosen = resolve_backend("swiglu", backend, _FAST_BACKENDS, gate, up)
     if chosen == "reference":
         return swiglu_reference(gate, up)
-    if chosen not in _FAST_BACKENDS:
-        raise RuntimeError(f"swiglu: backend {chosen!r} is not available here; use 'auto' or 'reference'")
     return _FAST_BACKENDS[chosen][1](gate, up)
