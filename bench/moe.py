@@ -4,9 +4,11 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
   layout  permute+align+quant and grouped row+column quantization: GB/s, % of the measured copy bandwidth, speedup
           over an eager PyTorch baseline (sort/index_select, per-expert padding, per-group quantization loop) and
           over torch.compile of that baseline.
-  gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) vs bf16 torch._grouped_mm and
-          fp8 rowwise torch._scaled_grouped_mm.
-  layer   the whole expert layer forward+backward: fp8 vs bf16 path vs an eager per-expert loop.
+  gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) and of cuBLAS blockwise FP8
+          (torch._scaled_mm per expert, the `cublas` provider) vs bf16 torch._grouped_mm and fp8 rowwise
+          torch._scaled_grouped_mm.
+  layer   the whole expert layer forward+backward: fp8 (Triton GEMMs; cuBLAS GEMMs) vs bf16 path vs an eager
+          per-expert loop.
 Every case checks its output against the baseline before timing and runs under a time guard. Usage:
   python bench/moe.py [--sections layout,gemm,layer] [--quick] [--out bench/results/moe.md]
 """
@@ -228,6 +230,14 @@ def section_gemm(quick):
         row("gemm", case, "fwd fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=err)
         t_ob = bench(lambda: G.mgrouped_gemm(a, b, m_idx))
         row("gemm", case, "fwd bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
+        cub = G.cublas_blockwise_available()
+        bounds = list(zip(offsets.tolist()[:-1], offsets.tolist()[1:]))
+        if cub:
+            err_c = ((G.cublas_mgrouped(aq, a_s, bq, b_s, bounds).float() - ref.float()).norm()
+                     / ref.float().norm()).item()
+            t_c = bench(lambda: G.cublas_mgrouped(aq, a_s, bq, b_s, bounds))
+            row("gemm", case, "fwd fp8 cublas (per expert)", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c,
+                rel_err=err_c)
         try:
             ar = a.float().abs().amax(1) / FP8_MAX
             aqr = (a.float() / ar[:, None]).to(torch.float8_e4m3fn)
@@ -244,6 +254,9 @@ def section_gemm(quick):
         row("gemm", case, "dgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
         t_o = bench(lambda: G.mgrouped_gemm(dq, bqt, m_idx, a_scale=ds, b_scale=b_s.transpose(1, 2)))
         row("gemm", case, "dgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o)
+        if cub:
+            t_c = bench(lambda: G.cublas_mgrouped(dq, ds, bqt, b_s.transpose(1, 2), bounds))
+            row("gemm", case, "dgrad fp8 cublas", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c)
         # weight gradient: dW_e [N, K] = dY_e^T @ X_e
         t_bf = bench(lambda: torch._grouped_mm(ref.t(), a, offs=offs32))
         row("gemm", case, "wgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
@@ -252,6 +265,12 @@ def section_gemm(quick):
         werr = ((wo - wref).norm() / wref.norm()).item()
         t_o = bench(lambda: G.kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast))
         row("gemm", case, "wgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=werr)
+        if cub:
+            wc = G.cublas_kgrouped(dqt, dst, aqt, ast, bounds)
+            werr_c = ((wc.float() - wref).norm() / wref.norm()).item()
+            t_c = bench(lambda: G.cublas_kgrouped(dqt, dst, aqt, ast, bounds))
+            row("gemm", case, "wgrad fp8 cublas", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c,
+                rel_err=werr_c, fp32_out=G._FP32_OUT[0])
         t_ob = bench(lambda: G.kgrouped_gemm(ref.t(), a.t(), offsets, out_dtype=torch.bfloat16))
         row("gemm", case, "wgrad bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
         del a, b, aq, aqt, bq, bqt, ref
@@ -320,7 +339,10 @@ def section_layer(quick):
         t_e = bench(step(lambda: eager_layer(x, ids, w, w13, w2)))
         row("layer", case, "eager per-expert loop bf16", t_e, flops / t_e / 1e9, "TFLOP/s")
         res = {}
-        for recipe, backend in (("bf16", "torch"), ("bf16", "triton"), ("fp8_blockwise", "triton")):
+        combos = [("bf16", "torch"), ("bf16", "triton"), ("fp8_blockwise", "triton")]
+        if G.cublas_blockwise_available():
+            combos.append(("fp8_blockwise", "cublas"))
+        for recipe, backend in combos:
             y = moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend).float()
             err = ((y - y_eager).norm() / y_eager.norm()).item()
             ms = bench(step(lambda: moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend)))

@@ -211,6 +211,70 @@ def test_kgrouped_gemm_vs_float64(fp8):
     assert (out[lay.counts == 0] == 0).all()
 
 
+def _cublas_contract_scaled_mm(a, b, scale_a, scale_b, *, out_dtype, out=None):
+    """CPU stand-in for `torch._scaled_mm` with DeepSeek blockwise scales that enforces cuBLASLt's layout contract
+    (cuBLAS docs, "scaling factors layouts"; torch's checks): a [M, K] row-major, b [K, N] column-major; a's 1x128
+    scales [M, K/128] M-major (strides (1, M)); b's 1x128 scales [K/128, N] N-major (row-major); b's 128x128
+    scales [K/128, N/128] with strides (1, L4), L4 = K/128 rounded up to 4. Computes the dequantized product."""
+    m, k = a.shape
+    n = b.shape[1]
+    kb = k // 128
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and k % 128 == 0
+    assert a.stride(1) == 1 and b.stride(0) == 1, "fp8 GEMMs need both operands K-contiguous (TN)"
+    assert scale_a.shape == (m, kb) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    a32 = a.float() * scale_a.repeat_interleave(128, 1)
+    if scale_b.shape == (kb, n):  # 1x128 x 1x128
+        assert scale_b.stride() == (n, 1), scale_b.stride()
+        b32 = b.float() * scale_b.repeat_interleave(128, 0)
+    else:  # 1x128 x 128x128
+        assert scale_b.shape == (kb, n // 128) and scale_b.stride() == (1, -(-kb // 4) * 4), scale_b.stride()
+        b32 = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    res = (a32.double() @ b32.double()).to(out_dtype)
+    if out is None:
+        return res
+    assert out.shape == res.shape and out.is_contiguous()
+    out.copy_(res)
+    return out
+
+
+def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
+    """The cuBLAS provider's per-expert slicing and scale reordering against the Triton grouped GEMMs on the same
+    quantized operands: empty experts, K/128 not a multiple of 4 (the L4 padding), rows past the last expert."""
+    from moela.ops import moe_gemm as G
+    from moela.ops.moe_triton import quant_rows_cols, quant_weights
+
+    monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
+    e, n, k = 4, 384, 640  # K/128 = 5, N/128 = 3
+    lay, real = _layout_and_rows(150, e, skew=True)  # expert 0 has every token, the others none
+    bounds = list(zip(lay.offsets.tolist()[:-1], lay.offsets.tolist()[1:]))
+    a = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real[:, None]
+    (aq, as_), (aqt, ast) = quant_rows_cols(a)
+    bq, bs, bqt = quant_weights(torch.randn(e, n, k, device=DEV, dtype=torch.float16))
+    got = G.cublas_mgrouped(aq, as_, bq, bs, bounds, torch.float32)
+    want = G.mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
+    assert _rel(got, want) < 1e-6 and (got[lay.offsets[-1]:] == 0).all()
+    # data gradient: the transposed weight copy with the transposed block scales (N/128 = 3: padded to 4)
+    dy = torch.randn(lay.m_pad, n, device=DEV, dtype=torch.float16) * real[:, None]
+    (dq, ds), (dqt, dst) = quant_rows_cols(dy)
+    got = G.cublas_mgrouped(dq, ds, bqt, bs.transpose(1, 2), bounds, torch.float32)
+    want = G.mgrouped_gemm(dq, bqt, lay.m_indices, a_scale=ds, b_scale=bs.transpose(1, 2), out_dtype=torch.float32)
+    assert _rel(got, want) < 1e-6
+    # weight gradient over tokens
+    got = G.cublas_kgrouped(dqt, dst, aqt, ast, bounds)
+    want = G.kgrouped_gemm(dqt, aqt, lay.offsets, a_scale=dst, b_scale=ast)
+    assert _rel(got, want) < 1e-6 and (got[lay.counts == 0] == 0).all()
+
+
+def test_cublas_provider_whole_path_matches_triton(monkeypatch):
+    from moela.ops import moe_gemm as G
+
+    monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
+    monkeypatch.setattr(G, "cublas_blockwise_available", lambda device=None: True)
+    prob = _problem(37, 256, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    for a, b in zip(_run(*prob, "fp8_blockwise", "cublas"), _run(*prob, "fp8_blockwise", "triton")):
+        assert _rel(a, b) < 2e-3
+
+
 def test_swiglu_kernels_match_autograd():
     from moela.ops.moe_triton import build_layout, swiglu_bwd, swiglu_fwd
 
@@ -326,9 +390,14 @@ def test_fast_backend_rejects_unaligned_shapes_with_a_clear_message():
 
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("recipe,backend", [("fp8_blockwise", "triton"), ("bf16", "triton"), ("bf16", "torch")])
+@pytest.mark.parametrize("recipe,backend", [("fp8_blockwise", "triton"), ("fp8_blockwise", "cublas"),
+                                            ("bf16", "triton"), ("bf16", "torch")])
 @pytest.mark.parametrize("skew", [False, True])
 def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
+    from moela.ops.moe_gemm import cublas_blockwise_available
+
+    if backend == "cublas" and not cublas_blockwise_available():
+        pytest.skip("cuBLAS blockwise FP8 needs a Hopper GPU and torch >= 2.10")
     prob = _problem(2048, 2048, 1408, 16, 6, torch.bfloat16, skew=skew)
     exact = _exact_grads(*prob)
     got = _run(*prob, recipe, backend)
@@ -342,7 +411,7 @@ def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_gemm_v3_shape_vs_float64():
-    from moela.ops.moe_gemm import mgrouped_gemm
+    from moela.ops.moe_gemm import cublas_blockwise_available, cublas_mgrouped, mgrouped_gemm
     from moela.ops.moe_triton import build_layout, permute_align, quant_weights
 
     t, d, n, e = 4096, 7168, 4096, 8
@@ -352,6 +421,10 @@ def test_gpu_fp8_gemm_v3_shape_vs_float64():
     xq, xs, lay = permute_align(x, ids, e)
     wq, ws, _ = quant_weights(w)
     out = mgrouped_gemm(xq, wq, lay.m_indices, a_scale=xs, b_scale=ws)
+    if cublas_blockwise_available():
+        bounds = list(zip(lay.offsets.tolist()[:-1], lay.offsets.tolist()[1:]))
+        cub = cublas_mgrouped(xq, xs, wq, ws, bounds)
+        assert _rel(cub, out) < 5e-3  # the same quantized operands; bf16 output rounding and MMA order only
     rows = lay.row_map.long()
     ex = ids[:, 0]
     sel = torch.arange(0, t, 97, device="cuda")
@@ -367,6 +440,10 @@ def test_backend_recipe_mismatches_are_explained():
     x, ids, w, w13, w2, _ = _problem(5, 128, 128, 3, 2, torch.float16)
     with pytest.raises(ValueError, match="recipe='bf16'"):
         moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="torch")
+    with pytest.raises(ValueError, match="recipe='fp8_blockwise'"):
+        moe_experts(x, ids, w, w13, w2, recipe="bf16", backend="cublas")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="deep_gemm"):
             moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="deep_gemm")
+        with pytest.raises(RuntimeError, match="Hopper"):
+            moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="cublas")

@@ -9,7 +9,8 @@ Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate)
   dequantize around each GEMM, so fast kernels can be compared against it with the same scales.
 - fast backends (CUDA; on CPU only when asked for by name, under TRITON_INTERPRET=1 for tests) register in
   `_FAST_BACKENDS` from `moela.ops.moe_fused`, in `auto` preference order: `deep_gemm` (fp8, when `import deep_gemm`
-  works), `torch` (bf16, `torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All three share
+  works), `cublas` (fp8, cuBLAS blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >= 2.10),
+  `torch` (bf16, `torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All four share
   the fused Triton layout/quantization kernels of `moela.ops.moe_triton` and need D and F multiples of 128 and x in
   bf16/fp16; `auto` falls back to the reference otherwise.
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from moela.ops.dispatch import check_backend, resolve_backend
 
 RECIPES = ("bf16", "fp8_blockwise")
-BACKENDS = ("auto", "reference", "triton", "torch", "deep_gemm")
+BACKENDS = ("auto", "reference", "triton", "torch", "cublas", "deep_gemm")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
 

@@ -7,8 +7,10 @@ Backward: combine backward (do = dy*w, d topk_weights, + row/column quant) -> dg
 FP8 (DeepSeek-V3): e4m3 everywhere a GEMM reads, fp32 scales (1x128 activations, 128x128 weights), fp32 accumulate,
 bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D], the layout, and the transposed fp8 weights
 (bf16 recipe: the weights in the compute dtype); act and permuted x are recomputed inside fused kernels.
-GEMM providers: `triton` (everything ours), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped
-FP8 GEMM for forward and data gradient, ours for the weight gradient).
+GEMM providers: `triton` (everything ours), `torch` (bf16 `torch._grouped_mm`), `cublas` (FP8: cuBLAS's blockwise
+GEMM through `torch._scaled_mm`, one per expert, for all six GEMMs; Hopper), `deep_gemm` (DeepGEMM's m-grouped
+FP8 GEMM for forward and data gradient, ours for the weight gradient). `cublas` reads the expert bounds on the
+host once per forward (one sync) and keeps them for the backward.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
 """
@@ -21,7 +23,9 @@ from moela.ops import moe_gemm as G
 from moela.ops import moe_triton as L
 
 
-def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None):
+def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
+    if provider == "cublas" and a_scale is not None:
+        return G.cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
     if provider == "torch":
         return G.torch_mgrouped(a, b, lay.offsets)
     if provider == "deep_gemm" and a_scale is not None:
@@ -29,7 +33,9 @@ def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None):
     return G.mgrouped_gemm(a, b, lay.m_indices, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
 
 
-def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None):
+def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
+    if provider == "cublas" and a_scale is not None:
+        return G.cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
     if provider == "torch":
         return G.torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
     return G.kgrouped_gemm(a, b, lay.offsets, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
@@ -41,13 +47,14 @@ class MoEExpertsFn(torch.autograd.Function):
         e = w13.shape[0]
         fp8 = recipe == "fp8_blockwise"
         lay = L.build_layout(topk_ids, e)
+        bounds = _bounds(lay) if provider == "cublas" else None
         if fp8:
             xq, xs, _ = L.permute_align(x, topk_ids, e, quant="fp8_1x128", layout=lay)  # [M_pad, D], [M_pad, D/128]
             w13q, w13s, w13qt = L.quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
             w2q, w2s, w2qt = L.quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
-            h = _mgemm(provider, xq, w13q, lay, x.dtype, xs, w13s)  # [M_pad, 2F] bf16
+            h = _mgemm(provider, xq, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
             aq, as_ = L.swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
-            o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s)  # [M_pad, D] bf16
+            o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
             ctx.save_for_backward(x, topk_weights, h, o, w13qt, w13s, w2qt, w2s, *_lay_tensors(lay))
         else:
             w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
@@ -56,22 +63,22 @@ class MoEExpertsFn(torch.autograd.Function):
             act, _ = L.swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
             o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
             ctx.save_for_backward(x, topk_weights, h, o, w13c, w2c, *_lay_tensors(lay))
-        ctx.meta = (recipe, provider, lay.num_tokens, lay.topk, w13.dtype, w2.dtype, topk_ids)
+        ctx.meta = (recipe, provider, lay.num_tokens, lay.topk, w13.dtype, w2.dtype, topk_ids, bounds)
         return L.unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
 
     @staticmethod
     def backward(ctx, dy):
-        recipe, provider, t, k, w13_dtype, w2_dtype, topk_ids = ctx.meta
+        recipe, provider, t, k, w13_dtype, w2_dtype, topk_ids, bounds = ctx.meta
         if recipe == "fp8_blockwise":
             x, w, h, o, w13qt, w13s, w2qt, w2s, *lt = ctx.saved_tensors
             lay = L.Layout(*lt, num_tokens=t, topk=k)
             (doq, dos), (doqt, dost), dw = L.combine_bwd(dy, o, lay, w, quant=True)
-            dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2))  # [M_pad, F]
+            dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
             (dhq, dhs), (dhqt, dhst), (aqt, ast) = L.swiglu_bwd(h, dact, lay.m_indices, quant=True)
-            dw2 = _kgemm(provider, doqt, aqt, lay, w2_dtype, dost, ast)  # [E, D, F]
-            dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2))  # [M_pad, D]
+            dw2 = _kgemm(provider, doqt, aqt, lay, w2_dtype, dost, ast, bounds)  # [E, D, F]
+            dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2), bounds)  # [M_pad, D]
             _, (xqt, xst) = L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
-            dw13 = _kgemm(provider, dhqt, xqt, lay, w13_dtype, dhst, xst)  # [E, 2F, D]
+            dw13 = _kgemm(provider, dhqt, xqt, lay, w13_dtype, dhst, xst, bounds)  # [E, 2F, D]
         else:
             x, w, h, o, w13c, w2c, *lt = ctx.saved_tensors
             lay = L.Layout(*lt, num_tokens=t, topk=k)
@@ -84,6 +91,12 @@ class MoEExpertsFn(torch.autograd.Function):
             dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13_dtype)  # [E, 2F, D]
         dx = L.unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
         return dx, None, dw.to(w.dtype), dw13, dw2, None, None
+
+
+def _bounds(lay: L.Layout) -> list[tuple[int, int]]:
+    """Each expert's padded row range [s, t) on the host (the one sync of the cublas provider)."""
+    off = lay.offsets.tolist()
+    return list(zip(off[:-1], off[1:]))
 
 
 def _lay_tensors(lay: L.Layout):
@@ -104,6 +117,11 @@ def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
+def _supported_cublas(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
+        and G.cublas_blockwise_available(x.device)
+
+
 def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
     return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
         and G.deep_gemm_available()
@@ -116,7 +134,13 @@ def _impl(provider):
                              f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
         if provider == "torch" and recipe != "bf16":
             raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
-                             "backend='triton' or 'deep_gemm' for fp8_blockwise")
+                             "backend='triton', 'cublas' or 'deep_gemm' for fp8_blockwise")
+        if provider == "cublas" and recipe != "fp8_blockwise":
+            raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
+                             "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
+        if provider == "cublas" and not G.cublas_blockwise_available(x.device if x.is_cuda else None):
+            raise RuntimeError("moe_experts backend 'cublas' needs a Hopper GPU (compute capability 9.x) and torch "
+                               ">= 2.10 (cuBLAS blockwise FP8); use backend='triton'")
         t, k = topk_ids.shape
         m_pad = L.build_layout_rows(t, k, w13.shape[0])
         if m_pad * max(x.shape[1], w13.shape[1]) >= 2 ** 31:
@@ -134,6 +158,7 @@ def _impl(provider):
 # in `auto` preference order
 BACKENDS = {
     "deep_gemm": (_supported_deep_gemm, _impl("deep_gemm")),
+    "cublas": (_supported_cublas, _impl("cublas")),
     "torch": (_supported_torch, _impl("torch")),
     "triton": (_supported_triton, _impl("triton")),
 }

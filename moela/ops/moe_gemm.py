@@ -1,5 +1,6 @@
 """Grouped GEMMs of the MoE expert path over the m-grouped contiguous layout: Triton (FP8 blockwise or bf16),
-`torch._grouped_mm` (bf16) and DeepGEMM (FP8, when `deep_gemm` imports).
+`torch._grouped_mm` (bf16), cuBLAS blockwise FP8 through `torch._scaled_mm` (Hopper, one GEMM per expert) and
+DeepGEMM (FP8, when `deep_gemm` imports).
 
 - m-grouped (forward and data gradient): out [M_pad, N] = A [M_pad, K] @ B_e[N, K]^T for each 128-row block of A,
   e = m_indices of the block's first row. Blocks with e = -1 (padding past the last expert, or a block that is
@@ -12,6 +13,12 @@
 Operands are addressed through strides, so the bf16 path reads row-major activations as their transposes
 without copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong), and loops
 whose bounds are loaded from memory are written as `while` loops (the interpreter cannot index with them).
+cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp32 scales in its own layouts (with
+`torch._scaled_mm(a [M, K] row-major, b [K, N] column-major)`): 1x128 scales of a as [M, K/128] with strides
+(1, M) (M-major); 1x128 scales of b as [K/128, N] row-major (N-major); 128x128 scales of b as [K/128, N/128] with
+strides (1, L4), L4 = K/128 rounded up to 4. The wrappers below reorder the (small) scale tensors once per call and
+launch one `torch._scaled_mm` per non-empty expert over its padded block (the expert bounds come from the host,
+one sync per layer, made by the caller).
 `torch._grouped_mm` exists on torch 2.11 CUDA (used on the H200) and on torch 2.13 CPU (used by the CPU tests),
 including the 2-D x 2-D form with `offs` for the weight gradient.
 """
@@ -233,4 +240,83 @@ def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
     fn = getattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", None) or \
         deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous
     fn((a, a_scale), (b.contiguous(), b_scale.contiguous()), out, m_indices)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cuBLAS blockwise FP8 (torch._scaled_mm with 1x128 / 128x128 scales): one GEMM per expert
+
+
+def cublas_blockwise_available(device=None) -> bool:
+    """cuBLAS's DeepSeek-style blockwise FP8 GEMM: Hopper (sm_9x) with torch >= 2.10 (which pads K-block scales
+    as cuBLASLt requires)."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 10) and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    """[R, G] -> the same values with strides (1, R): the MN-major scale layout cuBLASLt reads."""
+    return s.t().contiguous().t()
+
+
+def _k_blocks_padded(s: torch.Tensor) -> torch.Tensor:
+    """[E, N/128, L] 128x128 weight scales -> contiguous [E, N/128, L4], L4 = L rounded up to 4 (zeros past L):
+    sliced back to [:, :, :L] and transposed, expert e's scales are [L, N/128] with strides (1, L4) as cuBLASLt
+    wants them."""
+    pad = (-s.shape[-1]) % 4
+    return torch.nn.functional.pad(s, (0, pad)) if pad else s.contiguous()
+
+
+def cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.bfloat16):
+    """FP8 m-grouped GEMM: out [M_pad, N] with out[s:t] = a[s:t] @ b[e]^T for expert e's padded rows [s, t) =
+    bounds[e], b [E, N, K] (expert slices K-contiguous, e.g. the transposed weight copy for the data gradient),
+    a_scale [M_pad, K/128], b_scale [E, N/128, K/128] (any strides). Rows past the last expert are zeros."""
+    m, k = a.shape
+    e, n, k2 = b.shape
+    if k2 != k or a.stride(1) != 1 or b.stride(2) != 1 or len(bounds) != e:
+        raise ValueError(f"cublas_mgrouped: a {tuple(a.shape)} / b {tuple(b.shape)} must be K-contiguous with one "
+                         f"bound per expert (got {len(bounds)})")
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    bsc = _k_blocks_padded(b_scale)
+    nk = k // 128
+    end = 0
+    for ex, (s, t) in enumerate(bounds):
+        if t > s:
+            torch._scaled_mm(a[s:t], b[ex].t(), _mn_major(a_scale[s:t]), bsc[ex, :, :nk].t(), out_dtype=out_dtype,
+                             out=out[s:t])
+        end = max(end, t)
+    if end < m:
+        out[end:].zero_()
+    return out
+
+
+_FP32_OUT = [True]  # cleared if this torch/cuBLAS refuses fp32 output for blockwise FP8 (then bf16, upcast)
+
+
+def cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.float32):
+    """FP8 k-grouped GEMM (weight gradient): out [E, N, K], out[e] = a[:, s:t] @ b[:, s:t]^T over expert e's padded
+    rows [s, t) = bounds[e]; a [N, M_pad], b [K, M_pad] token-contiguous e4m3 with 128x1 (along tokens) scales
+    [N, M_pad/128], [K, M_pad/128]. Empty experts get zeros."""
+    n, m = a.shape
+    k = b.shape[0]
+    if a.stride(1) != 1 or b.stride(1) != 1 or b.shape[1] != m:
+        raise ValueError(f"cublas_kgrouped: a {tuple(a.shape)} and b {tuple(b.shape)} must be token-contiguous "
+                         f"over the same padded rows")
+    out = torch.empty(len(bounds), n, k, device=a.device, dtype=out_dtype)
+    ast, bst = a_scale.t().contiguous(), b_scale.t().contiguous()  # [M_pad/128, N], [M_pad/128, K]
+    for ex, (s, t) in enumerate(bounds):
+        if t == s:
+            out[ex].zero_()
+            continue
+        args = (a[:, s:t], b[:, s:t].t(), ast[s // 128:t // 128].t(), bst[s // 128:t // 128])
+        if out_dtype != torch.float32 or not _FP32_OUT[0]:
+            out[ex] = torch._scaled_mm(*args, out_dtype=torch.bfloat16)
+            continue
+        try:
+            torch._scaled_mm(*args, out_dtype=torch.float32, out=out[ex])
+        except RuntimeError:
+            _FP32_OUT[0] = False
+            out[ex] = torch._scaled_mm(*args, out_dtype=torch.bfloat16)
     return out
