@@ -314,6 +314,8 @@ def zloss_case(seq):
         return out, ZCOEF * torch.logsumexp(s, -1).square().mean()
     r_n = guarded(150, measure, naive, grad_fn(naive, (q, k, v), do, one))
     row("ours + naive z-loss, materialized scores (ref: fused)", r_n, fl, r_z)
+    if seq == 2048:
+        guarded(60, profile_pair, grad_fn(plain, (q, k, v), do), grad_fn(with_z, (q, k, v), do, one))
     kernels = guarded(60, kernel_only_backward, q, k, v, do, cu, seq)
     say(f"\nbackward kernels alone (no autograd), S={seq}: " + (kernels if isinstance(kernels, str) else
         f"{kernels[0]:.3f} ms without dlse, {kernels[1]:.3f} ms with a dlse"))
@@ -321,6 +323,34 @@ def zloss_case(seq):
         say(f"\nz-loss S={seq}: fused overhead {100 * (r_z['fwdbwd'] / r_plain['fwdbwd'] - 1):+.1f}%, "
             f"vs naive {r_n['fwdbwd'] / r_z['fwdbwd']:.1f}x faster, {r_n['peak'] / max(r_z['peak'], 1):.0f}x less "
             f"peak memory")
+
+
+def profile_pair(plain_fb, z_fb, iters=20):
+    """Where the z-loss's extra time goes at a short sequence: host wall time per fwd+bwd (synchronized every
+    iteration and not), and the profiler's top ops by CPU and by CUDA time for both."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in (("no z-loss", plain_fb), ("z-loss", z_fb)):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        host = (time.perf_counter() - t0) / iters * 1e3
+        torch.cuda.synchronize()
+        queued = (time.perf_counter() - t0) / iters * 1e3
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+            torch.cuda.synchronize()
+        synced = (time.perf_counter() - t0) / iters * 1e3
+        say(f"\n{name}: host enqueue {host:.3f} ms/iter, queued wall {queued:.3f}, synchronized wall {synced:.3f}")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        say("```\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50)
+            + "\n```")
 
 
 def kernel_only_backward(q, k, v, do, cu, seq):
