@@ -105,12 +105,13 @@ def test_rows_cols_kernel_gathers_rows():
 
 
 @needs_kernels
-def test_weight_quant_kernel_all_experts_and_transposed_copy():
+@pytest.mark.parametrize("transpose_by", ["kernel", "torch"])
+def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by):
     from moela.ops.moe_triton import quant_weights
 
     w = torch.randn(3, 256, 384, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
-    q, s, qt = quant_weights(w)
+    q, s, qt = quant_weights(w, transpose_by=transpose_by)
     for e in range(3):
         rq, rs = quant_128x128(w[e])
         assert_same_quant(q[e], s[e], rq, rs)
-    assert torch.equal(qt.float(), q.transpose(1, 2).float())
+    assert torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))

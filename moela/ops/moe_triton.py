@@ -36,6 +36,14 @@ FP8 = torch.float8_e4m3fn
 _EPS = tl.constexpr(AMAX_EPS)
 _FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's padding programs
+# Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). A
+# 128x128 tile quantized both rowwise and columnwise (or stored at transposed places) needs ~160-170 registers at 8
+# warps (one block per SM; spills when capped at 128), ~95 at 16; the others stay under 128 at 8 warps, so two
+# blocks fit an SM.
+LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=16), quant_rows_or_cols=dict(num_warps=8),
+              weight_quant=dict(num_warps=16), swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
+              combine=dict(num_warps=4), combine_bwd=dict(num_warps=16))
 
 
 @dataclass
@@ -113,6 +121,16 @@ def _quant(x, scale):
 
 
 @triton.jit
+def _store_codes(ptrs, q, mask):
+    """Store e4m3 codes q at ptrs (any addressing, e.g. a tile's transposed places) as bytes. No fp8 tile is
+    transposed (tl.trans of fp8 tiles is reported to corrupt them on Hopper, and so did this file's first transposed
+    weight copy) and the store is an 8-bit integer one: with the ptxas Triton bundles, an fp8 store through a layout
+    conversion next to a second store of the codes is reported corrupted while an int8 one is clean
+    (triton-lang/triton#11111)."""
+    tl.store(ptrs.to(tl.pointer_type(tl.uint8)), q.to(tl.uint8, bitcast=True), mask=mask)
+
+
+@triton.jit
 def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_ptr, ld_q, ld_s, ld_qt, ld_st,
                      ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
     """tile [128, 128] fp32 at (rows, cols): rowwise 1x128 quant (one scale per row) and/or columnwise 128x1 quant
@@ -125,7 +143,7 @@ def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_
     if COLWISE:
         cs = _scale_of(tl.max(tl.abs(tile), axis=0))  # [128]
         qc = _quant(tile, cs[None, :])
-        tl.store(qt_ptr + cols[:, None] * ld_qt + rows[None, :], tl.trans(qc), mask=col_ok[:, None] & row_ok[None, :])
+        _store_codes(qt_ptr + cols[None, :] * ld_qt + rows[:, None], qc, row_ok[:, None] & col_ok[None, :])
         tl.store(st_ptr + cols * ld_st + tl.min(rows, axis=0) // 128, cs, mask=col_ok)
 
 
@@ -161,26 +179,28 @@ def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr,
                     tl.store(out_ptr + row * D + c, xv.to(out_ptr.dtype.element_ty), mask=c < D)
     else:
         p = pid - T
-        rows = tl.arange(0, 128)
         if p < E:
             start = tl.load(offsets_ptr + p) + tl.load(counts_ptr + p)
             end = tl.load(offsets_ptr + p + 1)
         else:
             start = tl.load(offsets_ptr + E) + (p - E) * 128
             end = start * 0 + M_pad
-        r = start + rows
-        ok = r < end
-        for c0 in range(0, D, BLOCK_D):
-            c = c0 + cols
-            m = ok[:, None] & (c[None, :] < D)
-            if QUANT:
-                tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((128, BLOCK_D), tl.float8e4nv), mask=m)
-                g = c0 // 128 + tl.arange(0, BLOCK_D // 128)
-                sz = _scale_of(tl.zeros((128, BLOCK_D // 128), tl.float32))
-                tl.store(s_ptr + r[:, None] * (D // 128) + g[None, :], sz, mask=ok[:, None] & (g[None, :] < D // 128))
-            else:
-                tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((128, BLOCK_D), out_ptr.dtype.element_ty),
-                         mask=m)
+        for r0 in range(0, 128, _ZERO_ROWS):  # [_ZERO_ROWS, BLOCK_D] tiles: a [128, BLOCK_D] one took 254 registers
+            r = start + r0 + tl.arange(0, _ZERO_ROWS)
+            ok = r < end
+            for c0 in range(0, D, BLOCK_D):
+                c = c0 + cols
+                m = ok[:, None] & (c[None, :] < D)
+                if QUANT:
+                    tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv),
+                             mask=m)
+                    sz = _scale_of(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))
+                    gc = c0 // 128 + groups
+                    tl.store(s_ptr + r[:, None] * (D // 128) + gc[None, :], sz,
+                             mask=ok[:, None] & (gc[None, :] < D // 128))
+                else:
+                    tl.store(out_ptr + r[:, None] * D + c[None, :],
+                             tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
 
 
 def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = ALIGN,
@@ -201,7 +221,8 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
     block_d = min(1024, triton.next_power_of_2(max(d, 128)))
     grid = (t + 2 * num_experts + 1,)
     _permute_kernel[grid](x, lay.row_map, lay.offsets, lay.counts, out, scales if quant else out, t, lay.m_pad,
-                          num_experts, D=d, K=topk_ids.shape[1], BLOCK_D=block_d, QUANT=quant is not None, num_warps=4)
+                          num_experts, D=d, K=topk_ids.shape[1], BLOCK_D=block_d, QUANT=quant is not None,
+                          **LAUNCH["permute"])
     return out, scales, lay
 
 
@@ -247,7 +268,8 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     _rowcol_quant_kernel[(m // 128, n // 128)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
         qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
-        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise, num_warps=8)
+        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise,
+        **LAUNCH["quant_rows_cols" if rowwise and colwise else "quant_rows_or_cols"])
     return (q, s), (qt, st)
 
 
@@ -256,29 +278,43 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
-    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, N, K, TRANSPOSED: tl.constexpr):
+    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale; with
+    TRANSPOSED also the same codes at their transposed places in qt [E, K, N] (plain transposed addressing)."""
     e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
     src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
     blk = tl.load(src).to(tl.float32)  # [128, 128]
     sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
-    tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, sc))
+    q = _quant(blk, sc)
+    base = e.to(tl.int64) * N * K
+    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q)
+    if TRANSPOSED:
+        _store_codes(qt_ptr + base + rk[None, :] * N + rn[:, None], q, None)
     tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True):
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "kernel"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. The transposed copy is a plain byte
-    transpose by torch: the earlier in-kernel transposed fp8 store gave a wrong copy on the H200."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="kernel" writes qT from
+    the quantized tile in the same launch (no second pass over q; see _store_codes); "torch" copies
+    q.transpose(1, 2) after the kernel. The kernel path is bit-exact in the interpreter tests but still needs its GPU
+    check (tests/test_quant.py compares both paths with torch's transpose of q): the earlier in-kernel copy, a
+    tl.trans of the fp8 tile, was wrong on the H200."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
+    if transpose_by not in ("kernel", "torch"):
+        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'kernel' or 'torch'")
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k, num_warps=8)
-    qt = q.transpose(1, 2).contiguous() if transposed else None  # [E, K, N]
+    in_kernel = transposed and transpose_by == "kernel"
+    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None  # [E, K, N]
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1),
+                                                  w.stride(2), n, k, TRANSPOSED=in_kernel, **LAUNCH["weight_quant"])
+    if transposed and not in_kernel:
+        qt = q.transpose(1, 2).contiguous()
     return q, s, qt
 
 
@@ -312,39 +348,65 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
         s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
     else:
         out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
-    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant, num_warps=8)
+    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
+                                             **LAUNCH["swiglu_fwd"])
     return out, s
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
-                       QUANT: tl.constexpr):
-    """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization."""
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                     pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
+    """Output PART of tile (pid_m, pid_f): 0 dg, 1 du (both into dh), 2 act."""
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
     r64 = rows.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    da = tl.load(da_ptr + r64[:, None] * F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
-    dg = da * u * (sig + silu * (1.0 - sig))
-    du = da * silu
-    true_r = rows < M
-    true_c = cols < F
-    if QUANT:
-        _store_rows_cols(dg, rows, cols, true_r, true_c, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F, 2 * F // 128,
-                         M, M // 128, True, True)
-        _store_rows_cols(du, rows, cols + F, true_r, true_c, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F,
-                         2 * F // 128, M, M // 128, True, True)
-        _store_rows_cols(silu * u, rows, cols, true_r, true_c, at_ptr, ast_ptr, at_ptr, ast_ptr, 0, 0, M, M // 128,
-                         False, True)
+    if PART != 1:
+        u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0)
+        u = u.to(tl.float32)
+    if PART != 2:
+        da = tl.load(da_ptr + r64[:, None] * F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    if PART == 0:
+        out = da * u * (sig + silu * (1.0 - sig))
+    elif PART == 1:
+        out = da * silu
     else:
-        tl.store(dh_ptr + r64[:, None] * (2 * F) + cols[None, :], dg.to(dh_ptr.dtype.element_ty))
-        tl.store(dh_ptr + r64[:, None] * (2 * F) + F + cols[None, :], du.to(dh_ptr.dtype.element_ty))
-        tl.store(at_ptr + r64[:, None] * F + cols[None, :], (silu * u).to(at_ptr.dtype.element_ty))
+        out = silu * u
+    if PART == 2:
+        if QUANT:
+            _store_rows_cols(out, rows, cols, rows < M, cols < F, at_ptr, ast_ptr, at_ptr, ast_ptr, 0, 0, M,
+                             M // 128, False, True)
+        else:
+            tl.store(at_ptr + r64[:, None] * F + cols[None, :], out.to(at_ptr.dtype.element_ty))
+    else:
+        c_out = cols + PART * F
+        if QUANT:
+            _store_rows_cols(out, rows, c_out, rows < M, cols < F, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F,
+                             2 * F // 128, M, M // 128, True, True)
+        else:
+            tl.store(dh_ptr + r64[:, None] * (2 * F) + c_out[None, :], out.to(dh_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                       QUANT: tl.constexpr):
+    """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization.
+    Program (part, m, f) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
+    code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
+    registers). The three programs of a tile are neighbours in launch order: the inputs they share come from L2."""
+    part, pid_m, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if part == 0:
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 0)
+    elif part == 1:
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 1)
+    else:
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 2)
 
 
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
@@ -353,11 +415,12 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    grid = (m // 128, f // 128)
+    grid = (3, m // 128, f // 128)  # (part, m, f): the parts of a tile run side by side
     if not quant:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
-        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False, num_warps=8)
+        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False,
+                                 **LAUNCH["swiglu_bwd"])
         return dh, None, act
     dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
     dhs = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
@@ -365,7 +428,8 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
     aqt = torch.empty(f, m, device=dev, dtype=FP8)
     ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True, num_warps=8)
+    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
+                             **LAUNCH["swiglu_bwd"])
     return (dhq, dhs), (dhqt, dhst), (aqt, ast)
 
 
@@ -397,7 +461,7 @@ def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tenso
     block_d = min(1024, triton.next_power_of_2(d))
     w = topk_weights.contiguous() if topk_weights is not None else o
     _combine_kernel[(t, triton.cdiv(d, block_d))](o, layout.row_map, w, y, d, K=k, BLOCK_D=block_d,
-                                                  WEIGHTED=topk_weights is not None, num_warps=4)
+                                                  WEIGHTED=topk_weights is not None, **LAUNCH["combine"])
     return y
 
 
@@ -441,12 +505,12 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
         doqt = torch.empty(d, m, device=dev, dtype=FP8)
         dost = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
         _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, K=layout.topk, QUANT=True,
-                                  num_warps=8)
+                                  **LAUNCH["combine_bwd"])
         rowwise, colwise = (doq, dos), (doqt, dost)
     else:
         do = torch.empty(m, d, device=dev, dtype=dy.dtype)
         _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
-                                  num_warps=8)
+                                  **LAUNCH["combine_bwd"])
         rowwise, colwise = do, None
     dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
     return rowwise, colwise, dw
