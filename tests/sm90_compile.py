@@ -1,16 +1,24 @@
-"""Compiles moela's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU and prints, per kernel, its
-shared memory and number of async copies as JSON (run by tests/test_kernels_sm90.py in a process without
-TRITON_INTERPRET, whose kernels are not compilable). It checks what the interpreter cannot: that the GPU code
-generator accepts the kernel (constexpr globals, dot shapes, dtypes), that its block loops are software-pipelined
-and that its shared memory fits. Kernels are compiled with the launch configurations used on the GPU (the MLA
-192/128 attention table, the largest grouped-GEMM autotune configuration) and the launcher's specialization.
+"""Compiles moela's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU and prints, per kernel,
+[shared memory bytes, async copies, registers per thread, spill bytes] as JSON (run by tests/test_kernels_sm90.py
+in a process without TRITON_INTERPRET, whose kernels are not compilable). It checks what the interpreter cannot:
+that the GPU code generator accepts the kernel (constexpr globals, dot shapes, dtypes), that its block loops are
+software-pipelined, that its shared memory fits and whether ptxas spills registers to local memory. Kernels are
+compiled with the launch configurations used on the GPU (the MLA 192/128 attention table, the largest
+grouped-GEMM autotune configuration, the warps and block sizes of the moe_triton launchers) and the launcher's
+specialization. Names starting with "moe_triton" are the MoE path's non-GEMM kernels (no block loop to pipeline).
+
+Registers and spills come from ptxas itself: Triton 3.6 keeps ptxas' `-v` report out of the compiled metadata
+(`CompiledKernel.n_regs` / `n_spills` are only filled when the binary is loaded on a GPU), so the kernel's PTX is
+assembled once more with the ptxas Triton ships (triton/backends/nvidia/bin/ptxas) and its report parsed.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -22,7 +30,7 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
     """args: every parameter by name: a constexpr's value; for the others a pointer type string ("*bf16",
     16-byte aligned like a torch allocation), an int (i32, specialized as the launcher does: 1 becomes a constant,
     a multiple of 16 gets the divisibility hint) or a float (fp32). Returns (shared bytes, async copies in the
-    TTGIR)."""
+    TTGIR, registers per thread, spill bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -47,7 +55,24 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    return compiled.metadata.shared, len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"]))
+    regs, spills = ptxas_usage(compiled.asm["ptx"])
+    return (compiled.metadata.shared, len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"])), regs,
+            spills)
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a"):
+    """(registers per thread, spill bytes = max(spill stores, spill loads)) from ptxas -v on the kernel's PTX."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={arch}", str(src), "-o",
+                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
+    log = run.stdout + run.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return regs, max(int(spill.group(1)), int(spill.group(2)))
 
 
 def attention_kernels():
@@ -89,5 +114,52 @@ def moe_kernels():
     return out
 
 
+def moe_triton_kernels():
+    """The non-GEMM MoE kernels at the V3 layer shape (T 8192, top-8, E 32, D 7168, F 2048, M_pad 69632) with their
+    launchers' warps and block sizes; fp8 (quant) variants and the bf16 ones where the code differs."""
+    from moela.ops import moe_triton as L
+
+    t, k, e, d, f = 8192, 8, 32, 7168, 2048
+    m = L.build_layout_rows(t, k, e)
+    block_d = 1024
+    fp8, bf16, f32, i32 = "*fp8e4nv", "*bf16", "*fp32", "*i32"
+    out = {}
+
+    def add(name, kernel, args, num_warps):
+        out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps)
+
+    for quant in (True, False):
+        tag = "fp8" if quant else "bf16"
+        add(f"permute {tag}", L._permute_kernel, dict(
+            x_ptr=bf16, row_map_ptr=i32, offsets_ptr="*i64", counts_ptr="*i64", out_ptr=fp8 if quant else bf16,
+            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, D=d, K=k, BLOCK_D=block_d, QUANT=quant),
+            **L.LAUNCH["permute"])
+    add("rowcol_quant gather colwise", L._rowcol_quant_kernel, dict(
+        x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,
+        GATHER=True, ROWWISE=False, COLWISE=True), **L.LAUNCH["quant_rows_or_cols"])
+    add("rowcol_quant rows+cols", L._rowcol_quant_kernel, dict(
+        x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
+        GATHER=False, ROWWISE=True, COLWISE=True), **L.LAUNCH["quant_rows_cols"])
+    add("weight_quant", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
+        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d,
+        TRANSPOSED=True), **L.LAUNCH["weight_quant"])
+    for quant in (True, False):
+        tag = "fp8" if quant else "bf16"
+        add(f"swiglu_fwd {tag}", L._swiglu_fwd_kernel, dict(
+            h_ptr=bf16, m_idx_ptr=i32, out_ptr=fp8 if quant else bf16, s_ptr=f32 if quant else bf16, M=m, F=f,
+            QUANT=quant), **L.LAUNCH["swiglu_fwd"])
+        add(f"swiglu_bwd {tag}", L._swiglu_bwd_kernel, dict(
+            h_ptr=bf16, da_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dhs_ptr=f32 if quant else bf16,
+            dht_ptr=fp8 if quant else bf16, dhst_ptr=f32 if quant else bf16, at_ptr=fp8 if quant else bf16,
+            ast_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **L.LAUNCH["swiglu_bwd"])
+        add(f"combine_bwd {tag}", L._combine_bwd_kernel, dict(
+            dy_ptr=bf16, o_ptr=bf16, src_ptr=i32, w_ptr=f32, do_ptr=fp8 if quant else bf16,
+            dos_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dost_ptr=f32 if quant else bf16,
+            part_ptr=f32, M=m, D=d, K=k, QUANT=quant), **L.LAUNCH["combine_bwd"])
+    add("combine", L._combine_kernel, dict(o_ptr=bf16, row_map_ptr=i32, w_ptr=f32, y_ptr=bf16, D=d, K=k,
+                                           BLOCK_D=block_d, WEIGHTED=True), **L.LAUNCH["combine"])
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({**attention_kernels(), **moe_kernels()}))
+    print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels()}))

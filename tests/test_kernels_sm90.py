@@ -1,5 +1,7 @@
 """The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200)
-with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET)."""
+with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The block
+loops of the attention and grouped-GEMM kernels must be pipelined; the MoE path's non-GEMM kernels (moe_triton)
+must not spill registers."""
 
 import json
 import os
@@ -20,7 +22,11 @@ def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result) == 5, result
-    for name, (shared, async_copies) in result.items():
+    non_gemm = {name for name in result if name.startswith("moe_triton ")}
+    assert len(result) - len(non_gemm) == 5 and len(non_gemm) >= 7, result
+    for name, (shared, async_copies, regs, spills) in result.items():
         assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"
-        assert async_copies > 0, f"{name}: its block loop is not software-pipelined (no async copies)"
+        if name in non_gemm:
+            assert spills == 0, f"{name}: ptxas spills {spills} bytes at {regs} registers per thread"
+        else:
+            assert async_copies > 0, f"{name}: its block loop is not software-pipelined (no async copies)"
