@@ -482,3 +482,26 @@ def test_router_stays_float32_under_autocast():
         ids, weights, scores = gate(x)
     assert scores.dtype == torch.float32
     assert torch.allclose(scores, torch.sigmoid(x.double() @ gate.weight.double().t()).float(), atol=1e-6)
+
+
+def test_routed_experts_get_the_autocast_dtype(monkeypatch):
+    """moe_experts is invisible to autocast: the layer casts the fp32 residual stream to the autocast dtype itself,
+    so the bf16 kernels (not the fp32 reference fallback) run under mixed precision."""
+    import moela.model.moe as moe_mod
+
+    seen = []
+    real = moe_mod.moe_experts
+
+    def spy(x, *a, **kw):
+        seen.append(x.dtype)
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(moe_mod, "moe_experts", spy)
+    layer = MoE(preset("tiny", vocab_size=64))
+    x = torch.randn(9, layer.experts.w13.shape[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        topk_ids, topk_weights, _ = layer.gate(x)
+        out = layer.experts(x, topk_ids, topk_weights)
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+    layer.experts(x, topk_ids, topk_weights)  # no autocast: fp32 stays fp32
+    assert seen[-1] == torch.float32

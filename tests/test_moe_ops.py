@@ -239,12 +239,12 @@ def _cublas_contract_scaled_mm(a, b, scale_a, scale_b, *, out_dtype, out=None):
 
 def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     """The cuBLAS provider's per-expert slicing and scale reordering against the Triton grouped GEMMs on the same
-    quantized operands: empty experts, K/128 not a multiple of 4 (the L4 padding), rows past the last expert."""
+    quantized operands: empty experts, rows past the last expert; K that cuBLASLt's layout cannot take is refused."""
     from moela.ops import moe_gemm as G
     from moela.ops.moe_triton import quant_rows_cols, quant_weights
 
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
-    e, n, k = 4, 384, 640  # K/128 = 5, N/128 = 3
+    e, n, k = 4, 1024, 512
     lay, real = _layout_and_rows(150, e, skew=True)  # expert 0 has every token, the others none
     bounds = list(zip(lay.offsets.tolist()[:-1], lay.offsets.tolist()[1:]))
     a = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real[:, None]
@@ -253,7 +253,9 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     got = G.cublas_mgrouped(aq, as_, bq, bs, bounds, torch.float32)
     want = G.mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
     assert _rel(got, want) < 1e-6 and (got[lay.offsets[-1]:] == 0).all()
-    # data gradient: the transposed weight copy with the transposed block scales (N/128 = 3: padded to 4)
+    with pytest.raises(ValueError, match="multiple of 512"):
+        G.cublas_mgrouped(aq[:, :384], as_[:, :3], bq[:, :, :384], bs[:, :, :3], bounds)
+    # data gradient: the transposed weight copy with the transposed block scales
     dy = torch.randn(lay.m_pad, n, device=DEV, dtype=torch.float16) * real[:, None]
     (dq, ds), (dqt, dst) = quant_rows_cols(dy)
     got = G.cublas_mgrouped(dq, ds, bqt, bs.transpose(1, 2), bounds, torch.float32)
@@ -270,7 +272,9 @@ def test_cublas_provider_whole_path_matches_triton(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
     monkeypatch.setattr(G, "cublas_blockwise_available", lambda device=None: True)
-    prob = _problem(37, 256, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    # D = 512: GEMM1 forward and GEMM2 data gradient on cuBLAS; F = 384 (2F = 768): the other two m-grouped GEMMs
+    # fall back to Triton; both weight gradients on cuBLAS
+    prob = _problem(37, 512, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
     for a, b in zip(_run(*prob, "fp8_blockwise", "cublas"), _run(*prob, "fp8_blockwise", "triton")):
         assert _rel(a, b) < 2e-3
 

@@ -10,7 +10,8 @@ bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D], the layou
 GEMM providers: `triton` (everything ours), `torch` (bf16 `torch._grouped_mm`), `cublas` (FP8: cuBLAS's blockwise
 GEMM through `torch._scaled_mm`, one per expert, for all six GEMMs; Hopper), `deep_gemm` (DeepGEMM's m-grouped
 FP8 GEMM for forward and data gradient, ours for the weight gradient). `cublas` reads the expert bounds on the
-host once per forward (one sync) and keeps them for the backward.
+host once per forward (one sync) and keeps them for the backward; an m-grouped GEMM whose K/128 is not a multiple
+of 4 (cuBLASLt's 128x128 scale layout; e.g. V2-Lite's F = 1408) runs on the Triton kernel instead.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
 """
@@ -24,7 +25,7 @@ from moela.ops import moe_triton as L
 
 
 def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
-    if provider == "cublas" and a_scale is not None:
+    if provider == "cublas" and a_scale is not None and G.cublas_k_blocks_ok(a.shape[1]):
         return G.cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
     if provider == "torch":
         return G.torch_mgrouped(a, b, lay.offsets)

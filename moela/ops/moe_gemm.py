@@ -16,7 +16,7 @@ whose bounds are loaded from memory are written as `while` loops (the interprete
 cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp32 scales in its own layouts (with
 `torch._scaled_mm(a [M, K] row-major, b [K, N] column-major)`): 1x128 scales of a as [M, K/128] with strides
 (1, M) (M-major); 1x128 scales of b as [K/128, N] row-major (N-major); 128x128 scales of b as [K/128, N/128] with
-strides (1, L4), L4 = K/128 rounded up to 4. The wrappers below reorder the (small) scale tensors once per call and
+strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4: K a multiple of 512). The wrappers below reorder the (small) scale tensors once per call and
 launch one `torch._scaled_mm` per non-empty expert over its padded block (the expert bounds come from the host,
 one sync per layer, made by the caller).
 `torch._grouped_mm` exists on torch 2.11 CUDA (used on the H200) and on torch 2.13 CPU (used by the CPU tests),
@@ -256,17 +256,15 @@ def cublas_blockwise_available(device=None) -> bool:
     return (major, minor) >= (2, 10) and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def cublas_k_blocks_ok(k: int) -> bool:
+    """cuBLASLt wants 128x128 scales with a K stride rounded up to 4 blocks; torch 2.11 accepts only K/128 that
+    needs no rounding (measured on the H200: K = 1408 and 2816 are refused)."""
+    return k % 512 == 0
+
+
 def _mn_major(s: torch.Tensor) -> torch.Tensor:
     """[R, G] -> the same values with strides (1, R): the MN-major scale layout cuBLASLt reads."""
     return s.t().contiguous().t()
-
-
-def _k_blocks_padded(s: torch.Tensor) -> torch.Tensor:
-    """[E, N/128, L] 128x128 weight scales -> contiguous [E, N/128, L4], L4 = L rounded up to 4 (zeros past L):
-    sliced back to [:, :, :L] and transposed, expert e's scales are [L, N/128] with strides (1, L4) as cuBLASLt
-    wants them."""
-    pad = (-s.shape[-1]) % 4
-    return torch.nn.functional.pad(s, (0, pad)) if pad else s.contiguous()
 
 
 def cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.bfloat16):
@@ -275,16 +273,18 @@ def cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.bfloat16):
     a_scale [M_pad, K/128], b_scale [E, N/128, K/128] (any strides). Rows past the last expert are zeros."""
     m, k = a.shape
     e, n, k2 = b.shape
+    if not cublas_k_blocks_ok(k):
+        raise ValueError(f"cublas_mgrouped: K={k} is not a multiple of 512 (cuBLASLt's 128x128 scale layout); use "
+                         f"the Triton mgrouped_gemm")
     if k2 != k or a.stride(1) != 1 or b.stride(2) != 1 or len(bounds) != e:
         raise ValueError(f"cublas_mgrouped: a {tuple(a.shape)} / b {tuple(b.shape)} must be K-contiguous with one "
                          f"bound per expert (got {len(bounds)})")
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    bsc = _k_blocks_padded(b_scale)
-    nk = k // 128
+    bsc = b_scale.contiguous()  # expert e: [N/128, K/128] -> transposed view [K/128, N/128], strides (1, K/128)
     end = 0
     for ex, (s, t) in enumerate(bounds):
         if t > s:
-            torch._scaled_mm(a[s:t], b[ex].t(), _mn_major(a_scale[s:t]), bsc[ex, :, :nk].t(), out_dtype=out_dtype,
+            torch._scaled_mm(a[s:t], b[ex].t(), _mn_major(a_scale[s:t]), bsc[ex].t(), out_dtype=out_dtype,
                              out=out[s:t])
         end = max(end, t)
     if end < m:
