@@ -393,6 +393,8 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.md"))
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later baselines are skipped past it")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--cases", default="equal,packed,zloss,alibi,short,d128",
+                    help="comma list: equal (S=8192), packed, zloss, alibi, short (S=4096, 2048), d128 (128/128)")
     args = ap.parse_args()
     t0 = time.time()
     budget_ok = lambda: time.time() - t0 < args.budget  # noqa: E731
@@ -406,20 +408,23 @@ def main():
         sweep(128, 128, 8192, SWEEP_NARROW)
         say("```")
     say(f"\nlaunch configs used below: {at.CONFIGS}")
-    equal_case(8192, 192, 128, True, budget_ok)
-    packed_case(budget_ok)
+    cases = set(args.cases.split(","))
+    if "equal" in cases:
+        equal_case(8192, 192, 128, True, budget_ok)
+    if "packed" in cases:
+        packed_case(budget_ok)
     for seq in (2048, 4096, 8192):
-        if budget_ok():
+        if "zloss" in cases and budget_ok():
             zloss_case(seq)
-    if budget_ok():
+    if "zloss" in cases and budget_ok():
         zloss_case(2048, tokens=4096)  # the host-bound B=2 case, with its profile
     for seq in (4096, 8192):
-        if budget_ok():
+        if "alibi" in cases and budget_ok():
             alibi_case(seq)
     for seq in (4096, 2048):
-        if budget_ok():
+        if "short" in cases and budget_ok():
             equal_case(seq, 192, 128, True, budget_ok)
-    if budget_ok():
+    if "d128" in cases and budget_ok():
         equal_case(8192, 128, 128, False, budget_ok)
     say(f"\ntotal {time.time() - t0:.0f} s")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
