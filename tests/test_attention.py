@@ -84,8 +84,10 @@ def poisoned_empty(monkeypatch):
 
 
 def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
-                          ulps=0.0):
+                          ulps=0.0, slope_scale=1.0):
     q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
+    if slopes is not None:
+        slopes = slopes * slope_scale
     scale = 1.0 / math.sqrt(d_qk)
     got = run_with_grads(lambda a, b, c: mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k,
                                                        max_seqlen_k=max(lens_k), causal=causal,
@@ -125,19 +127,35 @@ def test_triton_bottom_right_causal_longer_k(poisoned_empty):
 
 
 @needs_interpreter
-def test_triton_queries_that_see_no_key(poisoned_empty):
-    """q side longer than k side, causal: the first Lq - Lk queries see nothing -> out 0, lse -inf, no NaN."""
-    q, k, v, cu_q, cu_k, _, dout, _ = make_case([10, 40], [4, 40], 2, 32, 16, torch.float32, "cpu", False, seed=9)
+@pytest.mark.parametrize("alibi", [False, True])
+def test_triton_queries_that_see_no_key(poisoned_empty, alibi):
+    """q side longer than k side, causal: the first Lq - Lk queries see nothing -> out 0, lse -inf, no NaN (with
+    ALiBi, their positions on the k side are negative)."""
+    q, k, v, cu_q, cu_k, slopes, dout, _ = make_case([10, 40], [4, 40], 2, 32, 16, torch.float32, "cpu", alibi,
+                                                     seed=9)
+    kw = dict(alibi_slopes=slopes)
     got = run_with_grads(lambda a, b, c: (mla_attention(a, b, c, cu_q, 40, cu_seqlens_k=cu_k, max_seqlen_k=40,
-                                                        return_lse=True, backend="triton")[0], None)[:1],
+                                                        return_lse=True, backend="triton", **kw)[0], None)[:1],
                          q, k, v, dout, None)
-    want = run_with_grads(lambda a, b, c: (attention_reference(a, b, c, cu_q, cu_k)[0], None)[:1], q, k, v, dout,
-                          None)
+    want = run_with_grads(lambda a, b, c: (attention_reference(a, b, c, cu_q, cu_k, **kw)[0], None)[:1], q, k, v,
+                          dout, None)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     assert (got[0][:6] == 0).all() and (got[1][:6] == 0).all()  # out and dq of the blind queries
-    _, lse = mla_attention(q, k, v, cu_q, 40, cu_seqlens_k=cu_k, max_seqlen_k=40, return_lse=True, backend="triton")
+    _, lse = mla_attention(q, k, v, cu_q, 40, cu_seqlens_k=cu_k, max_seqlen_k=40, return_lse=True, backend="triton",
+                           **kw)
     assert torch.isneginf(lse[:, :6]).all() and torch.isfinite(lse[:, 6:]).all()
+    torch.testing.assert_close(lse, attention_reference(q, k, v, cu_q, cu_k, **kw)[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lens_q,lens_k,slope_scale", [([700], [1000], 1.0), ([40, 300], [40, 300], 3.0)])
+def test_triton_causal_alibi_split_fp32(poisoned_empty, lens_q, lens_k, slope_scale):
+    """Causal ALiBi adds only the bias's column term to the scores and its row term to lse, both relative to a point
+    in each program's block: many blocks between a query and its first keys, a longer k side, and steep slopes (up to
+    0.93), in float32."""
+    check_against_float64(lens_q, lens_k, 2, 64, 64, torch.float32, "cpu", True, True, seed=17, backend="triton",
+                          slope_scale=slope_scale)
 
 
 @needs_interpreter

@@ -13,9 +13,21 @@ Decisions:
 - Each loop over blocks runs in two phases: blocks that need no mask (fully inside the document and below the
   causal diagonal) and the few that do; the mask costs nothing on the former.
 - Causal alignment is bottom-right: query i of a document sees key j when j <= i + (Lk - Lq).
-- ALiBi bias `-slope * |i + Lk - Lq - j|` is computed from indices in the kernel, never materialized; positions
-  are converted to float per row / column (exact below 2^24) so the per-element cost is one subtract and one FMA
-  (an int -> float conversion per element ran the forward at a third of its speed).
+- ALiBi bias `-slope * |i' - j|`, i' = i + Lk - Lq the query's position on the k side, is computed from indices in
+  the kernel, never materialized. Causal: every visible key has j <= i', so the bias splits, for any r0, into a
+  column and a row term, `slope * (j - r0) - slope * (i' - r0)`. The row term moves all scores of a row by one
+  constant, which softmax ignores: the scores get only the column term, folded into the scale multiply (an FMA
+  instead of a multiply, so no extra op per score in the forward; one add per score in the backward kernels, whose
+  bias and lse are then two terms), and the row term is applied once per row: the forward subtracts it from the lse
+  it writes (still the true log-sum-exp of the biased scores), the backward adds it to the lse it loads. r0 is the
+  middle of the program's query block (key block in dk/dv); a key block's column terms are the program's
+  `slope * n` (n < BLOCK_N) plus one scalar that goes onto the row maxima / lse (two adds a row). Masked elements
+  of diagonal blocks get the linear value and are masked as before. Position differences are exact (int32, then
+  float below 2^24) and rounded once; scores near the diagonal carry an offset of up to `slope * BLOCK / 2`
+  (log2), about 2^-24 of which is added error (~5e-6 at slope 1: fp32 softmax rounding, far below bf16).
+  Full attention keeps the exact `|i' - j|` per score (not linear across the diagonal): positions are converted to
+  float per row / column, then one subtract and one FMA per score (an int -> float conversion per score ran the
+  forward at a third of its speed).
 - Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), small
   blocks are used, and the block loops, whose bounds are loaded from cu_seqlens, run as `while` loops (Triton 3.6's
   interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3 rejects); the compiled GPU code
@@ -99,31 +111,41 @@ def _mask_and_bias(s, qpos, kpos, lk, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl
 
 
 @triton.jit
+def _alibi_term(pos, r0, slope):
+    """slope * (pos - r0) for integer positions pos (< 2^31): a column or row term of causal ALiBi's bias, split at
+    the program's r0 (module docstring). The difference is exact in int32 and in float (below 2^24), rounded once
+    by the multiply."""
+    return slope * (pos.to(tl.int32) - r0.to(tl.int32)).to(tl.float32)
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, diag, lk, slope,
-               qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+               r0, ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
                HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
                BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     if _INTERP:
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
-                                      diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
-                                      BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                      diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
+                                      UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
-                                      diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
-                                      BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                      diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
+                                      UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk, slope,
-              qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk, slope, r0,
+              ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One key block [start_n, start_n + BN) of the online softmax."""
+    """One key block [start_n, start_n + BN) of the online softmax. Causal ALiBi: the column term of key
+    start_n + n is ar[n] + g; ar [BN] is the program's, the block's g is moved onto the row maximum (two adds a row).
+    m_i then holds the row maxima of the scores plus their row terms."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -132,10 +154,17 @@ def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start
     k2 = k1
     if HAS_D2:
         k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
-    s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
-    s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])  # [BM, BN]
+    if HAS_ALIBI and CAUSAL:
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale + ar[None, :]  # [BM, BN]
+        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, False, MASK)
+        g = _alibi_term(start_n, r0, slope)
+        m_new = tl.maximum(m_i, tl.max(s, 1) + g)
+        p = tl.exp2(s - (m_new - g)[:, None])  # [BM, BN]
+    else:
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])  # [BM, BN]
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
@@ -167,8 +196,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, strid
     if HAS_D2:
         q2 = _load_rows(q_base, offs_m, lq, stride_qt, BLOCK_D1 + tl.arange(0, BLOCK_D2), D_QK, UPCAST)
     slope = 0.0
+    r0 = start_m + diag + BLOCK_M // 2  # ALiBi's split point (_alibi_term): the middle of the query block
+    ar = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h) * LOG2E
+        if CAUSAL:
+            ar = slope * tl.arange(0, BLOCK_N).to(tl.float32)
     k_base = K + k0 * stride_kt + h * stride_kh
     v_base = V + k0 * stride_vt + h * stride_vh
     if CAUSAL:
@@ -181,14 +214,17 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, strid
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # finite: a fully masked row keeps exp2(-inf - m) = 0
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, 0, n_full, offs_m,
-                               diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST,
+                               diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST,
                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, n_full, hi, offs_m,
-                               diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
+                               diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, Dv]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)  # [BM]
+    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))  # [BM]
+    if HAS_ALIBI and CAUSAL:
+        lse2 -= _alibi_term(offs_m + diag, r0, slope)  # the row term, once per row
+    lse = tl.where(empty, float("-inf"), lse2 * LN2)  # [BM]
     offs_dv = tl.arange(0, BLOCK_DV)
     o_ptrs = O + q0 * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < D_V))
@@ -215,32 +251,33 @@ def _bwd_preprocess_kernel(O, DO, DLSE, DELTA, stride_ot, stride_oh, stride_dot,
 
 @triton.jit
 def _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi,
-                offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-                HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr,
-                BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+                offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Transposed formulation: rows are keys [BN], columns queries [BM]. MASK is the causal mask only: rows of keys
     past the document are computed from zero-filled loads and never stored."""
     if _INTERP:
         start_m = lo
         while start_m < hi:
             dk1, dk2, dv = _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                      stride_dot, start_m, offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI,
-                                      MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                      stride_dot, start_m, offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V,
+                                      CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
             start_m += BLOCK_M
     else:
         for start_m in range(lo, hi, BLOCK_M):
             dk1, dk2, dv = _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                      stride_dot, start_m, offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI,
-                                      MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                      stride_dot, start_m, offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V,
+                                      CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     return dk1, dk2, dv
 
 
 @triton.jit
 def _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, start_m,
-               offs_n, diag, lq, slope, qk_scale, D_QK, D_V, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr,
-               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One query block [start_m, start_m + BM) of dk / dv."""
+               offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One query block [start_m, start_m + BM) of dk / dv. Causal ALiBi: kcol [BN] holds the keys' column terms
+    (_alibi_term), fixed for the program; the queries' row terms join their lse."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -249,12 +286,17 @@ def _dkdv_step(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, s
     q2 = q1
     if HAS_D2:
         q2 = _load_rows(q_base, offs_m, lq, stride_qt, offs_d2, D_QK, UPCAST)  # [BM, D2]
-    lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
-    st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale  # [BN, BM]
     qpos = (offs_m + diag)[None, :]
     kpos = offs_n[:, None]
-    if HAS_ALIBI:
-        st = st - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
+    if HAS_ALIBI and CAUSAL:
+        lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
+        lse2 += _alibi_term(offs_m + diag, r0, slope)
+        st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale + kcol[:, None]  # [BN, BM]
+    else:
+        lse2 = tl.load(lse_base + offs_m, mask=offs_m < lq, other=0.0) * LOG2E  # [BM]
+        st = _scores(k1, k2, q1, q2, HAS_D2) * qk_scale  # [BN, BM]
+        if HAS_ALIBI:
+            st = st - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
     pt = tl.exp2(st - lse2[None, :])  # [BN, BM]
     if MASK:
         pt = tl.where(kpos <= qpos, pt, 0.0)
@@ -298,8 +340,12 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
         k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
     v = _load_rows(V + k0 * stride_vt + h * stride_vh, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
     slope = 0.0
+    r0 = start_n + BLOCK_N // 2  # ALiBi's split point (_alibi_term): the middle of the key block
+    kcol = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h) * LOG2E
+        if CAUSAL:
+            kcol = _alibi_term(offs_n, r0, slope)
     q_base = Q + q0 * stride_qt + h * stride_qh
     do_base = DO + q0 * stride_dot + h * stride_doh
     lse_base = LSE + h * stride_lh + q0
@@ -315,11 +361,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
     dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                               stride_dot, lo, mid, offs_n, diag, lq, slope, qk_scale, D_QK, D_V,
-                               HAS_ALIBI, True, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                               stride_dot, lo, mid, offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V,
+                               CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                               stride_dot, mid, lq, offs_n, diag, lq, slope, qk_scale, D_QK, D_V,
-                               HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                               stride_dot, mid, lq, offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V,
+                               CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     row_ok = offs_n[:, None] < lk
     dk_base = DK + k0 * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt
     tl.store(dk_base + offs_d1[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty),
@@ -333,30 +379,31 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
 
 @triton.jit
 def _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, diag, lk,
-              slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+              slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
     if _INTERP:
         start_n = lo
         while start_n < hi:
             dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n,
-                                offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
-                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                offs_m, diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
+                                UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq1, dq2 = _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n,
-                                offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2, UPCAST,
-                                BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                                offs_m, diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
+                                UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     return dq1, dq2
 
 
 @triton.jit
 def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk,
-             slope, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+             slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
              HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
              BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One key block [start_n, start_n + BN) of dq."""
+    """One key block [start_n, start_n + BN) of dq. Causal ALiBi: lse2 includes the row terms; the column term of key
+    start_n + n is ar[n] + g, the block's g moved onto lse2 (one add a row)."""
     offs_d1 = tl.arange(0, BLOCK_D1)
     offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -365,12 +412,19 @@ def _dq_step(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, strid
     k2 = k1
     if HAS_D2:
         k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
-    s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
     qpos = (offs_m + diag)[:, None]
     kpos = offs_n[None, :]
-    if HAS_ALIBI:
-        s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
-    p = tl.exp2(s - lse2[:, None])  # [BM, BN]
+    if HAS_ALIBI and CAUSAL and MASK:
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale + _alibi_term(offs_n, r0, slope)[None, :]  # [BM, BN]
+        p = tl.exp2(s - lse2[:, None])  # [BM, BN]
+    elif HAS_ALIBI and CAUSAL:
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale + ar[None, :]  # [BM, BN]
+        p = tl.exp2(s - (lse2 - _alibi_term(start_n, r0, slope))[:, None])  # [BM, BN]
+    else:
+        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
+        if HAS_ALIBI:
+            s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
+        p = tl.exp2(s - lse2[:, None])  # [BM, BN]
     if MASK:
         keep = kpos < lk
         if CAUSAL:
@@ -416,8 +470,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, s
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # a row that sees no key gets p = 0
     delta = tl.load(DELTA + h * stride_lh + q0 + offs_m, mask=offs_m < lq, other=0.0)
     slope = 0.0
+    r0 = start_m + diag + BLOCK_M // 2  # as in the forward
+    ar = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h) * LOG2E
+        if CAUSAL:
+            ar = slope * tl.arange(0, BLOCK_N).to(tl.float32)
+            lse2 += _alibi_term(offs_m + diag, r0, slope)  # the row terms (a blind row's +inf stays +inf)
     k_base = K + k0 * stride_kt + h * stride_kh
     v_base = V + k0 * stride_vt + h * stride_vh
     if CAUSAL:
@@ -429,10 +488,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, s
     dq1 = tl.zeros([BLOCK_M, BLOCK_D1], dtype=tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
     dq1, dq2 = _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, n_full, offs_m,
-                         diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_N,
-                         BLOCK_D1, BLOCK_D2, BLOCK_DV)
+                         diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST,
+                         BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     dq1, dq2 = _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, n_full, hi,
-                         offs_m, diag, lk, slope, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
+                         offs_m, diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
                          BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
     row_ok = offs_m[:, None] < lq
     dq_base = DQ + q0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
