@@ -237,6 +237,9 @@ def _cublas_contract_scaled_mm(a, b, scale_a, scale_b, *, out_dtype, out=None):
     return out
 
 
+TOL_SAME = 5e-4 if DEV == "cuda" else 1e-6  # the GPU's fp8 MMA accumulates with fewer bits inside a K step
+
+
 def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     """The cuBLAS provider's per-expert slicing and scale reordering against the Triton grouped GEMMs on the same
     quantized operands: empty experts, rows past the last expert; K that cuBLASLt's layout cannot take is refused."""
@@ -252,7 +255,7 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     bq, bs, bqt = quant_weights(torch.randn(e, n, k, device=DEV, dtype=torch.float16))
     got = G.cublas_mgrouped(aq, as_, bq, bs, bounds, torch.float32)
     want = G.mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
-    assert _rel(got, want) < 1e-6 and (got[lay.offsets[-1]:] == 0).all()
+    assert _rel(got, want) < TOL_SAME and (got[lay.offsets[-1]:] == 0).all()
     with pytest.raises(ValueError, match="multiple of 512"):
         G.cublas_mgrouped(aq[:, :384], as_[:, :3], bq[:, :, :384], bs[:, :, :3], bounds)
     # data gradient: the transposed weight copy with the transposed block scales
@@ -260,11 +263,11 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     (dq, ds), (dqt, dst) = quant_rows_cols(dy)
     got = G.cublas_mgrouped(dq, ds, bqt, bs.transpose(1, 2), bounds, torch.float32)
     want = G.mgrouped_gemm(dq, bqt, lay.m_indices, a_scale=ds, b_scale=bs.transpose(1, 2), out_dtype=torch.float32)
-    assert _rel(got, want) < 1e-6
+    assert _rel(got, want) < TOL_SAME
     # weight gradient over tokens
     got = G.cublas_kgrouped(dqt, dst, aqt, ast, bounds)
     want = G.kgrouped_gemm(dqt, aqt, lay.offsets, a_scale=dst, b_scale=ast)
-    assert _rel(got, want) < 1e-6 and (got[lay.counts == 0] == 0).all()
+    assert _rel(got, want) < TOL_SAME and (got[lay.counts == 0] == 0).all()
 
 
 def test_cublas_provider_whole_path_matches_triton(monkeypatch):
