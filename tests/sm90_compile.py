@@ -141,8 +141,7 @@ def moe_triton_kernels():
         x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
         GATHER=False, ROWWISE=True, COLWISE=True), **L.LAUNCH["quant_rows_cols"])
     add("weight_quant", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
-        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d,
-        TRANSPOSED=True), **L.LAUNCH["weight_quant"])
+        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d), **L.LAUNCH["weight_quant"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"swiglu_fwd {tag}", L._swiglu_fwd_kernel, dict(

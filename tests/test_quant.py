@@ -105,7 +105,7 @@ def test_rows_cols_kernel_gathers_rows():
 
 
 @needs_kernels
-@pytest.mark.parametrize("transpose_by", ["kernel", "torch"])
+@pytest.mark.parametrize("transpose_by", ["quant", "torch"])
 def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by):
     from moela.ops.moe_triton import quant_weights
 

@@ -42,7 +42,7 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # warps (one block per SM; spills when capped at 128), ~95 at 16; the others stay under 128 at 8 warps, so two
 # blocks fit an SM.
 LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=16), quant_rows_or_cols=dict(num_warps=8),
-              weight_quant=dict(num_warps=16), swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
+              weight_quant=dict(num_warps=8), swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
               combine=dict(num_warps=4), combine_bwd=dict(num_warps=16))
 
 
@@ -123,10 +123,11 @@ def _quant(x, scale):
 @triton.jit
 def _store_codes(ptrs, q, mask):
     """Store e4m3 codes q at ptrs (any addressing, e.g. a tile's transposed places) as bytes. No fp8 tile is
-    transposed (tl.trans of fp8 tiles is reported to corrupt them on Hopper, and so did this file's first transposed
-    weight copy) and the store is an 8-bit integer one: with the ptxas Triton bundles, an fp8 store through a layout
-    conversion next to a second store of the codes is reported corrupted while an int8 one is clean
-    (triton-lang/triton#11111)."""
+    transposed (tl.trans of fp8 tiles is reported to corrupt them on Hopper) and the store is an 8-bit integer one
+    (triton-lang/triton#11111: an fp8 store through a layout conversion next to a second store is reported
+    corrupted). Used for the column-quantized outputs, whose values differ from the row-quantized ones (both
+    checked on the H200 by `bench/moe.py --sections check`). Storing the *same* codes twice, once row-major and
+    once transposed, still gave wrong transposed bytes on the H200, hence quant_weights' second launch."""
     tl.store(ptrs.to(tl.pointer_type(tl.uint8)), q.to(tl.uint8, bitcast=True), mask=mask)
 
 
@@ -278,44 +279,45 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, N, K, TRANSPOSED: tl.constexpr):
-    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale; with
-    TRANSPOSED also the same codes at their transposed places in qt [E, K, N] (plain transposed addressing)."""
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
+    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
     e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
     src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
     blk = tl.load(src).to(tl.float32)  # [128, 128]
     sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
-    q = _quant(blk, sc)
-    base = e.to(tl.int64) * N * K
-    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q)
-    if TRANSPOSED:
-        _store_codes(qt_ptr + base + rk[None, :] * N + rn[:, None], q, None)
+    tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, sc))
     tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "kernel"):
+def _weight_quant_launch(w: torch.Tensor):
+    e, n, k = w.shape
+    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
+    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
+                                                  **LAUNCH["weight_quant"])
+    return q, s
+
+
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="kernel" writes qT from
-    the quantized tile in the same launch (no second pass over q; see _store_codes); "torch" copies
-    q.transpose(1, 2) after the kernel. The kernel path is bit-exact in the interpreter tests but still needs its GPU
-    check (tests/test_quant.py compares both paths with torch's transpose of q): the earlier in-kernel copy, a
-    tl.trans of the fp8 tile, was wrong on the H200."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
+    again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
+    qT is exactly q's transpose, written with coalesced row stores (reading w twice); "torch" copies
+    q.transpose(1, 2) byte by byte (slower: 9.6 ms vs 3.3 ms for the V3 E32 weights on the H200 in the run that
+    found the defect below). Writing qT from the same kernel at transposed addresses gave wrong bytes on the H200
+    (triton 3.6) twice, with an fp8 and with a uint8 store, though it was bit-exact in the interpreter."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
-    if transpose_by not in ("kernel", "torch"):
-        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'kernel' or 'torch'")
-    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
-    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    in_kernel = transposed and transpose_by == "kernel"
-    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None  # [E, K, N]
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1),
-                                                  w.stride(2), n, k, TRANSPOSED=in_kernel, **LAUNCH["weight_quant"])
-    if transposed and not in_kernel:
-        qt = q.transpose(1, 2).contiguous()
-    return q, s, qt
+    if transpose_by not in ("quant", "torch"):
+        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'quant' or 'torch'")
+    q, s = _weight_quant_launch(w)
+    if not transposed:
+        return q, s, None
+    qt = _weight_quant_launch(w.transpose(1, 2))[0] if transpose_by == "quant" else q.transpose(1, 2).contiguous()
+    return q, s, qt  # qt [E, K, N]
 
 
 # ----------------------------------------------------------------------------------------------------------------
