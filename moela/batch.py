@@ -8,7 +8,7 @@ Shapes: T tokens, N documents.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -22,6 +22,9 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] int32, restart at 0 for each document (original positions under CP)
     cu_seqlens: torch.Tensor  # [N+1] int32, document boundaries in the flat stream
     max_seqlen: int
+    # labelled-token count carried over by `to()` from a CPU batch, so that the model reading it on the GPU does
+    # not synchronize with the device once per micro-batch
+    targets_on_host: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -33,6 +36,8 @@ class PackedBatch:
 
     def num_targets(self) -> int:
         """Tokens that carry a label (the denominator of the token-mean loss)."""
+        if self.targets_on_host is not None:
+            return self.targets_on_host
         return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
@@ -41,6 +46,8 @@ class PackedBatch:
             for f in fields(self)
             for v in [getattr(self, f.name)]
         }
+        if self.labels.device.type == "cpu":
+            moved["targets_on_host"] = self.num_targets()
         return replace(self, **moved)
 
     def validate(self) -> None:

@@ -505,3 +505,12 @@ def test_routed_experts_get_the_autocast_dtype(monkeypatch):
     assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
     layer.experts(x, topk_ids, topk_weights)  # no autocast: fp32 stays fp32
     assert seen[-1] == torch.float32
+
+
+def test_batch_moved_from_cpu_counts_targets_without_reading_the_device():
+    """The model asks for the labelled-token count once per micro-batch; a batch moved from the CPU carries it, so
+    on a GPU that is no device synchronization (here: a meta tensor cannot be read at all)."""
+    batch = _batch(64, [5, 1, 7])
+    moved = batch.to("meta")
+    assert moved.labels.device.type == "meta"
+    assert moved.num_targets() == batch.num_targets() == int((batch.labels != IGNORE_INDEX).sum())
