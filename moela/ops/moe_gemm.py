@@ -16,9 +16,9 @@ whose bounds are loaded from memory are written as `while` loops (the interprete
 cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp32 scales in its own layouts (with
 `torch._scaled_mm(a [M, K] row-major, b [K, N] column-major)`): 1x128 scales of a as [M, K/128] with strides
 (1, M) (M-major); 1x128 scales of b as [K/128, N] row-major (N-major); 128x128 scales of b as [K/128, N/128] with
-strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4: K a multiple of 512). The wrappers below reorder the (small) scale tensors once per call and
-launch one `torch._scaled_mm` per non-empty expert over its padded block (the expert bounds come from the host,
-one sync per layer, made by the caller).
+strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4: K a multiple of 512). The
+wrappers below reorder the (small) scale tensors once per call and launch one `torch._scaled_mm` per non-empty
+expert over its padded block (the expert bounds come from the host, one sync per layer, made by the caller).
 `torch._grouped_mm` exists on torch 2.11 CUDA (used on the H200) and on torch 2.13 CPU (used by the CPU tests),
 including the 2-D x 2-D form with `offs` for the weight gradient.
 """
@@ -248,8 +248,8 @@ def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
 
 
 def cublas_blockwise_available(device=None) -> bool:
-    """cuBLAS's DeepSeek-style blockwise FP8 GEMM: Hopper (sm_9x) with torch >= 2.10 (which pads K-block scales
-    as cuBLASLt requires)."""
+    """cuBLAS's DeepSeek-style blockwise FP8 GEMM: Hopper (sm_9x) with torch >= 2.10 (whose `_scaled_mm` checks
+    and passes 1x128 / 128x128 scales to cuBLASLt; measured with torch 2.11 + CUDA 13.0 on the H200)."""
     if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     major, minor = (int(v) for v in torch.__version__.split(".")[:2])
