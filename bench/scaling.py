@@ -46,10 +46,9 @@ from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load  # noqa: E402
+from moela.trainer.profiling import COLLECTIVES, collective_times  # noqa: E402
 
 PEAK_TFLOPS = 989.0
-COLLECTIVES = {"a2a": ("SendRecv", "AllToAll"), "AG": ("AllGather",), "RS": ("ReduceScatter",),
-               "AR": ("AllReduce",)}
 
 
 def synthetic_batch(vocab: int, tokens: int, doc_len: int, seed: int, device) -> PackedBatch:
@@ -65,17 +64,6 @@ def synthetic_batch(vocab: int, tokens: int, doc_len: int, seed: int, device) ->
 
 def parse_layout(text: str) -> list[str]:
     return [f"parallel.{item.strip()}" for item in text.split(",") if item.strip()]
-
-
-def collective_times(prof) -> dict[str, float]:
-    """GPU microseconds per collective kind from a torch.profiler run."""
-    out = {k: 0.0 for k in COLLECTIVES}
-    for event in prof.key_averages():
-        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        for kind, needles in COLLECTIVES.items():
-            if "nccl" in event.key.lower() and any(n.lower() in event.key.lower() for n in needles):
-                out[kind] += total
-    return out
 
 
 def run_layout(args, layout: str, world: int, device) -> dict:

@@ -161,6 +161,9 @@ class LoggingConfig:
     progress_bar: Literal["auto", "always", "never"] = "auto"  # auto: a tqdm bar when stdout is a terminal
     plot: bool = True  # write run_dir/loss.png at the end
     peak_tflops: float | None = None  # device peak (dense bf16, per device) for MFU; null: looked up by GPU name
+    # [first, last]: profile these optimizer steps with torch.profiler (traces and op tables in run_dir/profile,
+    # a `profile` record with the collectives' shares in metrics.jsonl); null: no profiling
+    profile_steps: list[int] | None = None
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
@@ -169,6 +172,11 @@ class LoggingConfig:
             errors.append(f"log_every: must be >= 1, got {self.log_every}")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             errors.append(f"peak_tflops: must be > 0 or null (look up by GPU name), got {self.peak_tflops}")
+        p = self.profile_steps
+        if p is not None and (len(p) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in p)
+                              or not 1 <= p[0] <= p[1]):
+            errors.append(f"profile_steps: must be [first, last] optimizer steps with 1 <= first <= last (e.g. "
+                          f"[20, 22]) or null, got {p}")
         return errors
 
 

@@ -293,3 +293,25 @@ def test_cpu_peak_memory_is_gib_on_linux_and_macos(monkeypatch):
         monkeypatch.setattr(metrics.sys, "platform", platform)
         monkeypatch.setattr(metrics.resource, "getrusage", lambda _who, m=maxrss: SimpleNamespace(ru_maxrss=m))
         assert metrics.memory_gib(torch.device("cpu")) == 3.0
+
+
+def test_profiling_window_writes_traces_and_a_record(tmp_path, cache_dir, capsys):
+    Trainer(make_cfg(tmp_path, cache_dir, "logging.profile_steps=[2,3]", "train.steps=4")).fit()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    prof = [r for r in records if r["kind"] == "profile"]
+    assert len(prof) == 1 and prof[0]["step"] == 3 and prof[0]["first_step"] == 2 and prof[0]["steps"] == 2
+    steps = {r["step"]: r["step_time_s"] for r in records if r["kind"] == "train"}
+    assert prof[0]["wall_s"] == pytest.approx(steps[2] + steps[3])
+    assert all(prof[0][f"share_{k}"] == 0.0 for k in ("a2a", "AG", "RS", "AR"))  # one CPU process: no NCCL
+    trace = json.loads((tmp_path / "profile" / "rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::" in n for n in names)  # ops of the profiled steps are in the trace
+    assert "Name" in (tmp_path / "profile" / "rank0.txt").read_text()
+    assert "profile steps 2-3" in capsys.readouterr().out
+    assert len(train_records(tmp_path)) == 4  # profiling changes no training record
+
+
+def test_profiling_window_interrupted_by_a_stop_leaves_no_output(tmp_path, cache_dir):
+    SignalAtStep(make_cfg(tmp_path, cache_dir, "logging.profile_steps=[2,5]", "train.steps=6"), at=3).fit()
+    assert not (tmp_path / "profile").exists()
+    assert all(json.loads(line)["kind"] != "profile" for line in (tmp_path / "metrics.jsonl").read_text().splitlines())

@@ -46,6 +46,7 @@ from moela.trainer.errors import TrainingError
 from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib,
                                    plot_losses)
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
+from moela.trainer.profiling import StepProfiler
 
 
 class Trainer:
@@ -128,6 +129,7 @@ class Trainer:
                     f"{self.env.world_size} x {self.device.type}, {self.autocast_dtype or torch.float32} compute; "
                     f"run dir {self.run_dir}" + (f"; resumed from {resume} at step {self.step}" if resume else ""))
         previous = self._install_signal_handlers()
+        profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.env.rank, self.device.type == "cuda")
         try:
             last_saved = self.step if resume is not None else -1
             if self.step >= cfg.train.steps:
@@ -135,7 +137,11 @@ class Trainer:
                             f"train.steps to continue, or set checkpoint.resume=none to start over)")
                 return
             while self.step < cfg.train.steps:
+                profiler.before_step(self.step + 1)
                 record = self.train_step()
+                window = profiler.after_step(self.step, record["step_time_s"])
+                if window is not None:
+                    writer.log(self._profile_record(window))
                 writer.advance(self.step)
                 self.window.add(record)
                 if self.step == 1 or self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
@@ -156,6 +162,7 @@ class Trainer:
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
         finally:
+            profiler.close()
             _restore_signal_handlers(previous)
             writer.close()
             if self.env.is_main and cfg.logging.plot:
@@ -227,6 +234,20 @@ class Trainer:
             record["dp_imbalance"] = float(imbalance["after"])
             record["dp_imbalance_unbalanced"] = float(imbalance["before"])
         return record
+
+    def _profile_record(self, window: dict) -> dict:
+        """The profiling window's metrics record: wall time (slowest rank) and collective shares (rank mean)."""
+        shares = [k for k in window if k.startswith("share_")]
+        vals = torch.tensor([window[k] for k in shares] + [window["wall_s"]], dtype=torch.float64,
+                            device=self.device)
+        if dist.is_initialized():
+            wall = vals[-1:].clone()
+            dist.all_reduce(vals)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            vals = torch.cat((vals[:-1] / dist.get_world_size(), wall))
+        return {"kind": "profile", "step": self.step, "first_step": window["first_step"], "steps": window["steps"],
+                "wall_s": float(vals[-1]), **{k: float(v) for k, v in zip(shares, vals[:-1].tolist())},
+                "trace_dir": str(self.run_dir / "profile")}
 
     @torch.no_grad()
     def evaluate(self) -> dict:

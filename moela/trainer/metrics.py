@@ -1,7 +1,8 @@
 """Run metrics: the step line, metrics.jsonl, wandb, a tqdm bar, MFU and memory, and the loss-curve PNG.
 
 Only rank 0 writes. Every record is one JSON object per line in `run_dir/metrics.jsonl` with a `kind` of
-`train` or `eval`, so the file is easy to load with pandas (`pd.read_json(path, lines=True)`).
+`train`, `eval` or `profile` (`moela.trainer.profiling`), so the file is easy to load with pandas
+(`pd.read_json(path, lines=True)`); wandb gets the numbers under `<kind>/`.
 
 Decisions:
 - MFU = achieved model FLOP/s per device / the device's dense bf16 peak. Achieved FLOPs come from the model's
@@ -150,6 +151,12 @@ def format_eval_line(rec: dict[str, Any]) -> str:
     return f"eval step {rec['step']} | val_loss {rec['val_loss']:.4f} | val_ppl {rec['val_ppl']:.2f}"
 
 
+def format_profile_line(rec: dict[str, Any]) -> str:
+    shares = " ".join(f"{k[len('share_'):]} {100 * v:.1f}%" for k, v in rec.items() if k.startswith("share_"))
+    return (f"profile steps {rec['first_step']}-{rec['step']} | {rec['wall_s']:.2f} s | collectives' device time "
+            f"share: {shares} | traces in {rec['trace_dir']}")
+
+
 class MetricsWriter:
     """Rank-0 sink for step and eval records: stdout line (or tqdm), metrics.jsonl, wandb."""
 
@@ -195,10 +202,12 @@ class MetricsWriter:
         self.file.flush()
         if rec["kind"] == "train":
             self.echo(format_step_line(rec, self.total_steps))
+        elif rec["kind"] == "profile":
+            self.echo(format_profile_line(rec))
         else:
             self.echo(format_eval_line(rec))
         if self.wandb_run is not None:
-            prefix = "train/" if rec["kind"] == "train" else "eval/"
+            prefix = rec["kind"] + "/"
             values = {prefix + k: v for k, v in rec.items()
                       if k not in ("kind", "step") and isinstance(v, (int, float))}
             self.wandb_run.log(values, step=rec["step"])

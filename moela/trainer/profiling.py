@@ -1,0 +1,80 @@
+"""A profiling window of a training run (`logging.profile_steps: [first, last]`) and the communication breakdown
+that `bench/scaling.py` shares.
+
+Optimizer steps first..last (counted from 1, inclusive) run under torch.profiler (CPU activity, and CUDA on GPUs).
+When the window closes every rank writes `run_dir/profile/rank{R}.json` (a Chrome trace for chrome://tracing or
+Perfetto) and `rank{R}.txt` (ops sorted by device time, by CPU time on CPU), and the trainer logs one record of
+kind `profile`: the window's wall time and, per NCCL collective kind, its kernels' device time as a share of that
+wall time (all-to-all = NCCL SendRecv/AllToAll kernels, AG all-gather, RS reduce-scatter, AR all-reduce; averaged
+over ranks). Collective kernels can overlap compute, so a share is an upper bound on the exposed communication.
+A window that a stop signal or an error interrupts is closed without output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COLLECTIVES = {"a2a": ("SendRecv", "AllToAll"), "AG": ("AllGather",), "RS": ("ReduceScatter",),
+               "AR": ("AllReduce",)}
+
+
+def collective_times(prof) -> dict[str, float]:
+    """Device microseconds per collective kind (keys of COLLECTIVES) from a finished torch.profiler run."""
+    out = {k: 0.0 for k in COLLECTIVES}
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        key = event.key.lower()
+        for kind, needles in COLLECTIVES.items():
+            if "nccl" in key and any(n.lower() in key for n in needles):
+                out[kind] += total
+    return out
+
+
+class StepProfiler:
+    """Starts torch.profiler before step `first` and stops it after step `last` (see the module docstring)."""
+
+    def __init__(self, window: list[int] | None, run_dir: Path, rank: int, cuda: bool):
+        self.first, self.last = window if window else (0, -1)
+        self.dir = Path(run_dir) / "profile"
+        self.rank, self.cuda = rank, cuda
+        self.prof = None
+        self.steps, self.wall_s = 0, 0.0
+
+    def before_step(self, step: int) -> None:
+        """`step`: the number the coming optimizer step will have. Starts the window where it begins (or where a
+        resumed run enters it)."""
+        if self.prof is None and self.first <= step <= self.last:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.prof = profile(activities=activities, record_shapes=False)
+            self.prof.__enter__()
+            self.steps, self.wall_s = 0, 0.0
+
+    def after_step(self, step: int, wall_s: float) -> dict | None:
+        """Counts the step; at the window's last step stops the profiler, writes this rank's files and returns
+        {"first_step", "steps", "wall_s", "share_<kind>"...} (this rank's numbers), else None."""
+        if self.prof is None:
+            return None
+        self.steps += 1
+        self.wall_s += wall_s
+        if step < self.last:
+            return None
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.json"))
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        (self.dir / f"rank{self.rank}.txt").write_text(
+            prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
+        comm = collective_times(prof)
+        return {"first_step": step - self.steps + 1, "steps": self.steps, "wall_s": self.wall_s,
+                **{f"share_{k}": comm[k] / 1e6 / max(self.wall_s, 1e-9) for k in COLLECTIVES}}
+
+    def close(self) -> None:
+        """Stops an open window without output (a stop signal or an error inside it)."""
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
