@@ -177,3 +177,33 @@ def _meta_build(rank: int, world_size: int) -> None:
 def test_meta_build_then_parallelize_then_init():
     """torchtitan's order, for models too large for one device: build on meta, shard, `to_empty`, `init_weights`."""
     spawn(_meta_build, 2)
+
+
+def _prefetch_chain(rank: int, world_size: int) -> None:
+    from moela.parallel.fsdp import transformer_blocks
+
+    cfg, pcfg = tiny_moe_config(), ParallelConfig(ep=2)
+    model = apply_parallelism(build_model(cfg, "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
+    blocks = transformer_blocks(model)  # forward order: main layers, then the MTP block
+
+    def units(block):
+        return [block] + [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]
+
+    def targets(block, kind):  # FSDP2 keeps explicit prefetch targets as the prefetched modules' states
+        states = getattr(block._get_fsdp_state(), f"_states_to_{kind}_prefetch")
+        return [m for state in states for m in state._modules]
+
+    assert len(blocks) == 4 and len(units(blocks[1])) == 2  # dense first layer, 2 MoE layers, MTP block
+    for cur, nxt in zip(blocks, blocks[1:]):
+        assert targets(cur, "forward") == units(nxt)
+        assert targets(nxt, "backward") == units(cur)
+    assert targets(blocks[-1], "forward") == [] and targets(blocks[0], "backward") == []
+    out = model(random_batches(world_size, seed=5)[rank])  # prefetching runs forward and backward
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+
+
+def test_fsdp_prefetches_the_next_block_and_its_experts_explicitly():
+    """An MoE layer's host syncs stall FSDP2's implicit prefetching; each block names the next (previous, in
+    backward) block and its expert unit to gather ahead."""
+    spawn(_prefetch_chain, 2)

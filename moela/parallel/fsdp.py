@@ -16,6 +16,13 @@ Decisions:
   therefore scales its weight gradients by 1/ep in backward, which makes every parameter's gradient the same
   average. No custom divide factor is set: how FSDP applies one on a one-rank group differs between torch
   versions. On gloo (CPU), which has no averaging collective, reductions are issued as sums plus a division.
+- Explicit prefetching, one block ahead: each block's forward starts the all-gather of the next block (and of its
+  expert unit), each block's backward that of the previous one. FSDP2's implicit prefetching issues a unit's
+  all-gather when the CPU reaches that unit's forward, which overlaps compute only while the CPU runs ahead of the
+  GPU; the host syncs of an MoE layer (the expert-parallel split sizes, the cuBLAS expert bounds) stop the CPU
+  until the GPU catches up, so without explicit prefetching each block's all-gather would wait behind the
+  previous block's tail (torchtitan sets explicit prefetching for expert parallelism for the same reason). It
+  keeps at most one more block's parameters unsharded.
 - Activation checkpointing per block without changing parameter names: the block's `forward` is replaced by a
   non-reentrant `torch.utils.checkpoint` of the original. `full` recomputes every block; `selective` recomputes
   every second block (torchtitan's layer-selective mode: about half the activation memory of no checkpointing, at
@@ -79,12 +86,18 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     units = []
+    per_block = []  # forward order: [block, its expert unit (if any)]
     for block in transformer_blocks(model):
+        experts_units = []
         for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
             experts.grad_scale = 1.0 / mesh.size("ep")
-            units.append(shard(experts, mesh=mesh.expert_fsdp_mesh))
-        units.append(shard(block, mesh=mesh.fsdp_mesh))
+            experts_units.append(shard(experts, mesh=mesh.expert_fsdp_mesh))
+        per_block.append([shard(block, mesh=mesh.fsdp_mesh)] + experts_units)
+        units += per_block[-1]
     units.append(fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
+    for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring)
+        cur[0].set_modules_to_forward_prefetch(nxt)
+        nxt[0].set_modules_to_backward_prefetch(cur)
     if mesh.device_type == "cpu":
         for unit in units:
             unit.set_force_sum_reduction_for_comms(True)
