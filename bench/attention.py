@@ -9,7 +9,8 @@ Sections (each case under a per-case time guard; a failing or slow baseline is r
           H=16, 192/128 causal: ours vs FlexAttention with a document mask vs padding every document to the
           longest (SDPA-cuDNN on the padded batch)
   zloss   fwd+bwd of ours without z-loss, ours with z-loss (coef * mean(lse^2) through the fused lse gradient),
-          and a naive z-loss that materializes the fp32 scores to get lse (S = 2k, 4k, 8k; B=2, H=16)
+          and a naive z-loss that materializes the fp32 scores to get lse (S = 2k, 4k, 8k at 16384 tokens per
+          call, B = 16384 / S, H=16; then B=2, S=2k with a host-side profile: that pair is host-bound)
   alibi   ours with ALiBi vs SDPA with a materialized additive bias [1, H, S, S] (built outside the timing)
 
 TFLOP/s use BENCHMARKS.md's counts: fwd 2*H*sum(L^2)*(Dqk+Dv), bwd 2*H*sum(L^2)*(3*Dqk+2*Dv), halved for causal
@@ -17,7 +18,7 @@ TFLOP/s use BENCHMARKS.md's counts: fwd 2*H*sum(L^2)*(Dqk+Dv), bwd 2*H*sum(L^2)*
 bwd = time(fwd+bwd) - time(fwd). Peak memory is the maximum allocated during one fwd+bwd above what was allocated
 before it (inputs excluded). Writes a markdown report to --out (default bench/results/attention.md).
 
-Usage: python bench/attention.py [--out PATH] [--budget SECONDS] [--no-sweep]
+Usage: python bench/attention.py [--out PATH] [--budget SECONDS] [--no-sweep] [--cases equal,packed,zloss,...]
 """
 
 from __future__ import annotations
@@ -328,8 +329,8 @@ def zloss_case(seq, tokens=16384):
 
 
 def profile_pair(plain_fb, z_fb, iters=20):
-    """Where the z-loss's extra time goes at a short sequence: host wall time per fwd+bwd (synchronized every
-    iteration and not), and the profiler's top ops by CPU and by CUDA time for both."""
+    """Where the z-loss's extra time goes at a short sequence: host enqueue and wall time per fwd+bwd (synchronized
+    every iteration and not), and the profiler's top ops by self CPU time, for both."""
     from torch.profiler import ProfilerActivity, profile
 
     for name, fn in (("no z-loss", plain_fb), ("z-loss", z_fb)):
