@@ -107,19 +107,23 @@ def _worker_pid(agent_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} among {children}")
 
 
+def _long_run_overrides(tmp_path, run) -> list[str]:
+    """A tiny CPU model set to train (almost) forever: the signal tests stop it."""
+    return [
+        "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
+        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
+        "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
+        "train.steps=100000", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
+        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "logging.log_every=1", "logging.plot=false"]
+
+
 @pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
                     reason="finds the worker pid through /proc/PID/task/PID/children (Linux)")
 def test_torchrun_two_cpu_processes_agree_to_stop_on_one_ranks_sigterm(tmp_path):
     """The unchanged CLI under torchrun: 2 gloo ranks, FSDP2. SIGTERM reaches rank 1 only; both ranks stop after
     the same step and write one checkpoint with a trainer file per rank."""
     run = tmp_path / "run"
-    overrides = [
-        "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
-        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
-        "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
-        "train.steps=100000", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
-        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "schedule.warmup_steps=1",
-        "logging.log_every=1", "logging.plot=false"]
+    overrides = [*_long_run_overrides(tmp_path, run), "schedule.warmup_steps=1"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
@@ -142,12 +146,7 @@ def test_torchrun_two_cpu_processes_agree_to_stop_on_one_ranks_sigterm(tmp_path)
 
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
-    overrides = [
-        "model.hidden_size=32", "model.num_hidden_layers=2", "model.n_routed_experts=4", "model.num_attention_heads=2",
-        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
-        "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16", "train.device=cpu",
-        "train.steps=100000", "train.tokens_per_microbatch=128", "data.max_doc_len=64", "data.val_max_tokens=256",
-        f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={run}", "logging.log_every=1", "logging.plot=false"]
+    overrides = _long_run_overrides(tmp_path, run)
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     for line in proc.stdout:

@@ -387,16 +387,22 @@ def test_config_validation_messages():
         build_model(_cfg(n_group=4))
 
 
+def _loss_and_grads(model, batch):
+    """One forward + backward: (output, {name: gradient}); the model's gradients are reset afterwards."""
+    out = model(batch)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out, grads
+
+
 def test_blocks_are_safe_under_activation_checkpointing():
     from torch.utils.checkpoint import checkpoint
     torch.manual_seed(5)
     cfg = _cfg(block="fal", num_nextn_predict_layers=1)
     model = build_model(cfg)
     batch = _batch(cfg.vocab_size, [11, 17], seed=7)
-    out = model(batch)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    out, grads = _loss_and_grads(model, batch)
     blocks = list(model.layers) + [m.block for m in model.mtp]
     plain = [b.forward for b in blocks]
     for b, fwd in zip(blocks, plain):
@@ -417,10 +423,7 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
     cfg = _cfg(num_nextn_predict_layers=1, tie_word_embeddings=True)
     model = build_model(cfg)
     batch = _batch(cfg.vocab_size, [13, 8], seed=8)
-    ref = model(batch)
-    ref.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
+    ref, grads = _loss_and_grads(model, batch)
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 4 * cfg.vocab_size)
     monkeypatch.setattr(tr, "linear_cross_entropy", functools.partial(lce.linear_cross_entropy, backend="chunked"))
     out = model(batch)
