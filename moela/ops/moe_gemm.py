@@ -25,6 +25,7 @@ including the 2-D x 2-D form with `offs` for the weight gradient.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -247,6 +248,7 @@ def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
 # cuBLAS blockwise FP8 (torch._scaled_mm with 1x128 / 128x128 scales): one GEMM per expert
 
 
+@functools.lru_cache(maxsize=None)
 def cublas_blockwise_available(device=None) -> bool:
     """cuBLAS's DeepSeek-style blockwise FP8 GEMM: Hopper (sm_9x) with torch >= 2.10 (whose `_scaled_mm` checks
     and passes 1x128 / 128x128 scales to cuBLASLt; measured with torch 2.11 + CUDA 13.0 on the H200)."""
