@@ -88,6 +88,24 @@ def _load_rows(ptr, offs_t, n_rows, stride_t, offs_d, n_cols, UPCAST: tl.constex
 
 
 @triton.jit
+def _store_rows(ptr, x, offs_t, n_rows, stride_t, offs_d, n_cols):
+    """Stores a [rows, cols] fp32 tile into a [T, H, D] tensor (ptr offset to the head) in its dtype; the inverse
+    of _load_rows."""
+    tl.store(ptr + offs_t[:, None] * stride_t + offs_d[None, :], x.to(ptr.dtype.element_ty),
+             mask=(offs_t[:, None] < n_rows) & (offs_d[None, :] < n_cols))
+
+
+@triton.jit
+def _doc_span(CU_Q, CU_K, b):
+    """Document b's first row and length on the q side and on the k side."""
+    q0 = tl.load(CU_Q + b).to(tl.int64)
+    lq = tl.load(CU_Q + b + 1) - q0
+    k0 = tl.load(CU_K + b).to(tl.int64)
+    lk = tl.load(CU_K + b + 1) - k0
+    return q0, lq, k0, lk
+
+
+@triton.jit
 def _scores(a1, a2, b1, b2, HAS_D2: tl.constexpr):
     """a [R, Dqk] @ b [C, Dqk]^T with Dqk split into two dots."""
     s = tl.dot(a1, tl.trans(b1))
@@ -181,10 +199,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, strid
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q0 = tl.load(CU_Q + b).to(tl.int64)
-    lq = tl.load(CU_Q + b + 1) - q0
-    k0 = tl.load(CU_K + b).to(tl.int64)
-    lk = tl.load(CU_K + b + 1) - k0
+    q0, lq, k0, lk = _doc_span(CU_Q, CU_K, b)
     start_m = pid_m * BLOCK_M
     if start_m >= lq:
         return
@@ -226,8 +241,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, strid
         lse2 -= _alibi_term(offs_m + diag, r0, slope)  # the row term, once per row
     lse = tl.where(empty, float("-inf"), lse2 * LN2)  # [BM]
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptrs = O + q0 * stride_ot + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < D_V))
+    _store_rows(O + q0 * stride_ot + h * stride_oh, out, offs_m, lq, stride_ot, offs_dv, D_V)
     tl.store(LSE + h * stride_lh + q0 + offs_m, lse, mask=offs_m < lq)
 
 
@@ -321,10 +335,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q0 = tl.load(CU_Q + b).to(tl.int64)
-    lq = tl.load(CU_Q + b + 1) - q0
-    k0 = tl.load(CU_K + b).to(tl.int64)
-    lk = tl.load(CU_K + b + 1) - k0
+    q0, lq, k0, lk = _doc_span(CU_Q, CU_K, b)
     start_n = pid_n * BLOCK_N
     if start_n >= lk:
         return
@@ -366,15 +377,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, SLOPES, stride
     dk1, dk2, dv = _dkdv_inner(dk1, dk2, dv, k1, k2, v, q_base, do_base, lse_base, delta_base, stride_qt,
                                stride_dot, mid, lq, offs_n, diag, lq, slope, r0, kcol, qk_scale, D_QK, D_V,
                                CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST, BLOCK_M, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-    row_ok = offs_n[:, None] < lk
-    dk_base = DK + k0 * stride_dkt + h * stride_dkh + offs_n[:, None] * stride_dkt
-    tl.store(dk_base + offs_d1[None, :], (dk1 * sm_scale).to(DK.dtype.element_ty),
-             mask=row_ok & (offs_d1[None, :] < D_QK))
+    dk_base = DK + k0 * stride_dkt + h * stride_dkh
+    _store_rows(dk_base, dk1 * sm_scale, offs_n, lk, stride_dkt, offs_d1, D_QK)
     if HAS_D2:
-        tl.store(dk_base + offs_d2[None, :], (dk2 * sm_scale).to(DK.dtype.element_ty),
-                 mask=row_ok & (offs_d2[None, :] < D_QK))
-    dv_ptrs = DV + k0 * stride_dvt + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_dv[None, :]
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=row_ok & (offs_dv[None, :] < D_V))
+        _store_rows(dk_base, dk2 * sm_scale, offs_n, lk, stride_dkt, offs_d2, D_QK)
+    _store_rows(DV + k0 * stride_dvt + h * stride_dvh, dv, offs_n, lk, stride_dvt, offs_dv, D_V)
 
 
 @triton.jit
@@ -448,10 +455,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, s
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q0 = tl.load(CU_Q + b).to(tl.int64)
-    lq = tl.load(CU_Q + b + 1) - q0
-    k0 = tl.load(CU_K + b).to(tl.int64)
-    lk = tl.load(CU_K + b + 1) - k0
+    q0, lq, k0, lk = _doc_span(CU_Q, CU_K, b)
     start_m = pid_m * BLOCK_M
     if start_m >= lq:
         return
@@ -493,13 +497,10 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, SLOPES, stride_qt, s
     dq1, dq2 = _dq_inner(dq1, dq2, q1, q2, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, n_full, hi,
                          offs_m, diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
                          BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-    row_ok = offs_m[:, None] < lq
-    dq_base = DQ + q0 * stride_dqt + h * stride_dqh + offs_m[:, None] * stride_dqt
-    tl.store(dq_base + offs_d1[None, :], (dq1 * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok & (offs_d1[None, :] < D_QK))
+    dq_base = DQ + q0 * stride_dqt + h * stride_dqh
+    _store_rows(dq_base, dq1 * sm_scale, offs_m, lq, stride_dqt, offs_d1, D_QK)
     if HAS_D2:
-        tl.store(dq_base + offs_d2[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty),
-                 mask=row_ok & (offs_d2[None, :] < D_QK))
+        _store_rows(dq_base, dq2 * sm_scale, offs_m, lq, stride_dqt, offs_d2, D_QK)
 
 
 def _dims(d_qk, d_v):
