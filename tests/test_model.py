@@ -487,27 +487,21 @@ def test_router_stays_float32_under_autocast():
     assert torch.allclose(scores, torch.sigmoid(x.double() @ gate.weight.double().t()).float(), atol=1e-6)
 
 
-def test_routed_experts_get_the_autocast_dtype(monkeypatch):
-    """moe_experts is invisible to autocast: the layer casts the fp32 residual stream to the autocast dtype itself,
-    so the bf16 kernels (not the fp32 reference fallback) run under mixed precision."""
-    import moela.model.moe as moe_mod
+def test_moe_experts_follow_autocast():
+    """moe_experts is invisible to autocast: it casts an fp32 input to the autocast dtype itself, so the bf16
+    kernels (not the fp32 reference fallback) run under mixed precision, for the model's routed experts and for
+    expert parallelism's local experts alike."""
+    from moela.ops.moe import moe_experts
 
-    seen = []
-    real = moe_mod.moe_experts
-
-    def spy(x, *a, **kw):
-        seen.append(x.dtype)
-        return real(x, *a, **kw)
-
-    monkeypatch.setattr(moe_mod, "moe_experts", spy)
-    layer = MoE(preset("tiny", vocab_size=64))
-    x = torch.randn(9, layer.experts.w13.shape[-1])
+    torch.manual_seed(3)
+    t, d, f, e = 9, 128, 128, 4
+    x, w13, w2 = torch.randn(t, d), torch.randn(e, 2 * f, d) / d ** 0.5, torch.randn(e, d, f) / f ** 0.5
+    ids, w = torch.stack([torch.randperm(e)[:2] for _ in range(t)]), torch.rand(t, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        topk_ids, topk_weights, _ = layer.gate(x)
-        out = layer.experts(x, topk_ids, topk_weights)
-    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
-    layer.experts(x, topk_ids, topk_weights)  # no autocast: fp32 stays fp32
-    assert seen[-1] == torch.float32
+        y = moe_experts(x, ids, w, w13, w2)
+        y_bf16 = moe_experts(x.bfloat16(), ids, w, w13, w2)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y_bf16)
+    assert moe_experts(x, ids, w, w13, w2).dtype == torch.float32  # no autocast: fp32 stays fp32
 
 
 def test_batch_moved_from_cpu_counts_targets_without_reading_the_device():

@@ -79,11 +79,6 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, d, f))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        # moe_experts is a custom op that autocast does not see: cast like autocast casts a matmul's input (the
-        # residual stream stays fp32 under autocast; the fast backends run in bf16/fp16 and would otherwise
-        # fall back to the fp32 reference)
-        if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
-            x = x.to(torch.get_autocast_dtype(x.device.type))
         return moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
                            backend=self.backend)  # [T, D]
 
