@@ -24,8 +24,8 @@ which the loader derives from (seed, step)); it keeps no state, so resuming the 
 2. Refine: while swapping one micro-batch of the most loaded rank with one of another rank lowers the larger of
    the two ranks' totals, apply the best such swap (the sum of squared totals falls strictly at each swap, so
    this terminates; a cap bounds the work).
-3. If the result's max rank total is still above the round-robin assignment's, return round-robin: balancing
-   never makes a step slower than not balancing.
+3. If the result's max rank total is still above the round-robin assignment's, return round-robin: by the cost
+   model, balancing never makes a step costlier than not balancing.
 4. Each rank runs its micro-batches largest first. When ranks synchronize inside every micro-step (FSDP
    all-gathers / reduce-scatters), the step takes sum_m max_r cost(r, m); sorting every rank's list lines the
    large micro-batches up in the same micro-steps, which keeps that sum close to the balanced total
