@@ -9,7 +9,8 @@ specialization. Names starting with "moe_triton" are the MoE path's non-GEMM ker
 
 Registers and spills come from ptxas itself: Triton 3.6 keeps ptxas' `-v` report out of the compiled metadata
 (`CompiledKernel.n_regs` / `n_spills` are only filled when the binary is loaded on a GPU), so the kernel's PTX is
-assembled once more with the ptxas Triton ships (triton/backends/nvidia/bin/ptxas) and its report parsed.
+assembled once more with the ptxas Triton itself uses for sm_90 (`get_ptxas(90)`: the bundled `ptxas` on 3.6,
+`ptxas-blackwell` on 3.9, whose PTX the older one rejects) and its report parsed.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
 
 def ptxas_usage(ptx: str, arch: str = "sm_90a"):
     """(registers per thread, spill bytes = max(spill stores, spill loads)) from ptxas -v on the kernel's PTX."""
-    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        run = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={arch}", str(src), "-o",
+        run = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", str(src), "-o",
                               str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
     log = run.stdout + run.stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
