@@ -11,11 +11,15 @@ torch.profiler to split the GPU time of NCCL kernels by collective. Reported per
   vs 1 GPU      ratio to the 1-GPU `ep=1` row of the same recipe in the results file (the weak-scaling target)
   MFU           flops_per_token(model, doc_len) * tok/s/GPU / 989 TFLOP/s (H200 dense bf16 datasheet peak)
   mem/GPU       max over ranks of torch.cuda.max_memory_allocated
+  busy          share of the step time in which a non-NCCL kernel runs on the GPU (union of kernel intervals;
+                the rest is compute idle: waiting for the host or for a collective)
   a2a / AG / RS / AR   GPU time of all-to-all (NCCL SendRecv), all-gather, reduce-scatter and all-reduce
                 kernels as a share of the step time (kernels can overlap compute: an upper bound on exposed time)
   loss@1        first step's loss (mean over ranks): equal across the cp=1 layouts of one GPU count (same
                 weights and data; under CP the ranks hold parts of the same micro-batches)
-Every run appends its rows to `--jsonl`; the markdown table `--out` is rebuilt from all rows, so run it once
+With more than one GPU the run first measures the link: NCCL all-gather, reduce-scatter and all-to-all of
+256 MiB over all ranks, bus bandwidth as nccl-tests defines it (algorithm bandwidth x (n-1)/n), written above the
+table. Every run appends its rows to `--jsonl`; the markdown table `--out` is rebuilt from all rows, so run it once
 per GPU count (one process per GPU, NCCL; the 1-GPU run is the baseline of the "vs 1 GPU" column):
   torchrun --standalone --nproc_per_node=1 bench/scaling.py --layout ep=1
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --layout ep=1 --layout ep=2
@@ -46,7 +50,7 @@ from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load  # noqa: E402
-from moela.trainer.profiling import COLLECTIVES, collective_times  # noqa: E402
+from moela.trainer.profiling import COLLECTIVES, collective_times, compute_busy_us  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 
@@ -60,6 +64,30 @@ def synthetic_batch(vocab: int, tokens: int, doc_len: int, seed: int, device) ->
     labels[(cu[1:] - 1).long()] = IGNORE_INDEX
     pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])  # [T]
     return PackedBatch(ids, labels, pos, cu, max(lengths)).to(device)
+
+
+def link_bandwidth(world: int, device, nbytes: int = 256 << 20, iters: int = 5) -> dict:
+    """NCCL bus bandwidth in GB/s of all-gather, reduce-scatter and all-to-all moving `nbytes` (bf16) over all
+    ranks: {"AG": .., "RS": .., "a2a": ..}; {} on one rank or without CUDA."""
+    if world == 1 or device.type != "cuda":
+        return {}
+    n = nbytes // 2 // world * world
+    full = torch.randn(n, device=device, dtype=torch.bfloat16)  # [n]
+    part = torch.empty(n // world, device=device, dtype=torch.bfloat16)  # [n / world]
+    other = torch.empty_like(full)
+    ops = {"AG": lambda: dist.all_gather_into_tensor(full, part), "RS": lambda: dist.reduce_scatter_tensor(part, full),
+           "a2a": lambda: dist.all_to_all_single(other, full)}
+    out = {}
+    for name, op in ops.items():
+        op()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            op()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / iters
+        out[name] = n * 2 / seconds * (world - 1) / world / 1e9
+    return out
 
 
 def parse_layout(text: str) -> list[str]:
@@ -112,10 +140,11 @@ def run_layout(args, layout: str, world: int, device) -> dict:
         sync()
         profiled = time.perf_counter() - t0
     comm = collective_times(prof)
+    busy = compute_busy_us(prof) / 1e6 / profiled
 
     memory = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     stats = torch.tensor([float(first_loss), memory, statistics.median(times)]
-                         + [comm[k] / 1e6 / profiled for k in COLLECTIVES], device=device)
+                         + [comm[k] / 1e6 / profiled for k in COLLECTIVES] + [busy], device=device)
     summed = stats.clone()
     dist.all_reduce(summed)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -129,6 +158,7 @@ def run_layout(args, layout: str, world: int, device) -> dict:
                mfu=flops_per_token(cfg.model, args.doc_len) * tok_s / (PEAK_TFLOPS * 1e12),
                mem_gib=float(stats[1]), loss1=float(summed[0]) / world,
                **{f"share_{k}": float(summed[3 + j]) / world for j, k in enumerate(COLLECTIVES)},
+               busy=float(summed[-1]) / world,
                gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     del model, opt
@@ -148,17 +178,25 @@ def render(rows: list[dict]) -> str:
         f"{last['date']}; {last['gpu']}; torch {last['torch']}; triton {triton.__version__}.",
         f"Model `{last['size']}` ({last['params'] / 1e6:.0f}M params, {last['active'] / 1e6:.0f}M active per token), "
         f"{last['tokens_per_gpu']} tokens per GPU per step in documents of {last['doc_len']}; bf16 autocast, "
-        + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu" else "FSDP2 bf16 params / fp32 reduce")
+        + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
+           else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
         + "; fused AdamW. Command lines and column meanings: `bench/scaling.py`.",
         "",
-        "| GPUs | layout | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | a2a | AG | RS | AR | loss@1 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    links = {r["world"]: r for r in rows if r.get("link")}
+    for world, r in sorted(links.items()):
+        bw = ", ".join(f"{k} {v:,.0f} GB/s" for k, v in r["link"].items())
+        lines.append(f"Link, {world} GPUs (NCCL bus bandwidth at 256 MiB, {r['date']}): {bw}.")
+    lines += ["" if links else None,
+              "| GPUs | layout | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | busy | a2a | AG | RS | AR | loss@1 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [line for line in lines if line is not None]
     for r in rows:
         ratio = f"{r['tok_s_gpu'] / base[r['recipe']]:.3f}" if r["recipe"] in base else "-"
         shares = " | ".join(f"{100 * r[f'share_{k}']:.1f}%" for k in COLLECTIVES)
+        busy = f"{100 * r['busy']:.1f}%" if "busy" in r else "-"
         lines.append(f"| {r['world']} | {r['layout']} | {r['step_ms']:.1f} | {r['tok_s_gpu']:,.0f} | {ratio} | "
-                     f"{100 * r['mfu']:.1f}% | {r['mem_gib']:.1f} | {shares} | {r['loss1']:.4f} |")
+                     f"{100 * r['mfu']:.1f}% | {r['mem_gib']:.1f} | {busy} | {shares} | {r['loss1']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -188,9 +226,13 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     world = dist.get_world_size()
+    link = link_bandwidth(world, device)
+    if link and dist.get_rank() == 0:
+        print("link (NCCL bus bandwidth, GB/s):", json.dumps(link), flush=True)
     rows = []
     for layout in args.layout or [""]:
         row = run_layout(args, layout, world, device)
+        row["link"] = link
         rows.append(row)
         if dist.get_rank() == 0:
             print(json.dumps(row), flush=True)

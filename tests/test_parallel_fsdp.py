@@ -123,7 +123,7 @@ def test_parallel_training_matches_single_process_on_two_gpus():
 
 
 def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
-    pcfg = ParallelConfig(ep=2)
+    pcfg = ParallelConfig(ep=2, reduce_dtype="bfloat16")
     mesh = build_mesh(pcfg, world_size, "cpu")
     torch.manual_seed(0)
     model = apply_parallelism(build_model(cfg, "cpu"), mesh, pcfg, mixed_precision=True)
@@ -139,6 +139,8 @@ def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
     loss = torch.tensor([out.loss.item() * out.num_targets / total])
     dist.all_reduce(loss)
     assert seen == dict(inv_freq=torch.float32, weight=torch.bfloat16, expert=torch.bfloat16, gate=torch.float32)
+    for unit in (model, model.layers[1], model.layers[1].ffn.experts):  # parallel.reduce_dtype reaches every unit
+        assert unit._get_fsdp_state()._mp_policy.reduce_dtype == torch.bfloat16
     assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
     torch.testing.assert_close(loss.item(), ref_loss, rtol=2e-2, atol=0)
 

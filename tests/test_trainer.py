@@ -303,12 +303,29 @@ def test_profiling_window_writes_traces_and_a_record(tmp_path, cache_dir, capsys
     steps = {r["step"]: r["step_time_s"] for r in records if r["kind"] == "train"}
     assert prof[0]["wall_s"] == pytest.approx(steps[2] + steps[3])
     assert all(prof[0][f"share_{k}"] == 0.0 for k in ("a2a", "AG", "RS", "AR"))  # one CPU process: no NCCL
+    assert prof[0]["busy"] == 0.0  # no GPU kernels on CPU
     trace = json.loads((tmp_path / "profile" / "rank0.json").read_text())
     names = {e.get("name", "") for e in trace["traceEvents"]}
     assert any("aten::" in n for n in names)  # ops of the profiled steps are in the trace
     assert "Name" in (tmp_path / "profile" / "rank0.txt").read_text()
     assert "profile steps 2-3" in capsys.readouterr().out
     assert len(train_records(tmp_path)) == 4  # profiling changes no training record
+
+
+def test_compute_busy_is_the_union_of_non_nccl_kernel_intervals():
+    from types import SimpleNamespace
+
+    from moela.trainer.profiling import compute_busy_us
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("gemm", 10, 30), ev("norm", 20, 40), ev("inner", 22, 25),  # overlapping and nested: 10..40
+              ev("ncclDevKernel_AllGather", 0, 100), ev("aten::mm", 0, 100, cpu),  # excluded
+              ev("softmax", 50, 55), ev("copy", 55, 60)]  # touching: 50..60
+    assert compute_busy_us(SimpleNamespace(events=lambda: events)) == 40.0
 
 
 def test_profiling_window_interrupted_by_a_stop_leaves_no_output(tmp_path, cache_dir):

@@ -5,6 +5,9 @@ fuse the float32 upcast, the math and the backward into a few memory-bound passe
 kernel would do; the reference stays the single source of truth. Decisions:
 - compiled lazily on first use (importing moela never compiles) with `dynamic=True`, since the token count of a
   packed micro-batch changes every step and must not trigger recompilation;
+- one op legitimately meets many variants (rms_norm: fp32 residual stream or bf16 q/k, fp32 or FSDP-gathered bf16
+  weights, 2-D or 3-D input, training or no-grad evaluation), more than dynamo's default limit of 8 graphs per
+  function, past which it silently runs the op eagerly; the limit is raised to `RECOMPILE_LIMIT` on first use;
 - offered only for CUDA tensors (`on_cuda`); on CPU `auto` keeps the plain reference;
 - if compilation itself fails (e.g. no working C compiler or Triton on the machine), the reference runs instead
   and a warning names the op and the error, once.
@@ -19,6 +22,16 @@ import torch
 
 log = logging.getLogger("moela.ops")
 
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+            return
+
 
 def on_cuda(x: torch.Tensor, *args, **kwargs) -> bool:
     return x.is_cuda
@@ -30,6 +43,7 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def run(*args, **kwargs):
         if holder:
             return holder[0](*args, **kwargs)
+        _raise_recompile_limit()
         fast = torch.compile(fn, dynamic=True)
         try:
             out = fast(*args, **kwargs)

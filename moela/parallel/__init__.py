@@ -37,7 +37,7 @@ def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, layout: str) -
 def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, *,
                       mixed_precision: bool | None = None) -> nn.Module:
     """Parallelize `model` in place for `mesh` as `cfg` asks; returns it. `mixed_precision` (bf16 params, fp32
-    gradient reduction under FSDP) defaults to on for CUDA meshes, off on CPU."""
+    gradient reduction in `cfg.reduce_dtype` under FSDP) defaults to on for CUDA meshes, off on CPU."""
     if mixed_precision is None:
         mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
     if mesh.size("cp") > 1:
@@ -48,5 +48,6 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
                              f"has nothing to distribute)")
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if mesh.distributed and mesh.size("dp_cp") > 1:
-        apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision)
+        apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision,
+                   reduce_dtype=getattr(torch, cfg.reduce_dtype))
     return model

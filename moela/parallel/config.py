@@ -23,6 +23,9 @@ class ParallelConfig:
     # then changes nothing: the model is replicated over dp_replicate through HSDP with one-rank shard groups
     fsdp: bool = True
     reshard_after_forward: bool = True
+    # dtype of FSDP2's gradient reduce-scatter on CUDA (parameters are gathered in bf16 either way): float32 sums
+    # exactly; bfloat16 halves the reduce-scatter's bytes, for slow links
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
 
     def validate(self) -> list[str]:

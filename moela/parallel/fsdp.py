@@ -6,8 +6,8 @@ Decisions:
   root, gathered for the whole step). Routed experts under expert parallelism are their own unit, sharded over
   the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`.
   With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas).
-- Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32, fp32 master weights and
-  optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
+- Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32 (`parallel.reduce_dtype:
+  bfloat16` halves the reduce-scatter's bytes for slow links), fp32 master weights and optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
   packed-batch context (RoPE frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
 - Gradient reduction: FSDP's default, the average over the unit's reduce group. For dense units that group is
   every rank holding a share of the global batch (`dp_cp`), so the trainer scales the loss by
@@ -79,10 +79,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             _checkpoint_forward(block)
 
 
-def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False
-               ) -> None:
-    """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units."""
-    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
+               reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units.
+    `reduce_dtype` applies under `mixed_precision` only."""
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     units = []

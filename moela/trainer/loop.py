@@ -236,8 +236,9 @@ class Trainer:
         return record
 
     def _profile_record(self, window: dict) -> dict:
-        """The profiling window's metrics record: wall time (slowest rank) and collective shares (rank mean)."""
-        shares = [k for k in window if k.startswith("share_")]
+        """The profiling window's metrics record: wall time (slowest rank), compute-busy and collective shares (rank
+        mean)."""
+        shares = [k for k in window if k.startswith("share_") or k == "busy"]
         vals = torch.tensor([window[k] for k in shares] + [window["wall_s"]], dtype=torch.float64,
                             device=self.device)
         if dist.is_initialized():

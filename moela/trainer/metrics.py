@@ -153,8 +153,9 @@ def format_eval_line(rec: dict[str, Any]) -> str:
 
 def format_profile_line(rec: dict[str, Any]) -> str:
     shares = " ".join(f"{k[len('share_'):]} {100 * v:.1f}%" for k, v in rec.items() if k.startswith("share_"))
-    return (f"profile steps {rec['first_step']}-{rec['step']} | {rec['wall_s']:.2f} s | collectives' device time "
-            f"share: {shares} | traces in {rec['trace_dir']}")
+    busy = f" | GPU compute busy {100 * rec['busy']:.1f}%" if "busy" in rec else ""
+    return (f"profile steps {rec['first_step']}-{rec['step']} | {rec['wall_s']:.2f} s{busy} | collectives' device "
+            f"time share: {shares} | traces in {rec['trace_dir']}")
 
 
 class MetricsWriter:

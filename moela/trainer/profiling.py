@@ -7,6 +7,8 @@ Perfetto) and `rank{R}.txt` (ops sorted by device time, by CPU time on CPU), and
 kind `profile`: the window's wall time and, per NCCL collective kind, its kernels' device time as a share of that
 wall time (all-to-all = NCCL SendRecv/AllToAll kernels, AG all-gather, RS reduce-scatter, AR all-reduce; averaged
 over ranks). Collective kernels can overlap compute, so a share is an upper bound on the exposed communication.
+`busy` is the share of the wall time in which at least one non-NCCL kernel ran (the union of their intervals): the
+rest is GPU compute idle, waiting for the host or for a collective.
 A window that a stop signal or an error interrupts is closed without output.
 """
 
@@ -32,6 +34,20 @@ def collective_times(prof) -> dict[str, float]:
     return out
 
 
+def compute_busy_us(prof) -> float:
+    """Device microseconds covered by at least one non-NCCL GPU kernel (the union of their intervals) in a finished
+    torch.profiler run; 0 without CUDA activity."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    return busy
+
+
 class StepProfiler:
     """Starts torch.profiler before step `first` and stops it after step `last` (see the module docstring)."""
 
@@ -55,7 +71,7 @@ class StepProfiler:
 
     def after_step(self, step: int, wall_s: float) -> dict | None:
         """Counts the step; at the window's last step stops the profiler, writes this rank's files and returns
-        {"first_step", "steps", "wall_s", "share_<kind>"...} (this rank's numbers), else None."""
+        {"first_step", "steps", "wall_s", "busy", "share_<kind>"...} (this rank's numbers), else None."""
         if self.prof is None:
             return None
         self.steps += 1
@@ -70,8 +86,10 @@ class StepProfiler:
         (self.dir / f"rank{self.rank}.txt").write_text(
             prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
         comm = collective_times(prof)
+        wall = max(self.wall_s, 1e-9)
         return {"first_step": step - self.steps + 1, "steps": self.steps, "wall_s": self.wall_s,
-                **{f"share_{k}": comm[k] / 1e6 / max(self.wall_s, 1e-9) for k in COLLECTIVES}}
+                "busy": compute_busy_us(prof) / 1e6 / wall,
+                **{f"share_{k}": comm[k] / 1e6 / wall for k in COLLECTIVES}}
 
     def close(self) -> None:
         """Stops an open window without output (a stop signal or an error inside it)."""
