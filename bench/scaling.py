@@ -8,7 +8,8 @@ the recipe's model, applies `apply_parallelism`, runs warm-up steps, times `--st
 (forward, backward, gradient clipping, AdamW, router-bias update) and profiles `--profile-steps` more with
 torch.profiler to split the GPU time of NCCL kernels by collective. Reported per layout:
   tok/s/GPU     tokens_per_microbatch / cp / median step time
-  vs 1 GPU      ratio to the 1-GPU `ep=1` row of the same recipe in the results file (the weak-scaling target)
+  vs 1 GPU      ratio to the latest 1-GPU `ep=1` row of the same recipe, micro-batch and document length in the
+                results file (the weak-scaling target)
   MFU           flops_per_token(model, doc_len) * tok/s/GPU / 989 TFLOP/s (H200 dense bf16 datasheet peak)
   mem/GPU       max over ranks of torch.cuda.max_memory_allocated
   busy          share of the step time in which a non-NCCL kernel runs on the GPU (union of kernel intervals;
@@ -153,7 +154,7 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     tok_s = tokens_gpu / median
     total, active = count_params(cfg.model)
     row = dict(world=world, layout=layout or "default", recipe=args.recipe, size=cfg.model.size,
-               params=total, active=active, tokens_per_gpu=tokens_gpu, doc_len=args.doc_len,
+               params=total, active=active, microbatch=tokens, tokens_per_gpu=tokens_gpu, doc_len=args.doc_len,
                step_ms=median * 1e3, tok_s_gpu=tok_s,
                mfu=flops_per_token(cfg.model, args.doc_len) * tok_s / (PEAK_TFLOPS * 1e12),
                mem_gib=float(stats[1]), loss1=float(summed[0]) / world,
@@ -170,14 +171,18 @@ def run_layout(args, layout: str, world: int, device) -> dict:
 def render(rows: list[dict]) -> str:
     import triton
 
-    base = {r["recipe"]: r["tok_s_gpu"] for r in rows if r["world"] == 1 and r["layout"] in ("ep=1", "default")}
+    def key(r):  # the 1-GPU baseline of a row: same recipe, micro-batch and document length
+        return r["recipe"], r.get("microbatch", r["tokens_per_gpu"]), r["doc_len"]
+
+    base = {key(r): r["tok_s_gpu"] for r in rows if r["world"] == 1 and r["layout"] in ("ep=1", "default")}
     last = rows[-1]
     lines = [
         "# Weak scaling: FSDP2 + expert parallelism",
         "",
         f"{last['date']}; {last['gpu']}; torch {last['torch']}; triton {triton.__version__}.",
         f"Model `{last['size']}` ({last['params'] / 1e6:.0f}M params, {last['active'] / 1e6:.0f}M active per token), "
-        f"{last['tokens_per_gpu']} tokens per GPU per step in documents of {last['doc_len']}; bf16 autocast, "
+        f"one micro-batch per GPU per step (tokens: the micro-batch column) in documents of {last['doc_len']}; "
+        "bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
         + "; fused AdamW. Command lines and column meanings: `bench/scaling.py`.",
@@ -188,15 +193,17 @@ def render(rows: list[dict]) -> str:
         bw = ", ".join(f"{k} {v:,.0f} GB/s" for k, v in r["link"].items())
         lines.append(f"Link, {world} GPUs (NCCL bus bandwidth at 256 MiB, {r['date']}): {bw}.")
     lines += ["" if links else None,
-              "| GPUs | layout | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | busy | a2a | AG | RS | AR | loss@1 |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| GPUs | layout | micro-batch | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | busy | a2a | AG "
+              "| RS | AR | loss@1 |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines = [line for line in lines if line is not None]
     for r in rows:
-        ratio = f"{r['tok_s_gpu'] / base[r['recipe']]:.3f}" if r["recipe"] in base else "-"
+        ratio = f"{r['tok_s_gpu'] / base[key(r)]:.3f}" if key(r) in base else "-"
         shares = " | ".join(f"{100 * r[f'share_{k}']:.1f}%" for k in COLLECTIVES)
         busy = f"{100 * r['busy']:.1f}%" if "busy" in r else "-"
-        lines.append(f"| {r['world']} | {r['layout']} | {r['step_ms']:.1f} | {r['tok_s_gpu']:,.0f} | {ratio} | "
-                     f"{100 * r['mfu']:.1f}% | {r['mem_gib']:.1f} | {busy} | {shares} | {r['loss1']:.4f} |")
+        micro = r.get("microbatch", r["tokens_per_gpu"])
+        lines.append(f"| {r['world']} | {r['layout']} | {micro} | {r['step_ms']:.1f} | {r['tok_s_gpu']:,.0f} | "
+                     f"{ratio} | {100 * r['mfu']:.1f}% | {r['mem_gib']:.1f} | {busy} | {shares} | {r['loss1']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,9 @@ Decisions:
   the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`.
   With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas).
 - Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32 (`parallel.reduce_dtype:
-  bfloat16` halves the reduce-scatter's bytes for slow links), fp32 master weights and optimizer state. On CPU everything stays fp32. Forward inputs are not cast: a block's inputs include the
-  packed-batch context (RoPE frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
+  bfloat16` halves the reduce-scatter's bytes for slow links), fp32 master weights and optimizer state. On CPU
+  everything stays fp32. Forward inputs are not cast: a block's inputs include the packed-batch context (RoPE
+  frequencies, loss weights) and the router's fp32 weights, which must stay fp32.
 - Gradient reduction: FSDP's default, the average over the unit's reduce group. For dense units that group is
   every rank holding a share of the global batch (`dp_cp`), so the trainer scales the loss by
   `mesh.size("dp_cp")`. Expert units reduce over an `ep` times smaller group (the ranks holding the same

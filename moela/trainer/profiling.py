@@ -3,12 +3,13 @@ that `bench/scaling.py` shares.
 
 Optimizer steps first..last (counted from 1, inclusive) run under torch.profiler (CPU activity, and CUDA on GPUs).
 When the window closes every rank writes `run_dir/profile/rank{R}.json` (a Chrome trace for chrome://tracing or
-Perfetto) and `rank{R}.txt` (ops sorted by device time, by CPU time on CPU), and the trainer logs one record of
-kind `profile`: the window's wall time and, per NCCL collective kind, its kernels' device time as a share of that
+Perfetto) and `rank{R}.txt` (ops sorted by device time, by CPU time on CPU; on GPUs also `rank{R}_cpu.txt`, sorted
+by CPU time), and the trainer logs one record of kind `profile`: the window's wall time, the share of it in which
+the GPU ran compute kernels (`busy`) and, per NCCL collective kind, its kernels' device time as a share of that
 wall time (all-to-all = NCCL SendRecv/AllToAll kernels, AG all-gather, RS reduce-scatter, AR all-reduce; averaged
 over ranks). Collective kernels can overlap compute, so a share is an upper bound on the exposed communication.
-`busy` is the share of the wall time in which at least one non-NCCL kernel ran (the union of their intervals): the
-rest is GPU compute idle, waiting for the host or for a collective.
+`busy` is the union of the non-NCCL kernels' intervals: the rest is GPU compute idle, waiting for the host or for
+a collective.
 A window that a stop signal or an error interrupts is closed without output.
 """
 
@@ -82,9 +83,13 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.json"))
-        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        (self.dir / f"rank{self.rank}.txt").write_text(
-            prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70) + "\n")
+        averages = prof.key_averages()
+        (self.dir / f"rank{self.rank}.txt").write_text(averages.table(
+            sort_by="self_cuda_time_total" if self.cuda else "self_cpu_time_total", row_limit=40,
+            max_name_column_width=70) + "\n")
+        if self.cuda:  # where the host's time goes (a host-bound step leaves the GPU idle: see `busy`)
+            (self.dir / f"rank{self.rank}_cpu.txt").write_text(averages.table(
+                sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n")
         comm = collective_times(prof)
         wall = max(self.wall_s, 1e-9)
         return {"first_step": step - self.steps + 1, "steps": self.steps, "wall_s": self.wall_s,
