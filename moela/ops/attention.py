@@ -10,7 +10,7 @@ Public function: `mla_attention`. Backends:
   no ALiBi, no lse requested. Documents are reshaped to a batch, so no mask is materialized.
 `auto` tries the fast backends in registration order (`_FAST_BACKENDS`: sdpa, then triton) and falls back to
 `reference`; on CPU it always resolves to `reference`. sdpa comes first because cuDNN was measured faster where it
-applies (H200, 192/128 causal, S=8192: fwd+bwd 1.31x ours; bench/results/attention.md); everything else (packed
+applies (H200, 192/128 causal, S=8192: fwd+bwd 1.31x ours; bench/results/attention_run3.md); everything else (packed
 documents, lse / z-loss, ALiBi, a longer k side) goes to triton.
 
 Masking: with `causal=True`, query i of a document (0-based within the q side) may see key j when

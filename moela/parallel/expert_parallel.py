@@ -138,7 +138,9 @@ class ExpertParallelExperts(nn.Module):
 
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # [T*K] pair index, sorted by expert
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)  # [E] pairs per global expert
+        ones = torch.ones_like(flat_ids, dtype=torch.long)  # [T*K]
+        counts = flat_ids.new_zeros(self.num_experts, dtype=torch.long).scatter_add_(0, flat_ids.long(), ones)
+        # counts [E]: pairs per global expert (torch.bincount would add a host sync on CUDA)
         recv_counts = torch.empty_like(counts)  # [ep * E_local] pairs from each source rank for each local expert
         dist.all_to_all_single(recv_counts, counts, group=group)
         counts_host = torch.stack([counts, recv_counts]).view(2, ep, e_local).sum(2).tolist()  # one host sync
