@@ -1,19 +1,25 @@
-"""Run a function on N CPU ranks (forked processes, gloo) for the multi-rank tests, plus a tiny model and data.
+"""Run a function on N ranks for the multi-rank tests, plus a tiny model and data.
 
-`spawn(fn, world_size, *args)` forks `world_size` processes (fork rather than spawn: the children inherit the
-imported modules, which saves seconds of imports per rank on a small machine; each child runs torch
-single-threaded; `backend="nccl"` spawns one process per GPU instead), initializes a gloo process group through a file store in a fresh temporary directory (no ports
-to collide), calls `fn(rank, world_size, *args)` in each and re-raises the first failure in the parent.
+`spawn(fn, world_size, *args)` forks `world_size` CPU processes with a gloo process group (fork rather than spawn:
+the children inherit the imported modules, which saves seconds of imports per rank on a small machine; each child
+runs torch single-threaded); `backend="nccl"` spawns one process per GPU instead. The group is initialized through
+a file store in a fresh temporary directory (no ports to collide), with a 5-minute collective timeout so that a
+stuck rank fails the test; `fn(rank, world_size, *args)` runs in each and the first failure is re-raised in the
+parent.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a rank stuck in a collective fails the test, not the whole run
 
 
 def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> None:
@@ -23,7 +29,8 @@ def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> No
     if backend == "nccl":
         torch.cuda.set_device(rank)
         extra["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size, **extra)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT, **extra)
     try:
         fn(rank, world_size, *args)
     finally:
