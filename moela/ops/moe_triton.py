@@ -304,9 +304,9 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
     s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
     again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
-    qT is exactly q's transpose, written with coalesced row stores (reading w twice; its time on the GPU is not
-    measured yet); "torch" copies q.transpose(1, 2) byte by byte (9.6 ms for w13 + w2 of the V3 E32 layer on the
-    H200, bench/results/moe.md run 4). Writing qT from the same kernel at transposed addresses gave wrong bytes on
+    qT is exactly q's transpose, written with coalesced row stores (reading w twice: 3.4 ms for both launches on
+    w13 + w2 of the V3 E32 layer on the H200, bench/results/moe.md run 7); "torch" copies q.transpose(1, 2) byte
+    by byte (9.6 ms for the same, run 4). Writing qT from the same kernel at transposed addresses gave wrong bytes on
     the H200 (triton 3.6) twice, with an fp8 and with a uint8 store, though it was bit-exact in the interpreter."""
     e, n, k = w.shape
     if n % 128 or k % 128:
