@@ -124,6 +124,23 @@ def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
     assert torch.allclose(lce.linear_cross_entropy(h, w, labels, backend="reference").double(), ref, rtol=1e-5)
 
 
+def test_linear_cross_entropy_chunked_skips_the_gradients_under_no_grad(monkeypatch):
+    """Evaluation runs under no_grad with a weight that still requires grad: the chunked loss must not form the
+    softmax gradients (two GEMMs and a [V, D] float32 buffer per call) that nobody will read."""
+    import moela.ops.linear_cross_entropy as lce
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 53)
+    h, w = torch.randn(23, 19), torch.randn(53, 19, requires_grad=True)
+    labels = torch.randint(0, 53, (23,))
+    expected = lce.linear_cross_entropy(h, w, labels, backend="reference").item()
+
+    def no_softmax(*args, **kwargs):
+        raise AssertionError("softmax gradient formed under no_grad")
+    monkeypatch.setattr(lce.torch, "exp", no_softmax)  # only the gradient branch calls torch.exp
+    with torch.no_grad():
+        loss = lce.linear_cross_entropy(h, w, labels, backend="chunked")
+    assert math.isclose(loss.item(), expected, rel_tol=1e-5)
+
+
 def test_compiled_backend_falls_back_to_the_reference_when_compilation_fails(monkeypatch, caplog):
     from moela.ops import compiled as comp
 

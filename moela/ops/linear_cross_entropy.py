@@ -31,9 +31,8 @@ def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk_rows):
+    def forward(ctx, h, weight, labels, chunk_rows, want_grad):
         t = h.shape[0]
-        want_grad = h.requires_grad or weight.requires_grad
         grad_h = torch.empty_like(h) if want_grad else None  # [T, D]
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_grad else None
         total = torch.zeros((), device=h.device, dtype=torch.float32)
@@ -51,14 +50,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 g.mul_(valid[:, None].float())
                 g = g.to(h.dtype)  # [C, V]
                 grad_h[a:a + chunk_rows] = g @ weight  # [C, D]
-                grad_w += (g.t() @ hc).float()  # [V, D]
+                grad_w += g.t() @ hc  # [V, D], accumulated in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -75,4 +74,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if chosen == "reference":
         return linear_cross_entropy_reference(h, weight, labels)
     chunk_rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    return _ChunkedLinearCE.apply(h, weight, labels, chunk_rows)
+    # grad mode is always off inside Function.forward: decide here whether the gradients are needed at all (not
+    # under no_grad, e.g. evaluation, where a parameter weight still has requires_grad set)
+    want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCE.apply(h, weight, labels, chunk_rows, want_grad)
