@@ -77,13 +77,18 @@ def test_keep_last_k_and_resume_resolution(tmp_path):
 
 def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
     """Resuming from an explicit older step-N and saving again: the new save is kept (never pruned) and is what
-    `auto` resumes, not a higher-numbered checkpoint left by the abandoned continuation."""
+    `auto` resumes, not a higher-numbered checkpoint left by the abandoned continuation; pruning removes the
+    abandoned continuation before the run's own history."""
     model, opt, _ = make(0)
     for step in (2, 4, 6):
         ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last_k=3)
-    ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last_k=2)  # continued from step-2
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 6]
+    ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last_k=3)  # continued from step-2
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3, 6]  # 4 went first, then 6 would
     assert ckpt.resolve_resume(tmp_path, "auto").name == "step-3"
+    ckpt.save_checkpoint(tmp_path, 4, model, opt, {"step": 4}, keep_last_k=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]  # the abandoned step-6 before step-2
+    (tmp_path / "checkpoints" / "latest").unlink()  # without the pointer, auto still finds this run's newest
+    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-4"
     ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep_last_k=1)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5]
     assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"

@@ -15,7 +15,9 @@ Decisions:
   a run resumed from an explicit older `step-N` left higher-numbered checkpoints of the abandoned continuation
   behind), else the highest complete `step-N/` (those with DCP's `.metadata`), so a stale or missing pointer
   cannot lead to a corrupt load.
-- Pruning to `keep_last_k` never deletes the checkpoint just written.
+- Pruning to `keep_last_k` never deletes the checkpoint just written, and deletes the checkpoints of an abandoned
+  continuation (steps above the one just written: left behind by a resume from an explicit older `step-N`)
+  before the oldest of the run's own history.
 - Model and optimizer state go through `get_state_dict` / `set_state_dict`, which key the optimizer state by
   parameter name and handle FSDP2's DTensors, so resharded resume works.
 - A rank with no trainer file of its own (resuming on more ranks than saved) takes rank 0's; its RNG streams then
@@ -81,7 +83,8 @@ def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
     path = Path(resume)
     if not is_complete(path):
         raise TrainingError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected "
-                                f"a step-N folder with .metadata); use 'auto', 'none' or an existing step-N path")
+                            f"a step-N folder with .metadata and trainer-rank*.pt files); use 'auto', 'none' or "
+                            f"an existing step-N path")
     return path
 
 
@@ -134,7 +137,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         os.replace(tmp, final)
         _write_atomic(root / LATEST, final.name + "\n")
         shutil.rmtree(replaced, ignore_errors=True)
-        others = [path for _, path in list_checkpoints(run_dir) if path != final]
+        found = [(s, path) for s, path in list_checkpoints(run_dir) if path != final]
+        others = [path for s, path in found if s > step] + [path for s, path in found if s < step]  # prune order
         for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
