@@ -95,11 +95,41 @@ def _check_fp8_and_load(rank: int, world_size: int) -> None:
     torch.testing.assert_close(load[0], torch.bincount(ids.reshape(-1), minlength=E).float())
 
 
+def _check_autocast_dispatch(rank: int, world_size: int) -> None:
+    """Under autocast an fp32 residual stream is cast before the all-to-all (half the bytes), as moe_experts casts
+    it; y and the input gradient stay fp32 and match the fp32 run to bf16 precision."""
+    import moela.parallel.expert_parallel as epm
+
+    tokens, ids, weights, x, w13, w2, grad_y = make_problem(world_size, skewed=False)
+    mesh = build_mesh(ParallelConfig(ep=world_size), world_size, "cpu")
+    ep = ExpertParallelExperts(E, D, FF, mesh["ep"], backend="reference", dtype=torch.float32)
+    n_e = ep.num_local
+    with torch.no_grad():
+        ep.w13.to_local().copy_(w13[rank * n_e:(rank + 1) * n_e])
+        ep.w2.to_local().copy_(w2[rank * n_e:(rank + 1) * n_e])
+    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
+    xr, wr = x[lo:hi].float(), weights[lo:hi].float()
+    y32 = ep(xr, ids[lo:hi], wr).detach()
+    sent, plain = [], epm.all_to_all
+    epm.all_to_all = lambda rows, *a: (sent.append(rows.dtype), plain(rows, *a))[1]
+    try:
+        xa = xr.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ep(xa, ids[lo:hi], wr)
+        y.backward(grad_y[lo:hi].float())
+    finally:
+        epm.all_to_all = plain
+    assert sent[0] == torch.bfloat16, sent  # the dispatch all-to-all
+    assert y.dtype == torch.float32 and xa.grad.dtype == torch.float32
+    torch.testing.assert_close(y.detach(), y32, rtol=3e-2, atol=3e-2)
+
+
 def _run_all(rank: int, world_size: int) -> None:
     _check_routing(rank, world_size, skewed=False)
     _check_routing(rank, world_size, skewed=True)
     if world_size == 2:
         _check_fp8_and_load(rank, world_size)
+        _check_autocast_dispatch(rank, world_size)
     dist.barrier()
 
 

@@ -78,15 +78,21 @@ def _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe):
                          f"{tuple(w13.shape)} and {tuple(w2.shape)}")
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x cast as autocast casts a matmul's input. Autocast does not see `moe_experts`: under autocast the residual
+    stream stays fp32, and the fast backends, which run in bf16/fp16, would otherwise fall back to the fp32
+    reference (expert parallelism casts before its all-to-all, which then moves half the bytes)."""
+    if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="auto"):
     """Weighted sum over each token's top-k experts of SwiGLU expert FFNs. x [T, D] -> y [T, D] (x's dtype, or
     the autocast dtype when autocast is on)."""
     check_backend("moe_experts", backend, BACKENDS)
     _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe)
-    # autocast does not see this op: cast as it casts a matmul's input (under autocast the residual stream stays
-    # fp32, and the fast backends, which run in bf16/fp16, would otherwise fall back to the fp32 reference)
-    if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    x = autocast_input(x)
     chosen = resolve_backend("moe_experts", backend, _FAST_BACKENDS, x, topk_ids, topk_weights, w13, w2,
                              recipe=recipe, reason=recipe, needs="CUDA and its package")
     if chosen == "reference":

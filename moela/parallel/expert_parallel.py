@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from moela.ops.moe import moe_experts
+from moela.ops.moe import autocast_input, moe_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -146,7 +146,7 @@ class ExpertParallelExperts(nn.Module):
         counts_host = torch.stack([counts, recv_counts]).view(2, ep, e_local).sum(2).tolist()  # one host sync
         in_splits, out_splits = counts_host[0], counts_host[1]
 
-        x_send = x[order // k]  # [T*K, D] rows grouped by destination rank, then by expert
+        x_send = autocast_input(x)[order // k]  # [T*K, D] rows grouped by destination rank, then by expert
         x_recv = all_to_all(x_send, out_splits, in_splits, group)  # [R, D]
         local_ids = torch.arange(e_local, device=x.device).repeat(ep)  # [ep * E_local]
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=x_recv.shape[0])  # [R]
