@@ -47,6 +47,8 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         fast = torch.compile(fn, dynamic=True)
         try:
             out = fast(*args, **kwargs)
+        except torch.OutOfMemoryError:  # not a compilation failure: the caller must see it
+            raise
         except Exception as err:  # compilation failure: keep training on the reference, say so once
             log.warning("%s: torch.compile failed (%s: %s); using the reference implementation", fn.__name__,
                         type(err).__name__, err)

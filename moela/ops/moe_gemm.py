@@ -225,7 +225,8 @@ def torch_kgrouped(a, b, offsets, counts, out_dtype):
     return torch.where((counts > 0)[:, None, None], out, 0).to(out_dtype)
 
 
-def deep_gemm_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def deep_gemm_available() -> bool:  # cached: a failed import is retried on every call otherwise
     try:
         import deep_gemm  # noqa: F401
     except ImportError:
@@ -318,7 +319,9 @@ def cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.float32):
             continue
         try:
             torch._scaled_mm(*args, out_dtype=torch.float32, out=out[ex])
-        except RuntimeError:
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # this torch / cuBLAS refuses fp32 output: bf16 from now on
             _FP32_OUT[0] = False
             out[ex] = torch._scaled_mm(*args, out_dtype=torch.bfloat16)
     return out

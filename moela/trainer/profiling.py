@@ -23,10 +23,11 @@ COLLECTIVES = {"a2a": ("SendRecv", "AllToAll"), "AG": ("AllGather",), "RS": ("Re
                "AR": ("AllReduce",)}
 
 
-def collective_times(prof) -> dict[str, float]:
-    """Device microseconds per collective kind (keys of COLLECTIVES) from a finished torch.profiler run."""
+def collective_times(prof, averages=None) -> dict[str, float]:
+    """Device microseconds per collective kind (keys of COLLECTIVES) from a finished torch.profiler run
+    (`averages`: its `key_averages()` when the caller already has them)."""
     out = {k: 0.0 for k in COLLECTIVES}
-    for event in prof.key_averages():
+    for event in averages if averages is not None else prof.key_averages():
         total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         key = event.key.lower()
         for kind, needles in COLLECTIVES.items():
@@ -90,7 +91,7 @@ class StepProfiler:
         if self.cuda:  # where the host's time goes (a host-bound step leaves the GPU idle: see `busy`)
             (self.dir / f"rank{self.rank}_cpu.txt").write_text(averages.table(
                 sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n")
-        comm = collective_times(prof)
+        comm = collective_times(prof, averages)
         wall = max(self.wall_s, 1e-9)
         return {"first_step": step - self.steps + 1, "steps": self.steps, "wall_s": self.wall_s,
                 "busy": compute_busy_us(prof) / 1e6 / wall,
