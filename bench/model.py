@@ -5,8 +5,9 @@ Candidates, all on the same weights and tokens (documents of equal length L pack
   moela/reference  attention and experts on their pure-torch reference backends (what the model is tested with)
   hf/sdpa          transformers' DeepseekV3ForCausalLM loaded from our HF export, batch [T/L, L], SDPA attention
                    and its default experts implementation (MTP is absent there, so moela runs without MTP too)
-Reported: median ms per micro-step (`triton.testing.do_bench`), tokens/s, model TFLOP/s from `flops_per_token`
-(6N active + causal attention), peak memory, and the loss of each candidate (they must agree to bf16 noise).
+Reported: median ms per micro-step over `--repeats` synchronized calls after two warm-up calls, tokens/s, model
+TFLOP/s from `flops_per_token` (6N active + causal attention), peak memory of one micro-step, and the loss of each
+candidate (printed side by side, to compare by eye: they should agree to bf16 noise).
 
 Usage (one GPU): python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out bench/results/model.md]
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
@@ -47,13 +47,23 @@ def packed_batch(vocab: int, tokens: int, doc_len: int, device: str) -> PackedBa
     return PackedBatch(ids, labels, pos, cu, doc_len)
 
 
-def measure(name: str, step, tokens: int, flops_tok: float) -> None:
+def measure(name: str, step, tokens: int, flops_tok: float, repeats: int) -> None:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     loss = step()
-    ms = do_bench(step, warmup=3, rep=20)
+    torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    step()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
     tflops = flops_tok * tokens / (ms * 1e-3) / 1e12
     say(f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} | {tflops:.0f} | {peak:.1f} | {loss:.4f} |")
     RESULTS[name] = ms
@@ -68,10 +78,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--doc-len", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=10, help="timed micro-steps per candidate (median reported)")
     ap.add_argument("--out", default="bench/results/model.md")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/model.py needs a CUDA GPU (it times the micro-step with triton.testing.do_bench)")
+        sys.exit("bench/model.py needs a CUDA GPU (it times the micro-step with CUDA events)")
     torch.manual_seed(0)
     dev = "cuda"
     cfg = preset(args.size, num_nextn_predict_layers=0, aux_loss_coef=0.0)
@@ -99,7 +110,7 @@ def main() -> None:
             if hasattr(layer.ffn, "experts"):
                 layer.ffn.experts.backend = moe_b
         try:
-            measure(name, moela_step, args.tokens, flops_tok)
+            measure(name, moela_step, args.tokens, flops_tok, args.repeats)
         except Exception:  # a baseline that fails is reported, not fatal
             say(f"| {name} | failed: {traceback.format_exc(limit=1).splitlines()[-1]} | | | | |")
     if not args.skip_hf:
@@ -120,7 +131,7 @@ def main() -> None:
             out.loss.backward()
             return out.loss.item()
         try:
-            measure("hf/sdpa", hf_step, args.tokens, flops_tok)
+            measure("hf/sdpa", hf_step, args.tokens, flops_tok, args.repeats)
         except Exception:
             say(f"| hf/sdpa | failed: {traceback.format_exc(limit=1).splitlines()[-1]} | | | | |")
     say()
