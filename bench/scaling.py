@@ -8,14 +8,15 @@ the recipe's model, applies `apply_parallelism`, runs warm-up steps, times `--st
 (forward, backward, gradient clipping, AdamW, router-bias update) and profiles `--profile-steps` more with
 torch.profiler to split the GPU time of NCCL kernels by collective. Reported per layout:
   tok/s/GPU     tokens_per_microbatch / cp / median step time
-  vs 1 GPU      ratio to the latest 1-GPU `ep=1` row of the same recipe, micro-batch and document length in the
-                results file (the weak-scaling target)
+  vs 1 GPU      ratio to the latest 1-GPU `ep=1` row of the same recipe, model size, micro-batch and document
+                length in the results file (the weak-scaling target)
   MFU           flops_per_token(model, doc_len) * tok/s/GPU / 989 TFLOP/s (H200 dense bf16 datasheet peak)
   mem/GPU       max over ranks of torch.cuda.max_memory_allocated
-  busy          share of the step time in which a non-NCCL kernel runs on the GPU (union of kernel intervals;
-                the rest is compute idle: waiting for the host or for a collective)
+  busy          share of the profiled steps' wall time in which a non-NCCL kernel runs on the GPU (union of
+                kernel intervals; the rest is compute idle: waiting for the host or for a collective)
   a2a / AG / RS / AR   GPU time of all-to-all (NCCL SendRecv), all-gather, reduce-scatter and all-reduce
-                kernels as a share of the step time (kernels can overlap compute: an upper bound on exposed time)
+                kernels as a share of the profiled steps' wall time (kernels can overlap compute: an upper bound on
+                exposed time; the profiler's own overhead is in the wall time)
   loss@1        first step's loss (mean over ranks): equal across the cp=1 layouts of one GPU count (same
                 weights and data; under CP the ranks hold parts of the same micro-batches)
 With more than one GPU the run first measures the link: NCCL all-gather, reduce-scatter and all-to-all of
@@ -171,8 +172,8 @@ def run_layout(args, layout: str, world: int, device) -> dict:
 def render(rows: list[dict]) -> str:
     import triton
 
-    def key(r):  # the 1-GPU baseline of a row: same recipe, micro-batch and document length
-        return r["recipe"], r.get("microbatch", r["tokens_per_gpu"]), r["doc_len"]
+    def key(r):  # the 1-GPU baseline of a row: same recipe, model size, micro-batch and document length
+        return r["recipe"], r["size"], r.get("microbatch", r["tokens_per_gpu"]), r["doc_len"]
 
     base = {key(r): r["tok_s_gpu"] for r in rows if r["world"] == 1 and r["layout"] in ("ep=1", "default")}
     last = rows[-1]
@@ -180,8 +181,9 @@ def render(rows: list[dict]) -> str:
         "# Weak scaling: FSDP2 + expert parallelism",
         "",
         f"{last['date']}; {last['gpu']}; torch {last['torch']}; triton {triton.__version__}.",
-        f"Model `{last['size']}` ({last['params'] / 1e6:.0f}M params, {last['active'] / 1e6:.0f}M active per token), "
-        f"one micro-batch per GPU per step (tokens: the micro-batch column) in documents of {last['doc_len']}; "
+        f"Latest row: model `{last['size']}` ({last['params'] / 1e6:.0f}M params, {last['active'] / 1e6:.0f}M active "
+        f"per token), one micro-batch per GPU per step (tokens: the micro-batch column) in documents of "
+        f"{last['doc_len']}; "
         "bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
@@ -192,11 +194,11 @@ def render(rows: list[dict]) -> str:
     for world, r in sorted(links.items()):
         bw = ", ".join(f"{k} {v:,.0f} GB/s" for k, v in r["link"].items())
         lines.append(f"Link, {world} GPUs (NCCL bus bandwidth at 256 MiB, {r['date']}): {bw}.")
-    lines += ["" if links else None,
-              "| GPUs | layout | micro-batch | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | busy | a2a | AG "
+    if links:
+        lines.append("")
+    lines += ["| GPUs | layout | micro-batch | step ms | tok/s/GPU | vs 1 GPU | MFU | mem/GPU GiB | busy | a2a | AG "
               "| RS | AR | loss@1 |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines = [line for line in lines if line is not None]
     for r in rows:
         ratio = f"{r['tok_s_gpu'] / base[key(r)]:.3f}" if key(r) in base else "-"
         shares = " | ".join(f"{100 * r[f'share_{k}']:.1f}%" for k in COLLECTIVES)
