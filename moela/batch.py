@@ -22,8 +22,9 @@ class PackedBatch:
     position_ids: torch.Tensor  # [T] int32, restart at 0 for each document (original positions under CP)
     cu_seqlens: torch.Tensor  # [N+1] int32, document boundaries in the flat stream
     max_seqlen: int
-    # labelled-token count carried over by `to()` from a CPU batch, so that the model reading it on the GPU does
-    # not synchronize with the device once per micro-batch
+    # labelled-token count known on the host: set by the producer (the data loader's `make_batch`), else by `to()`
+    # from a CPU batch, and carried to the device, so that the model reading it on the GPU does not synchronize
+    # with the device once per micro-batch (a context-parallel shard counts its own on the device)
     targets_on_host: int | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -46,7 +47,7 @@ class PackedBatch:
             for f in fields(self)
             for v in [getattr(self, f.name)]
         }
-        if self.labels.device.type == "cpu":
+        if self.targets_on_host is None and self.labels.device.type == "cpu":
             moved["targets_on_host"] = self.num_targets()
         return replace(self, **moved)
 

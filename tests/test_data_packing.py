@@ -57,6 +57,7 @@ def check_batch(batch, offsets, budget):
     is_last = tok + 1 == offsets[doc_of + 1]
     expected = np.where(is_last, IGNORE_INDEX, tok + 1)
     assert np.array_equal(batch.labels.numpy(), expected), "label = next token of the same document, else -100"
+    assert batch.targets_on_host == int((~is_last).sum()), "the producer's labelled-token count"
     return tok
 
 

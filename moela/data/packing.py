@@ -81,7 +81,7 @@ def num_targets(piece_start: np.ndarray, piece_len: np.ndarray, doc_len: np.ndar
 def make_batch(stores, piece_part, piece_doc, piece_start, piece_len) -> PackedBatch:
     """Materialize one micro-batch. `stores[i]` has `.tokens` [total_i] and `.offsets` [N_i+1] (a TokenCache);
     piece j is tokens [start, start + len) of document `piece_doc[j]` of store `piece_part[j]`."""
-    inputs, labels = [], []
+    inputs, labels, doc_ends = [], [], 0
     for part, d, s, n in zip(piece_part.tolist(), piece_doc.tolist(), piece_start.tolist(), piece_len.tolist()):
         tokens, offsets = stores[part].tokens, stores[part].offsets
         begin, doc_end = int(offsets[d]) + s, int(offsets[d + 1])
@@ -91,6 +91,7 @@ def make_batch(stores, piece_part, piece_doc, piece_start, piece_len) -> PackedB
         else:
             labels.append(np.asarray(tokens[begin + 1:begin + n], dtype=np.int64))  # [n-1]
             labels.append(np.full(1, IGNORE_INDEX, dtype=np.int64))
+            doc_ends += 1
     lens = np.asarray(piece_len, dtype=np.int64)  # [N]
     cu = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(lens, out=cu[1:])
@@ -101,4 +102,5 @@ def make_batch(stores, piece_part, piece_doc, piece_start, piece_len) -> PackedB
         position_ids=torch.from_numpy(positions.astype(np.int32)),  # [T] int32
         cu_seqlens=torch.from_numpy(cu),  # [N+1] int32
         max_seqlen=int(lens.max()),
+        targets_on_host=int(lens.sum()) - doc_ends,  # every token but each document's last has a label
     )
