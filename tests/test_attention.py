@@ -66,23 +66,6 @@ def run_with_grads(fn, q, k, v, dout, dlse):
     return [o.detach() for o in outs] + [q.grad, k.grad, v.grad]
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every float tensor the launchers allocate starts as NaN."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def nan_empty(*a, **kw):
-        t = empty(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*a, **kw):
-        t = empty_like(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(triton_mod.torch, "empty", nan_empty)
-    monkeypatch.setattr(triton_mod.torch, "empty_like", nan_empty_like)
-
-
 def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
                           ulps=0.0, slope_scale=1.0):
     q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
