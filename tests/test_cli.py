@@ -124,18 +124,20 @@ def test_torchrun_two_cpu_processes_agree_to_stop_on_one_ranks_sigterm(tmp_path)
     the same step and write one checkpoint with a trainer file per rank."""
     run = tmp_path / "run"
     overrides = [*_long_run_overrides(tmp_path, run), "schedule.warmup_steps=1"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step 2/"):
-            os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=300)
-    out = "".join(seen) + out
+    stderr = tmp_path / "stderr.txt"  # a file, not a pipe: unread warnings must not fill a pipe and block the ranks
+    with stderr.open("w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
+            stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=ROOT)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step 2/"):
+                os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)
+                break
+        out, _ = proc.communicate(timeout=300)
+    out, err = "".join(seen) + out, stderr.read_text()
     assert proc.returncode == 0, err[-3000:]
     assert "on 2 x cpu" in out and "dp cost max/mean" in out
     assert "stopped by SIGTERM after step" in out  # printed by rank 0, which did not receive the signal
@@ -147,13 +149,16 @@ def test_torchrun_two_cpu_processes_agree_to_stop_on_one_ranks_sigterm(tmp_path)
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     overrides = _long_run_overrides(tmp_path, run)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    for line in proc.stdout:
-        if line.startswith("step 3/"):
-            proc.send_signal(signal.SIGINT)
-            break
-    out, err = proc.communicate(timeout=120)
+    stderr = tmp_path / "stderr.txt"  # a file, not a pipe (see above)
+    with stderr.open("w") as err_file:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"),
+                                 *overrides], stdout=subprocess.PIPE, stderr=err_file, text=True, cwd=ROOT)
+        for line in proc.stdout:
+            if line.startswith("step 3/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, _ = proc.communicate(timeout=120)
+    err = stderr.read_text()
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "stopped by SIGINT after step" in out
     assert "received SIGINT: saving a checkpoint after this step" in err
