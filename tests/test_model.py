@@ -232,12 +232,14 @@ def test_z_loss_is_mean_squared_lse_over_labelled_tokens():
 @pytest.mark.parametrize("qk_norm", ["none", "head", "layer"])
 def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
     """q / k handed to the attention, rebuilt in float64: QK-Norm on the whole head (nope + rope parts) BEFORE
-    RoPE, the RoPE key k_pe one vector for all heads (before any QK-Norm), interleaved pairs, YaRN's softmax scale
-    qk_head_dim**-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)**2."""
+    RoPE, the RoPE key k_pe one vector for all heads (before any QK-Norm), interleaved pairs, cos / sin scaled by
+    YaRN's attention factor (0.1 * mscale * ln(factor) + 1) / (0.1 * mscale_all_dim * ln(factor) + 1), YaRN's
+    softmax scale qk_head_dim**-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)**2."""
     from moela.model import RopeScaling
 
     torch.manual_seed(7)
-    rs = RopeScaling(factor=4.0, original_max_position_embeddings=8, mscale=0.8, mscale_all_dim=0.8)
+    rs = RopeScaling(factor=4.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.8)
+    factor = (0.1 * 1.0 * math.log(4.0) + 1) / (0.1 * 0.8 * math.log(4.0) + 1)  # != 1: a wrong factor shows
     cfg = _cfg(qk_norm=qk_norm, rope_scaling=rs, num_hidden_layers=1, first_k_dense_replace=1,
                num_nextn_predict_layers=0)
     model = build_model(cfg)
@@ -262,7 +264,7 @@ def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
 
     def rotate(v):  # [T, H, R], DeepSeek's interleaved pairs (x[2i], x[2i+1])
         ang = batch.position_ids.double()[:, None] * ctx.inv_freq.double()[None, :]  # [T, R/2]
-        cos, sin = ang.cos()[:, None] * attn.attention_factor, ang.sin()[:, None] * attn.attention_factor
+        cos, sin = ang.cos()[:, None] * factor, ang.sin()[:, None] * factor
         v0, v1 = v[..., 0::2], v[..., 1::2]
         return torch.stack((v0 * cos - v1 * sin, v1 * cos + v0 * sin), -1).flatten(-2)
 
