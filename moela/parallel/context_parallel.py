@@ -19,14 +19,14 @@ Decisions:
   the trainer's usual weighting works unchanged as long as it counts the step's labelled tokens once per
   micro-batch (sum over the `dp` ranks: the ranks of a CP group share micro-batches). No collective runs here
   beyond the attention's (and the balance loss's, below). Padding tokens (at most 2*cp-1 per document) are
-  routed through the experts like the others but left out of `expert_load` (each MoE's `expert_load` is
-  replaced), so the summed load, hence the router-bias update, equals the single-process one.
+  routed through the experts like the others but left out of `expert_load` (each MoE gets this rank's real-token
+  mask, `MoE.real_tokens`), so the summed load, hence the router-bias update, equals the single-process one.
 - Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
   computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
 - The sequence-wise balance loss needs per-document statistics (tokens routed to each expert, mean router
-  probabilities, document length) over the whole document: `ContextParallel` replaces each MoE's `balance_loss`
-  with one that sums them over the group's real (non-padding) tokens with a differentiable all-reduce, then
-  applies the same formula, so that term is exact too.
+  probabilities, document length) over the whole document: each MoE's `balance_loss` counts real (non-padding)
+  tokens only and sums the statistics over the group with a differentiable all-reduce (`MoE.reduce_balance_stats`)
+  before the same formula, so that term is exact too.
 
 Shapes: T_loc local tokens, H heads, Dqk / Dv head dims.
 """
@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch, shard_tokens
-from moela.model.layers import segment_sum
 from moela.model.moe import MoE
 from moela.model.transformer import shift_within_docs
 
@@ -152,40 +151,6 @@ class _CPCoreAttention:
                             softmax_scale=softmax_scale, return_lse=return_lse)
 
 
-class _CPBalanceLoss:
-    """Drop-in for `MoE.balance_loss` under CP: the per-document statistics are summed over the group."""
-
-    def __init__(self, owner: "ContextParallel", moe: MoE):
-        self.owner = owner
-        self.n_experts, self.topk = moe.n_experts, moe.topk
-
-    def __call__(self, topk_ids: torch.Tensor, scores: torch.Tensor, ctx) -> torch.Tensor:
-        n, e = ctx.num_docs, self.n_experts
-        real = self.owner.real_tokens(scores.device).float()[:, None]  # [T_loc, 1]
-        hits = torch.zeros_like(scores).scatter_(1, topk_ids, 1.0) * real  # [T_loc, E]
-        probs = scores / scores.sum(-1, keepdim=True) * real  # [T_loc, E]
-        stats = torch.cat((segment_sum(hits, ctx.doc_ids, n), segment_sum(probs, ctx.doc_ids, n),
-                           segment_sum(real, ctx.doc_ids, n)), dim=1)  # [N, 2E + 1] this rank's sums
-        stats = _SumOverGroup.apply(stats, self.owner.group)  # [N, 2E + 1] whole documents
-        lengths = stats[:, 2 * e:]  # [N, 1]
-        f = stats[:, :e] * (self.n_experts / self.topk) / lengths  # [N, E]
-        p = stats[:, e:2 * e] / lengths  # [N, E]
-        return ((f * p).sum(-1) * ctx.doc_weight).sum()
-
-
-class _CPExpertLoad:
-    """Drop-in for `MoE.expert_load` under CP: tokens per expert over this rank's real (non-padding) tokens."""
-
-    def __init__(self, owner: "ContextParallel", moe: MoE):
-        self.owner = owner
-        self.n_experts = moe.n_experts
-
-    def __call__(self, topk_ids: torch.Tensor, ctx) -> torch.Tensor:
-        real = self.owner.real_tokens(topk_ids.device)  # [T_loc] bool
-        weight = real.float()[:, None].expand(topk_ids.shape).reshape(-1)  # [T_loc*K]
-        return torch.zeros(self.n_experts, device=topk_ids.device).index_add_(0, topk_ids.reshape(-1), weight)
-
-
 class ContextParallel:
     """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
 
@@ -206,9 +171,9 @@ class ContextParallel:
                 module.core_attention = _CPCoreAttention(self, attention)
                 wrapped += 1
         for module in model.modules():
-            if isinstance(module, MoE):
-                module.balance_loss = _CPBalanceLoss(self, module)
-                module.expert_load = _CPExpertLoad(self, module)
+            if isinstance(module, MoE):  # balance statistics and expert load over real tokens, whole documents
+                module.real_tokens = self.real_tokens
+                module.reduce_balance_stats = self._sum_balance_stats
         if wrapped == 0:
             raise ValueError("ContextParallel found no module with a `core_attention` attribute in the model; "
                              "wrap a moela Transformer (its attention modules expose that hook)")
@@ -231,6 +196,9 @@ class ContextParallel:
         if self._real is None or self._real.device != torch.device(device):
             self._real = (self.plan.pad_to_orig[self.plan.local_index[self.cp_rank]] >= 0).to(device)
         return self._real
+
+    def _sum_balance_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(stats, self.group)
 
     def mtp_targets(self, batch: PackedBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Per MTP depth, this rank's (input token, label): shifted within documents on the whole batch first,
