@@ -208,6 +208,20 @@ def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
     assert resumed[-1]["lr"] == pytest.approx(2e-3 * longer.schedule.min_lr_ratio)
 
 
+def test_a_checkpoint_without_the_current_trainer_state_is_refused_with_a_clear_error(tmp_path, cache_dir):
+    Trainer(make_cfg(tmp_path, cache_dir, "train.steps=2")).fit()
+    (saved,) = (tmp_path / "checkpoints").glob("step-*")
+    state = torch.load(saved / "trainer-rank0.pt", weights_only=False)
+    del state["log_window"], state["loader"]["weights"]  # what an older version wrote
+    torch.save(state, saved / "trainer-rank0.pt")
+    with pytest.raises(TrainingError, match="lacks log_window: it was written by an older moela"):
+        Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
+    state["log_window"] = {}
+    torch.save(state, saved / "trainer-rank0.pt")
+    with pytest.raises(TrainingError, match="loader state lacks weights"):
+        Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
+
+
 def test_no_held_out_split_means_no_evaluation(tmp_path, cache_dir):
     Trainer(make_cfg(tmp_path, cache_dir, "data.val_fraction=0", "train.steps=2", "train.eval_every=1")).fit()
     kinds = [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -198,8 +198,11 @@ class TrainLoader:
                 "epoch_start": self._epoch_start, **self.settings}
 
     def load_state_dict(self, state: dict) -> None:
+        missing = [key for key in self.settings if key not in state]
+        if missing:
+            raise ValueError(f"the loader state lacks {', '.join(missing)} (written by an older moela)")
         for key, value in self.settings.items():
-            if state.get(key) != value:
+            if state[key] != value:
                 raise ValueError(
                     f"loader state does not match this run: {key} was {state.get(key)!r}, now {value!r}; resume "
                     f"with the data section, seed and tokens_per_microbatch of the checkpointed run")

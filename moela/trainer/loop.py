@@ -289,7 +289,15 @@ class Trainer:
                 "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen,
                 "log_window": self.window.state_dict()}
 
+    _STATE_KEYS = ("step", "scheduler", "loader", "rng", "nonfinite_in_row", "skipped_total", "tokens_seen",
+                   "log_window")
+
     def _load_state(self, state: dict) -> None:
+        missing = [k for k in self._STATE_KEYS if k not in state]
+        if missing:
+            raise TrainingError(f"the checkpoint's trainer state lacks {', '.join(missing)}: it was written by an "
+                                f"older moela and cannot be resumed by this one; start a fresh run with "
+                                f"checkpoint.resume=none or another train.run_dir")
         self.step = state["step"]
         apply_hyperparameters(self.optimizer, self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.train.steps,
