@@ -28,6 +28,8 @@ Shapes: T tokens, D hidden, V vocabulary, N documents, E routed experts, L_moe M
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -210,11 +212,11 @@ class Transformer(nn.Module):
                            logits=logits)
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-                ) -> Transformer:
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+                parallelize: Callable[[Transformer], object] | None = None) -> Transformer:
     """Build on the meta device, materialize on `device` with `to_empty`, then `init_weights` (torchtitan order).
-    Parallel wrappers that must act before materialization can use `Transformer(cfg)` under
-    `torch.device("meta")` themselves and call `to_empty` + `init_weights` afterwards."""
+    `parallelize(model)` runs on the meta model before materialization (sharding, expert parallelism), so only
+    this rank's shards are ever allocated."""
     errors = cfg.validate()
     if errors:
         raise ValueError("invalid model config:\n  " + "\n  ".join(errors))
@@ -226,6 +228,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: tor
             if isinstance(m, Gate):
                 m.e_score_correction_bias = m.e_score_correction_bias.float()
         model.inv_freq = model.inv_freq.float()
+    if parallelize is not None:
+        parallelize(model)
     model.to_empty(device=device)
     model.init_weights()
     return model

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
-from moela.model import Transformer, build_model, count_params, flops_per_token
+from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
@@ -88,21 +88,10 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """torchtitan's order: build on the meta device, parallelize (shard), then allocate only this rank's shards
-        with `to_empty` and `init_weights`, so a model larger than one device never exists whole anywhere. On one
-        process the model is built whole with `build_model`."""
-        mixed_precision = self.autocast_dtype is not None
-        if self.env.world_size == 1:
-            return apply_parallelism(build_model(self.cfg.model, self.device), self.mesh, self.cfg.parallel,
-                                     mixed_precision=mixed_precision)
-        errors = self.cfg.model.validate()
-        if errors:
-            raise TrainingError("invalid model config:\n  " + "\n  ".join(errors))
-        with torch.device("meta"):
-            model = Transformer(self.cfg.model)
-        apply_parallelism(model, self.mesh, self.cfg.parallel, mixed_precision=mixed_precision)
-        model.to_empty(device=self.device)
-        model.init_weights()
-        return model
+        with `to_empty` and `init_weights`, so a model larger than one device never exists whole anywhere."""
+        def parallelize(model):
+            apply_parallelism(model, self.mesh, self.cfg.parallel, mixed_precision=self.autocast_dtype is not None)
+        return build_model(self.cfg.model, self.device, parallelize=parallelize)
 
     # ----------------------------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -112,6 +101,8 @@ class Trainer:
         if resume is not None:
             try:
                 state = load_checkpoint(resume, self.model, self.optimizer)
+            except torch.OutOfMemoryError:  # a RuntimeError, but not a mismatch of the model section
+                raise
             except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
                 cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
                 raise TrainingError(f"cannot resume from {resume}: {str(cause).rstrip('.')}. The model section "
