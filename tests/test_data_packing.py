@@ -113,15 +113,17 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
     m = dp_size * grad_accum
     for step in range(steps):
         step_batches = [ld.next_step() for ld in ranks]
-        targets = 0
+        targets, tokens, sum_sq = 0, 0, 0.0
         for r, batches in enumerate(step_batches):
             assert len(batches) == grad_accum
             for i, b in enumerate(batches):
                 by_index[step * m + i * dp_size + r] = check_batch(b, cache.offsets, budget)
-                targets += b.num_targets()
+                targets += int((b.labels != IGNORE_INDEX).sum())
+                tokens += b.num_tokens
+                sum_sq += float(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double() ** 2).sum())
                 if max_doc_len:
                     assert b.max_seqlen <= max_doc_len
-        assert targets == ranks[0].last_global_num_targets
+        assert all(ld.last_global_counts == (targets, tokens, sum_sq) for ld in ranks)  # identical on every rank
     expected = np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1]) for d in train_docs])
     epoch0 = np.concatenate([by_index[j] for j in range(per_epoch)])
     assert np.array_equal(np.sort(epoch0), expected), "each training token exactly once per epoch"

@@ -134,7 +134,8 @@ class TrainLoader:
         self.step = 0
         self._epoch, self._epoch_start, self._plan = 0, 0, None
         self.last_imbalance: dict = {}
-        self.last_global_num_targets = 0
+        # (labelled tokens, tokens, sum of squared segment lengths) of the last step over every data-parallel rank
+        self.last_global_counts: tuple[int, int, float] = (0, 0, 0.0)
 
     def _pieces_per_epoch(self, weights: list[float]) -> list[int]:
         """Pieces each part contributes per epoch: its weight's share of all training tokens."""
@@ -187,7 +188,9 @@ class TrainLoader:
         _check_assignment(groups, self.dp_size, self.grad_accum)
         self.last_imbalance = imbalance_report(costs, self.dp_size, self.grad_accum, groups)
         step = np.concatenate(layouts)  # [pieces of the step]
-        self.last_global_num_targets = num_targets(p.start[step], p.len[step], p.doc_len[step])
+        lens = p.len[step].astype(np.float64)
+        self.last_global_counts = (num_targets(p.start[step], p.len[step], p.doc_len[step]), int(lens.sum()),
+                                   float((lens * lens).sum()))
         self.consumed += m
         self.step += 1
         return [p.batch(layouts[j]) for j in groups[self.dp_rank]]

@@ -165,10 +165,10 @@ class Trainer:
         """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
         t0 = time.perf_counter()
         batches = self.train_loader.next_step()
-        counts = torch.tensor([sum(b.num_targets() for b in batches), sum(b.num_tokens for b in batches),
-                               sum(_sum_sq_doc_len(b) for b in batches)], dtype=torch.float64, device=self.device)
-        self._all_reduce(counts, "dp")  # once per micro-batch: the ranks of a CP group share their micro-batches
-        total_targets = max(float(counts[0]), 1.0)
+        # the step's totals over all data-parallel ranks: the loader plans every rank's micro-batches (no
+        # collective; the ranks of a CP group share their micro-batches, so these count each one once)
+        global_targets, global_tokens, global_sum_sq = self.train_loader.last_global_counts
+        total_targets = max(float(global_targets), 1.0)
         grad_scale = self.mesh.size("dp_cp")
         lr = self.scheduler.get_last_lr()[0]
 
@@ -212,13 +212,13 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        tokens = float(counts[1])
+        tokens = float(global_tokens)
         self.tokens_seen += int(tokens)
         record = {"kind": "train", "step": self.step, **means, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt, "tokens_seen": self.tokens_seen,
                   "mem_gib": memory_gib(self.device), "skipped": self.skipped_total,
                   "epoch": self.train_loader.epoch}
-        record["mfu"] = self._mfu(tokens, float(counts[2]), dt)
+        record["mfu"] = self._mfu(tokens, global_sum_sq, dt)
         record["expert_imbalance"] = expert_imbalance(load)
         imbalance = getattr(self.train_loader, "last_imbalance", None)
         if imbalance and self.mesh.size("dp") > 1:
@@ -368,11 +368,6 @@ def _restore_signal_handlers(previous: dict) -> None:
 
 def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
     sums[key] = sums[key] + value if key in sums else value
-
-
-def _sum_sq_doc_len(batch) -> float:
-    lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()  # [N]
-    return float((lens * lens).sum())
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
