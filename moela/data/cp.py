@@ -29,7 +29,7 @@ Shapes: T tokens of the batch, T_loc tokens of one rank (equal on every rank), N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,10 +59,19 @@ class CPPlan:
     local_index: list[torch.Tensor]  # per rank: [T_loc] int64 rows of the padded stream, in local order
     pad_to_orig: torch.Tensor  # [T_pad] int64 row of the original batch, -1 for padding
     pad_to_gathered: torch.Tensor  # [T_pad] int64 row of the rank-major all-gathered stream
+    _sources: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def local_tokens(self) -> int:
         return int(self.local_index[0].numel())
+
+    def local_source(self, rank: int, device) -> torch.Tensor:
+        """[T_loc] int64 on `device`: the original batch row of each of rank `rank`'s tokens, -1 on padding
+        (computed and copied to the device once per plan, rank and device)."""
+        key = (rank, torch.device(device))
+        if key not in self._sources:
+            self._sources[key] = self.pad_to_orig[self.local_index[rank]].to(device)
+        return self._sources[key]
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -118,7 +127,7 @@ def shard_tokens(x: torch.Tensor, plan: CPPlan, rank: int, fill: int | float) ->
     if int(plan.doc_lens.sum()) != x.shape[0]:
         raise ValueError(f"the CP plan covers {int(plan.doc_lens.sum())} tokens but the tensor has {x.shape[0]}; "
                          f"make the plan from this batch's cu_seqlens")
-    src = plan.pad_to_orig[plan.local_index[rank]].to(x.device)  # [T_loc] original rows, -1 on padding
+    src = plan.local_source(rank, x.device)  # [T_loc] original rows, -1 on padding
     rows = x[src.clamp(min=0)]  # [T_loc, ...]
     real = (src >= 0).view((-1,) + (1,) * (x.dim() - 1))
     return torch.where(real, rows, torch.full_like(rows, fill))

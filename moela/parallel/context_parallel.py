@@ -194,7 +194,7 @@ class ContextParallel:
     def real_tokens(self, device) -> torch.Tensor:
         """[T_loc] bool: this rank's tokens that are not CP padding."""
         if self._real is None or self._real.device != torch.device(device):
-            self._real = (self.plan.pad_to_orig[self.plan.local_index[self.cp_rank]] >= 0).to(device)
+            self._real = self.plan.local_source(self.cp_rank, device) >= 0
         return self._real
 
     def _sum_balance_stats(self, stats: torch.Tensor) -> torch.Tensor:
