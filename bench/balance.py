@@ -41,9 +41,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moela.data.balance import (balanced_assign, cost_coefficients, lockstep_imbalance,  # noqa: E402
-                                round_robin_assign)
-from moela.data.packing import pack  # noqa: E402
+from moela.data.balance import (balanced_assign, cost_coefficients, imbalance, lockstep_imbalance,  # noqa: E402
+                                microbatch_cost, rank_totals, round_robin_assign)
+from moela.data.packing import MAX_OPEN_MICROBATCHES, pack, split_into_pieces  # noqa: E402
 from moela.model.config import preset  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "moela" / "data" / "corpus" / "shakespeare.jsonl"
@@ -68,20 +68,15 @@ def micro_batches(source: str, budget: int, count: int, rng: np.random.Generator
     out: list[list[int]] = []
     while len(out) < count:
         docs = draw_lengths(source, int(1.3 * (count - len(out) + 16) * budget / mean_len) + 64, rng, corpus)
-        pieces = []
-        for d in docs:
-            pieces.extend([budget] * int(d // budget))
-            if d % budget:
-                pieces.append(int(d % budget))
+        pieces = split_into_pieces(np.arange(len(docs)), docs, budget)[2].tolist()
         bins = pack(pieces, budget)
-        out.extend([[pieces[i] for i in b] for b in bins[:-16]])  # the last open bins are partly filled
+        out.extend([[pieces[i] for i in b] for b in bins[:-MAX_OPEN_MICROBATCHES]])  # the open bins: partly filled
     return out[:count]
 
 
-def costs_of(batches: list[list[int]], a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
-    s1 = np.array([sum(x) for x in batches], dtype=np.float64)
-    s2 = np.array([sum(x * x for x in bt) for bt in batches], dtype=np.float64)
-    return a * s1 + b * s2, b * s2
+def costs_of(batches: list[list[int]], a: float, b: float) -> tuple[list[float], list[float]]:
+    """The loader's cost of each micro-batch, and its attention (b * sum L^2) part."""
+    return [microbatch_cost(x, a, b) for x in batches], [microbatch_cost(x, 0.0, b) for x in batches]
 
 
 def assignment_bound(costs: np.ndarray, dp: int, ga: int) -> float:
@@ -95,10 +90,6 @@ def assignment_bound(costs: np.ndarray, dp: int, ga: int) -> float:
     return best / mean
 
 
-def totals(costs: np.ndarray, assignment: list[list[int]]) -> np.ndarray:
-    return np.array([costs[r].sum() for r in assignment])
-
-
 def run_row(source, budget, dp, ga, steps, a, b, corpus, seed) -> dict:
     rng = np.random.default_rng(seed)
     acc = {k: [] for k in ("before", "after", "attn_before", "attn_after", "bound", "lock_before", "lock_after")}
@@ -106,18 +97,18 @@ def run_row(source, budget, dp, ga, steps, a, b, corpus, seed) -> dict:
     t_assign = 0.0
     for _ in range(steps):
         full, attn = costs_of(micro_batches(source, budget, dp * ga, rng, corpus), a, b)
-        rr = round_robin_assign(full.tolist(), dp, ga)
+        rr = round_robin_assign(full, dp, ga)
         t0 = time.perf_counter()
-        bal = balanced_assign(full.tolist(), dp, ga)
+        bal = balanced_assign(full, dp, ga)
         t_assign += time.perf_counter() - t0
-        tb, ta = totals(full, rr), totals(full, bal)
+        tb, ta = np.array(rank_totals(full, rr)), np.array(rank_totals(full, bal))
         mean = tb.mean()
-        acc["before"].append(tb.max() / mean)
-        acc["after"].append(ta.max() / mean)
-        acc["attn_before"].append(totals(attn, rr).max() / totals(attn, rr).mean())
-        acc["attn_after"].append(totals(attn, bal).max() / totals(attn, bal).mean())
-        acc["bound"].append(assignment_bound(full, dp, ga))
-        lb, la = lockstep_imbalance(full.tolist(), rr), lockstep_imbalance(full.tolist(), bal)
+        acc["before"].append(imbalance(full, rr))
+        acc["after"].append(imbalance(full, bal))
+        acc["attn_before"].append(imbalance(attn, rr))
+        acc["attn_after"].append(imbalance(attn, bal))
+        acc["bound"].append(assignment_bound(np.array(full), dp, ga))
+        lb, la = lockstep_imbalance(full, rr), lockstep_imbalance(full, bal)
         acc["lock_before"].append(lb)
         acc["lock_after"].append(la)
         max_before += tb.max()
