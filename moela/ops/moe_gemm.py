@@ -19,7 +19,8 @@ cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp
 strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4: K a multiple of 512). The
 wrappers below reorder the (small) scale tensors (once per call, except a's 1x128 scales in the m-grouped GEMM:
 once per expert, since cuBLAS wants their M-stride to equal the expert's row count) and launch one
-`torch._scaled_mm` per non-empty expert over its padded block (the expert bounds come from the host, one sync per layer, made by the caller).
+`torch._scaled_mm` per non-empty expert over its padded block (the expert bounds come from the host, one sync
+per layer, made by the caller).
 `torch._grouped_mm` exists on torch 2.11 CUDA (used on the H200) and on torch 2.13 CPU (used by the CPU tests),
 including the 2-D x 2-D form with `offs` for the weight gradient.
 """
