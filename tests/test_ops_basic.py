@@ -124,6 +124,28 @@ def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
     assert torch.allclose(lce.linear_cross_entropy(h, w, labels, backend="reference").double(), ref, rtol=1e-5)
 
 
+def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference():
+    """Under bf16 autocast (fp32 h, as the model's final norm gives it) the chunked loss and its gradients agree with
+    the reference head + cross-entropy run under the same autocast, to bf16 precision."""
+    import moela.ops.linear_cross_entropy as lce
+    h = torch.randn(37, 64, requires_grad=True)
+    w = (torch.randn(301, 64) * 0.2).requires_grad_(True)
+    labels = torch.randint(0, 301, (37,))
+    labels[[0, 20]] = IGNORE_INDEX
+    out = {}
+    for backend in ("reference", "chunked"):
+        h.grad = w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lce.linear_cross_entropy(h, w, labels, backend=backend)
+        loss.backward()
+        out[backend] = (loss.item(), h.grad.clone(), w.grad.clone())
+    (lr, hr, wr), (lc, hc, wc) = out["reference"], out["chunked"]
+    assert math.isclose(lc, lr, rel_tol=1e-2)
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(hc, hr, rtol=3e-2, atol=3e-3)
+    torch.testing.assert_close(wc, wr, rtol=3e-2, atol=3e-3)
+
+
 def test_linear_cross_entropy_chunked_skips_the_gradients_under_no_grad(monkeypatch):
     """Evaluation runs under no_grad with a weight that still requires grad: the chunked loss must not form the
     softmax gradients (two GEMMs and a [V, D] float32 buffer per call) that nobody will read."""

@@ -4,8 +4,8 @@ CE(h @ weight^T, label), without ever holding the [T, V] logits.
 Backends:
 - `reference`: logits = h @ weight^T, then `cross_entropy_reference` (float32 softmax); the specification.
 - `chunked`: an autograd Function that walks the tokens in chunks of about 2^26 / V rows. For each chunk it forms
-  the logits (in h's dtype, as the unfused head would), their float32 log-sum-exp, the loss, and right away the
-  gradients d h = (softmax - onehot) W and d W += (softmax - onehot)^T h (float32 accumulator, kept in the
+  the logits (in the matmul's dtype, as the unfused head would: h's, or autocast's), their float32 log-sum-exp,
+  the loss, and right away the gradients d h = (softmax - onehot) W and d W += (softmax - onehot)^T h (float32 accumulator, kept in the
   weight's dtype afterwards); backward only scales them by the incoming scalar gradient. Peak extra memory is
   one chunk of logits instead of T x V, and no logits are recomputed in backward (Liger-Kernel's scheme).
   Runs on any device; `auto` picks it on CUDA.
@@ -38,7 +38,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         for a in range(0, t, chunk_rows):
             hc, lab = h[a:a + chunk_rows], labels[a:a + chunk_rows]  # [C, D], [C]
-            logits = (hc @ weight.t()).float()  # [C, V]
+            mm = hc @ weight.t()  # [C, V] in the matmul's dtype (the autocast dtype under autocast)
+            logits = mm.float()  # [C, V]
             valid = lab != IGNORE_INDEX  # [C]
             safe = torch.where(valid, lab, torch.zeros_like(lab))  # [C]
             lse = torch.logsumexp(logits, dim=-1)  # [C]
@@ -48,7 +49,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 g = torch.exp(logits.sub_(lse[:, None]))  # [C, V] softmax, in place of the logits
                 g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
                 g.mul_(valid[:, None].float())
-                g = g.to(h.dtype)  # [C, V]
+                g = g.to(mm.dtype)  # [C, V], so that the two GEMMs below need no further cast under autocast
                 grad_h[a:a + chunk_rows] = g @ weight  # [C, D]
                 grad_w += g.t() @ hc  # [V, D], accumulated in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
