@@ -117,6 +117,7 @@ def row(name, r, fl, ref=None):
         f"{tf(fl[0] + fl[1], r['fwdbwd']):.0f} | {r['peak'] / 2**20:.0f} | {ratio} |")
 
 
+CASES = "equal,packed,zloss,alibi,short,d128"
 HEADER = ("| impl | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s | peak MiB "
           "| fwd+bwd time / ref row |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
 
@@ -394,9 +395,12 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.md"))
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later baselines are skipped past it")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--cases", default="equal,packed,zloss,alibi,short,d128",
+    ap.add_argument("--cases", default=CASES,
                     help="comma list: equal (S=8192), packed, zloss, alibi, short (S=4096, 2048), d128 (128/128)")
     args = ap.parse_args()
+    unknown = set(args.cases.split(",")) - set(CASES.split(","))
+    if unknown:
+        sys.exit(f"--cases: unknown {', '.join(sorted(unknown))}; choose from {CASES}")
     t0 = time.time()
     budget_ok = lambda: time.time() - t0 < args.budget  # noqa: E731
     props = torch.cuda.get_device_properties(0)
