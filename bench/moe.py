@@ -32,7 +32,7 @@ from triton.testing import do_bench
 from moela.ops import moe_gemm as G
 from moela.ops import moe_triton as L
 from moela.ops.moe import moe_experts
-from moela.ops.quant import AMAX_EPS, FP8_MAX
+from moela.ops.quant import AMAX_EPS, FP8_MAX, inv_scale
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {"v3": dict(d=7168, f=2048, k=8), "v2lite": dict(d=2048, f=1408, k=6)}
@@ -84,6 +84,11 @@ def out_of_time():
 # eager baselines
 
 
+def e4m3(v, inv):
+    """The recipe's codes: v * inv (inv = (1 / amax) * 448), clamped, cast to e4m3 (moela.ops.quant)."""
+    return (v * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def eager_permute_quant(x, ids, e, quant=True):
     k = ids.shape[1]
     flat = ids.reshape(-1)
@@ -101,9 +106,9 @@ def eager_permute_quant(x, ids, e, quant=True):
     s = torch.empty(xp.shape[0], x.shape[1] // 128, device=x.device)
     for g in range(x.shape[1] // 128):
         blk = xp[:, g * 128:(g + 1) * 128].float()
-        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
-        q[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        s[:, g] = sc
+        amax = blk.abs().amax(1).clamp_min(AMAX_EPS)
+        q[:, g * 128:(g + 1) * 128] = e4m3(blk, inv_scale(amax)[:, None])
+        s[:, g] = amax / FP8_MAX
     return q, s
 
 
@@ -112,16 +117,16 @@ def eager_rows_cols(x):
     q, s = torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty(m, n // 128, device=x.device)
     for g in range(n // 128):
         blk = x[:, g * 128:(g + 1) * 128].float()
-        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
-        q[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        s[:, g] = sc
+        amax = blk.abs().amax(1).clamp_min(AMAX_EPS)
+        q[:, g * 128:(g + 1) * 128] = e4m3(blk, inv_scale(amax)[:, None])
+        s[:, g] = amax / FP8_MAX
     xt = x.t().float()
     qt, st = torch.empty(n, m, device=x.device, dtype=torch.float8_e4m3fn), torch.empty(n, m // 128, device=x.device)
     for g in range(m // 128):
         blk = xt[:, g * 128:(g + 1) * 128]
-        sc = blk.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
-        qt[:, g * 128:(g + 1) * 128] = (blk / sc[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        st[:, g] = sc
+        amax = blk.abs().amax(1).clamp_min(AMAX_EPS)
+        qt[:, g * 128:(g + 1) * 128] = e4m3(blk, inv_scale(amax)[:, None])
+        st[:, g] = amax / FP8_MAX
     return (q, s), (qt, st)
 
 
@@ -137,19 +142,19 @@ def vector_permute_quant(x, ids, e):
     dest = starts[flat[order]] + ranks
     xp = x.new_zeros(flat.numel() + e * 128, x.shape[1]).index_copy(0, dest, x[order // k])
     g = xp.float().view(xp.shape[0], -1, 128)
-    sc = g.abs().amax(-1).clamp_min(AMAX_EPS) / FP8_MAX
-    return (g / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(xp.shape), sc
+    amax = g.abs().amax(-1).clamp_min(AMAX_EPS)
+    return e4m3(g, inv_scale(amax)[..., None]).view(xp.shape), amax / FP8_MAX
 
 
 def vector_rows_cols(x):
     m, n = x.shape
     g = x.float().view(m, n // 128, 128)
-    sc = g.abs().amax(-1).clamp_min(AMAX_EPS) / FP8_MAX
-    q = (g / sc[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, n)
+    amax = g.abs().amax(-1).clamp_min(AMAX_EPS)
+    q = e4m3(g, inv_scale(amax)[..., None]).view(m, n)
     gt = x.float().view(m // 128, 128, n)
-    st = gt.abs().amax(1).clamp_min(AMAX_EPS) / FP8_MAX
-    qt = (gt / st[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(m, n).t().contiguous()
-    return (q, sc), (qt, st.t().contiguous())
+    amax_t = gt.abs().amax(1).clamp_min(AMAX_EPS)
+    qt = e4m3(gt, inv_scale(amax_t)[:, None]).view(m, n).t().contiguous()
+    return (q, amax / FP8_MAX), (qt, (amax_t / FP8_MAX).t().contiguous())
 
 
 def eager_layer(x, ids, w, w13, w2):
@@ -320,6 +325,8 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         "build_layout": lambda: L.build_layout(ids, e),
         "permute_align+quant": lambda: L.permute_align(x, ids, e, layout=lay),
         "quant_weights w13+w2": lambda: (L.quant_weights(w13), L.quant_weights(w2)),
+        "quant_weights w13+w2 (second launch)": lambda: (L.quant_weights(w13, transpose_by="quant"),
+                                                         L.quant_weights(w2, transpose_by="quant")),
         "gemm1 fwd": lambda: G.mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s),
         "swiglu fwd+quant": lambda: L.swiglu_fwd(h, lay.m_indices, quant=True),
         "gemm2 fwd": lambda: G.mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s),
@@ -401,9 +408,9 @@ def section_check(quick):
         return torch.stack([dequant_128x128(q[i], sc[i]) for i in range(q.shape[0])]).double()
 
     q2, s2, q2t = L.quant_weights(w2)
-    _, _, q2t_torch = L.quant_weights(w2, transpose_by="torch")
-    print(f"check  w2 transposed copy exact: kernel {torch.equal(q2t.float(), q2.transpose(1, 2).float())}, "
-          f"torch {torch.equal(q2t_torch.float(), q2.transpose(1, 2).float())}")
+    exact = {by: torch.equal(L.quant_weights(w2, transpose_by=by)[2].view(torch.uint8),
+                             q2.transpose(1, 2).contiguous().view(torch.uint8)) for by in ("trans", "quant", "torch")}
+    print("check  w2 transposed copy exact: " + ", ".join(f"{by} {ok}" for by, ok in exact.items()))
     wgt = torch.rand(t, k, device=dev)
     o = torch.randn(lay.m_pad, d, device=dev, dtype=x.dtype)
     dy = torch.randn(t, d, device=dev, dtype=x.dtype)

@@ -19,8 +19,9 @@ SUB = 2.0 ** -10
 
 
 def assert_same_quant(q, s, rq, rs):
-    """Kernel quantization == reference: scales equal up to one float32 ulp (torch's CUDA reference divides by 448
-    through a reciprocal; the kernels divide exactly), codes equal except rare neighbours that ulp can flip."""
+    """Kernel quantization == reference: bit for bit on CPU (the interpreter); on the GPU scales equal up to one
+    float32 ulp and codes except rare neighbours that ulp can flip (torch's CUDA kernels need not round their
+    divisions as the kernels' div_rn does)."""
     if DEV == "cpu":  # the interpreter and the CPU reference divide the same way: identical values (+-0 aside)
         assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
     torch.testing.assert_close(s, rs, rtol=2.5e-7, atol=0)
@@ -43,6 +44,25 @@ def test_quant_1x128_scale_and_error_bound():
     assert q.float().abs().max() <= FP8_MAX
     # the largest element of each group maps to +-448 exactly
     assert (q.float().abs().view(37, -1)[:, :256].view(37, 2, 128).amax(-1) == FP8_MAX).all()
+
+
+def test_quant_matches_deepgemm_published_formulas():
+    """The recipe's reference: DeepGEMM's test utilities `per_token_cast_to_fp8` / `per_block_cast_to_fp8`
+    (codes = e4m3(x * (448 / amax)), scale = amax / 448, amax clamped at 1e-4), written out here from their
+    published form."""
+    x = (torch.randn(19, 512) * torch.logspace(-6, 3, 512)).to(torch.bfloat16)
+    x[3] = 0
+    view = x.view(19, -1, 128)
+    amax = view.abs().float().amax(2).clamp(1e-4)
+    codes = (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(19, 512)
+    q, s = quant_1x128(x)
+    assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(s, amax / 448.0)
+    w = (torch.randn(256, 384) * 3).to(torch.bfloat16)
+    blocks = w.view(2, 128, 3, 128)
+    bmax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    bcodes = (blocks * (448.0 / bmax)).to(torch.float8_e4m3fn).view(256, 384)
+    q, s = quant_128x128(w)
+    assert torch.equal(q.view(torch.uint8), bcodes.view(torch.uint8)) and torch.equal(s, (bmax / 448.0).view(2, 3))
 
 
 def test_quant_zero_groups_are_zero_with_finite_scale():
@@ -105,11 +125,13 @@ def test_rows_cols_kernel_gathers_rows():
 
 
 @needs_kernels
-@pytest.mark.parametrize("transpose_by", ["quant", "torch"])
-def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by):
+@pytest.mark.parametrize("transpose_by,dtype", [("trans", torch.bfloat16), ("trans", torch.float32),
+                                               ("quant", torch.bfloat16), ("torch", torch.float32)])
+def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by, dtype):
     from moela.ops.moe_triton import quant_weights
 
     w = torch.randn(3, 256, 384, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
+    w = w.to(dtype)
     q, s, qt = quant_weights(w, transpose_by=transpose_by)
     for e in range(3):
         rq, rs = quant_128x128(w[e])

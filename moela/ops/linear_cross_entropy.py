@@ -5,9 +5,10 @@ Backends:
 - `reference`: logits = h @ weight^T, then `cross_entropy_reference` (float32 softmax); the specification.
 - `chunked`: an autograd Function that walks the tokens in chunks of about 2^26 / V rows. For each chunk it forms
   the logits (in the matmul's dtype, as the unfused head would: h's, or autocast's), their float32 log-sum-exp,
-  the loss, and right away the gradients d h = (softmax - onehot) W and d W += (softmax - onehot)^T h (float32 accumulator, kept in the
-  weight's dtype afterwards); backward only scales them by the incoming scalar gradient. Peak extra memory is
-  one chunk of logits instead of T x V, and no logits are recomputed in backward (Liger-Kernel's scheme).
+  the loss, and right away the gradients d h = (softmax - onehot) W and d W += (softmax - onehot)^T h (float32
+  accumulator, kept in the weight's dtype afterwards); backward only scales them by the incoming scalar gradient.
+  Peak extra memory is one chunk of logits instead of T x V, and no logits are recomputed in backward
+  (Liger-Kernel's scheme).
   Runs on any device; `auto` picks it on CUDA.
 
 The result is a float32 scalar SUM (the model divides by the step's labelled-token count).

@@ -316,7 +316,10 @@ def cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.float32):
             out[ex].zero_()
             continue
         args = (a[:, s:t], b[:, s:t].t(), ast[s // 128:t // 128].t(), bst[s // 128:t // 128])
-        if out_dtype != torch.float32 or not _FP32_OUT[0]:
+        if out_dtype == torch.bfloat16:
+            torch._scaled_mm(*args, out_dtype=torch.bfloat16, out=out[ex])
+            continue
+        if out_dtype != torch.float32 or not _FP32_OUT[0]:  # converted once more into out's dtype
             out[ex] = torch._scaled_mm(*args, out_dtype=torch.bfloat16)
             continue
         try:

@@ -11,14 +11,15 @@ every pass over activations is one Triton kernel.
 FP8 scales follow DeepGEMM's SM90 format: fp32, `scale = amax / 448`, activations rowwise 1x128 ([M, N/128]);
 "columnwise" 128x1 groups along tokens are stored as the 1x128 quantization of the transposed matrix
 (qT [N, M_pad], sT [N, M_pad/128]) because the weight-gradient GEMM reduces over tokens; weights 128x128
-([E, N/128, K/128]) plus a transposed fp8 copy for the data-gradient GEMM. Divisions use `div_rn` so results
-match `moela.ops.quant` (the spec) bit for bit.
+([E, N/128, K/128]) plus a transposed fp8 copy for the data-gradient GEMM. codes = e4m3(x * ((1 / amax) * 448)) with
+one `div_rn` per group, so results match `moela.ops.quant` (the spec) bit for bit.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -37,13 +38,38 @@ _EPS = tl.constexpr(AMAX_EPS)
 _FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's padding programs
+_PIPELINE = tl.constexpr(2)  # software-pipeline stages of the persistent tile loops (the next tile's load in flight)
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). A
-# 128x128 tile quantized both rowwise and columnwise (or stored at transposed places) needs ~160-170 registers at 8
-# warps (one block per SM; spills when capped at 128), ~95 at 16; the others stay under 128 at 8 warps, so two
-# blocks fit an SM.
-LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=16), quant_rows_or_cols=dict(num_warps=8),
-              weight_quant=dict(num_warps=8), swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
+# 128x128 tile quantized both ways (or a weight block stored twice) needs ~128 registers at 16 warps (one block per
+# SM); the 8-warp ones fit two blocks per SM (registers and shared memory). The tile kernels are persistent
+# (PROGRAMS_PER_SM programs per SM, each looping over tiles) with a 2-stage software pipeline: with one tile per
+# program, an SM's one or two blocks wait for each tile's load with nothing else in flight (24-35% of the copy
+# bandwidth, bench/results/moe.md runs 5-7).
+LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=16),
+              quant_rows_or_cols=dict(num_warps=8), weight_quant=dict(num_warps=8),
+              weight_quant_transposed=dict(num_warps=16),
+              swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
               combine=dict(num_warps=4), combine_bwd=dict(num_warps=16))
+PROGRAMS_PER_SM = dict(quant_rows_cols=1, quant_rows_or_cols=2, weight_quant=2, weight_quant_transposed=1,
+                       swiglu_fwd=2, swiglu_bwd=1, combine_bwd=1)
+_INTERPRET_PROGRAMS = 3  # under the interpreter: a few programs, so that each loops over several tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(name: str, tiles: int, device: torch.device, share: int = 1) -> tuple[int, int]:
+    """(programs, iterations each) of a persistent tile kernel: PROGRAMS_PER_SM[name] per SM (divided among `share`
+    independent parts), at most one per tile."""
+    if device.type != "cuda":
+        programs = _INTERPRET_PROGRAMS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = _sm_count(index) * PROGRAMS_PER_SM[name] // share
+    programs = max(1, min(tiles, programs))
+    return programs, triton.cdiv(tiles, programs)
 
 
 @dataclass
@@ -96,8 +122,11 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -
 
 
 @triton.jit
-def _scale_of(amax):
-    return tl.math.div_rn(tl.maximum(amax, _EPS), _FMAX)
+def _scale_inv(amax):
+    """(scale, inverse) of a group with this amax: amax / 448 and (1 / amax) * 448, as moela.ops.quant rounds them
+    (the codes are x * inverse)."""
+    a = tl.maximum(amax, _EPS)
+    return tl.math.div_rn(a, _FMAX), tl.math.div_rn(1.0, a) * _FMAX
 
 
 @triton.jit
@@ -113,11 +142,21 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _quant(x, scale):
-    q = tl.clamp(tl.math.div_rn(x, scale), -_FMAX, _FMAX)
+def _quant(x, inv):
+    q = tl.clamp(x * inv, -_FMAX, _FMAX)
     if INTERPRET:
         q = _round_e4m3(q)
     return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _tile_of(i, tiles, AXIS: tl.constexpr):
+    """Tile of iteration i of a persistent program: program_id + i * programs. Every program runs the host's
+    trip count cdiv(tiles, programs); past the last tile it redoes the last one (the same values written twice), so
+    no body needs a guard. Triton 3.6's interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3
+    rejects for any runtime value: there the loops are `while` loops (the compiled code keeps `tl.range`, which
+    Triton software-pipelines)."""
+    return tl.minimum(tl.program_id(AXIS) + i * tl.num_programs(AXIS), tiles - 1)
 
 
 @triton.jit
@@ -137,13 +176,13 @@ def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_
     """tile [128, 128] fp32 at (rows, cols): rowwise 1x128 quant (one scale per row) and/or columnwise 128x1 quant
     (one scale per column), the latter stored transposed. Rows/cols are one aligned 128-group each."""
     if ROWWISE:
-        rs = _scale_of(tl.max(tl.abs(tile), axis=1))  # [128]
-        q = _quant(tile, rs[:, None])
+        rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))  # [128]
+        q = _quant(tile, ri[:, None])
         tl.store(q_ptr + rows[:, None] * ld_q + cols[None, :], q, mask=row_ok[:, None] & col_ok[None, :])
         tl.store(s_ptr + rows * ld_s + tl.min(cols, axis=0) // 128, rs, mask=row_ok)
     if COLWISE:
-        cs = _scale_of(tl.max(tl.abs(tile), axis=0))  # [128]
-        qc = _quant(tile, cs[None, :])
+        cs, ci = _scale_inv(tl.max(tl.abs(tile), axis=0))  # [128]
+        qc = _quant(tile, ci[None, :])
         _store_codes(qt_ptr + cols[None, :] * ld_qt + rows[:, None], qc, row_ok[:, None] & col_ok[None, :])
         tl.store(st_ptr + cols * ld_st + tl.min(rows, axis=0) // 128, cs, mask=col_ok)
 
@@ -155,29 +194,28 @@ def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_
 @triton.jit
 def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr, T, M_pad, E, D: tl.constexpr,
                     K: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
-    """Programs [0, T): read token t once, (quantize,) write it to its K rows. Programs [T, T+E): zero expert e's
-    padding rows. Programs [T+E, T+2E+1): zero 128 rows each of the tail after the last expert."""
+    """Program (p, c) covers channels [c * BLOCK_D, (c + 1) * BLOCK_D). p in [0, T): read that chunk of token p once,
+    (quantize,) write it to the token's K rows. p in [T, T+E): zero expert p-T's padding rows. p in [T+E, T+2E+1):
+    zero 128 rows each of the tail after the last expert."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    groups = tl.arange(0, BLOCK_D // 128)
+    c0 = tl.program_id(1) * BLOCK_D
+    cols = c0 + tl.arange(0, BLOCK_D)
+    groups = c0 // 128 + tl.arange(0, BLOCK_D // 128)
     if pid < T:
-        for c0 in range(0, D, BLOCK_D):
-            if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
-                c2 = c0 + groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
-                sc = _scale_of(tl.max(tl.abs(xv), axis=1))  # [G]
-                q = _quant(xv, sc[:, None])
-                g = c0 // 128 + groups
+        if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
+            c2 = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+            xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
+            sc, inv = _scale_inv(tl.max(tl.abs(xv), axis=1))  # [G]
+            q = _quant(xv, inv[:, None])
+        else:
+            xv = tl.load(x_ptr + pid.to(tl.int64) * D + cols, mask=cols < D, other=0.0)
+        for kk in tl.static_range(K):
+            row = tl.load(row_map_ptr + pid * K + kk).to(tl.int64)
+            if QUANT:
+                tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
+                tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
             else:
-                c = c0 + cols
-                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c, mask=c < D, other=0.0)
-            for kk in tl.static_range(K):
-                row = tl.load(row_map_ptr + pid * K + kk).to(tl.int64)
-                if QUANT:
-                    tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
-                    tl.store(s_ptr + row * (D // 128) + g, sc, mask=g < D // 128)
-                else:
-                    tl.store(out_ptr + row * D + c, xv.to(out_ptr.dtype.element_ty), mask=c < D)
+                tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
     else:
         p = pid - T
         if p < E:
@@ -189,19 +227,16 @@ def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr,
         for r0 in range(0, 128, _ZERO_ROWS):  # [_ZERO_ROWS, BLOCK_D] tiles: a [128, BLOCK_D] one took 254 registers
             r = start + r0 + tl.arange(0, _ZERO_ROWS)
             ok = r < end
-            for c0 in range(0, D, BLOCK_D):
-                c = c0 + cols
-                m = ok[:, None] & (c[None, :] < D)
-                if QUANT:
-                    tl.store(out_ptr + r[:, None] * D + c[None, :], tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv),
-                             mask=m)
-                    sz = _scale_of(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))
-                    gc = c0 // 128 + groups
-                    tl.store(s_ptr + r[:, None] * (D // 128) + gc[None, :], sz,
-                             mask=ok[:, None] & (gc[None, :] < D // 128))
-                else:
-                    tl.store(out_ptr + r[:, None] * D + c[None, :],
-                             tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+            m = ok[:, None] & (cols[None, :] < D)
+            if QUANT:
+                tl.store(out_ptr + r[:, None] * D + cols[None, :], tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv),
+                         mask=m)
+                sz = _scale_inv(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))[0]
+                tl.store(s_ptr + r[:, None] * (D // 128) + groups[None, :], sz,
+                         mask=ok[:, None] & (groups[None, :] < D // 128))
+            else:
+                tl.store(out_ptr + r[:, None] * D + cols[None, :],
+                         tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
 
 
 def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = ALIGN,
@@ -220,7 +255,7 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
     out = torch.empty(lay.m_pad, d, device=x.device, dtype=FP8 if quant else x.dtype)  # [M_pad, D]
     scales = torch.empty(lay.m_pad, d // GROUP, device=x.device, dtype=torch.float32) if quant else None
     block_d = min(1024, triton.next_power_of_2(max(d, 128)))
-    grid = (t + 2 * num_experts + 1,)
+    grid = (t + 2 * num_experts + 1, triton.cdiv(d, block_d))
     _permute_kernel[grid](x, lay.row_map, lay.offsets, lay.counts, out, scales if quant else out, t, lay.m_pad,
                           num_experts, D=d, K=topk_ids.shape[1], BLOCK_D=block_d, QUANT=quant is not None,
                           **LAUNCH["permute"])
@@ -232,11 +267,12 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
 
 
 @triton.jit
-def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
-                         GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * 128 + tl.arange(0, 128)
-    cols = pid_n * 128 + tl.arange(0, 128)
+def _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
+                       GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    n_n = N // 128
+    t = _tile_of(i, (M // 128) * n_n, 0)
+    rows = (t // n_n) * 128 + tl.arange(0, 128)
+    cols = (t % n_n) * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < N
     if GATHER:
         s = tl.load(src_ptr + rows, mask=row_ok, other=-1)
@@ -249,6 +285,23 @@ def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_
                    other=0.0).to(tl.float32)
     _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_ptr, N, N // 128, M, M // 128,
                      ROWWISE, COLWISE)
+
+
+@triton.jit
+def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, iters,
+                         GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    """Persistent: program p quantizes 128x128 tiles p, p + P, ... (row-major over [M/128, N/128]); the loop is
+    software-pipelined, so the next tile's load is in flight while this one is quantized and stored."""
+    if INTERPRET:  # no runtime loop bound there (see _tile_of)
+        i = 0
+        while i < iters:
+            _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, GATHER,
+                               ROWWISE, COLWISE)
+            i += 1
+    else:
+        for i in tl.range(0, iters, num_stages=_PIPELINE):
+            _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, GATHER,
+                               ROWWISE, COLWISE)
 
 
 def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = True, src: torch.Tensor | None = None,
@@ -266,11 +319,12 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
     dummy = x
-    _rowcol_quant_kernel[(m // 128, n // 128)](
+    name = "quant_rows_cols" if rowwise and colwise else "quant_rows_or_cols"
+    programs, iters = _programs(name, (m // 128) * (n // 128), dev)
+    _rowcol_quant_kernel[(programs,)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
-        qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
-        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise,
-        **LAUNCH["quant_rows_cols" if rowwise and colwise else "quant_rows_or_cols"])
+        qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div, iters,
+        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise, **LAUNCH[name])
     return (q, s), (qt, st)
 
 
@@ -279,45 +333,67 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
-    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
-    e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED: tl.constexpr):
+    n_n, n_k = N // 128, K // 128
+    t = _tile_of(i, E * n_n * n_k, 0)
+    e = t // (n_n * n_k)
+    bn = (t // n_k) % n_n
+    bk = t % n_k
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
     src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
-    blk = tl.load(src).to(tl.float32)  # [128, 128]
-    sc = _scale_of(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
-    tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, sc))
-    tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
+    blk = tl.load(src)  # [128, 128] in w's dtype
+    sc, inv = _scale_inv(tl.max(tl.max(tl.abs(blk.to(tl.float32)), axis=1), axis=0))
+    base = e.to(tl.int64) * N * K
+    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], _quant(blk.to(tl.float32), inv))
+    tl.store(s_ptr + (e * n_n + bn) * n_k + bk, sc)
+    if TRANSPOSED:
+        blk_t = tl.trans(blk).to(tl.float32)  # [128 (k), 128 (n)]
+        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], _quant(blk_t, inv))
 
 
-def _weight_quant_launch(w: torch.Tensor):
-    e, n, k = w.shape
-    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
-    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
-                                                  **LAUNCH["weight_quant"])
-    return q, s
+@triton.jit
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, iters, TRANSPOSED: tl.constexpr):
+    """Persistent over the 128x128 blocks (e, bn, bk) of a strided view w [E, N, K]: contiguous codes q [E, N, K],
+    the block's scale, and (TRANSPOSED) the codes of the transposed block at qT [E, K, N], quantized from the
+    transposed bf16 block with the same scale - the same codes - and stored row-major."""
+    if INTERPRET:  # no runtime loop bound there (see _tile_of)
+        i = 0
+        while i < iters:
+            _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED)
+            i += 1
+    else:
+        for i in tl.range(0, iters, num_stages=_PIPELINE):
+            _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED)
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant"):
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "trans"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
-    again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
-    qT is exactly q's transpose, written with coalesced row stores (reading w twice: 3.4 ms for both launches on
-    w13 + w2 of the V3 E32 layer on the H200, bench/results/moe.md run 7); "torch" copies q.transpose(1, 2) byte
-    by byte (9.6 ms for the same, run 4). Writing qT from the same kernel at transposed addresses gave wrong bytes on
-    the H200 (triton 3.6) twice, with an fp8 and with a uint8 store, though it was bit-exact in the interpreter."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="trans" writes qT from the
+    same read of w (the kernel transposes each bf16 block on chip and quantizes it with the block's scale: the same
+    codes); "quant" runs the kernel a second time on the transposed view of w (reads w twice: 3.4 ms for w13 + w2
+    of the V3 E32 layer on the H200, bench/results/moe.md run 7); "torch" copies q.transpose(1, 2) byte by byte
+    (9.6 ms for the same, run 4). Storing the row-major codes a second time at transposed addresses gave wrong
+    bytes on the H200 (triton 3.6) twice, though bit-exact in the interpreter; none of these three does that."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
-    if transpose_by not in ("quant", "torch"):
-        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'quant' or 'torch'")
-    q, s = _weight_quant_launch(w)
-    if not transposed:
-        return q, s, None
-    qt = _weight_quant_launch(w.transpose(1, 2))[0] if transpose_by == "quant" else q.transpose(1, 2).contiguous()
-    return q, s, qt  # qt [E, K, N]
+    if transpose_by not in ("trans", "quant", "torch"):
+        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'trans', 'quant' or 'torch'")
+    in_kernel = transposed and transpose_by == "trans"
+    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
+    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
+    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None
+    name = "weight_quant_transposed" if in_kernel else "weight_quant"
+    programs, iters = _programs(name, e * (n // 128) * (k // 128), w.device)
+    _weight_quant_kernel[(programs,)](
+        w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1), w.stride(2), e, n, k, iters, TRANSPOSED=in_kernel,
+        **LAUNCH[name])
+    if not transposed or in_kernel:
+        return q, s, qt
+    if transpose_by == "quant":
+        return q, s, quant_weights(w.transpose(1, 2), transposed=False)[0]
+    return q, s, q.transpose(1, 2).contiguous()  # qt [E, K, N]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,20 +401,34 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * 128 + tl.arange(0, 128)
-    cols = pid_f * 128 + tl.arange(0, 128)
+def _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
+    n_f = F // 128
+    t = _tile_of(i, (M // 128) * n_f, 0)
+    rows = (t // n_f) * 128 + tl.arange(0, 128)
+    cols = (t % n_f) * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
     r64 = rows.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    act = g * tl.sigmoid(g) * u  # [128, 128]
+    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0)
+    act = g * tl.sigmoid(g) * u.to(tl.float32)  # [128, 128]
     if QUANT:
         _store_rows_cols(act, rows, cols, rows < M, cols < F, out_ptr, s_ptr, out_ptr, s_ptr, F, F // 128, 0, 0,
                          True, False)
     else:
         tl.store(out_ptr + r64[:, None] * F + cols[None, :], act.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, iters, QUANT: tl.constexpr):
+    """Persistent over the 128x128 tiles of act [M, F] (row-major order), software-pipelined."""
+    if INTERPRET:  # no runtime loop bound there (see _tile_of)
+        i = 0
+        while i < iters:
+            _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT)
+            i += 1
+    else:
+        for i in tl.range(0, iters, num_stages=_PIPELINE):
+            _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT)
 
 
 def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
@@ -350,17 +440,21 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
         s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
     else:
         out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
-    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
-                                             **LAUNCH["swiglu_fwd"])
+    programs, iters = _programs("swiglu_fwd", (m // 128) * (f // 128), h.device)
+    _swiglu_fwd_kernel[(programs,)](h, m_indices, out, s if quant else out, m, f, iters, QUANT=quant,
+                                    **LAUNCH["swiglu_fwd"])
     return out, s
 
 
 @triton.jit
-def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                     pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
-    """Output PART of tile (pid_m, pid_f): 0 dg, 1 du (both into dh), 2 act."""
-    rows = pid_m * 128 + tl.arange(0, 128)
-    cols = pid_f * 128 + tl.arange(0, 128)
+def _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                     QUANT: tl.constexpr, PART: tl.constexpr):
+    """Output PART (0 dg, 1 du, both into dh; 2 act) of the tile of iteration i (row-major over [M/128, F/128],
+    p = program_id(1))."""
+    n_f = F // 128
+    t = _tile_of(i, (M // 128) * n_f, 1)
+    rows = (t // n_f) * 128 + tl.arange(0, 128)
+    cols = (t % n_f) * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
     r64 = rows.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -393,22 +487,38 @@ def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_pt
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
+                     QUANT: tl.constexpr, PART: tl.constexpr):
+    """Output PART of the 128x128 tiles p, p + P, ...: a software-pipelined loop."""
+    if INTERPRET:  # no runtime loop bound there (see _tile_of)
+        i = 0
+        while i < iters:
+            _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                             QUANT, PART)
+            i += 1
+    else:
+        for i in tl.range(0, iters, num_stages=_PIPELINE):
+            _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                             QUANT, PART)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
                        QUANT: tl.constexpr):
     """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization.
-    Program (part, m, f) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
+    Program (part, p) writes one output of every P-th 128x128 tile: part 0 dg, 1 du, 2 act, each branch its own
     code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
-    registers). The three programs of a tile are neighbours in launch order: the inputs they share come from L2."""
-    part, pid_m, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    registers). The three parts of a tile run side by side: the inputs they share come from L2."""
+    part = tl.program_id(0)
     if part == 0:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 0)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
+                         QUANT, 0)
     elif part == 1:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 1)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
+                         QUANT, 1)
     else:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 2)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
+                         QUANT, 2)
 
 
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
@@ -417,11 +527,12 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    grid = (3, m // 128, f // 128)  # (part, m, f): the parts of a tile run side by side
+    programs, iters = _programs("swiglu_bwd", (m // 128) * (f // 128), dev, share=3)
+    grid = (3, programs)  # (part, p): the parts of a tile run side by side
     if not quant:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
-        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False,
+        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, iters, QUANT=False,
                                  **LAUNCH["swiglu_bwd"])
         return dh, None, act
     dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
@@ -430,7 +541,7 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
     aqt = torch.empty(f, m, device=dev, dtype=FP8)
     ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
+    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, iters, QUANT=True,
                              **LAUNCH["swiglu_bwd"])
     return (dhq, dhs), (dhqt, dhst), (aqt, ast)
 
@@ -468,12 +579,12 @@ def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tenso
 
 
 @triton.jit
-def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
-                        K: tl.constexpr, QUANT: tl.constexpr):
-    """Per 128x128 tile of padded rows: do = dy[t] * w[t,k] (0 on padding), its row/column quantization, and the
-    partial dot <dy[t], o[row]> over these 128 channels (summed on the host side into d topk_weights)."""
-    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * 128 + tl.arange(0, 128)
+def _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
+                      K: tl.constexpr, QUANT: tl.constexpr):
+    n_d = D // 128
+    t = _tile_of(i, (M // 128) * n_d, 0)
+    pid_d = t % n_d
+    rows = (t // n_d) * 128 + tl.arange(0, 128)
     cols = pid_d * 128 + tl.arange(0, 128)
     s = tl.load(src_ptr + rows)
     ok = s >= 0
@@ -483,13 +594,31 @@ def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr,
     dy = tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + r64[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     w = tl.load(w_ptr + sf, mask=ok, other=0.0).to(tl.float32)
-    tl.store(part_ptr + r64 * (D // 128) + pid_d, tl.sum(dy * o, axis=1))
+    tl.store(part_ptr + r64 * n_d + pid_d, tl.sum(dy * o, axis=1))
     do = dy * w[:, None]
     if QUANT:
-        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, D // 128, M,
+        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, n_d, M,
                          M // 128, True, True)
     else:
         tl.store(do_ptr + r64[:, None] * D + cols[None, :], do.to(do_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, iters,
+                        K: tl.constexpr, QUANT: tl.constexpr):
+    """Persistent over 128x128 tiles of padded rows (row-major, software-pipelined): do = dy[t] * w[t,k] (0 on
+    padding), its row/column quantization, and the partial dot <dy[t], o[row]> over these 128 channels (summed on
+    the host side into d topk_weights)."""
+    if INTERPRET:  # no runtime loop bound there (see _tile_of)
+        i = 0
+        while i < iters:
+            _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, K,
+                              QUANT)
+            i += 1
+    else:
+        for i in tl.range(0, iters, num_stages=_PIPELINE):
+            _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, K,
+                              QUANT)
 
 
 def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor, *, quant: bool):
@@ -498,7 +627,8 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
     m, d = o.shape
     dev = o.device
     part = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
-    grid = (m // 128, d // 128)
+    programs, iters = _programs("combine_bwd", (m // 128) * (d // 128), dev)
+    grid = (programs,)
     dy = dy.contiguous()
     w = topk_weights.contiguous()
     if quant:
@@ -506,13 +636,13 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
         dos = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
         doqt = torch.empty(d, m, device=dev, dtype=FP8)
         dost = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, K=layout.topk, QUANT=True,
-                                  **LAUNCH["combine_bwd"])
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, iters, K=layout.topk,
+                                  QUANT=True, **LAUNCH["combine_bwd"])
         rowwise, colwise = (doq, dos), (doqt, dost)
     else:
         do = torch.empty(m, d, device=dev, dtype=dy.dtype)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
-                                  **LAUNCH["combine_bwd"])
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, iters, K=layout.topk,
+                                  QUANT=False, **LAUNCH["combine_bwd"])
         rowwise, colwise = do, None
     dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
     return rowwise, colwise, dw

@@ -2,7 +2,10 @@
 
 Activations: one fp32 scale per 1x128 group (per row, per 128 consecutive channels). Weights: one fp32 scale per
 128x128 block. scale = amax / 448 (e4m3's largest finite value), with amax clamped below at AMAX_EPS = 1e-4
-so all-zero groups quantize to zero with a finite scale. Dequantize = fp8 value * scale.
+so all-zero groups quantize to zero with a finite scale; codes = e4m3(x * inv) with inv = (1 / amax) * 448 in
+fp32 (one division per group, a multiply per element): DeepGEMM's `per_token_cast_to_fp8` / `per_block_cast_to_fp8`
+formulas `x * (448.0 / amax)` as torch evaluates them (a scalar divided by a tensor is the tensor's reciprocal times
+the scalar), which the kernels reproduce bit for bit. Dequantize = fp8 value * scale.
 A trailing partial group (channels not a multiple of 128) is its own, shorter group.
 """
 
@@ -12,6 +15,11 @@ import torch
 
 FP8_MAX = 448.0
 AMAX_EPS = 1e-4
+
+
+def inv_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The factor that maps a group onto e4m3's range: (1 / amax) * 448, each step rounded to fp32."""
+    return amax.reciprocal() * FP8_MAX
 
 
 def _pad_to(x: torch.Tensor, dim: int, mult: int) -> torch.Tensor:
@@ -28,9 +36,8 @@ def quant_1x128(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.
     m, k = x.shape
     xp = _pad_to(x.float(), 1, group).view(m, -1, group)  # [M, G, 128]
     amax = xp.abs().amax(-1).clamp_min(AMAX_EPS)  # [M, G]
-    scale = amax / FP8_MAX
-    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :k], scale
+    q = (xp * inv_scale(amax)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, -1)[:, :k], amax / FP8_MAX
 
 
 def dequant_1x128(q: torch.Tensor, scale: torch.Tensor, group: int = 128) -> torch.Tensor:
@@ -45,9 +52,8 @@ def quant_128x128(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torc
     gn, gk = wp.shape[0] // block, wp.shape[1] // block
     blocks = wp.view(gn, block, gk, block)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(AMAX_EPS)  # [Gn, Gk]
-    scale = amax / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(gn * block, gk * block)[:n, :k], scale
+    q = (blocks * inv_scale(amax)[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(gn * block, gk * block)[:n, :k], amax / FP8_MAX
 
 
 def dequant_128x128(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
