@@ -59,8 +59,8 @@ def code_diff(q, rq, s, rs):
     """How far our e4m3 codes and scales are from the eager baseline's (printed with the timing row instead of
     stopping the section): fraction of differing codes, of rows with any, max scale ratio, max dequantized error
     in units of the group scale, and how many codes differ by more than one e4m3 step. Torch's CUDA baseline computes
-    amax / 448 through a reciprocal (1-ulp scale differences; with bf16 inputs x / scale often lands on a rounding
-    tie, so about 0.1% of codes flip by one step); a code off by more than one step is a defect."""
+    amax / 448 through a reciprocal (1-ulp scale differences); the codes use the same inverse (1 / amax) * 448 as
+    the kernels, so they should agree exactly; a code off by more than one step is a defect."""
     diff = q.float() != rq.float()
     deq = (q.float().view(q.shape[0], -1, 128) * s[..., None]).view(q.shape)
     rdeq = (rq.float().view(q.shape[0], -1, 128) * rs[..., None]).view(q.shape)
@@ -200,6 +200,11 @@ def section_layout(copy_gbs, quick):
         ours = bench(lambda: L.permute_align(x, ids, e))
         gbs = nbytes / ours / 1e6
         row("layout", case, "permute+align+quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs, **check)
+        data = bench(lambda: L.permute_align(x, ids, e, layout=lay))  # the data pass alone, layout built before
+        row("layout", case, "  its data pass (layout given)", data, nbytes / data / 1e6, "GB/s",
+            pct_copy=100 * nbytes / data / 1e6 / copy_gbs)
+        lms = bench(lambda: L.build_layout(ids, e))
+        row("layout", case, "  its build_layout", lms, 0.0, "-")
         eager = bench(lambda: eager_permute_quant(x, ids, e))
         row("layout", case, "eager baseline", eager, nbytes / eager / 1e6, "GB/s", speedup=eager / ours)
         if name == "v3" and not skew and not out_of_time():
