@@ -4,13 +4,15 @@
 the children inherit the imported modules, which saves seconds of imports per rank on a small machine; each child
 runs torch single-threaded); `backend="nccl"` spawns one process per GPU instead. The group is initialized through
 a file store in a fresh temporary directory (no ports to collide), with a 5-minute collective timeout so that a
-stuck rank fails the test; `fn(rank, world_size, *args)` runs in each and the first failure is re-raised in the
-parent.
+stuck rank fails the test; a rank still running after STACKS_AFTER_S prints every thread's stack to stderr (where
+it hangs, for a run that a time limit will cut). `fn(rank, world_size, *args)` runs in each and the first failure is
+re-raised in the parent.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 
@@ -20,10 +22,12 @@ import torch.multiprocessing as mp
 
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a rank stuck in a collective fails the test, not the whole run
+STACKS_AFTER_S = 90.0
 
 
 def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> None:
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     extra = {}
     if backend == "nccl":
@@ -34,6 +38,7 @@ def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> No
     try:
         fn(rank, world_size, *args)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 

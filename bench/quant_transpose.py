@@ -1,0 +1,137 @@
+"""Column (128x1, along tokens) quantization with a transposed output, kernel designs side by side on one GPU.
+
+The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
+the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16. In bench/results/moe.md (runs
+5-8) the row-only quantizing kernels run at 75-95% of the copy bandwidth, those with a transposed output at 25%.
+This script times the library kernel (`moela.ops.moe_triton.quant_rows_cols`, which stores the codes at
+transposed addresses) against candidate designs, each checked byte for byte against it first:
+
+  store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
+            addresses (uint8 stores; Triton moves them through shared memory)
+  trans     tl.trans of the loaded bf16 tile, quantized and stored row-major (the transpose happens on bf16)
+  load-T    the tile loaded through transposed pointers ([BC, 128]), quantized and stored row-major
+  pack4     as store-T, but the codes of 4 consecutive rows are first packed into one int32 (a sum over 4 lanes
+            of disjoint bytes), so the transposing store moves words, not bytes
+
+BC (columns per tile) and warps are swept. The row+column variant of `trans` (one read, both outputs) is timed
+against the library's rows+cols kernel. Usage:
+  python bench/quant_transpose.py [--m 69632] [--n 7168] [--out bench/results/quant_transpose.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+
+from moela.ops import moe_triton as L
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MODE: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """One [128 rows, BC cols] tile of x [M, N] per program: qT [N, M] (+ sT) by design MODE (0 store-T, 1 trans,
+    2 load-T, 3 pack4); ROWS (trans only, BC = 128): also the rowwise codes q [M, N] and s from the same read."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_n * BC + tl.arange(0, BC)
+    if MODE == 0 or MODE == 3:
+        tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)  # [128, BC]
+        sc, inv = L._scale_inv(tl.max(tl.abs(tile), axis=0))
+        q = L._quant(tile, inv[None, :])
+        if MODE == 0:
+            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, (rows < M)[:, None])
+        else:  # 4 codes of consecutive rows packed into one int32 (a reduction over 4 lanes), stored as words
+            b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (32, 4, BC))
+            packed = tl.sum(b << (tl.arange(0, 4) * 8)[None, :, None], axis=1)  # [32, BC]
+            r4 = pid_m * 32 + tl.arange(0, 32)
+            tl.store(qt_ptr.to(tl.pointer_type(tl.int32)) + cols[None, :].to(tl.int64) * (M // 4) + r4[:, None],
+                     packed)
+    else:
+        if MODE == 1:
+            raw = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :])  # [128, BC] bf16
+            t = tl.trans(raw).to(tl.float32)  # [BC, 128]
+        else:
+            t = tl.load(x_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]).to(tl.float32)  # [BC, 128]
+        sc, inv = L._scale_inv(tl.max(tl.abs(t), axis=1))
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], L._quant(t, inv[:, None]))
+        if ROWS:
+            tile = raw.to(tl.float32)
+            rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+            tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+    tl.store(st_ptr + cols * (M // 128) + pid_m, sc)
+
+
+def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
+    m, n = x.shape
+    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
+    q = torch.empty(m, n, device=x.device, dtype=L.FP8) if rows else qt
+    s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32) if rows else st
+    _colq_kernel[(m // 128, n // bc)](x, qt, st, q, s, m, n, BC=bc, MODE=mode, ROWS=rows, num_warps=warps)
+    return (q, s) if rows else None, (qt, st)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=69632)  # M_pad of the V3 layer: T 8192 x top-8 + E 32 x 128
+    ap.add_argument("--n", type=int, default=7168)
+    ap.add_argument("--out", default="bench/results/quant_transpose.md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
+    (rq, rs), (rqt, rst) = L.quant_rows_cols(x)
+    a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
+    copy_gbs = 2 * a.numel() / do_bench(lambda: a.clone(), return_mode="median") / 1e6
+    del a
+    col_bytes, both_bytes = x.numel() * 3, x.numel() * 4  # bf16 read, one or two e4m3 writes (scales ~1%)
+    lines = [f"# Transposed column quantization designs ({datetime.date.today()})", "",
+             f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}, torch {torch.__version__}, triton "
+             f"{triton.__version__}; x [{args.m}, {args.n}] bf16; median of do_bench; copy ceiling {copy_gbs:.0f} "
+             f"GB/s; bytes = 2 per element read + 1 per e4m3 code written.", "",
+             "| design | BC | warps | ms | GB/s | % of copy | bytes equal to the library's |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def add(name, bc, warps, fn, nbytes, check):
+        ok = check()
+        ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        gbs = nbytes / ms / 1e6
+        lines.append(f"| {name} | {bc} | {warps} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {ok} |")
+        print(lines[-1], flush=True)
+
+    def same_cols(out):
+        return torch.equal(out[1][0].view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(out[1][1], rst)
+
+    add("library quant_rows_cols(rowwise=False)", 128, L.LAUNCH["quant_rows_or_cols"]["num_warps"],
+        lambda: L.quant_rows_cols(x, rowwise=False), col_bytes, lambda: True)
+    for mode, name in ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
+        for bc in (32, 64, 128):
+            for warps in (4, 8):
+                try:
+                    add(name, bc, warps, lambda: colq(x, mode, bc, warps), col_bytes,
+                        lambda: same_cols(colq(x, mode, bc, warps)))
+                except Exception as exc:  # a design that does not compile must not hide the others
+                    lines.append(f"| {name} | {bc} | {warps} | failed: {type(exc).__name__} | | | |")
+                    print(lines[-1], flush=True)
+    lines += ["", "Rows and columns from one read:", "",
+              "| design | BC | warps | ms | GB/s | % of copy | bytes equal to the library's |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    add("library quant_rows_cols", 128, L.LAUNCH["quant_rows_cols"]["num_warps"], lambda: L.quant_rows_cols(x),
+        both_bytes, lambda: True)
+    for warps in (4, 8, 16):
+        out = colq(x, 1, 128, warps, rows=True)
+        add("trans rows+cols", 128, warps, lambda: colq(x, 1, 128, warps, rows=True), both_bytes,
+            lambda: same_cols(out) and torch.equal(out[0][0].view(torch.uint8), rq.view(torch.uint8))
+            and torch.equal(out[0][1], rs))
+    open(args.out, "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
