@@ -137,27 +137,27 @@ def moe_triton_kernels():
             **L.LAUNCH["permute"])
     add("rowcol_quant gather colwise", L._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,
-        iters=231, GATHER=True, ROWWISE=False, COLWISE=True), **L.LAUNCH["quant_rows_or_cols"])
+        GATHER=True, ROWWISE=False, COLWISE=True), **L.LAUNCH["quant_rows_or_cols"])
     add("rowcol_quant rows+cols", L._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
-        iters=231, GATHER=False, ROWWISE=True, COLWISE=True), **L.LAUNCH["quant_rows_cols"])
+        GATHER=False, ROWWISE=True, COLWISE=True), **L.LAUNCH["quant_rows_cols"])
     for transposed in (True, False):
         add(f"weight_quant transposed={transposed}", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
-            w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, E=e, N=2 * f, K=d,
-            iters=445, TRANSPOSED=transposed), **L.LAUNCH["weight_quant_transposed" if transposed else "weight_quant"])
+            w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d,
+            TRANSPOSED=transposed), **L.LAUNCH["weight_quant"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"swiglu_fwd {tag}", L._swiglu_fwd_kernel, dict(
             h_ptr=bf16, m_idx_ptr=i32, out_ptr=fp8 if quant else bf16, s_ptr=f32 if quant else bf16, M=m, F=f,
-            iters=33, QUANT=quant), **L.LAUNCH["swiglu_fwd"])
+            QUANT=quant), **L.LAUNCH["swiglu_fwd"])
         add(f"swiglu_bwd {tag}", L._swiglu_bwd_kernel, dict(
             h_ptr=bf16, da_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dhs_ptr=f32 if quant else bf16,
             dht_ptr=fp8 if quant else bf16, dhst_ptr=f32 if quant else bf16, at_ptr=fp8 if quant else bf16,
-            ast_ptr=f32 if quant else bf16, M=m, F=f, iters=199, QUANT=quant), **L.LAUNCH["swiglu_bwd"])
+            ast_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **L.LAUNCH["swiglu_bwd"])
         add(f"combine_bwd {tag}", L._combine_bwd_kernel, dict(
             dy_ptr=bf16, o_ptr=bf16, src_ptr=i32, w_ptr=f32, do_ptr=fp8 if quant else bf16,
             dos_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dost_ptr=f32 if quant else bf16,
-            part_ptr=f32, M=m, D=d, iters=231, K=k, QUANT=quant), **L.LAUNCH["combine_bwd"])
+            part_ptr=f32, M=m, D=d, K=k, QUANT=quant), **L.LAUNCH["combine_bwd"])
     add("combine", L._combine_kernel, dict(o_ptr=bf16, row_map_ptr=i32, w_ptr=f32, y_ptr=bf16, D=d, K=k,
                                            BLOCK_D=block_d, WEIGHTED=True), **L.LAUNCH["combine"])
     return out

@@ -19,7 +19,6 @@ Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -38,38 +37,13 @@ _EPS = tl.constexpr(AMAX_EPS)
 _FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's padding programs
-_PIPELINE = tl.constexpr(2)  # software-pipeline stages of the persistent tile loops (the next tile's load in flight)
-# Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). A
-# 128x128 tile quantized both ways (or a weight block stored twice) needs ~128 registers at 16 warps (one block per
-# SM); the 8-warp ones fit two blocks per SM (registers and shared memory). The tile kernels are persistent
-# (PROGRAMS_PER_SM programs per SM, each looping over tiles) with a 2-stage software pipeline: with one tile per
-# program, an SM's one or two blocks wait for each tile's load with nothing else in flight (24-35% of the copy
-# bandwidth, bench/results/moe.md runs 5-7).
-LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=16),
-              quant_rows_or_cols=dict(num_warps=8), weight_quant=dict(num_warps=8),
-              weight_quant_transposed=dict(num_warps=16),
-              swiglu_fwd=dict(num_warps=8), swiglu_bwd=dict(num_warps=16),
-              combine=dict(num_warps=4), combine_bwd=dict(num_warps=16))
-PROGRAMS_PER_SM = dict(quant_rows_cols=1, quant_rows_or_cols=2, weight_quant=2, weight_quant_transposed=1,
-                       swiglu_fwd=2, swiglu_bwd=1, combine_bwd=1)
-_INTERPRET_PROGRAMS = 3  # under the interpreter: a few programs, so that each loops over several tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(name: str, tiles: int, device: torch.device, share: int = 1) -> tuple[int, int]:
-    """(programs, iterations each) of a persistent tile kernel: PROGRAMS_PER_SM[name] per SM (divided among `share`
-    independent parts), at most one per tile."""
-    if device.type != "cuda":
-        programs = _INTERPRET_PROGRAMS
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * PROGRAMS_PER_SM[name] // share
-    programs = max(1, min(tiles, programs))
-    return programs, triton.cdiv(tiles, programs)
+# Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
+# 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
+# blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
+# 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md).
+LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
+              weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=4),
+              combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
 
 
 @dataclass
@@ -147,16 +121,6 @@ def _quant(x, inv):
     if INTERPRET:
         q = _round_e4m3(q)
     return q.to(tl.float8e4nv)
-
-
-@triton.jit
-def _tile_of(i, tiles, AXIS: tl.constexpr):
-    """Tile of iteration i of a persistent program: program_id + i * programs. Every program runs the host's
-    trip count cdiv(tiles, programs); past the last tile it redoes the last one (the same values written twice), so
-    no body needs a guard. Triton 3.6's interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3
-    rejects for any runtime value: there the loops are `while` loops (the compiled code keeps `tl.range`, which
-    Triton software-pipelines)."""
-    return tl.minimum(tl.program_id(AXIS) + i * tl.num_programs(AXIS), tiles - 1)
 
 
 @triton.jit
@@ -267,12 +231,11 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
 
 
 @triton.jit
-def _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
-                       GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
-    n_n = N // 128
-    t = _tile_of(i, (M // 128) * n_n, 0)
-    rows = (t // n_n) * 128 + tl.arange(0, 128)
-    cols = (t % n_n) * 128 + tl.arange(0, 128)
+def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
+                         GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_n * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < N
     if GATHER:
         s = tl.load(src_ptr + rows, mask=row_ok, other=-1)
@@ -285,23 +248,6 @@ def _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld
                    other=0.0).to(tl.float32)
     _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_ptr, N, N // 128, M, M // 128,
                      ROWWISE, COLWISE)
-
-
-@triton.jit
-def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, iters,
-                         GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
-    """Persistent: program p quantizes 128x128 tiles p, p + P, ... (row-major over [M/128, N/128]); the loop is
-    software-pipelined, so the next tile's load is in flight while this one is quantized and stored."""
-    if INTERPRET:  # no runtime loop bound there (see _tile_of)
-        i = 0
-        while i < iters:
-            _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, GATHER,
-                               ROWWISE, COLWISE)
-            i += 1
-    else:
-        for i in tl.range(0, iters, num_stages=_PIPELINE):
-            _rowcol_quant_tile(i, x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div, GATHER,
-                               ROWWISE, COLWISE)
 
 
 def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = True, src: torch.Tensor | None = None,
@@ -319,12 +265,11 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
     dummy = x
-    name = "quant_rows_cols" if rowwise and colwise else "quant_rows_or_cols"
-    programs, iters = _programs(name, (m // 128) * (n // 128), dev)
-    _rowcol_quant_kernel[(programs,)](
+    _rowcol_quant_kernel[(m // 128, n // 128)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
-        qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div, iters,
-        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise, **LAUNCH[name])
+        qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
+        GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise,
+        **LAUNCH["quant_rows_cols" if rowwise and colwise else "quant_rows_or_cols"])
     return (q, s), (qt, st)
 
 
@@ -333,38 +278,21 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED: tl.constexpr):
-    n_n, n_k = N // 128, K // 128
-    t = _tile_of(i, E * n_n * n_k, 0)
-    e = t // (n_n * n_k)
-    bn = (t // n_k) % n_n
-    bk = t % n_k
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, N, K, TRANSPOSED: tl.constexpr):
+    """One 128x128 block (e, bn, bk) of a strided view w [E, N, K] -> contiguous codes q [E, N, K], the block's
+    scale, and (TRANSPOSED) the codes of the transposed block at qT [E, K, N], quantized from the transposed block
+    with the same scale - the same codes - and stored row-major."""
+    e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
-    src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
-    blk = tl.load(src)  # [128, 128] in w's dtype
+    blk = tl.load(w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk)
     sc, inv = _scale_inv(tl.max(tl.max(tl.abs(blk.to(tl.float32)), axis=1), axis=0))
     base = e.to(tl.int64) * N * K
     tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], _quant(blk.to(tl.float32), inv))
-    tl.store(s_ptr + (e * n_n + bn) * n_k + bk, sc)
+    tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
     if TRANSPOSED:
         blk_t = tl.trans(blk).to(tl.float32)  # [128 (k), 128 (n)]
         tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], _quant(blk_t, inv))
-
-
-@triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, iters, TRANSPOSED: tl.constexpr):
-    """Persistent over the 128x128 blocks (e, bn, bk) of a strided view w [E, N, K]: contiguous codes q [E, N, K],
-    the block's scale, and (TRANSPOSED) the codes of the transposed block at qT [E, K, N], quantized from the
-    transposed bf16 block with the same scale - the same codes - and stored row-major."""
-    if INTERPRET:  # no runtime loop bound there (see _tile_of)
-        i = 0
-        while i < iters:
-            _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED)
-            i += 1
-    else:
-        for i in tl.range(0, iters, num_stages=_PIPELINE):
-            _weight_quant_tile(i, w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, E, N, K, TRANSPOSED)
 
 
 def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "trans"):
@@ -384,11 +312,8 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
     qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None
-    name = "weight_quant_transposed" if in_kernel else "weight_quant"
-    programs, iters = _programs(name, e * (n // 128) * (k // 128), w.device)
-    _weight_quant_kernel[(programs,)](
-        w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1), w.stride(2), e, n, k, iters, TRANSPOSED=in_kernel,
-        **LAUNCH[name])
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1),
+                                                  w.stride(2), n, k, TRANSPOSED=in_kernel, **LAUNCH["weight_quant"])
     if not transposed or in_kernel:
         return q, s, qt
     if transpose_by == "quant":
@@ -401,34 +326,20 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
 
 
 @triton.jit
-def _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
-    n_f = F // 128
-    t = _tile_of(i, (M // 128) * n_f, 0)
-    rows = (t // n_f) * 128 + tl.arange(0, 128)
-    cols = (t % n_f) * 128 + tl.arange(0, 128)
+def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
+    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
     r64 = rows.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0)
-    act = g * tl.sigmoid(g) * u.to(tl.float32)  # [128, 128]
+    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u  # [128, 128]
     if QUANT:
         _store_rows_cols(act, rows, cols, rows < M, cols < F, out_ptr, s_ptr, out_ptr, s_ptr, F, F // 128, 0, 0,
                          True, False)
     else:
         tl.store(out_ptr + r64[:, None] * F + cols[None, :], act.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, iters, QUANT: tl.constexpr):
-    """Persistent over the 128x128 tiles of act [M, F] (row-major order), software-pipelined."""
-    if INTERPRET:  # no runtime loop bound there (see _tile_of)
-        i = 0
-        while i < iters:
-            _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT)
-            i += 1
-    else:
-        for i in tl.range(0, iters, num_stages=_PIPELINE):
-            _swiglu_fwd_tile(i, h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT)
 
 
 def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
@@ -440,21 +351,17 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
         s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
     else:
         out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
-    programs, iters = _programs("swiglu_fwd", (m // 128) * (f // 128), h.device)
-    _swiglu_fwd_kernel[(programs,)](h, m_indices, out, s if quant else out, m, f, iters, QUANT=quant,
-                                    **LAUNCH["swiglu_fwd"])
+    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
+                                             **LAUNCH["swiglu_fwd"])
     return out, s
 
 
 @triton.jit
-def _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
-                     QUANT: tl.constexpr, PART: tl.constexpr):
-    """Output PART (0 dg, 1 du, both into dh; 2 act) of the tile of iteration i (row-major over [M/128, F/128],
-    p = program_id(1))."""
-    n_f = F // 128
-    t = _tile_of(i, (M // 128) * n_f, 1)
-    rows = (t // n_f) * 128 + tl.arange(0, 128)
-    cols = (t % n_f) * 128 + tl.arange(0, 128)
+def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                     pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
+    """Output PART of tile (pid_m, pid_f): 0 dg, 1 du (both into dh), 2 act."""
+    rows = pid_m * 128 + tl.arange(0, 128)
+    cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
     r64 = rows.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
@@ -487,38 +394,22 @@ def _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst
 
 
 @triton.jit
-def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
-                     QUANT: tl.constexpr, PART: tl.constexpr):
-    """Output PART of the 128x128 tiles p, p + P, ...: a software-pipelined loop."""
-    if INTERPRET:  # no runtime loop bound there (see _tile_of)
-        i = 0
-        while i < iters:
-            _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
-                             QUANT, PART)
-            i += 1
-    else:
-        for i in tl.range(0, iters, num_stages=_PIPELINE):
-            _swiglu_bwd_tile(i, h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
-                             QUANT, PART)
-
-
-@triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
+def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
                        QUANT: tl.constexpr):
     """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization.
-    Program (part, p) writes one output of every P-th 128x128 tile: part 0 dg, 1 du, 2 act, each branch its own
+    Program (part, m, f) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
     code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
-    registers). The three parts of a tile run side by side: the inputs they share come from L2."""
-    part = tl.program_id(0)
+    registers). The three programs of a tile are neighbours in launch order: the inputs they share come from L2."""
+    part, pid_m, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if part == 0:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
-                         QUANT, 0)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 0)
     elif part == 1:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
-                         QUANT, 1)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 1)
     else:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, iters,
-                         QUANT, 2)
+        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
+                         pid_f, QUANT, 2)
 
 
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
@@ -527,12 +418,11 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    programs, iters = _programs("swiglu_bwd", (m // 128) * (f // 128), dev, share=3)
-    grid = (3, programs)  # (part, p): the parts of a tile run side by side
+    grid = (3, m // 128, f // 128)  # (part, m, f): the parts of a tile run side by side
     if not quant:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
-        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, iters, QUANT=False,
+        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False,
                                  **LAUNCH["swiglu_bwd"])
         return dh, None, act
     dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
@@ -541,7 +431,7 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
     aqt = torch.empty(f, m, device=dev, dtype=FP8)
     ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, iters, QUANT=True,
+    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
                              **LAUNCH["swiglu_bwd"])
     return (dhq, dhs), (dhqt, dhst), (aqt, ast)
 
@@ -579,12 +469,12 @@ def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tenso
 
 
 @triton.jit
-def _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
-                      K: tl.constexpr, QUANT: tl.constexpr):
-    n_d = D // 128
-    t = _tile_of(i, (M // 128) * n_d, 0)
-    pid_d = t % n_d
-    rows = (t // n_d) * 128 + tl.arange(0, 128)
+def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
+                        K: tl.constexpr, QUANT: tl.constexpr):
+    """Per 128x128 tile of padded rows: do = dy[t] * w[t,k] (0 on padding), its row/column quantization, and the
+    partial dot <dy[t], o[row]> over these 128 channels (summed on the host side into d topk_weights)."""
+    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_d * 128 + tl.arange(0, 128)
     s = tl.load(src_ptr + rows)
     ok = s >= 0
@@ -594,31 +484,13 @@ def _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr
     dy = tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + r64[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     w = tl.load(w_ptr + sf, mask=ok, other=0.0).to(tl.float32)
-    tl.store(part_ptr + r64 * n_d + pid_d, tl.sum(dy * o, axis=1))
+    tl.store(part_ptr + r64 * (D // 128) + pid_d, tl.sum(dy * o, axis=1))
     do = dy * w[:, None]
     if QUANT:
-        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, n_d, M,
+        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, D // 128, M,
                          M // 128, True, True)
     else:
         tl.store(do_ptr + r64[:, None] * D + cols[None, :], do.to(do_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, iters,
-                        K: tl.constexpr, QUANT: tl.constexpr):
-    """Persistent over 128x128 tiles of padded rows (row-major, software-pipelined): do = dy[t] * w[t,k] (0 on
-    padding), its row/column quantization, and the partial dot <dy[t], o[row]> over these 128 channels (summed on
-    the host side into d topk_weights)."""
-    if INTERPRET:  # no runtime loop bound there (see _tile_of)
-        i = 0
-        while i < iters:
-            _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, K,
-                              QUANT)
-            i += 1
-    else:
-        for i in tl.range(0, iters, num_stages=_PIPELINE):
-            _combine_bwd_tile(i, dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D, K,
-                              QUANT)
 
 
 def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor, *, quant: bool):
@@ -627,8 +499,7 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
     m, d = o.shape
     dev = o.device
     part = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
-    programs, iters = _programs("combine_bwd", (m // 128) * (d // 128), dev)
-    grid = (programs,)
+    grid = (m // 128, d // 128)
     dy = dy.contiguous()
     w = topk_weights.contiguous()
     if quant:
@@ -636,13 +507,13 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
         dos = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
         doqt = torch.empty(d, m, device=dev, dtype=FP8)
         dost = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, iters, K=layout.topk,
-                                  QUANT=True, **LAUNCH["combine_bwd"])
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, K=layout.topk, QUANT=True,
+                                  **LAUNCH["combine_bwd"])
         rowwise, colwise = (doq, dos), (doqt, dost)
     else:
         do = torch.empty(m, d, device=dev, dtype=dy.dtype)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, iters, K=layout.topk,
-                                  QUANT=False, **LAUNCH["combine_bwd"])
+        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
+                                  **LAUNCH["combine_bwd"])
         rowwise, colwise = do, None
     dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
     return rowwise, colwise, dw
