@@ -144,7 +144,7 @@ def moe_triton_kernels():
     for transposed in (True, False):
         add(f"weight_quant transposed={transposed}", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
             w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d,
-            TRANSPOSED=transposed), **L.LAUNCH["weight_quant"])
+            TRANSPOSED=transposed), **L.LAUNCH["weight_quant_transposed" if transposed else "weight_quant"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"swiglu_fwd {tag}", L._swiglu_fwd_kernel, dict(

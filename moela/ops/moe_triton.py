@@ -40,10 +40,14 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
 # 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
 # blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
-# 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md).
+# 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). Two kernels stay at
+# 16 warps: at 4, the H200 wrote wrong codes from the SwiGLU backward's dh tile (NaN) and from the weight
+# quantization with its transposed copy (bit-exact in the interpreter; bench/results/moe_notes.md, run 9), and the
+# SwiGLU backward was slower there too (2.7 vs 1.9 ms).
 LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
-              weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=4),
-              combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
+              weight_quant=dict(num_warps=4), weight_quant_transposed=dict(num_warps=16),
+              swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4),
+              combine_bwd=dict(num_warps=4))
 
 
 @dataclass
@@ -312,8 +316,9 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
     qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1),
-                                                  w.stride(2), n, k, TRANSPOSED=in_kernel, **LAUNCH["weight_quant"])
+    _weight_quant_kernel[(e, n // 128, k // 128)](
+        w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1), w.stride(2), n, k, TRANSPOSED=in_kernel,
+        **LAUNCH["weight_quant_transposed" if in_kernel else "weight_quant"])
     if not transposed or in_kernel:
         return q, s, qt
     if transpose_by == "quant":
