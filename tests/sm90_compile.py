@@ -126,8 +126,8 @@ def moe_triton_kernels():
     fp8, bf16, f32, i32 = "*fp8e4nv", "*bf16", "*fp32", "*i32"
     out = {}
 
-    def add(name, kernel, args, num_warps, num_stages=3):
-        out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps, num_stages=num_stages)
+    def add(name, kernel, args, num_warps):
+        out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps)
 
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
@@ -141,10 +141,8 @@ def moe_triton_kernels():
     add("rowcol_quant rows+cols", L._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
         GATHER=False, ROWWISE=True, COLWISE=True), **L.LAUNCH["quant_rows_cols"])
-    for transposed in (True, False):
-        add(f"weight_quant transposed={transposed}", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
-            w_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d,
-            TRANSPOSED=transposed), **L.LAUNCH["weight_quant_transposed" if transposed else "weight_quant"])
+    add("weight_quant", L._weight_quant_kernel, dict(  # w13 [E, 2F, D]
+        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d), **L.LAUNCH["weight_quant"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"swiglu_fwd {tag}", L._swiglu_fwd_kernel, dict(

@@ -125,8 +125,8 @@ def test_rows_cols_kernel_gathers_rows():
 
 
 @needs_kernels
-@pytest.mark.parametrize("transpose_by,dtype", [("trans", torch.bfloat16), ("trans", torch.float32),
-                                               ("quant", torch.bfloat16), ("torch", torch.float32)])
+@pytest.mark.parametrize("transpose_by,dtype", [("quant", torch.bfloat16), ("quant", torch.float32),
+                                               ("torch", torch.float32)])
 def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by, dtype):
     from moela.ops.moe_triton import quant_weights
 

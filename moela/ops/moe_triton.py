@@ -40,14 +40,11 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
 # 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
 # blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
-# 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). Two kernels stay at
-# 16 warps: at 4, the H200 wrote wrong codes from the SwiGLU backward's dh tile (NaN) and from the weight
-# quantization with its transposed copy (bit-exact in the interpreter; bench/results/moe_notes.md, run 9), and the
-# SwiGLU backward was slower there too (2.7 vs 1.9 ms).
+# 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). The SwiGLU
+# backward (three output tiles per input tile) stays at 16 warps: 1.6 ms there, 2.7 ms at 4 (moe.md runs 8-9).
 LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
-              weight_quant=dict(num_warps=4), weight_quant_transposed=dict(num_warps=16),
-              swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4),
-              combine_bwd=dict(num_warps=4))
+              weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16),
+              combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
 
 
 @dataclass
@@ -282,48 +279,47 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 
 
 @triton.jit
-def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, s_we, s_wn, s_wk, N, K, TRANSPOSED: tl.constexpr):
-    """One 128x128 block (e, bn, bk) of a strided view w [E, N, K] -> contiguous codes q [E, N, K], the block's
-    scale, and (TRANSPOSED) the codes of the transposed block at qT [E, K, N], quantized from the transposed block
-    with the same scale - the same codes - and stored row-major."""
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
+    """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
     e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
-    blk = tl.load(w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk)
-    sc, inv = _scale_inv(tl.max(tl.max(tl.abs(blk.to(tl.float32)), axis=1), axis=0))
-    base = e.to(tl.int64) * N * K
-    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], _quant(blk.to(tl.float32), inv))
+    src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
+    blk = tl.load(src).to(tl.float32)  # [128, 128]
+    sc, inv = _scale_inv(tl.max(tl.max(tl.abs(blk), axis=1), axis=0))
+    tl.store(q_ptr + e.to(tl.int64) * N * K + rn[:, None] * K + rk[None, :], _quant(blk, inv))
     tl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, sc)
-    if TRANSPOSED:
-        blk_t = tl.trans(blk).to(tl.float32)  # [128 (k), 128 (n)]
-        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], _quant(blk_t, inv))
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "trans"):
+def _weight_quant_launch(w: torch.Tensor):
+    e, n, k = w.shape
+    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
+    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
+    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
+                                                  **LAUNCH["weight_quant"])
+    return q, s
+
+
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="trans" writes qT from the
-    same read of w (the kernel transposes each bf16 block on chip and quantizes it with the block's scale: the same
-    codes); "quant" runs the kernel a second time on the transposed view of w (reads w twice: 3.4 ms for w13 + w2
-    of the V3 E32 layer on the H200, bench/results/moe.md run 7); "torch" copies q.transpose(1, 2) byte by byte
-    (9.6 ms for the same, run 4). Storing the row-major codes a second time at transposed addresses gave wrong
-    bytes on the H200 (triton 3.6) twice, though bit-exact in the interpreter; none of these three does that."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
+    again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
+    qT is exactly q's transpose, written with coalesced row stores (2.25 ms for both launches on w13 + w2 of the V3
+    E32 layer on the H200, bench/results/moe.md run 9); "torch" copies q.transpose(1, 2) byte by byte (9.6 ms,
+    run 4). Writing qT from the same kernel - codes stored at transposed addresses, or the bf16 block transposed on
+    chip (tl.trans) and quantized again - gave wrong bytes on the H200 (triton 3.6) in three designs, though
+    bit-exact in the interpreter; only the transposed load of a persistent, software-pipelined variant was right,
+    and it was no faster (3.5 ms)."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
-    if transpose_by not in ("trans", "quant", "torch"):
-        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'trans', 'quant' or 'torch'")
-    in_kernel = transposed and transpose_by == "trans"
-    q = torch.empty(e, n, k, device=w.device, dtype=FP8)
-    s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if in_kernel else None
-    _weight_quant_kernel[(e, n // 128, k // 128)](
-        w, q, s, qt if in_kernel else q, w.stride(0), w.stride(1), w.stride(2), n, k, TRANSPOSED=in_kernel,
-        **LAUNCH["weight_quant_transposed" if in_kernel else "weight_quant"])
-    if not transposed or in_kernel:
-        return q, s, qt
-    if transpose_by == "quant":
-        return q, s, quant_weights(w.transpose(1, 2), transposed=False)[0]
-    return q, s, q.transpose(1, 2).contiguous()  # qt [E, K, N]
+    if transpose_by not in ("quant", "torch"):
+        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'quant' or 'torch'")
+    q, s = _weight_quant_launch(w)
+    if not transposed:
+        return q, s, None
+    qt = _weight_quant_launch(w.transpose(1, 2))[0] if transpose_by == "quant" else q.transpose(1, 2).contiguous()
+    return q, s, qt  # qt [E, K, N]
 
 
 # ----------------------------------------------------------------------------------------------------------------
