@@ -304,12 +304,12 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
     s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
     again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
-    qT is exactly q's transpose, written with coalesced row stores (2.25 ms for both launches on w13 + w2 of the V3
-    E32 layer on the H200, bench/results/moe.md run 9); "torch" copies q.transpose(1, 2) byte by byte (9.6 ms,
-    run 4). Writing qT from the same kernel - codes stored at transposed addresses, or the bf16 block transposed on
-    chip (tl.trans) and quantized again - gave wrong bytes on the H200 (triton 3.6) in three designs, though
-    bit-exact in the interpreter; only the transposed load of a persistent, software-pipelined variant was right,
-    and it was no faster (3.5 ms)."""
+    qT is exactly q's transpose, written with coalesced row stores (2.24 ms for both launches on w13 + w2 of the V3
+    E32 layer on the H200, bench/results/moe.md run 11); "torch" copies q.transpose(1, 2) byte by byte (9.6 ms,
+    run 4). Writing qT from the same kernel gave wrong bytes on the H200 (triton 3.6) in three designs, though
+    bit-exact in the interpreter: codes stored at transposed addresses (fp8 and uint8 stores) and the bf16 block
+    transposed on chip (tl.trans) and quantized again; only that transpose inside a persistent, software-pipelined
+    loop (the block read back from shared memory transposed) was right, and it was no faster (3.5 ms)."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
