@@ -129,13 +129,6 @@ def moe_triton_kernels():
     def add(name, kernel, args, num_warps):
         out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps)
 
-    for experts in (e, 256):  # the layout's chunk shrinks as the experts grow (a [CH, E] comparison per program)
-        ch = max(16, min(128, 8192 // experts))
-        add(f"layout_hist E{experts}", L._layout_hist_kernel, dict(ids_ptr=i32, hist_ptr=i32, n=t * k, E=experts,
-                                                                 CH=ch, E_PAD=experts), **L.LAUNCH["layout"])
-        add(f"layout_place E{experts}", L._layout_place_kernel, dict(
-            ids_ptr=i32, base_ptr="*i64", row_map_ptr=i32, m_idx_ptr=i32, src_ptr=i32, n=t * k, E=experts, CH=ch),
-            **L.LAUNCH["layout"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"permute {tag}", L._permute_kernel, dict(

@@ -5,8 +5,8 @@ start at a multiple of `align` (128) and its block is padded with zero rows up t
 [M_pad]` holds each row's expert (-1 on padding rows), `row_map [T*K]` the row of (t, k), `src [M_pad]` the flat
 index t*K+k of each row (-1 on padding). M_pad is an upper bound computed on the host from T, K and E
 (round_up(T*K, align) + E*align), so building the layout needs no host sync; rows past the last expert are
-padding. The index math is a stable counting sort of the T*K expert ids (two small Triton kernels and a few torch
-ops); every pass over activations is one Triton kernel.
+padding. Index math (counts, offsets, a stable sort of the T*K expert ids) is a handful of small torch ops;
+every pass over activations is one Triton kernel.
 
 FP8 scales follow DeepGEMM's SM90 format: fp32, `scale = amax / 448`, activations rowwise 1x128 ([M, N/128]);
 "columnwise" 128x1 groups along tokens are stored as the 1x128 quantization of the transposed matrix
@@ -42,9 +42,9 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
 # 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). The SwiGLU
 # backward (three output tiles per input tile) stays at 16 warps: 1.6 ms there, 2.7 ms at 4 (moe.md runs 8-9).
-LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
-              quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
-              swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
+LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
+              weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16),
+              combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
 
 
 @dataclass
@@ -69,60 +69,27 @@ def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int =
     return triton.cdiv(num_tokens * topk, align) * align + num_experts * align
 
 
-@triton.jit
-def _layout_hist_kernel(ids_ptr, hist_ptr, n, E, CH: tl.constexpr, E_PAD: tl.constexpr):
-    """hist[c, e]: how many of the flat expert ids [c * CH, (c + 1) * CH) are e."""
-    c = tl.program_id(0)
-    i = c * CH + tl.arange(0, CH)
-    ids = tl.load(ids_ptr + i, mask=i < n, other=-1)
-    ex = tl.arange(0, E_PAD)
-    tl.store(hist_ptr + c * E + ex, tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), axis=0), mask=ex < E)
-
-
-@triton.jit
-def _layout_place_kernel(ids_ptr, base_ptr, row_map_ptr, m_idx_ptr, src_ptr, n, E, CH: tl.constexpr):
-    """Row of flat index i in chunk c: base[c, id_i] (the expert's offset plus its ids in earlier chunks) + how
-    many earlier ids of the chunk equal id_i - a stable counting sort; writes row_map, m_indices and src."""
-    c = tl.program_id(0)
-    i = c * CH + tl.arange(0, CH)
-    ok = i < n
-    ids = tl.load(ids_ptr + i, mask=ok, other=-1)
-    j = c * CH + tl.arange(0, CH)  # the same chunk along the other axis
-    ids_j = tl.load(ids_ptr + j, mask=j < n, other=-2)
-    rank = tl.sum(((ids_j[None, :] == ids[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)  # [CH]
-    row = tl.load(base_ptr + c * E + ids, mask=ok, other=0) + rank
-    tl.store(row_map_ptr + i, row.to(tl.int32), mask=ok)
-    tl.store(m_idx_ptr + row, ids, mask=ok)
-    tl.store(src_ptr + row, i, mask=ok)
-
-
 def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
-    """Index math of the contiguous layout in two Triton kernels and a few small torch ops, no host sync (M_pad is
-    the upper bound): per-chunk expert histograms, their prefix sums over chunks (torch.cumsum), then each (token,
-    k) row placed at its expert's offset + its rank among equal ids before it (stable: token order inside each
-    expert). topk_ids [T, K] must lie in [0, num_experts)."""
-    if align != ALIGN:
-        raise ValueError(f"build_layout: align={align} is not supported; the kernels use {ALIGN}-row blocks")
+    """Index math of the contiguous layout; no host sync (M_pad is the upper bound)."""
     t, k = topk_ids.shape
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()  # [T*K]
-    tk, e = flat.numel(), num_experts
-    m_pad = build_layout_rows(t, k, e, align)
-    e_pad = triton.next_power_of_2(e)
-    ch = max(16, min(128, 8192 // e_pad))  # a [CH, E_PAD] comparison per program
-    chunks = max(1, triton.cdiv(tk, ch))
-    hist = torch.empty(chunks, e, dtype=torch.int32, device=dev)  # [C, E]
-    _layout_hist_kernel[(chunks,)](flat, hist, tk, e, CH=ch, E_PAD=e_pad, **LAUNCH["layout"])
-    seen = torch.cumsum(hist, 0)  # [C, E] int64: ids equal to e in chunks <= c
-    counts = seen[-1]  # [E]
-    offsets = torch.zeros(e + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(torch.bitwise_and(counts + (align - 1), -align), 0, out=offsets[1:])  # padded block starts
-    base = (seen - hist).add_(offsets[:-1])  # [C, E]
-    row_map = torch.empty(tk, dtype=torch.int32, device=dev)
-    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=dev)
-    src = torch.full((m_pad,), -1, dtype=torch.int32, device=dev)
-    _layout_place_kernel[(chunks,)](flat, base, row_map, m_indices, src, tk, e, CH=ch, **LAUNCH["layout"])
-    return Layout(m_indices, row_map, src, counts, offsets, t, k)
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
+    tk = flat.numel()
+    m_pad = build_layout_rows(t, k, num_experts, align)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]
+    padded = (counts + align - 1) // align * align  # [E]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts  # [E] unpadded starts
+    order = torch.sort(flat, stable=True).indices  # [T*K]
+    sorted_ids = flat[order]
+    dest = offsets[sorted_ids] + torch.arange(tk, device=flat.device) - starts[sorted_ids]  # [T*K]
+    row_map = torch.empty(tk, dtype=torch.int64, device=flat.device).scatter_(0, order, dest)
+    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
+    m_indices[row_map] = flat.to(torch.int32)
+    src = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
+    src[row_map] = torch.arange(tk, dtype=torch.int32, device=flat.device)
+    return Layout(m_indices, row_map.to(torch.int32), src, counts, offsets, t, k)
 
 
 # ----------------------------------------------------------------------------------------------------------------
