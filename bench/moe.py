@@ -2,11 +2,12 @@
 
 Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1408, top-6):
   check   GPU diagnostics printed to stdout (not written to --out): relative errors vs float64 of the kernels'
-          intermediate outputs and of the whole path per recipe and provider, and the transposed weight copy
-          compared byte for byte; the CUDA tests (`pytest -m gpu tests/test_moe_ops.py`) assert the same paths.
-  layout  permute+align+quant and grouped row+column quantization: GB/s, % of the measured copy bandwidth, speedup
-          over an eager PyTorch baseline (sort/index_select, per-expert padding, per-group quantization loop) and
-          over torch.compile of that baseline.
+          intermediate outputs and of the whole path per recipe and provider, and the weight codes compared with
+          torch's reference and their transposed copy byte for byte; the CUDA tests (`pytest -m gpu tests/test_moe_ops.py`) assert the same paths.
+  layout  permute+align+quant (the whole op; its data pass and build_layout alone) and grouped row+column
+          quantization: GB/s, % of the measured copy bandwidth, speedup over an eager PyTorch baseline
+          (sort/index_select, per-expert padding, per-group quantization loop) and over torch.compile of that
+          baseline.
   gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) and of cuBLAS blockwise FP8
           (torch._scaled_mm per expert, the `cublas` provider) vs bf16 torch._grouped_mm and fp8 rowwise
           torch._scaled_grouped_mm.
