@@ -239,7 +239,7 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
     e, n, k = 4, 1024, 512
     lay, real = _layout_and_rows(150, e, skew=True)  # expert 0 has every token, the others none
-    bounds = list(zip(lay.offsets.tolist()[:-1], lay.offsets.tolist()[1:]))
+    bounds = lay.expert_bounds()
     a = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real[:, None]
     (aq, as_), (aqt, ast) = quant_rows_cols(a)
     bq, bs, bqt = quant_weights(torch.randn(e, n, k, device=DEV, dtype=torch.float16))
@@ -419,7 +419,7 @@ def test_gpu_fp8_gemm_v3_shape_vs_float64():
     wq, ws, _ = quant_weights(w)
     out = mgrouped_gemm(xq, wq, lay.m_indices, a_scale=xs, b_scale=ws)
     if cublas_blockwise_available():
-        bounds = list(zip(lay.offsets.tolist()[:-1], lay.offsets.tolist()[1:]))
+        bounds = lay.expert_bounds()
         cub = cublas_mgrouped(xq, xs, wq, ws, bounds)
         assert _rel(cub, out) < 5e-3  # the same quantized operands; bf16 output rounding and MMA order only
     rows = lay.row_map.long()

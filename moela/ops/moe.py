@@ -78,6 +78,13 @@ def _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe):
                          f"{tuple(w13.shape)} and {tuple(w2.shape)}")
 
 
+def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids [T, K] (or flat) -> [E] int64 pairs routed to each expert, on the ids' device without a host sync
+    (torch.bincount's output size needs one on CUDA)."""
+    flat = topk_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """x cast as autocast casts a matmul's input. Autocast does not see `moe_experts`: under autocast the residual
     stream stays fp32, and the fast backends, which run in bf16/fp16, would otherwise fall back to the fp32

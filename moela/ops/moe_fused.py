@@ -48,7 +48,7 @@ class MoEExpertsFn(torch.autograd.Function):
         e = w13.shape[0]
         fp8 = recipe == "fp8_blockwise"
         lay = L.build_layout(topk_ids, e)
-        bounds = _bounds(lay) if provider == "cublas" else None
+        bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync
         if fp8:
             xq, xs, _ = L.permute_align(x, topk_ids, e, quant="fp8_1x128", layout=lay)  # [M_pad, D], [M_pad, D/128]
             w13q, w13s, w13qt = L.quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
@@ -92,12 +92,6 @@ class MoEExpertsFn(torch.autograd.Function):
             dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13_dtype)  # [E, 2F, D]
         dx = L.unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
         return dx, None, dw.to(w.dtype), dw13, dw2, None, None
-
-
-def _bounds(lay: L.Layout) -> list[tuple[int, int]]:
-    """Each expert's padded row range [s, t) on the host (the one sync of the cublas provider)."""
-    off = lay.offsets.tolist()
-    return list(zip(off[:-1], off[1:]))
 
 
 def _lay_tensors(lay: L.Layout):

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moela.ops.moe import tokens_per_expert
 from moela.ops.quant import AMAX_EPS, FP8_MAX
 
 ALIGN = 128
@@ -63,6 +64,11 @@ class Layout:
     def m_pad(self) -> int:
         return self.m_indices.numel()
 
+    def expert_bounds(self) -> list[tuple[int, int]]:
+        """Each expert's padded row range [s, t) as host integers (reads the offsets: one device sync)."""
+        off = self.offsets.tolist()
+        return list(zip(off[:-1], off[1:]))
+
 
 def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int = ALIGN) -> int:
     """M_pad: the rows of the layout, an upper bound on the padded total known without looking at the routing."""
@@ -75,8 +81,7 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -
     flat = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
     tk = flat.numel()
     m_pad = build_layout_rows(t, k, num_experts, align)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]
+    counts = tokens_per_expert(flat, num_experts)  # [E]
     padded = (counts + align - 1) // align * align  # [E]
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets[1:] = torch.cumsum(padded, 0)

@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from moela.ops.moe import autocast_input, moe_experts
+from moela.ops.moe import autocast_input, moe_experts, tokens_per_expert
 
 
 class _AllToAll(torch.autograd.Function):
@@ -138,9 +138,7 @@ class ExpertParallelExperts(nn.Module):
 
         flat_ids = topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # [T*K] pair index, sorted by expert
-        ones = torch.ones_like(flat_ids, dtype=torch.long)  # [T*K]
-        counts = flat_ids.new_zeros(self.num_experts, dtype=torch.long).scatter_add_(0, flat_ids.long(), ones)
-        # counts [E]: pairs per global expert (torch.bincount would add a host sync on CUDA)
+        counts = tokens_per_expert(flat_ids, self.num_experts)  # [E] pairs per global expert
         recv_counts = torch.empty_like(counts)  # [ep * E_local] pairs from each source rank for each local expert
         dist.all_to_all_single(recv_counts, counts, group=group)
         counts_host = torch.stack([counts, recv_counts]).view(2, ep, e_local).sum(2).tolist()  # one host sync
