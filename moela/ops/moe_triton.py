@@ -42,7 +42,8 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
 # blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
 # 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). The SwiGLU
-# backward (three output tiles per input tile) stays at 16 warps: 1.6 ms there, 2.7 ms at 4 (moe.md runs 8-9).
+# backward (three output tiles per input tile) stays at 16 warps: 1.58 ms there (run 11), 2.73 ms at 4 (run 9;
+# bench/results/moe_notes.md).
 LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
               weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16),
               combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
