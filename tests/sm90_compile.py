@@ -129,12 +129,18 @@ def moe_triton_kernels():
     def add(name, kernel, args, num_warps):
         out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps)
 
-    for quant in (True, False):
-        tag = "fp8" if quant else "bf16"
+    chunks = t * k // L._CHUNK
+    add("layout count", L._layout_count_kernel, dict(ids_ptr="*i64", rank_ptr=i32, hist_ptr=i32, n=t * k, C=chunks,
+                                                     E=e, CH=L._CHUNK, E_BLOCK=e, E_BLOCKS=1), **L.LAUNCH["layout"])
+    add("layout scan", L._layout_scan_kernel, dict(hist_ptr=i32, prefix_ptr=i32, counts_ptr="*i64", C=chunks,
+                                                   BLOCK_C=chunks), **L.LAUNCH["layout"])
+    for quant, place, data in ((True, True, True), (True, False, True), (False, True, True), (False, True, False)):
+        tag = ("fp8" if quant else "bf16") + (" placing" if place else "") + ("" if data else " (no data)")
         add(f"permute {tag}", L._permute_kernel, dict(
-            x_ptr=bf16, row_map_ptr=i32, offsets_ptr="*i64", counts_ptr="*i64", out_ptr=fp8 if quant else bf16,
-            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, D=d, K=k, BLOCK_D=block_d, QUANT=quant),
-            **L.LAUNCH["permute"])
+            x_ptr=bf16, ids_ptr="*i64", row_map_ptr=i32, lrow_ptr=i32, rank_ptr=i32, prefix_ptr=i32,
+            counts_ptr="*i64", offsets_ptr="*i64", m_idx_ptr=i32, src_ptr=i32, out_ptr=fp8 if quant else bf16,
+            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k, BLOCK_D=block_d,
+            CH=L._CHUNK, E_PAD=e, QUANT=quant, PLACE=place, DATA=data), **L.LAUNCH["permute"])
     add("rowcol_quant gather colwise", L._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,
         GATHER=True, ROWWISE=False, COLWISE=True), **L.LAUNCH["quant_rows_or_cols"])

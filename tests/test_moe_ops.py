@@ -48,35 +48,61 @@ def _exact(x, ids, w, w13, w2):
 # layout
 
 
-@pytest.mark.parametrize("case", ["uniform", "empty_experts", "one_expert_all", "many_experts"])
-def test_layout_invariants(case):
-    from moela.ops.moe_triton import build_layout
+def _stable_sort_layout(ids, e):
+    """The contiguous layout by torch's stable sort (independent of the kernels' counting sort): counts, padded
+    offsets, and each flat (token, k) index's row."""
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat, minlength=e)
+    offsets = torch.zeros(e + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum((counts + 127) // 128 * 128, 0)
+    order = torch.sort(flat, stable=True).indices
+    rank_in_expert = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    row_map = torch.empty_like(flat)
+    row_map[order] = offsets[flat[order]] + rank_in_expert
+    return counts, offsets, row_map
 
-    t, e, k = 53, 7, 3
-    if case == "many_experts":
-        e = 300
-    ids = _routing(t, e, k)
-    if case == "empty_experts":
-        ids = ids % 3 * 2  # only experts 0, 2, 4 (with repeats across k, allowed)
-    if case == "one_expert_all":
-        ids, k = torch.full((t, 1), 5, device=DEV), 1
-    lay = build_layout(ids, e)
-    flat = ids.reshape(-1).long()
-    counts = torch.bincount(flat.cpu(), minlength=e)
-    assert torch.equal(lay.counts.cpu(), counts)
-    off = lay.offsets.cpu()
-    assert (off % 128 == 0).all() and off[0] == 0 and lay.m_pad >= off[-1] and lay.m_pad % 128 == 0
-    assert torch.equal(off[1:] - off[:-1], (counts + 127) // 128 * 128)
-    src, mi, rm = lay.src.cpu().long(), lay.m_indices.cpu().long(), lay.row_map.cpu().long()
+
+def _check_layout(lay, ids, e):
+    t, k = ids.shape
+    counts, off, row_map = _stable_sort_layout(ids, e)
+    assert torch.equal(lay.counts.cpu(), counts) and torch.equal(lay.offsets.cpu(), off)
+    assert torch.equal(lay.row_map.cpu().long(), row_map)
+    assert lay.m_pad >= off[-1] and lay.m_pad % 128 == 0
+    src, mi, rm = lay.src.cpu().long(), lay.m_indices.cpu().long(), row_map
     assert torch.equal(src[rm], torch.arange(t * k))  # row map round trip
-    assert torch.equal((mi == -1), (src == -1))  # -1 exactly on padding rows
-    assert (src >= 0).sum() == t * k
+    assert torch.equal(mi[rm], ids.reshape(-1).cpu())
+    assert (src >= 0).sum() == t * k and torch.equal((mi == -1), (src == -1))  # -1 exactly on padding rows
     for ex in range(e):
         rows = torch.arange(off[ex], off[ex + 1])
         real = rows[: counts[ex]]
         assert (mi[real] == ex).all() and (mi[rows[counts[ex]:]] == -1).all()
         assert (src[real].diff() > 0).all()  # stable: token order inside each expert
     assert (mi[off[-1]:] == -1).all()
+
+
+@pytest.mark.parametrize("case", ["uniform", "empty_experts", "one_expert_all", "many_experts", "no_tokens",
+                                  "strided_ids"])
+def test_layout_invariants(case):
+    from moela.ops.moe_triton import build_layout, permute_align
+
+    t, e, k = 153, 7, 3  # 459 (token, k) pairs: four 128-id chunks of the counting kernel, the last one partial
+    if case == "many_experts":
+        t, e = 53, 130  # three 64-expert blocks of the histogram
+    ids = _routing(t, e, k)
+    if case == "empty_experts":
+        ids = ids % 3 * 2  # only experts 0, 2, 4 (with repeats across k, allowed)
+    if case == "one_expert_all":
+        ids, k = torch.full((t, 1), 5, device=DEV), 1
+    if case == "no_tokens":  # an expert-parallel rank can receive none
+        ids = ids[:0]
+    if case == "strided_ids":
+        ids = torch.rand(t, e, device=DEV).argsort(1)[:, :1].to(torch.int32)  # a non-contiguous int32 view
+    lay = build_layout(ids, e)
+    _check_layout(lay, ids, e)
+    x = torch.randn(ids.shape[0], 128, device=DEV, dtype=torch.bfloat16)
+    _, _, fused = permute_align(x, ids, e, quant=None)  # the layout placed inside the data pass
+    for name in ("m_indices", "row_map", "src", "counts", "offsets"):
+        assert torch.equal(getattr(fused, name), getattr(lay, name)), name
 
 
 @settings(max_examples=25, deadline=None)
@@ -86,13 +112,8 @@ def test_layout_invariants_random_routing(t, e, k, seed):
 
     k = min(k, e)
     g = torch.Generator().manual_seed(seed)
-    ids = torch.rand(t, e, generator=g).argsort(1)[:, :k]  # distinct experts per token, any skew
-    lay = build_layout(ids, e)
-    off, src, mi = lay.offsets, lay.src.long(), lay.m_indices.long()
-    counts = torch.bincount(ids.reshape(-1), minlength=e)
-    assert torch.equal(off[1:] - off[:-1], (counts + 127) // 128 * 128) and lay.m_pad >= off[-1]
-    assert torch.equal(src[lay.row_map.long()], torch.arange(t * k))
-    assert torch.equal(mi[lay.row_map.long()], ids.reshape(-1)) and ((mi == -1) == (src == -1)).all()
+    ids = torch.rand(t, e, generator=g).argsort(1)[:, :k].to(DEV)  # distinct experts per token, any skew
+    _check_layout(build_layout(ids, e), ids, e)
 
 
 @pytest.mark.parametrize("quant", [None, "fp8_1x128"])

@@ -1,6 +1,7 @@
 """The fused MoE expert path as one autograd function, for both recipes and every GEMM provider.
 
-Forward:  permute_align (+1x128 quant) -> GEMM1 -> SwiGLU (+1x128 quant) -> GEMM2 -> unpermute_combine.
+Forward:  permute_align (+1x128 quant; its launch also places the rows, building the layout) -> GEMM1 -> SwiGLU
+          (+1x128 quant) -> GEMM2 -> unpermute_combine.
 Backward: combine backward (do = dy*w, d topk_weights, + row/column quant) -> dgrad GEMM2 -> SwiGLU backward
           (+ dh row/column quant, act column quant) -> wgrad GEMM2 -> dgrad GEMM1 -> x column quant (gathered)
           -> wgrad GEMM1 -> gather-sum of dx over k.
@@ -47,19 +48,18 @@ class MoEExpertsFn(torch.autograd.Function):
     def forward(ctx, x, topk_ids, topk_weights, w13, w2, recipe, provider):
         e = w13.shape[0]
         fp8 = recipe == "fp8_blockwise"
-        lay = L.build_layout(topk_ids, e)
+        # [M_pad, D] (e4m3 with scales xs [M_pad, D/128] for fp8); the layout is built by the same launches
+        xp, xs, lay = L.permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
         bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync
         if fp8:
-            xq, xs, _ = L.permute_align(x, topk_ids, e, quant="fp8_1x128", layout=lay)  # [M_pad, D], [M_pad, D/128]
             w13q, w13s, w13qt = L.quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
             w2q, w2s, w2qt = L.quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
-            h = _mgemm(provider, xq, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
+            h = _mgemm(provider, xp, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
             aq, as_ = L.swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
             o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
             ctx.save_for_backward(x, topk_weights, h, o, w13qt, w13s, w2qt, w2s, *_lay_tensors(lay))
         else:
             w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
-            xp, _, _ = L.permute_align(x, topk_ids, e, quant=None, layout=lay)  # [M_pad, D]
             h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
             act, _ = L.swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
             o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]

@@ -5,8 +5,10 @@ start at a multiple of `align` (128) and its block is padded with zero rows up t
 [M_pad]` holds each row's expert (-1 on padding rows), `row_map [T*K]` the row of (t, k), `src [M_pad]` the flat
 index t*K+k of each row (-1 on padding). M_pad is an upper bound computed on the host from T, K and E
 (round_up(T*K, align) + E*align), so building the layout needs no host sync; rows past the last expert are
-padding. Index math (counts, offsets, a stable sort of the T*K expert ids) is a handful of small torch ops;
-every pass over activations is one Triton kernel.
+padding. The index math is a stable counting sort of the T*K expert ids in Triton: ranks and expert histograms per
+128-id chunk, their prefix sums over chunks, then each row's placement, which `permute_align` does inside its data
+pass (three launches for the whole permute; no torch index ops, no sort). Every pass over activations is one
+Triton kernel.
 
 FP8 scales follow DeepGEMM's SM90 format: fp32, `scale = amax / 448`, activations rowwise 1x128 ([M, N/128]);
 "columnwise" 128x1 groups along tokens are stored as the 1x128 quantization of the transposed matrix
@@ -26,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe import tokens_per_expert
 from moela.ops.quant import AMAX_EPS, FP8_MAX
 
 ALIGN = 128
@@ -44,9 +45,9 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). The SwiGLU
 # backward (three output tiles per input tile) stays at 16 warps: 1.58 ms there (run 11), 2.73 ms at 4 (run 9;
 # bench/results/moe_notes.md).
-LAUNCH = dict(permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4), quant_rows_or_cols=dict(num_warps=4),
-              weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4), swiglu_bwd=dict(num_warps=16),
-              combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
+LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
+              quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
+              swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
 
 
 @dataclass
@@ -76,26 +77,76 @@ def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int =
     return triton.cdiv(num_tokens * topk, align) * align + num_experts * align
 
 
-def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
-    """Index math of the contiguous layout; no host sync (M_pad is the upper bound)."""
+_CHUNK = 128  # expert ids per program of the layout's counting kernel (a [128, 128] comparison ranks them)
+
+
+@triton.jit
+def _layout_count_kernel(ids_ptr, rank_ptr, hist_ptr, n, C, E, CH: tl.constexpr, E_BLOCK: tl.constexpr,
+                         E_BLOCKS: tl.constexpr):
+    """Chunk c of the flat expert ids [c * CH, (c + 1) * CH): rank[i] = how many earlier ids of the chunk equal
+    id_i; hist[e, c] = how many ids of the chunk are e."""
+    c = tl.program_id(0)
+    j = tl.arange(0, CH)
+    i = c * CH + j
+    ok = i < n
+    ids = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32)
+    before = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])  # [CH (i), CH (earlier)]
+    tl.store(rank_ptr + i, tl.sum(before.to(tl.int32), axis=1), mask=ok)
+    for b in tl.static_range(E_BLOCKS):
+        ex = b * E_BLOCK + tl.arange(0, E_BLOCK)
+        hist = tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), axis=0)  # [E_BLOCK]
+        tl.store(hist_ptr + ex * C + c, hist, mask=ex < E)
+
+
+@triton.jit
+def _layout_scan_kernel(hist_ptr, prefix_ptr, counts_ptr, C, BLOCK_C: tl.constexpr):
+    """Expert e: prefix[e, c] = its ids in chunks before c (exclusive scan of hist[e, :]); counts[e] = all of them.
+    BLOCK_C >= C (one vector: 32 values per thread at 4096 chunks, i.e. T*K = 512k)."""
+    e = tl.program_id(0)
+    cc = tl.arange(0, BLOCK_C)
+    h = tl.load(hist_ptr + e * C + cc, mask=cc < C, other=0)
+    tl.store(prefix_ptr + e * C + cc, tl.cumsum(h, axis=0) - h, mask=cc < C)
+    tl.store(counts_ptr + e, tl.sum(h, axis=0).to(tl.int64))
+
+
+def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
+    """The layout's first two launches and every index buffer of it (one int32 and one int64 allocation). Returns
+    (flat ids, rank, prefix, chunks, row_map, m_indices, src, counts, offsets); the permute kernel in PLACE mode fills
+    the last five but counts."""
+    if align != ALIGN:
+        raise ValueError(f"build_layout: align={align} is not supported; the kernels use {ALIGN}-row blocks")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"build_layout wants topk_ids [T, K]; got shape {tuple(topk_ids.shape)}")
     t, k = topk_ids.shape
-    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*K]
-    tk = flat.numel()
-    m_pad = build_layout_rows(t, k, num_experts, align)
-    counts = tokens_per_expert(flat, num_experts)  # [E]
-    padded = (counts + align - 1) // align * align  # [E]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    offsets[1:] = torch.cumsum(padded, 0)
-    starts = torch.cumsum(counts, 0) - counts  # [E] unpadded starts
-    order = torch.sort(flat, stable=True).indices  # [T*K]
-    sorted_ids = flat[order]
-    dest = offsets[sorted_ids] + torch.arange(tk, device=flat.device) - starts[sorted_ids]  # [T*K]
-    row_map = torch.empty(tk, dtype=torch.int64, device=flat.device).scatter_(0, order, dest)
-    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
-    m_indices[row_map] = flat.to(torch.int32)
-    src = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
-    src[row_map] = torch.arange(tk, dtype=torch.int32, device=flat.device)
-    return Layout(m_indices, row_map.to(torch.int32), src, counts, offsets, t, k)
+    e, tk, dev = num_experts, topk_ids.numel(), topk_ids.device
+    flat = topk_ids.reshape(-1).contiguous()  # [T*K], int32 or int64
+    m_pad = build_layout_rows(t, k, e, align)
+    chunks = max(1, triton.cdiv(tk, _CHUNK))
+    ints = torch.empty(2 * tk + 2 * e * chunks + 2 * m_pad, dtype=torch.int32, device=dev)
+    rank, row_map, hist, prefix, m_indices, src = ints.split([tk, tk, e * chunks, e * chunks, m_pad, m_pad])
+    longs = torch.empty(2 * e + 1, dtype=torch.int64, device=dev)
+    counts, offsets = longs[:e], longs[e:]
+    e_block = min(64, triton.next_power_of_2(e))
+    _layout_count_kernel[(chunks,)](flat, rank, hist, tk, chunks, e, CH=_CHUNK, E_BLOCK=e_block,
+                                    E_BLOCKS=triton.cdiv(e, e_block), **LAUNCH["layout"])
+    _layout_scan_kernel[(e,)](hist, prefix, counts, chunks, BLOCK_C=triton.next_power_of_2(chunks),
+                              **LAUNCH["layout"])
+    return flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets
+
+
+def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
+    """The contiguous layout of topk_ids [T, K] (ids in [0, num_experts)) as a stable counting sort in three Triton
+    launches and no host sync (M_pad is the upper bound): per-chunk ranks and expert histograms, their prefix sums
+    over chunks, and the placement (the permute kernel without data; `permute_align` without a given layout places
+    and moves the data in one launch). Rows keep token order inside each expert."""
+    t, k = topk_ids.shape
+    flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets = _count_and_scan(topk_ids, num_experts,
+                                                                                          align)
+    _permute_kernel[(t + 2 * num_experts + 1, 1)](
+        flat, flat, row_map, flat, rank, prefix, counts, offsets, m_indices, src, flat, flat, t, m_indices.numel(),
+        num_experts, chunks, D=128, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_D=128, CH=_CHUNK,
+        E_PAD=triton.next_power_of_2(num_experts), QUANT=False, PLACE=True, DATA=False, **LAUNCH["permute"])
+    return Layout(m_indices, row_map, src, counts, offsets, t, k)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,51 +214,95 @@ def _store_rows_cols(tile, rows, cols, row_ok, col_ok, q_ptr, s_ptr, qt_ptr, st_
 
 
 @triton.jit
-def _permute_kernel(x_ptr, row_map_ptr, offsets_ptr, counts_ptr, out_ptr, s_ptr, T, M_pad, E, D: tl.constexpr,
-                    K: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
-    """Program (p, c) covers channels [c * BLOCK_D, (c + 1) * BLOCK_D). p in [0, T): read that chunk of token p once,
-    (quantize,) write it to the token's K rows. p in [T, T+E): zero expert p-T's padding rows. p in [T+E, T+2E+1):
-    zero 128 rows each of the tail after the last expert."""
+def _permute_kernel(x_ptr, ids_ptr, row_map_ptr, lrow_ptr, rank_ptr, prefix_ptr, counts_ptr, offsets_ptr, m_idx_ptr,
+                    src_ptr, out_ptr, s_ptr, T, M_pad, E, C, D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                    BLOCK_D: tl.constexpr, CH: tl.constexpr, E_PAD: tl.constexpr, QUANT: tl.constexpr,
+                    PLACE: tl.constexpr, DATA: tl.constexpr):
+    """Program (p, c) covers channels [c * BLOCK_D, (c + 1) * BLOCK_D). p in [0, T): token p's K rows; with DATA
+    read that chunk of token p once, (quantize,) and write it to those rows. p in [T, T+E): expert p-T's padding
+    rows; p in [T+E, T+2E+1): 128 rows each of the tail after the last expert; with DATA zero them.
+    PLACE (the layout is being built): token p's rows come from the counting kernels (its expert's padded start +
+    ids of that expert in earlier chunks + its rank in its chunk) and the c = 0 programs write row_map, m_indices
+    and src (-1 on padding rows), program (0, 0) the offsets; otherwise rows come from row_map (lrow_ptr)."""
     pid = tl.program_id(0)
+    first = tl.program_id(1) == 0
     c0 = tl.program_id(1) * BLOCK_D
     cols = c0 + tl.arange(0, BLOCK_D)
     groups = c0 // 128 + tl.arange(0, BLOCK_D // 128)
+    if PLACE:  # each expert block's first row: the exclusive prefix sum of the counts rounded up to 128
+        ex = tl.arange(0, E_PAD)
+        cnt = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
+        padded = (cnt + 127) // 128 * 128
+        starts = tl.cumsum(padded, axis=0) - padded  # [E_PAD]
+        if (pid == 0) & first:
+            tl.store(offsets_ptr + ex, starts.to(tl.int64), mask=ex < E)
+            tl.store(offsets_ptr + E, tl.sum(padded, axis=0).to(tl.int64))
     if pid < T:
-        if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
-            c2 = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-            xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
-            sc, inv = _scale_inv(tl.max(tl.abs(xv), axis=1))  # [G]
-            q = _quant(xv, inv[:, None])
-        else:
-            xv = tl.load(x_ptr + pid.to(tl.int64) * D + cols, mask=cols < D, other=0.0)
-        for kk in tl.static_range(K):
-            row = tl.load(row_map_ptr + pid * K + kk).to(tl.int64)
-            if QUANT:
-                tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
-                tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
+        if PLACE:
+            kk = tl.arange(0, K_PAD)
+            kok = kk < K
+            i = pid * K + kk  # flat (token, k) indices
+            ids = tl.load(ids_ptr + i, mask=kok, other=0).to(tl.int32)
+            block = tl.sum(tl.where(ex[None, :] == ids[:, None], starts[None, :], 0), axis=1)  # [K]
+            rows = block + tl.load(prefix_ptr + ids * C + i // CH, mask=kok, other=0) + \
+                tl.load(rank_ptr + i, mask=kok, other=0)
+            if first:
+                tl.store(row_map_ptr + i, rows, mask=kok)
+                tl.store(m_idx_ptr + rows, ids, mask=kok)
+                tl.store(src_ptr + rows, i, mask=kok)
+        if DATA:
+            if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
+                c2 = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
+                sc, inv = _scale_inv(tl.max(tl.abs(xv), axis=1))  # [G]
+                q = _quant(xv, inv[:, None])
             else:
-                tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
+                xv = tl.load(x_ptr + pid.to(tl.int64) * D + cols, mask=cols < D, other=0.0)
+            for k_ in tl.static_range(K):
+                if PLACE:
+                    row = tl.sum(tl.where(kk == k_, rows, 0), axis=0).to(tl.int64)
+                else:
+                    row = tl.load(lrow_ptr + pid * K + k_).to(tl.int64)
+                if QUANT:
+                    tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
+                    tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
+                else:
+                    tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
     else:
         p = pid - T
         if p < E:
-            start = tl.load(offsets_ptr + p) + tl.load(counts_ptr + p)
-            end = tl.load(offsets_ptr + p + 1)
-        else:
-            start = tl.load(offsets_ptr + E) + (p - E) * 128
-            end = start * 0 + M_pad
-        for r0 in range(0, 128, _ZERO_ROWS):  # [_ZERO_ROWS, BLOCK_D] tiles: a [128, BLOCK_D] one took 254 registers
-            r = start + r0 + tl.arange(0, _ZERO_ROWS)
-            ok = r < end
-            m = ok[:, None] & (cols[None, :] < D)
-            if QUANT:
-                tl.store(out_ptr + r[:, None] * D + cols[None, :], tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv),
-                         mask=m)
-                sz = _scale_inv(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))[0]
-                tl.store(s_ptr + r[:, None] * (D // 128) + groups[None, :], sz,
-                         mask=ok[:, None] & (groups[None, :] < D // 128))
+            if PLACE:
+                begin = tl.sum(tl.where(ex < p, padded, 0), axis=0)
+                start = begin + tl.load(counts_ptr + p).to(tl.int32)
+                end = begin + tl.sum(tl.where(ex == p, padded, 0), axis=0)
             else:
-                tl.store(out_ptr + r[:, None] * D + cols[None, :],
-                         tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+                start = tl.load(offsets_ptr + p) + tl.load(counts_ptr + p)
+                end = tl.load(offsets_ptr + p + 1)
+        else:
+            if PLACE:
+                start = tl.sum(padded, axis=0) + (p - E) * 128
+            else:
+                start = tl.load(offsets_ptr + E) + (p - E) * 128
+            end = start * 0 + M_pad
+        if PLACE:
+            if first:
+                pad = start + tl.arange(0, 128)
+                tl.store(m_idx_ptr + pad, tl.full((128,), -1, tl.int32), mask=pad < end)
+                tl.store(src_ptr + pad, tl.full((128,), -1, tl.int32), mask=pad < end)
+        if DATA:
+            for r0 in range(0, 128, _ZERO_ROWS):  # [_ZERO_ROWS, BLOCK_D] tiles: [128, BLOCK_D] took 254 registers
+                r = start + r0 + tl.arange(0, _ZERO_ROWS)
+                ok = r < end
+                m = ok[:, None] & (cols[None, :] < D)
+                if QUANT:
+                    tl.store(out_ptr + r[:, None] * D + cols[None, :],
+                             tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv), mask=m)
+                    sz = _scale_inv(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))[0]
+                    tl.store(s_ptr + r[:, None] * (D // 128) + groups[None, :], sz,
+                             mask=ok[:, None] & (groups[None, :] < D // 128))
+                else:
+                    tl.store(out_ptr + r[:, None] * D + cols[None, :],
+                             tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
 
 
 def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = ALIGN,
@@ -221,15 +316,24 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
     t, d = x.shape
     if quant and d % GROUP:
         raise ValueError(f"permute_align: hidden size {d} must be a multiple of {GROUP} for 1x128 quantization")
-    lay = layout if layout is not None else build_layout(topk_ids, num_experts, align)
     x = x.contiguous()
+    k = topk_ids.shape[1]
+    if layout is None:  # build the layout: two counting launches, then placement fused into the data pass
+        flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets = _count_and_scan(topk_ids, num_experts,
+                                                                                              align)
+        lay = Layout(m_indices, row_map, src, counts, offsets, t, k)
+    else:
+        flat = rank = prefix = layout.row_map
+        chunks, lay = 1, layout
     out = torch.empty(lay.m_pad, d, device=x.device, dtype=FP8 if quant else x.dtype)  # [M_pad, D]
     scales = torch.empty(lay.m_pad, d // GROUP, device=x.device, dtype=torch.float32) if quant else None
     block_d = min(1024, triton.next_power_of_2(max(d, 128)))
     grid = (t + 2 * num_experts + 1, triton.cdiv(d, block_d))
-    _permute_kernel[grid](x, lay.row_map, lay.offsets, lay.counts, out, scales if quant else out, t, lay.m_pad,
-                          num_experts, D=d, K=topk_ids.shape[1], BLOCK_D=block_d, QUANT=quant is not None,
-                          **LAUNCH["permute"])
+    _permute_kernel[grid](x, flat, lay.row_map, lay.row_map, rank, prefix, lay.counts, lay.offsets, lay.m_indices,
+                          lay.src, out, scales if quant else out, t, lay.m_pad, num_experts, chunks, D=d, K=k,
+                          K_PAD=triton.next_power_of_2(k), BLOCK_D=block_d, CH=_CHUNK,
+                          E_PAD=triton.next_power_of_2(num_experts), QUANT=quant is not None, PLACE=layout is None,
+                          DATA=True, **LAUNCH["permute"])
     return out, scales, lay
 
 
