@@ -3,11 +3,14 @@
 Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1408, top-6):
   check   GPU diagnostics printed to stdout (not written to --out): relative errors vs float64 of the kernels'
           intermediate outputs and of the whole path per recipe and provider, and the weight codes compared with
-          torch's reference and their transposed copy byte for byte; the CUDA tests (`pytest -m gpu tests/test_moe_ops.py`) assert the same paths.
-  layout  permute+align+quant (the whole op; its data pass and build_layout alone) and grouped row+column
+          torch's reference and their transposed copy byte for byte; the CUDA tests
+          (`pytest -m gpu tests/test_moe_ops.py`) assert the same paths.
+  layout  permute+align+quant (the whole op; its data pass, its counting launches, build_layout alone, and the
+          whole op replayed as a CUDA graph) and grouped row+column
           quantization: GB/s, % of the measured copy bandwidth, speedup over an eager PyTorch baseline
           (sort/index_select, per-expert padding, per-group quantization loop) and over torch.compile of that
           baseline.
+  permute_cfg  the whole permute+align+quant op at other channel chunks (BLOCK_D) and warp counts.
   gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) and of cuBLAS blockwise FP8
           (torch._scaled_mm per expert, the `cublas` provider) vs bf16 torch._grouped_mm and fp8 rowwise
           torch._scaled_grouped_mm.
@@ -16,7 +19,7 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
 from the eager baseline (columns of the row), gemm and layer rows their relative error; every section runs under
 a time guard. Usage:
-  python bench/moe.py [--sections check,layout,gemm,layer] [--quick] [--out bench/results/moe.md]
+  python bench/moe.py [--sections check,layout,permute_cfg,gemm,layer] [--quick] [--out bench/results/moe.md]
 """
 
 from __future__ import annotations
@@ -204,8 +207,16 @@ def section_layout(copy_gbs, quick):
         data = bench(lambda: L.permute_align(x, ids, e, layout=lay))  # the data pass alone, layout built before
         row("layout", case, "  its data pass (layout given)", data, nbytes / data / 1e6, "GB/s",
             pct_copy=100 * nbytes / data / 1e6 / copy_gbs)
+        lms = bench(lambda: L._count_and_scan(ids, e, L.ALIGN))
+        row("layout", case, "  its count + scan launches", lms, 0.0, "-")
         lms = bench(lambda: L.build_layout(ids, e))
-        row("layout", case, "  its build_layout", lms, 0.0, "-")
+        row("layout", case, "  build_layout alone (3 launches)", lms, 0.0, "-")
+        try:  # the op's GPU time without host launch overhead
+            gms = triton.testing.do_bench_cudagraph(lambda: L.permute_align(x, ids, e), rep=40, return_mode="median")
+            row("layout", case, "  whole op as a CUDA graph", gms, nbytes / gms / 1e6, "GB/s",
+                pct_copy=100 * nbytes / gms / 1e6 / copy_gbs)
+        except Exception as exc:  # a diagnostic: must not stop the section
+            print(f"cuda graph timing failed: {type(exc).__name__}: {exc}")
         eager = bench(lambda: eager_permute_quant(x, ids, e))
         row("layout", case, "eager baseline", eager, nbytes / eager / 1e6, "GB/s", speedup=eager / ours)
         if name == "v3" and not skew and not out_of_time():
@@ -232,6 +243,30 @@ def section_layout(copy_gbs, quick):
             cms = bench(lambda: comp(xp))
             row("layout", case, "row+col compile (vectorized)", cms, nb2 / cms / 1e6, "GB/s", speedup=cms / ours)
         del x, xp, q, rq
+
+
+def section_permute_configs(copy_gbs):
+    """The whole permute+align+quant op at other channel chunks and warp counts (V3 E32 T16384 uniform); codes and
+    scales compared byte for byte with the default configuration's."""
+    e, t, d, k = 32, 16384, SHAPES["v3"]["d"], SHAPES["v3"]["k"]
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    ids = routing(t, e, k, False)
+    q0, s0, _ = L.permute_align(x, ids, e)
+    nbytes = t * d * 2 + t * k * d + t * k * d // 128 * 4
+    default = (L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"])
+    try:
+        for block_d in (512, 1024, 2048):
+            for warps in (2, 4, 8):
+                if out_of_time():
+                    return
+                L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"] = block_d, warps
+                q, s, _ = L.permute_align(x, ids, e)
+                same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+                ms = bench(lambda: L.permute_align(x, ids, e))
+                row("permute_cfg", f"v3 E{e} T{t} unif", f"BLOCK_D {block_d}, {warps} warps", ms, nbytes / ms / 1e6,
+                    "GB/s", pct_copy=100 * nbytes / ms / 1e6 / copy_gbs, same_bytes=same)
+    finally:
+        L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"] = default
 
 
 def _scaled_grouped(aq, a_s, bq, b_s, offs):
@@ -491,6 +526,7 @@ def main():
     for sec in args.sections.split(","):
         try:
             {"check": lambda: section_check(args.quick), "layout": lambda: section_layout(copy_gbs, args.quick),
+             "permute_cfg": lambda: section_permute_configs(copy_gbs),
              "gemm": lambda: section_gemm(args.quick),
              "layer": lambda: section_layer(args.quick)}[sec]()
         except Exception as exc:  # a failing section must not hide the others' numbers

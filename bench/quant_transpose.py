@@ -15,7 +15,7 @@ transposed addresses) against candidate designs, each checked byte for byte agai
 
 BC (columns per tile) and warps are swept. The row+column variant of `trans` (one read, both outputs) is timed
 against the library's rows+cols kernel. Usage:
-  python bench/quant_transpose.py [--m 69632] [--n 7168] [--out bench/results/quant_transpose.md]
+  python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only] [--out bench/results/quant_transpose.md]
 """
 
 from __future__ import annotations
@@ -69,6 +69,53 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
     tl.store(st_ptr + cols * (M // 128) + pid_m, sc)
 
 
+@triton.jit
+def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr):
+    """Rows and columns of one [128, 128] tile from one read. MODE 4 "halves": two [128, 64] halves; each half's
+    columns are quantized and stored (transposed) on their own, the rows use the max of both halves' row amaxes.
+    MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
+    hardware conversion saturates; bytes checked equal)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    if MODE == 4:
+        ca = pid_n * 128 + tl.arange(0, 64)
+        cb = ca + 64
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + ca[None, :]).to(tl.float32)  # [128, 64]
+        b = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cb[None, :]).to(tl.float32)
+        sa, ia = L._scale_inv(tl.max(tl.abs(a), axis=0))
+        L._store_codes(qt_ptr + ca[None, :].to(tl.int64) * M + rows[:, None], L._quant(a, ia[None, :]),
+                       (rows < M)[:, None])
+        tl.store(st_ptr + ca * (M // 128) + pid_m, sa)
+        sb, ib = L._scale_inv(tl.max(tl.abs(b), axis=0))
+        L._store_codes(qt_ptr + cb[None, :].to(tl.int64) * M + rows[:, None], L._quant(b, ib[None, :]),
+                       (rows < M)[:, None])
+        tl.store(st_ptr + cb * (M // 128) + pid_m, sb)
+        rs, ri = L._scale_inv(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], L._quant(a, ri[:, None]))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], L._quant(b, ri[:, None]))
+        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+    else:
+        cols = pid_n * 128 + tl.arange(0, 128)
+        tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
+        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
+        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
+        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None],
+                       (tile * ci[None, :]).to(tl.float8e4nv), (rows < M)[:, None])
+        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+
+
+def rowcol(x, mode: int, warps: int):
+    m, n = x.shape
+    q = torch.empty(m, n, device=x.device, dtype=L.FP8)
+    s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
+    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
+    _rowcol_kernel[(m // 128, n // 128)](x, q, s, qt, st, m, n, MODE=mode, num_warps=warps)
+    return (q, s), (qt, st)
+
+
 def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
     m, n = x.shape
     qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
@@ -84,6 +131,7 @@ def main():
     ap.add_argument("--m", type=int, default=69632)  # M_pad of the V3 layer: T 8192 x top-8 + E 32 x 128
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--out", default="bench/results/quant_transpose.md")
+    ap.add_argument("--rows-cols-only", action="store_true", help="only the rows+columns table")
     args = ap.parse_args()
     torch.manual_seed(0)
     x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
@@ -111,7 +159,7 @@ def main():
 
     add("library quant_rows_cols(rowwise=False)", 128, L.LAUNCH["quant_rows_or_cols"]["num_warps"],
         lambda: L.quant_rows_cols(x, rowwise=False), col_bytes, lambda: True)
-    for mode, name in ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
+    for mode, name in () if args.rows_cols_only else ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
         for bc in (32, 64, 128):
             for warps in (4, 8):
                 try:
@@ -125,11 +173,17 @@ def main():
               "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     add("library quant_rows_cols", 128, L.LAUNCH["quant_rows_cols"]["num_warps"], lambda: L.quant_rows_cols(x),
         both_bytes, lambda: True)
+    def same_both(out):
+        return same_cols(out) and torch.equal(out[0][0].view(torch.uint8), rq.view(torch.uint8)) and \
+            torch.equal(out[0][1], rs)
+
     for warps in (4, 8, 16):
-        out = colq(x, 1, 128, warps, rows=True)
         add("trans rows+cols", 128, warps, lambda: colq(x, 1, 128, warps, rows=True), both_bytes,
-            lambda: same_cols(out) and torch.equal(out[0][0].view(torch.uint8), rq.view(torch.uint8))
-            and torch.equal(out[0][1], rs))
+            lambda: same_both(colq(x, 1, 128, warps, rows=True)))
+    for mode, name in ((4, "halves rows+cols"), (5, "satfinite rows+cols")):
+        for warps in (4, 8):
+            add(name, 128, warps, lambda: rowcol(x, mode, warps), both_bytes,
+                lambda: same_both(rowcol(x, mode, warps)))
     open(args.out, "w").write("\n".join(lines) + "\n")
 
 

@@ -38,6 +38,7 @@ FP8 = torch.float8_e4m3fn
 _EPS = tl.constexpr(AMAX_EPS)
 _FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+PERMUTE_BLOCK_D = 1024  # channels per permute program (a (token, channel chunk) grid)
 _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's padding programs
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
 # 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
@@ -327,7 +328,7 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
         chunks, lay = 1, layout
     out = torch.empty(lay.m_pad, d, device=x.device, dtype=FP8 if quant else x.dtype)  # [M_pad, D]
     scales = torch.empty(lay.m_pad, d // GROUP, device=x.device, dtype=torch.float32) if quant else None
-    block_d = min(1024, triton.next_power_of_2(max(d, 128)))
+    block_d = min(PERMUTE_BLOCK_D, triton.next_power_of_2(max(d, 128)))
     grid = (t + 2 * num_experts + 1, triton.cdiv(d, block_d))
     _permute_kernel[grid](x, flat, lay.row_map, lay.row_map, rank, prefix, lay.counts, lay.offsets, lay.m_indices,
                           lay.src, out, scales if quant else out, t, lay.m_pad, num_experts, chunks, D=d, K=k,
