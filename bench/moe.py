@@ -45,7 +45,15 @@ DEADLINE = [0.0]
 
 
 def bench(fn):
-    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+    """Median of do_bench over at least ~15 timed calls: do_bench's warmup and rep are milliseconds, so 10 / 40 ms
+    would time a 30 ms layer step once."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    return do_bench(fn, warmup=max(10.0, 3 * est), rep=max(40.0, 15 * est), return_mode="median")
 
 
 def routing(t, e, k, skew, dev="cuda"):

@@ -139,7 +139,7 @@ def moe_triton_kernels():
         add(f"permute {tag}", L._permute_kernel, dict(
             x_ptr=bf16, ids_ptr="*i64", row_map_ptr=i32, lrow_ptr=i32, rank_ptr=i32, prefix_ptr=i32,
             counts_ptr="*i64", offsets_ptr="*i64", m_idx_ptr=i32, src_ptr=i32, out_ptr=fp8 if quant else bf16,
-            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k, BLOCK_D=block_d,
+            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k, BLOCK_D=L.PERMUTE_BLOCK_D,
             CH=L._CHUNK, E_PAD=e, QUANT=quant, PLACE=place, DATA=data), **L.LAUNCH["permute"])
     add("rowcol_quant gather colwise", L._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,

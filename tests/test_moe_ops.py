@@ -289,8 +289,12 @@ def test_cublas_provider_whole_path_matches_triton(monkeypatch):
     # D = 512: GEMM1 forward and GEMM2 data gradient on cuBLAS; F = 384 (2F = 768): the other two m-grouped GEMMs
     # fall back to Triton; both weight gradients on cuBLAS
     prob = _problem(37, 512, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    # CPU (fp16, both GEMMs in fp32 through the interpreter): near-identical. CUDA (bf16; the fp8 tensor-core
+    # GEMM and the contract's fp32 matmul round differently): GEMM1's bf16 output differs in the last bit, which
+    # moves some SwiGLU outputs across an e4m3 rounding boundary (one e4m3 step is 6-12%)
+    tol = 2e-3 if DEV == "cpu" else 1.5e-2
     for a, b in zip(_run(*prob, "fp8_blockwise", "cublas"), _run(*prob, "fp8_blockwise", "triton")):
-        assert _rel(a, b) < 2e-3
+        assert _rel(a, b) < tol
 
 
 def test_swiglu_kernels_match_autograd():

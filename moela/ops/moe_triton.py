@@ -38,7 +38,9 @@ FP8 = torch.float8_e4m3fn
 _EPS = tl.constexpr(AMAX_EPS)
 _FMAX = tl.constexpr(FP8_MAX)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-PERMUTE_BLOCK_D = 1024  # channels per permute program (a (token, channel chunk) grid)
+# channels per permute program (a (token, channel chunk) grid): 2048 moved the V3 permute+align+quant from 70% to
+# 74% of the copy bandwidth on the H200, 512 ran at 50% (bench/moe.py --sections permute_cfg, moe_notes.md run 13)
+PERMUTE_BLOCK_D = 2048
 _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's padding programs
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
 # 128x128 tile per program; 4 warps (128 values per thread, up to 255 registers without spills) keep three or more
