@@ -355,9 +355,12 @@ def test_bf16_recipe_path_vs_float64(backend):
     got = _run(*prob, "bf16", backend)
     ref = _run(*prob, "bf16", "reference")  # float32 math, output in x's dtype
     names = ["y", "dx", "dw", "dw13", "dw2"]
+    # slack: four units of roundoff of x's dtype (the fused path keeps its GEMM outputs h and o in it, the reference
+    # in float32; d topk_weights = <dy, o> sees o's rounding): fp16 2^-11, bf16 (CUDA) 2^-8
+    slack = 4 * torch.finfo(dtype).eps / 2
     for name, a, r, ex in zip(names, got, ref, exact):
         assert torch.isfinite(a).all(), name
-        assert _rel(a, ex) <= 2 * _rel(r, ex) + 2e-3, (name, _rel(a, ex), _rel(r, ex))
+        assert _rel(a, ex) <= 2 * _rel(r, ex) + slack, (name, _rel(a, ex), _rel(r, ex))
 
 
 def test_fp8_recipe_path_vs_float64_and_simulated_reference():
