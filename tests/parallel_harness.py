@@ -2,11 +2,12 @@
 
 `spawn(fn, world_size, *args)` forks `world_size` CPU processes with a gloo process group (fork rather than spawn:
 the children inherit the imported modules, which saves seconds of imports per rank on a small machine; each child
-runs torch single-threaded); `backend="nccl"` spawns one process per GPU instead. The group is initialized through
-a file store in a fresh temporary directory (no ports to collide), with a 5-minute collective timeout so that a
-stuck rank fails the test; a rank still running after STACKS_AFTER_S prints every thread's stack to stderr (where
-it hangs, for a run that a time limit will cut). `fn(rank, world_size, *args)` runs in each and the first failure is
-re-raised in the parent.
+runs torch single-threaded). Once the parent has initialized CUDA (CUDA tests earlier in the same pytest process)
+the ranks are spawned instead, since neither CUDA nor autograd's device threads survive a fork; `backend="nccl"`
+always spawns, one process per GPU. The group is initialized through a file store in a fresh temporary directory
+(no ports to collide), with a 5-minute collective timeout so that a stuck rank fails the test; a rank still running
+after STACKS_AFTER_S prints every thread's stack to stderr (where it hangs, for a run that a time limit will cut).
+`fn(rank, world_size, *args)` runs in each and the first failure is re-raised in the parent.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def _entry(rank: int, world_size: int, store: str, backend: str, fn, args) -> No
 def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; backend "nccl" uses one GPU per rank and
     spawned (not forked) processes, since CUDA does not survive a fork."""
+    method = "spawn" if backend == "nccl" or torch.cuda.is_initialized() else "fork"
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
-                           nprocs=world_size, join=True, start_method="spawn" if backend == "nccl" else "fork")
+                           nprocs=world_size, join=True, start_method=method)
 
 
 def tiny_moe_config(**overrides):
