@@ -73,13 +73,28 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
 def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr):
     """Rows and columns of one [128, 128] tile from one read. MODE 4 "halves": two [128, 64] halves; each half's
     columns are quantized and stored (transposed) on their own, the rows use the max of both halves' row amaxes.
-    MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
+    MODE 7 "n-major grid": the library's kernel with the program grid's fast axis along N (neighbouring programs
+    read neighbouring column blocks of the same rows). MODE 8 "columns first": the column quantization before the
+    row one. MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
     hardware conversion saturates; bytes checked equal). MODE 6 "L2 re-read": rows from the tile, then the same
     tile loaded again for the columns (its second read should come from L2: fewer live registers, not one read in
     the kernel's own terms)."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if MODE == 7:
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    else:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
-    if MODE == 4:
+    if MODE == 8:
+        cols = pid_n * 128 + tl.arange(0, 128)
+        tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
+        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
+        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
+                       (rows < M)[:, None])
+        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+    elif MODE == 4:
         ca = pid_n * 128 + tl.arange(0, 64)
         cb = ca + 64
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + ca[None, :]).to(tl.float32)  # [128, 64]
@@ -112,12 +127,51 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
         rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
+        if MODE == 5:
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
+        else:
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
         cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None],
-                       (tile * ci[None, :]).to(tl.float8e4nv), (rows < M)[:, None])
+        if MODE == 5:
+            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None],
+                           (tile * ci[None, :]).to(tl.float8e4nv), (rows < M)[:, None])
+        else:
+            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
+                           (rows < M)[:, None])
         tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+
+
+@triton.jit
+def _rowcol_persistent_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles, n_tn, STAGES: tl.constexpr):
+    """Rows and columns from one read, persistent: each program loops over tiles (pid, pid + grid, ...) and Triton's
+    pipeliner prefetches the next tiles' loads into shared memory (STAGES deep, cp.async) while this one is
+    quantized, so a block keeps loads in flight without holding a second tile in registers."""
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
+        pid_m, pid_n = t // n_tn, t % n_tn
+        rows = pid_m * 128 + tl.arange(0, 128)
+        cols = pid_n * 128 + tl.arange(0, 128)
+        tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
+        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
+        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
+                       (rows < M)[:, None])
+        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+
+
+def rowcol_persistent(x, stages: int, warps: int, per_sm: int):
+    m, n = x.shape
+    q = torch.empty(m, n, device=x.device, dtype=L.FP8)
+    s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
+    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
+    tiles = (m // 128) * (n // 128)
+    grid = min(tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    _rowcol_persistent_kernel[(grid,)](x, q, s, qt, st, m, n, tiles, n // 128, STAGES=stages, num_warps=warps)
+    return (q, s), (qt, st)
 
 
 def rowcol(x, mode: int, warps: int):
@@ -126,7 +180,8 @@ def rowcol(x, mode: int, warps: int):
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
     qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    _rowcol_kernel[(m // 128, n // 128)](x, q, s, qt, st, m, n, MODE=mode, num_warps=warps)
+    grid = (n // 128, m // 128) if mode == 7 else (m // 128, n // 128)
+    _rowcol_kernel[grid](x, q, s, qt, st, m, n, MODE=mode, num_warps=warps)
     return (q, s), (qt, st)
 
 
@@ -194,10 +249,15 @@ def main():
     for warps in (4, 8, 16):
         add("trans rows+cols", 128, warps, lambda: colq(x, 1, 128, warps, rows=True), both_bytes,
             lambda: same_both(colq(x, 1, 128, warps, rows=True)))
-    for mode, name in ((4, "halves rows+cols"), (5, "satfinite rows+cols"), (6, "L2 re-read rows+cols")):
+    designs = ((4, "halves rows+cols"), (5, "satfinite rows+cols"), (6, "L2 re-read rows+cols"),
+               (7, "n-major grid rows+cols"), (8, "columns first rows+cols"))
+    for mode, name in designs:
         for warps in (4, 8):
             add(name, 128, warps, lambda: rowcol(x, mode, warps), both_bytes,
                 lambda: same_both(rowcol(x, mode, warps)))
+    for stages in (2, 3):  # persistent, prefetching through shared memory (8 warps: 4 spill at 255 registers)
+        add(f"persistent {stages}-stage rows+cols", 128, 8, lambda: rowcol_persistent(x, stages, 8, 1), both_bytes,
+            lambda: same_both(rowcol_persistent(x, stages, 8, 1)))
     open(args.out, "w").write("\n".join(lines) + "\n")
 
 
