@@ -70,17 +70,24 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
 
 
 @triton.jit
-def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr):
+def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr, GROUP_M: tl.constexpr = 1):
     """Rows and columns of one [128, 128] tile from one read. MODE 4 "halves": two [128, 64] halves; each half's
     columns are quantized and stored (transposed) on their own, the rows use the max of both halves' row amaxes.
     MODE 7 "n-major grid": the library's kernel with the program grid's fast axis along N (neighbouring programs
     read neighbouring column blocks of the same rows). MODE 8 "columns first": the column quantization before the
-    row one. MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
+    row one. MODE 9 "grouped grid": a 1-D grid walking GROUP_M row blocks at a time, row blocks fastest inside a
+    group (GROUP_M = 1 is the n-major order). MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
     hardware conversion saturates; bytes checked equal). MODE 6 "L2 re-read": rows from the tile, then the same
     tile loaded again for the columns (its second read should come from L2: fewer live registers, not one read in
     the kernel's own terms)."""
     if MODE == 7:
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    elif MODE == 9:
+        pid, n_m, n_n = tl.program_id(0), M // 128, N // 128
+        first_m = pid // (GROUP_M * n_n) * GROUP_M
+        size = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_n)) % size
+        pid_n = (pid % (GROUP_M * n_n)) // size
     else:
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
@@ -174,14 +181,14 @@ def rowcol_persistent(x, stages: int, warps: int, per_sm: int):
     return (q, s), (qt, st)
 
 
-def rowcol(x, mode: int, warps: int):
+def rowcol(x, mode: int, warps: int, group_m: int = 1):
     m, n = x.shape
     q = torch.empty(m, n, device=x.device, dtype=L.FP8)
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
     qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    grid = (n // 128, m // 128) if mode == 7 else (m // 128, n // 128)
-    _rowcol_kernel[grid](x, q, s, qt, st, m, n, MODE=mode, num_warps=warps)
+    grid = (n // 128, m // 128) if mode == 7 else ((m // 128) * (n // 128),) if mode == 9 else (m // 128, n // 128)
+    _rowcol_kernel[grid](x, q, s, qt, st, m, n, MODE=mode, GROUP_M=group_m, num_warps=warps)
     return (q, s), (qt, st)
 
 
@@ -255,6 +262,9 @@ def main():
         for warps in (4, 8):
             add(name, 128, warps, lambda: rowcol(x, mode, warps), both_bytes,
                 lambda: same_both(rowcol(x, mode, warps)))
+    for group_m in (1, 2, 4, 8, 16, 64):
+        add(f"grouped grid rows+cols, GROUP_M {group_m}", 128, 4, lambda: rowcol(x, 9, 4, group_m), both_bytes,
+            lambda: same_both(rowcol(x, 9, 4, group_m)))
     for stages in (2, 3):  # persistent, prefetching through shared memory (8 warps: 4 spill at 255 registers)
         add(f"persistent {stages}-stage rows+cols", 128, 8, lambda: rowcol_persistent(x, stages, 8, 1), both_bytes,
             lambda: same_both(rowcol_persistent(x, stages, 8, 1)))
