@@ -47,7 +47,9 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # blocks and their loads in flight per SM: a transposed column quantization ran at 82% of the copy bandwidth with
 # 4 warps, 59% with 8, 35% persistent with one block per SM (bench/results/quant_transpose.md). The SwiGLU
 # backward (three output tiles per input tile) stays at 16 warps: 1.58 ms there (run 11), 2.73 ms at 4 (run 9;
-# bench/results/moe_notes.md).
+# bench/results/moe_notes.md). The tile kernels' grids put the column blocks on the fastest axis, so the blocks in
+# flight read long contiguous stretches of each row: the row+column quantization ran at 65% of the copy bandwidth
+# in that order, 56% with row blocks fastest (256-byte pieces of many rows; quant_transpose.md).
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
               swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
@@ -178,10 +180,11 @@ def _round_e4m3(x):
 
 @triton.jit
 def _quant(x, inv):
-    q = tl.clamp(x * inv, -_FMAX, _FMAX)
+    """e4m3 codes of x * inv (|x * inv| <= 448 up to rounding). On the GPU the conversion saturates
+    (cvt.rn.satfinite), which is the clamp to +-448; the interpreter clamps and rounds explicitly."""
     if INTERPRET:
-        q = _round_e4m3(q)
-    return q.to(tl.float8e4nv)
+        return _round_e4m3(tl.clamp(x * inv, -_FMAX, _FMAX)).to(tl.float8e4nv)
+    return (x * inv).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -347,7 +350,7 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
 @triton.jit
 def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
                          GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)  # column blocks fastest: see LAUNCH
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_n * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < N
@@ -379,7 +382,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
     dummy = x
-    _rowcol_quant_kernel[(m // 128, n // 128)](
+    _rowcol_quant_kernel[(n // 128, m // 128)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
         qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
         GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise,
@@ -394,7 +397,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
 @triton.jit
 def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, s_we, s_wn, s_wk, N, K):
     """One 128x128 block of expert e of a strided view [E, N, K] -> contiguous q [E, N, K] and its scale."""
-    e, bn, bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bk, bn, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = bn * 128 + tl.arange(0, 128)
     rk = bk * 128 + tl.arange(0, 128)
     src = w_ptr + e.to(tl.int64) * s_we + rn[:, None].to(tl.int64) * s_wn + rk[None, :].to(tl.int64) * s_wk
@@ -408,7 +411,7 @@ def _weight_quant_launch(w: torch.Tensor):
     e, n, k = w.shape
     q = torch.empty(e, n, k, device=w.device, dtype=FP8)
     s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
-    _weight_quant_kernel[(e, n // 128, k // 128)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
+    _weight_quant_kernel[(k // 128, n // 128, e)](w, q, s, w.stride(0), w.stride(1), w.stride(2), n, k,
                                                   **LAUNCH["weight_quant"])
     return q, s
 
@@ -441,7 +444,7 @@ def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str
 
 @triton.jit
 def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
-    pid_m, pid_f = tl.program_id(0), tl.program_id(1)
+    pid_f, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
@@ -465,7 +468,7 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
         s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
     else:
         out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
-    _swiglu_fwd_kernel[(m // 128, f // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
+    _swiglu_fwd_kernel[(f // 128, m // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
                                              **LAUNCH["swiglu_fwd"])
     return out, s
 
@@ -511,10 +514,10 @@ def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_pt
 def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
                        QUANT: tl.constexpr):
     """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization.
-    Program (part, m, f) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
+    Program (part, f, m) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
     code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
     registers). The three programs of a tile are neighbours in launch order: the inputs they share come from L2."""
-    part, pid_m, pid_f = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part, pid_f, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if part == 0:
         _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
                          pid_f, QUANT, 0)
@@ -532,7 +535,7 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    grid = (3, m // 128, f // 128)  # (part, m, f): the parts of a tile run side by side
+    grid = (3, f // 128, m // 128)  # (part, f, m): the parts of a tile run side by side
     if not quant:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
@@ -587,7 +590,7 @@ def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr,
                         K: tl.constexpr, QUANT: tl.constexpr):
     """Per 128x128 tile of padded rows: do = dy[t] * w[t,k] (0 on padding), its row/column quantization, and the
     partial dot <dy[t], o[row]> over these 128 channels (summed on the host side into d topk_weights)."""
-    pid_m, pid_d = tl.program_id(0), tl.program_id(1)
+    pid_d, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_d * 128 + tl.arange(0, 128)
     s = tl.load(src_ptr + rows)
@@ -613,7 +616,7 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
     m, d = o.shape
     dev = o.device
     part = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
-    grid = (m // 128, d // 128)
+    grid = (d // 128, m // 128)
     dy = dy.contiguous()
     w = topk_weights.contiguous()
     if quant:
