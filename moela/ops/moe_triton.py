@@ -350,7 +350,10 @@ def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, 
 @triton.jit
 def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
                          GATHER: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)  # column blocks fastest: see LAUNCH
+    if GATHER:  # rows gathered from x: row blocks fastest (0.45 ms for the V3 layer's x, 0.56 the other way)
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    else:  # column blocks fastest: see LAUNCH
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_n * 128 + tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < N
@@ -382,7 +385,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
     dummy = x
-    _rowcol_quant_kernel[(n // 128, m // 128)](
+    _rowcol_quant_kernel[(m // 128, n // 128) if src is not None else (n // 128, m // 128)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,
         qt if colwise else dummy, st if colwise else dummy, m, n, x.stride(0), gather_div,
         GATHER=src is not None, ROWWISE=rowwise, COLWISE=colwise,
