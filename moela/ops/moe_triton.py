@@ -115,9 +115,10 @@ def _layout_scan_kernel(hist_ptr, prefix_ptr, counts_ptr, C, BLOCK_C: tl.constex
 
 
 def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
-    """The layout's first two launches and every index buffer of it (one int32 and one int64 allocation). Returns
-    (flat ids, rank, prefix, chunks, row_map, m_indices, src, counts, offsets); the permute kernel in PLACE mode fills
-    the last five but counts."""
+    """The layout's first two launches (ranks and histograms per chunk; counts and per-chunk prefix sums per expert)
+    and every index buffer of it, in one int32 and one int64 allocation. Returns (flat ids, rank, prefix, chunks,
+    row_map, m_indices, src, counts, offsets); the permute kernel in PLACE mode then writes row_map, m_indices, src
+    and offsets."""
     if align != ALIGN:
         raise ValueError(f"build_layout: align={align} is not supported; the kernels use {ALIGN}-row blocks")
     if topk_ids.dim() != 2:
