@@ -13,8 +13,10 @@ transposed addresses) against candidate designs, each checked byte for byte agai
   pack4     as store-T, but the codes of 4 consecutive rows are first packed into one int32 (a sum over 4 lanes
             of disjoint bytes), so the transposing store moves words, not bytes
 
-BC (columns per tile) and warps are swept. The row+column variant of `trans` (one read, both outputs) is timed
-against the library's rows+cols kernel. Usage:
+BC (columns per tile) and warps are swept. Rows and columns from one read (both outputs) are timed for the
+library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
+satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
+Usage:
   python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only] [--out bench/results/quant_transpose.md]
 """
 
@@ -70,16 +72,36 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
 
 
 @triton.jit
+def _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m):
+    """Column (128x1) quantization of tile [128, BC] at (rows, cols): codes transposed into qT, scales into sT."""
+    cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
+    L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
+                   (rows < M)[:, None])
+    tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+
+
+@triton.jit
+def _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n):
+    """Row (1x128) quantization of tile [128, 128] at (rows, cols)."""
+    rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+    tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+
+
+@triton.jit
 def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr, GROUP_M: tl.constexpr = 1):
-    """Rows and columns of one [128, 128] tile from one read. MODE 4 "halves": two [128, 64] halves; each half's
-    columns are quantized and stored (transposed) on their own, the rows use the max of both halves' row amaxes.
-    MODE 7 "n-major grid": the library's kernel with the program grid's fast axis along N (neighbouring programs
-    read neighbouring column blocks of the same rows). MODE 8 "columns first": the column quantization before the
-    row one. MODE 9 "grouped grid": a 1-D grid walking GROUP_M row blocks at a time, row blocks fastest inside a
-    group (GROUP_M = 1 is the n-major order). MODE 5 "satfinite": the library's order, but without the clamp to +-448 before the e4m3 conversion (the
-    hardware conversion saturates; bytes checked equal). MODE 6 "L2 re-read": rows from the tile, then the same
-    tile loaded again for the columns (its second read should come from L2: fewer live registers, not one read in
-    the kernel's own terms)."""
+    """Rows and columns of one [128, 128] tile from one read, by design MODE:
+    4 "halves": two [128, 64] halves; each half's columns quantized and stored (transposed) on their own, the rows
+      from the max of both halves' row amaxes.
+    5 "satfinite": the library's order without the clamp to +-448 before the e4m3 conversion (the hardware
+      conversion saturates; bytes checked equal).
+    6 "L2 re-read": rows from the tile, then the tile loaded again (volatile) for the columns: fewer live registers,
+      a second read that should come from L2.
+    7 "n-major grid": the library's algorithm with column blocks on the grid's fast axis (neighbouring programs read
+      neighbouring column blocks of the same rows).
+    8 "columns first": the column quantization before the row one.
+    9 "grouped grid": a 1-D grid walking GROUP_M row blocks at a time, row blocks fastest inside a group (GROUP_M = 1
+      is the n-major order)."""
     if MODE == 7:
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     elif MODE == 9:
@@ -94,26 +116,15 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
     if MODE == 8:
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
-        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
-                       (rows < M)[:, None])
-        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
-        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
-        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+        _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m)
+        _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n)
     elif MODE == 4:
         ca = pid_n * 128 + tl.arange(0, 64)
         cb = ca + 64
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + ca[None, :]).to(tl.float32)  # [128, 64]
         b = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cb[None, :]).to(tl.float32)
-        sa, ia = L._scale_inv(tl.max(tl.abs(a), axis=0))
-        L._store_codes(qt_ptr + ca[None, :].to(tl.int64) * M + rows[:, None], L._quant(a, ia[None, :]),
-                       (rows < M)[:, None])
-        tl.store(st_ptr + ca * (M // 128) + pid_m, sa)
-        sb, ib = L._scale_inv(tl.max(tl.abs(b), axis=0))
-        L._store_codes(qt_ptr + cb[None, :].to(tl.int64) * M + rows[:, None], L._quant(b, ib[None, :]),
-                       (rows < M)[:, None])
-        tl.store(st_ptr + cb * (M // 128) + pid_m, sb)
+        _cols_out(a, rows, ca, qt_ptr, st_ptr, M, pid_m)
+        _cols_out(b, rows, cb, qt_ptr, st_ptr, M, pid_m)
         rs, ri = L._scale_inv(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], L._quant(a, ri[:, None]))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], L._quant(b, ri[:, None]))
@@ -121,32 +132,25 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
     elif MODE == 6:
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
-        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
-        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+        _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n)
         tl.debug_barrier()
         again = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], volatile=True).to(tl.float32)
-        cs, ci = L._scale_inv(tl.max(tl.abs(again), axis=0))
-        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(again, ci[None, :]),
-                       (rows < M)[:, None])
-        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
-    else:
+        _cols_out(again, rows, cols, qt_ptr, st_ptr, M, pid_m)
+    elif MODE == 5:
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
         rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-        if MODE == 5:
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
-        else:
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
         cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        if MODE == 5:
-            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None],
-                           (tile * ci[None, :]).to(tl.float8e4nv), (rows < M)[:, None])
-        else:
-            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
-                           (rows < M)[:, None])
+        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], (tile * ci[None, :]).to(tl.float8e4nv),
+                       (rows < M)[:, None])
         tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+    else:  # 7, 9: the library's algorithm in another program order
+        cols = pid_n * 128 + tl.arange(0, 128)
+        tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
+        _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n)
+        _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m)
 
 
 @triton.jit
@@ -160,13 +164,8 @@ def _rowcol_persistent_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles
         rows = pid_m * 128 + tl.arange(0, 128)
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
-        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
-        tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
-        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
-                       (rows < M)[:, None])
-        tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+        _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n)
+        _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m)
 
 
 def rowcol_persistent(x, stages: int, warps: int, per_sm: int):
