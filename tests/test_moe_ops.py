@@ -96,7 +96,8 @@ def test_layout_invariants(case):
     if case == "no_tokens":  # an expert-parallel rank can receive none
         ids = ids[:0]
     if case == "strided_ids":
-        ids = torch.rand(t, e, device=DEV).argsort(1)[:, :1].to(torch.int32)  # a non-contiguous int32 view
+        ids = torch.rand(t, e, device=DEV).argsort(1).to(torch.int32)[:, :1]  # a non-contiguous int32 view
+        assert not ids.is_contiguous()
     lay = build_layout(ids, e)
     _check_layout(lay, ids, e)
     x = torch.randn(ids.shape[0], 128, device=DEV, dtype=torch.bfloat16)
