@@ -243,6 +243,12 @@ def section_layout(copy_gbs, quick):
         gbs = nb2 / ours / 1e6
         row("layout", case, "row+col quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs, **rows_check,
             **cols_check)
+        (q3, s3), (qt3, st3) = L.quant_rows_cols(xp, impl="triton")
+        same = torch.equal(q3.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s3, s1) and \
+            torch.equal(qt3.view(torch.uint8), qt1.view(torch.uint8)) and torch.equal(st3, st1)
+        tri = bench(lambda: L.quant_rows_cols(xp, impl="triton"))
+        row("layout", case, "row+col quant, Triton kernel (tile in registers)", tri, nb2 / tri / 1e6, "GB/s",
+            pct_copy=100 * nb2 / tri / 1e6 / copy_gbs, same_bytes_as_ours=same)
         eager = bench(lambda: eager_rows_cols(xp))
         row("layout", case, "row+col eager baseline", eager, nb2 / eager / 1e6, "GB/s", speedup=eager / ours)
         if name == "v3" and not skew and not out_of_time():
@@ -384,6 +390,8 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         "gemm2 wgrad": lambda: G.kgrouped_gemm(doqt, aqt, lay.offsets, a_scale=dost, b_scale=ast),
         "gemm1 dgrad": lambda: G.mgrouped_gemm(dhq, w13qt, lay.m_indices, a_scale=dhs, b_scale=w13s.transpose(1, 2)),
         "x column quant (gather)": lambda: L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k),
+        "x column quant (gather, Triton kernel)": lambda: L.quant_rows_cols(x, rowwise=False, src=lay.src,
+                                                                            gather_div=k, impl="triton"),
         "gemm1 wgrad": lambda: G.kgrouped_gemm(dhqt, xqt, lay.offsets, a_scale=dhst, b_scale=xst),
         "dx gather-sum": lambda: L.unpermute_combine(dxp, lay, None, x.dtype),
     }

@@ -16,8 +16,10 @@ transposed addresses) against candidate designs, each checked byte for byte agai
 BC (columns per tile) and warps are swept. Rows and columns from one read (both outputs) are timed for the
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
+`--gluon` times the library's Triton and Gluon (moela.ops.moe_gluon: the tile staged in shared memory) kernels and
+the Gluon kernel at other register chunks, warp counts and as a persistent kernel with a ring of TMA copies.
 Usage:
-  python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only] [--out bench/results/quant_transpose.md]
+  python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon] [--out bench/results/quant_transpose.md]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from moela.ops import moe_gluon as G
 from moela.ops import moe_triton as L
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,16 +204,31 @@ def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
     return (q, s) if rows else None, (qt, st)
 
 
+def gluon_rowcol(x, rc, cc, warps, stages=0, per_sm=2, gather=None):
+    """The Gluon kernels of moela.ops.moe_gluon at a given chunking / warps / persistence."""
+    m, n = (gather[0].numel(), x.shape[1]) if gather else x.shape
+    q = torch.empty(m, n, device=x.device, dtype=L.FP8)
+    s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
+    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
+    src, div = gather if gather else (None, 1)
+    G.quant_rows_cols(x, True, True, src, div, q, s, qt, st, rc=rc, cc=cc, num_warps=warps, stages=stages,
+                      per_sm=per_sm)
+    return (q, s), (qt, st)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, default=69632)  # M_pad of the V3 layer: T 8192 x top-8 + E 32 x 128
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--out", default="bench/results/quant_transpose.md")
     ap.add_argument("--rows-cols-only", action="store_true", help="only the rows+columns table")
+    ap.add_argument("--gluon", action="store_true",
+                    help="only the library's kernels and the Gluon configurations (chunks, warps, persistence)")
     args = ap.parse_args()
     torch.manual_seed(0)
     x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
-    (rq, rs), (rqt, rst) = L.quant_rows_cols(x)
+    (rq, rs), (rqt, rst) = L.quant_rows_cols(x, impl="triton")
     a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     copy_gbs = 2 * a.numel() / do_bench(lambda: a.clone(), return_mode="median") / 1e6
     del a
@@ -232,9 +250,13 @@ def main():
     def same_cols(out):
         return torch.equal(out[1][0].view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(out[1][1], rst)
 
-    add("library quant_rows_cols(rowwise=False)", 128, L.LAUNCH["quant_rows_or_cols"]["num_warps"],
-        lambda: L.quant_rows_cols(x, rowwise=False), col_bytes, lambda: True)
-    for mode, name in () if args.rows_cols_only else ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
+    add("library quant_rows_cols(rowwise=False), Triton", 128, L.LAUNCH["quant_rows_or_cols"]["num_warps"],
+        lambda: L.quant_rows_cols(x, rowwise=False, impl="triton"), col_bytes, lambda: True)
+    if G.available(x):
+        add("library quant_rows_cols(rowwise=False), Gluon", 128, G.NUM_WARPS,
+            lambda: L.quant_rows_cols(x, rowwise=False, impl="gluon"), col_bytes,
+            lambda: same_cols(L.quant_rows_cols(x, rowwise=False, impl="gluon")))
+    for mode, name in () if args.rows_cols_only or args.gluon else ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
         for bc in (32, 64, 128):
             for warps in (4, 8):
                 try:
@@ -246,12 +268,26 @@ def main():
     lines += ["", "Rows and columns from one read:", "",
               "| design | BC | warps | ms | GB/s | % of copy | bytes equal to the library's |",
               "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    add("library quant_rows_cols", 128, L.LAUNCH["quant_rows_cols"]["num_warps"], lambda: L.quant_rows_cols(x),
-        both_bytes, lambda: True)
     def same_both(out):
         return same_cols(out) and torch.equal(out[0][0].view(torch.uint8), rq.view(torch.uint8)) and \
             torch.equal(out[0][1], rs)
 
+    add("library quant_rows_cols, Triton", 128, L.LAUNCH["quant_rows_cols"]["num_warps"],
+        lambda: L.quant_rows_cols(x, impl="triton"), both_bytes, lambda: True)
+    if G.available(x):
+        add("library quant_rows_cols, Gluon (tile in shared memory)", 128, G.NUM_WARPS,
+            lambda: L.quant_rows_cols(x, impl="gluon"), both_bytes, lambda: same_both(L.quant_rows_cols(x, impl="gluon")))
+
+    if args.gluon:
+        for warps, rc, cc in ((4, 32, 64), (4, 16, 32), (4, 64, 128), (8, 32, 64), (8, 16, 32)):
+            add(f"Gluon rows+cols, {rc}-row / {cc}-column chunks", 128, warps,
+                lambda: gluon_rowcol(x, rc, cc, warps), both_bytes, lambda: same_both(gluon_rowcol(x, rc, cc, warps)))
+        for stages, per_sm in ((2, 1), (2, 2), (2, 3), (3, 1), (3, 2)):
+            add(f"Gluon persistent rows+cols, {stages} tiles in shared memory, {per_sm} programs per SM", 128, 4,
+                lambda: gluon_rowcol(x, 32, 64, 4, stages, per_sm), both_bytes,
+                lambda: same_both(gluon_rowcol(x, 32, 64, 4, stages, per_sm)))
+        open(args.out, "w").write("\n".join(lines) + "\n")
+        return
     for warps in (4, 8, 16):
         add("trans rows+cols", 128, warps, lambda: colq(x, 1, 128, warps, rows=True), both_bytes,
             lambda: same_both(colq(x, 1, 128, warps, rows=True)))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
     """args: every parameter by name: a constexpr's value; for the others a pointer type string ("*bf16",
-    16-byte aligned like a torch allocation), an int (i32, specialized as the launcher does: 1 becomes a constant,
+    16-byte aligned like a torch allocation), a tensor descriptor type string (Gluon kernels' TMA descriptors), an int (i32, specialized as the launcher does: 1 becomes a constant,
     a multiple of 16 gets the divisibility hint) or a float (fp32). Returns (shared bytes, async copies in the
     TTGIR, registers per thread, spill bytes)."""
     from triton.backends.compiler import GPUTarget
@@ -46,6 +46,8 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
         value = args[name]
         if i in fn.constexprs or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
             signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, str) and value.startswith("tensordesc"):
+            signature[name] = value
         elif isinstance(value, str):
             signature[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
         elif isinstance(value, float):
@@ -54,6 +56,8 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
             signature[name] = "i32"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     regs, spills = ptxas_usage(compiled.asm["ptx"])
@@ -167,5 +171,24 @@ def moe_triton_kernels():
     return out
 
 
+def moe_gluon_kernels():
+    """The Gluon row+column quantization kernels (moela.ops.moe_gluon) at the V3 layer shape, both outputs and the
+    gathered column-only variant of the weight-gradient path."""
+    from moela.ops import moe_gluon as G
+    from moela.ops import moe_triton as L
+
+    if G.gluon is None:
+        return {}
+    m, d, k = L.build_layout_rows(8192, 8, 32), 7168, 8
+    desc = f"tensordesc<bf16[128, 128],{G.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)}>"
+    chunks = dict(RC=G.ROW_CHUNK, CC=G.COL_CHUNK)
+    return {"moe_gluon rowcol rows+cols": compile_sm90(G._rowcol_tma_kernel, dict(
+        x_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m, N=d, ROWWISE=True,
+        COLWISE=True, **chunks), num_warps=G.NUM_WARPS),
+        "moe_gluon rowcol gather colwise": compile_sm90(G._rowcol_gather_kernel, dict(
+            x_ptr="*bf16", src_ptr="*i32", q_ptr="*bf16", s_ptr="*bf16", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m,
+            N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, **chunks), num_warps=G.NUM_WARPS)}
+
+
 if __name__ == "__main__":
-    print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels()}))
+    print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels()}))

@@ -124,6 +124,48 @@ def test_rows_cols_kernel_gathers_rows():
     assert_same_quant(qt, st, cq, cs)
 
 
+def test_rows_cols_impl_is_checked():
+    from moela.ops.moe_triton import quant_rows_cols
+
+    x = torch.zeros(128, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="impl='gluon' needs a bf16 CUDA tensor"):
+        quant_rows_cols(x, impl="gluon")
+    with pytest.raises(ValueError, match="use 'auto', 'triton' or 'gluon'"):
+        quant_rows_cols(x, impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["rows+cols", "rows", "cols", "strided", "gather", "gather rows+cols"])
+def test_gluon_rows_cols_equal_the_triton_kernel(case):
+    """The shared-memory (Gluon) row+column quantization writes the Triton kernel's bytes: 3 x 7 tiles of fresh
+    random data with zero rows, one output or both, a row-strided view (TMA descriptor strides), gathered rows."""
+    from moela.ops import moe_gluon
+    from moela.ops.moe_triton import quant_rows_cols
+
+    wide = (torch.randn(384, 1152, device=DEV) * torch.rand(384, 1, device=DEV) * 10).to(torch.bfloat16)
+    wide[7] = 0
+    x = wide[:, 128:1024] if case == "strided" else wide[:, :896].contiguous()
+    kw = dict(rowwise=case != "cols", colwise=case != "rows")
+    if case.startswith("gather"):
+        x = x[:100]
+        kw = dict(src=torch.randint(-1, 300, (384,), device=DEV, dtype=torch.int32), gather_div=3,
+                  rowwise=case == "gather rows+cols", colwise=True)
+    if not moe_gluon.available(x):
+        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+    got = quant_rows_cols(x, impl="gluon", **kw)
+    want = quant_rows_cols(x, impl="triton", **kw)
+    for (q, s), (rq, rs) in zip(got, want):
+        assert (q is None) == (rq is None)
+        if q is not None:
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    rows = x if "src" not in kw else torch.where((kw["src"] >= 0)[:, None], x[(kw["src"].clamp_min(0) // 3).long()], 0)
+    if kw["rowwise"]:
+        assert_same_quant(*got[0], *quant_1x128(rows.float()))
+    if kw["colwise"]:
+        assert_same_quant(*got[1], *quant_1x128(rows.float().t().contiguous()))
+
+
 @needs_kernels
 @pytest.mark.parametrize("transpose_by,dtype", [("quant", torch.bfloat16), ("quant", torch.float32),
                                                ("torch", torch.float32)])

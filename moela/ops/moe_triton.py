@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moela.ops import moe_gluon
 from moela.ops.quant import AMAX_EPS, FP8_MAX
 
 ALIGN = 128
@@ -372,19 +373,30 @@ def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_
 
 
 def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = True, src: torch.Tensor | None = None,
-                    gather_div: int = 1, m_pad: int | None = None):
+                    gather_div: int = 1, impl: str = "auto"):
     """One read of x [M, N] (or of rows x[src // gather_div], zero where src < 0, M = len(src)); returns
     (q [M, N] e4m3, s [M, N/128]) rowwise and (qT [N, M] e4m3, sT [N, M/128]) columnwise (None where not asked).
-    M and N must be multiples of 128 (the padded layout guarantees M)."""
+    M and N must be multiples of 128 (the padded layout guarantees M). impl: "triton" (the tile in registers; runs
+    everywhere, the interpreter included), "gluon" (the tile staged in shared memory, moela.ops.moe_gluon: bf16 on
+    sm_90+), "auto" (gluon where it can run, else triton). Both give the same bytes."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
     if m % 128 or n % 128:
         raise ValueError(f"quant_rows_cols: shape ({m}, {n}) must be multiples of 128 in both dims")
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"quant_rows_cols: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
+    use_gluon = impl == "gluon" or (impl == "auto" and not INTERPRET and moe_gluon.available(x))
+    if use_gluon and not moe_gluon.available(x):
+        raise ValueError(f"quant_rows_cols: impl='gluon' needs a bf16 CUDA tensor on an sm_90+ GPU and a Triton "
+                         f"with Gluon (got {x.dtype} on {x.device}); use impl='triton'")
     dev = x.device
     q = torch.empty(m, n, device=dev, dtype=FP8) if rowwise else None
     s = torch.empty(m, n // 128, device=dev, dtype=torch.float32) if rowwise else None
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
+    if use_gluon:
+        moe_gluon.quant_rows_cols(x, rowwise, colwise, src, gather_div, q, s, qt, st)
+        return (q, s), (qt, st)
     dummy = x
     _rowcol_quant_kernel[(m // 128, n // 128) if src is not None else (n // 128, m // 128)](
         x, src if src is not None else dummy, q if rowwise else dummy, s if rowwise else dummy,

@@ -1,0 +1,177 @@
+"""Row + column quantization from one read, staged through shared memory (Gluon, Hopper and newer).
+
+`moela.ops.moe_triton.quant_rows_cols` reads each 128x128 bf16 tile once and writes both its rowwise (1x128) and
+its columnwise (128x1, stored transposed) e4m3 codes. In plain Triton the tile lives in registers (128 fp32 values
+per thread, ~200 registers at 4 warps), so two blocks fit on an SM and little memory traffic is in flight. Here the
+tile is copied into shared memory by the copy engine (TMA, or cp.async when rows are gathered through `src`),
+then read twice in small register chunks: 32-row slices for the rows, 64-column slices for the columns (the
+column slices go through ldmatrix; both read patterns are free of bank conflicts on the unswizzled tile). That
+takes ~100 registers per thread, so shared memory (33 KB per block) limits an SM to six blocks, each with a whole
+tile in flight.
+
+Codes and scales are the same bytes as the Triton kernel's (same `div_rn` scale math, same saturating e4m3
+conversion): `tests/test_moe_ops.py::test_gluon_quant_rows_cols_matches_triton` checks it on the GPU. Gluon does not
+run in the Triton interpreter; on CPU `quant_rows_cols` uses the Triton kernel and tests/sm90_compile.py compiles
+these kernels for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: quant_rows_cols keeps its Triton kernel
+    gluon = None
+
+from moela.ops.quant import AMAX_EPS, FP8_MAX
+
+FP8 = torch.float8_e4m3fn
+ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
+COL_CHUNK = 64  # columns per register chunk of the columnwise pass
+NUM_WARPS = 4
+
+
+def available(x: torch.Tensor) -> bool:
+    """True when the Gluon kernels can take x: bf16 on a CUDA GPU with TMA (sm_90+), and a Triton with Gluon."""
+    return gluon is not None and x.is_cuda and x.dtype == torch.bfloat16 and \
+        torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+if gluon is not None:
+    _EPS = gl.constexpr(AMAX_EPS)
+    _FMAX = gl.constexpr(FP8_MAX)
+
+    @gluon.jit
+    def _scale_inv(amax):
+        """(scale, inverse) of groups with this amax, rounded as moela.ops.quant rounds them."""
+        a = gl.maximum(amax, _EPS)
+        return gl.div_rn(a, _FMAX), gl.div_rn(gl.full_like(a, 1.0), a) * _FMAX
+
+    @gluon.jit
+    def _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr,
+                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
+        """tile: [128, 128] bf16 in shared memory, the block (pid_m, pid_n) of x [M, N]. Rowwise: q [M, N] and
+        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128]."""
+        rl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])  # [RC, 128]
+        cl: gl.constexpr = gl.BlockedLayout([128 // gl.num_warps(), 2], [1, 32], [gl.num_warps(), 1], [0, 1])
+        if ROWWISE:
+            for r0 in gl.static_range(0, 128, RC):
+                v = tile.slice(r0, RC, dim=0).load(rl).to(gl.float32)
+                rs, ri = _scale_inv(gl.max(gl.abs(v), axis=1))
+                rows = pid_m * 128 + r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, rl))
+                cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, rl))
+                gl.store(q_ptr + rows[:, None].to(gl.int64) * N + cols[None, :], (v * ri[:, None]).to(gl.float8e4nv))
+                gl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+        if COLWISE:
+            for c0 in gl.static_range(0, 128, CC):
+                v = tile.slice(c0, CC, dim=1).load(cl).to(gl.float32)
+                cs, ci = _scale_inv(gl.max(gl.abs(v), axis=0))
+                rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
+                cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
+                gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], (v * ci[None, :]).to(gl.float8e4nv))
+                gl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+
+    @gluon.jit
+    def _rowcol_tma_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
+                           RC: gl.constexpr, CC: gl.constexpr):
+        """One 128x128 tile per program, column blocks fastest; the tile arrives by one TMA copy."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], x_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [pid_m * 128, pid_n * 128], bar, tile)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
+
+    @gluon.jit
+    def _rowcol_tma_persistent_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles, ROWWISE: gl.constexpr,
+                                      COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr,
+                                      STAGES: gl.constexpr):
+        """Persistent: program p quantizes tiles p, p + P, ... (column blocks fastest) from a ring of STAGES
+        shared-memory tiles, the TMA copies of the next STAGES - 1 tiles in flight while one is quantized."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_tn = N // 128
+        bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], x_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES - 1):
+            t = pid + i * nprog
+            if t < n_tiles:
+                mbarrier.expect(bars.index(i), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [t // n_tn * 128, t % n_tn * 128], bars.index(i),
+                                                bufs.index(i))
+        it = 0
+        for t in range(pid, n_tiles, nprog):
+            gl.thread_barrier()  # every warp is done with the slot the next copy overwrites (read last iteration)
+            fence_async_shared()
+            nt = t + (STAGES - 1) * nprog
+            if nt < n_tiles:
+                ns = (it + STAGES - 1) % STAGES
+                mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [nt // n_tn * 128, nt % n_tn * 128], bars.index(ns),
+                                                bufs.index(ns))
+            slot = it % STAGES
+            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
+            _quantize_tile(bufs.index(slot), t // n_tn, t % n_tn, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE,
+                           COLWISE, RC, CC)
+            it += 1
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+
+    @gluon.jit
+    def _rowcol_gather_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
+                              ROWWISE: gl.constexpr, COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
+        """Rows x[src // gather_div] (zeros where src < 0), one 128x128 tile per program, row blocks fastest (the
+        order the Triton gather kernel measured faster); the tile arrives by cp.async (16 bytes per copy)."""
+        pid_m = gl.program_id(0)
+        pid_n = gl.program_id(1)
+        ll: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128],
+                                         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+        rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, ll))
+        cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, ll))
+        s = gl.load(src_ptr + rows)
+        ok = s >= 0
+        srow = gl.where(ok, s // gather_div, 0).to(gl.int64)
+        async_copy.async_copy_global_to_shared(tile, x_ptr + srow[:, None] * ld_x + cols[None, :],
+                                               mask=ok[:, None] & (cols < N)[None, :])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
+
+
+def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Tensor | None, gather_div: int,
+                    q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS,
+                    stages: int = 0, per_sm: int = 2) -> None:
+    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes). stages > 0
+    (no gather): the persistent kernel with that many shared-memory tiles, per_sm programs per SM."""
+    m = src.numel() if src is not None else x.shape[0]
+    n = x.shape[1]
+    consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, num_warps=num_warps)
+    outs = (q if rowwise else x, s if rowwise else x, qt if colwise else x, st if colwise else x)
+    if src is None:
+        if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+            x = x.contiguous()
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        desc = TensorDescriptor.from_tensor(x, [128, 128], layout)
+        if stages:
+            tiles = (m // 128) * (n // 128)
+            grid = min(tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+            _rowcol_tma_persistent_kernel[(grid,)](desc, *outs, m, n, tiles, STAGES=stages, **consts)
+        else:
+            _rowcol_tma_kernel[(n // 128, m // 128)](desc, *outs, m, n, **consts)
+    else:
+        if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        _rowcol_gather_kernel[(m // 128, n // 128)](x, src, *outs, m, n, x.stride(0), gather_div, **consts)
