@@ -34,6 +34,7 @@ FP8 = torch.float8_e4m3fn
 ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
 COL_CHUNK = 64  # columns per register chunk of the columnwise pass
 NUM_WARPS = 4
+COL_STORE = 1  # how column codes reach qT (see _quantize_tile)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -54,11 +55,16 @@ if gluon is not None:
 
     @gluon.jit
     def _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr,
-                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
+                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr, qts):
         """tile: [128, 128] bf16 in shared memory, the block (pid_m, pid_n) of x [M, N]. Rowwise: q [M, N] and
-        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128]."""
+        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128]. The column codes are read from the tile by ldmatrix
+        (each thread 128 / warps rows of two columns) and stored (COL_STORE) 0: from those registers (16 bytes per
+        thread per column: a warp's store touches 32 lines); 1: after a layout conversion to 16 rows per thread, 8
+        threads per column (128 contiguous bytes of qT per 8 threads); 2: into qts ([128, 128] e4m3 in shared
+        memory, transposed), which the caller copies to qT with one TMA store."""
         rl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])  # [RC, 128]
         cl: gl.constexpr = gl.BlockedLayout([128 // gl.num_warps(), 2], [1, 32], [gl.num_warps(), 1], [0, 1])
+        sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])  # [128, CC]
         if ROWWISE:
             for r0 in gl.static_range(0, 128, RC):
                 v = tile.slice(r0, RC, dim=0).load(rl).to(gl.float32)
@@ -71,15 +77,27 @@ if gluon is not None:
             for c0 in gl.static_range(0, 128, CC):
                 v = tile.slice(c0, CC, dim=1).load(cl).to(gl.float32)
                 cs, ci = _scale_inv(gl.max(gl.abs(v), axis=0))
-                rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
-                cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
-                gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], (v * ci[None, :]).to(gl.float8e4nv))
-                gl.store(st_ptr + cols * (M // 128) + pid_m, cs)
+                codes = (v * ci[None, :]).to(gl.float8e4nv)
+                if COL_STORE == 2:
+                    qts.slice(c0, CC, dim=0).permute((1, 0)).store(codes)
+                elif COL_STORE == 1:
+                    codes = gl.convert_layout(codes.to(gl.uint8, bitcast=True), sl)
+                    rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
+                    cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, sl))
+                    gl.store(qt_ptr.to(gl.pointer_type(gl.uint8)) + cols[None, :].to(gl.int64) * M + rows[:, None],
+                             codes)
+                else:
+                    rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
+                    cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
+                    gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
+                cols_s = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
+                gl.store(st_ptr + cols_s * (M // 128) + pid_m, cs)
 
     @gluon.jit
     def _rowcol_tma_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                           RC: gl.constexpr, CC: gl.constexpr):
-        """One 128x128 tile per program, column blocks fastest; the tile arrives by one TMA copy."""
+                           RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr):
+        """One 128x128 tile per program, column blocks fastest; the tile arrives by one TMA copy. COL_STORE 2:
+        qt_ptr is qT's TMA descriptor."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], x_desc.layout)
@@ -89,12 +107,22 @@ if gluon is not None:
         tma.async_copy_global_to_shared(x_desc, [pid_m * 128, pid_n * 128], bar, tile)
         mbarrier.wait(bar, 0)
         mbarrier.invalidate(bar)
-        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
+        if COL_STORE == 2:
+            qts = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], qt_ptr.layout)
+            _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
+                           COL_STORE, qts)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(qt_ptr, [pid_n * 128, pid_m * 128], qts)
+            tma.store_wait(0)
+        else:
+            _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
+                           COL_STORE, tile)
 
     @gluon.jit
     def _rowcol_tma_persistent_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles, ROWWISE: gl.constexpr,
                                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr,
-                                      STAGES: gl.constexpr):
+                                      COL_STORE: gl.constexpr, STAGES: gl.constexpr):
         """Persistent: program p quantizes tiles p, p + P, ... (column blocks fastest) from a ring of STAGES
         shared-memory tiles, the TMA copies of the next STAGES - 1 tiles in flight while one is quantized."""
         pid = gl.program_id(0)
@@ -123,14 +151,15 @@ if gluon is not None:
             slot = it % STAGES
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
             _quantize_tile(bufs.index(slot), t // n_tn, t % n_tn, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE,
-                           COLWISE, RC, CC)
+                           COLWISE, RC, CC, COL_STORE, bufs)
             it += 1
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
 
     @gluon.jit
     def _rowcol_gather_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
-                              ROWWISE: gl.constexpr, COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
+                              ROWWISE: gl.constexpr, COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr,
+                              COL_STORE: gl.constexpr):
         """Rows x[src // gather_div] (zeros where src < 0), one 128x128 tile per program, row blocks fastest (the
         order the Triton gather kernel measured faster); the tile arrives by cp.async (16 bytes per copy)."""
         pid_m = gl.program_id(0)
@@ -148,18 +177,27 @@ if gluon is not None:
         async_copy.commit_group()
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
+        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC, COL_STORE,
+                       tile)
 
 
 def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Tensor | None, gather_div: int,
                     q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS,
-                    stages: int = 0, per_sm: int = 2) -> None:
-    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes). stages > 0
-    (no gather): the persistent kernel with that many shared-memory tiles, per_sm programs per SM."""
+                    col_store: int = COL_STORE, stages: int = 0, per_sm: int = 2) -> None:
+    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes). col_store: how
+    the column codes reach qT (see _quantize_tile; 2 only without gather). stages > 0 (no gather): the persistent
+    kernel with that many shared-memory tiles, per_sm programs per SM."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
-    consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, num_warps=num_warps)
-    outs = (q if rowwise else x, s if rowwise else x, qt if colwise else x, st if colwise else x)
+    if src is not None or stages:
+        col_store = min(col_store, 1)
+    consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, COL_STORE=col_store, num_warps=num_warps)
+    if colwise and col_store == 2:
+        qt_arg = TensorDescriptor.from_tensor(qt, [128, 128], gl.NVMMASharedLayout.get_default_for([128, 128],
+                                                                                                  gl.float8e4nv))
+    else:
+        qt_arg = qt if colwise else x
+    outs = (q if rowwise else x, s if rowwise else x, qt_arg, st if colwise else x)
     if src is None:
         if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
             x = x.contiguous()
