@@ -72,9 +72,13 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a"):
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        run = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", str(src), "-o",
-                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True)
+        ptxas = get_ptxas(90).path
+        run = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+                             capture_output=True, text=True)
     log = run.stdout + run.stderr
+    if run.returncode:
+        entry = re.search(r"\.entry (\w+)", ptx)
+        raise RuntimeError(f"{ptxas} failed (exit {run.returncode}) on {entry and entry.group(1)}: {log[-1500:]}")
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return regs, max(int(spill.group(1)), int(spill.group(2)))

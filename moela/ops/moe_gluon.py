@@ -2,17 +2,21 @@
 
 `moela.ops.moe_triton.quant_rows_cols` reads each 128x128 bf16 tile once and writes both its rowwise (1x128) and
 its columnwise (128x1, stored transposed) e4m3 codes. In plain Triton the tile lives in registers (128 fp32 values
-per thread, ~200 registers at 4 warps), so two blocks fit on an SM and little memory traffic is in flight. Here the
-tile is copied into shared memory by the copy engine (TMA, or cp.async when rows are gathered through `src`),
-then read twice in small register chunks: 32-row slices for the rows, 64-column slices for the columns (the
-column slices go through ldmatrix; both read patterns are free of bank conflicts on the unswizzled tile). That
-takes ~100 registers per thread, so shared memory (33 KB per block) limits an SM to six blocks, each with a whole
-tile in flight.
+per thread, ~200 registers at 4 warps), so two blocks fit on an SM and little memory traffic is in flight: 65-66%
+of the copy bandwidth on the H200. Here the tile is copied into shared memory by the copy engine (TMA, or cp.async
+when rows are gathered through `src`), then read twice in small register chunks: 32-row slices for the rows,
+64-column slices for the columns (through ldmatrix; both read patterns are free of bank conflicts on the
+unswizzled tile). The column codes then change layout (through shared memory) so that 8 threads store 128
+contiguous bytes of a qT row: stored straight from the ldmatrix layout, each thread's 16 bytes land in a
+different 128-byte line and the kernel ran at 55%. ~100 registers per thread; shared memory (41 KB per block)
+allows five blocks per SM, each with a whole tile in flight. Measured (bench/results/quant_transpose.md, moe.md
+run 20): rows + columns 79-83% of the copy bandwidth, columns alone 87-88%; a persistent kernel with a ring of
+TMA copies was slower (60-69%), as were 8 warps or other chunk sizes (equal or lower).
 
 Codes and scales are the same bytes as the Triton kernel's (same `div_rn` scale math, same saturating e4m3
-conversion): `tests/test_moe_ops.py::test_gluon_quant_rows_cols_matches_triton` checks it on the GPU. Gluon does not
-run in the Triton interpreter; on CPU `quant_rows_cols` uses the Triton kernel and tests/sm90_compile.py compiles
-these kernels for sm_90.
+conversion): tests/test_quant.py::test_gluon_rows_cols_equal_the_triton_kernel checks it on the GPU. Gluon does
+not run in the Triton interpreter; on CPU `quant_rows_cols` uses the Triton kernel, and tests/sm90_compile.py
+compiles these kernels for sm_90 (registers, spills, shared memory).
 """
 
 from __future__ import annotations

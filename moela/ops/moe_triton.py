@@ -50,7 +50,8 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # backward (three output tiles per input tile) stays at 16 warps: 1.58 ms there (run 11), 2.73 ms at 4 (run 9;
 # bench/results/moe_notes.md). The tile kernels' grids put the column blocks on the fastest axis, so the blocks in
 # flight read long contiguous stretches of each row: the row+column quantization ran at 65% of the copy bandwidth
-# in that order, 56% with row blocks fastest (256-byte pieces of many rows; quant_transpose.md).
+# in that order, 56% with row blocks fastest (256-byte pieces of many rows; quant_transpose.md). On sm_90+ bf16
+# inputs quant_rows_cols runs moela.ops.moe_gluon's kernel instead (the tile staged in shared memory: 79-83%).
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
               swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
