@@ -387,6 +387,7 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         "combine bwd+row/col quant": lambda: L.combine_bwd(dy, o, lay, w, quant=True),
         "gemm2 dgrad": lambda: G.mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2)),
         "swiglu bwd+quants": lambda: L.swiglu_bwd(h, dact, lay.m_indices, quant=True),
+        "swiglu bwd+quants (Triton kernel)": lambda: L.swiglu_bwd(h, dact, lay.m_indices, quant=True, impl="triton"),
         "gemm2 wgrad": lambda: G.kgrouped_gemm(doqt, aqt, lay.offsets, a_scale=dost, b_scale=ast),
         "gemm1 dgrad": lambda: G.mgrouped_gemm(dhq, w13qt, lay.m_indices, a_scale=dhs, b_scale=w13s.transpose(1, 2)),
         "x column quant (gather)": lambda: L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k),

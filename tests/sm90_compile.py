@@ -176,8 +176,8 @@ def moe_triton_kernels():
 
 
 def moe_gluon_kernels():
-    """The Gluon row+column quantization kernels (moela.ops.moe_gluon) at the V3 layer shape, both outputs and the
-    gathered column-only variant of the weight-gradient path."""
+    """The Gluon kernels (moela.ops.moe_gluon) at the V3 layer shape: the row+column quantization (both outputs,
+    and the gathered column-only variant of the weight-gradient path) and the SwiGLU backward."""
     from moela.ops import moe_gluon as G
     from moela.ops import moe_triton as L
 
@@ -195,7 +195,11 @@ def moe_gluon_kernels():
         "moe_gluon rowcol gather colwise": compile_sm90(G._rowcol_gather_kernel, dict(
             x_ptr="*bf16", src_ptr="*i32", q_ptr="*bf16", s_ptr="*bf16", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m,
             N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, COL_STORE=min(G.COL_STORE, 1), **chunks),
-            num_warps=G.NUM_WARPS)}
+            num_warps=G.NUM_WARPS),
+        "moe_gluon swiglu_bwd": compile_sm90(G._swiglu_bwd_kernel, dict(
+            h_desc=desc, da_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dhs_ptr="*fp32", dht_ptr="*fp8e4nv",
+            dhst_ptr="*fp32", at_ptr="*fp8e4nv", ast_ptr="*fp32", M=m, F=2048, RC=G.ROW_CHUNK,
+            CC=G.SWIGLU_COL_CHUNK), num_warps=G.SWIGLU_WARPS)}
 
 
 if __name__ == "__main__":

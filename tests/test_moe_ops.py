@@ -321,6 +321,34 @@ def test_swiglu_kernels_match_autograd():
     assert _rel(dequant_1x128(aqt, ast).t(), act_ref * valid) < 0.04
 
 
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gluon_swiglu_bwd_equals_the_triton_kernel():
+    """The shared-memory (Gluon) SwiGLU backward writes the Triton kernel's bytes (3 column tiles, skewed routing
+    with empty experts, NaN in the padding rows' inputs, which must come out as zeros) and matches autograd."""
+    from moela.ops import moe_gluon
+    from moela.ops.moe_triton import build_layout, swiglu_bwd
+
+    f = 384
+    lay = build_layout(_routing(150, 5, 2, skew=True), 5)
+    valid = (lay.m_indices >= 0)[:, None]
+    h = torch.randn(lay.m_pad, 2 * f, device=DEV).masked_fill(~valid, float("nan")).to(torch.bfloat16)
+    da = torch.randn(lay.m_pad, f, device=DEV).masked_fill(~valid, float("nan")).to(torch.bfloat16)
+    if not moe_gluon.available(h):
+        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+    got = swiglu_bwd(h, da, lay.m_indices, quant=True, impl="gluon")
+    want = swiglu_bwd(h, da, lay.m_indices, quant=True, impl="triton")
+    for (q, sc), (rq, rsc) in zip(got, want):
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rsc)
+    hr = torch.where(valid, h.float(), 0).requires_grad_()
+    act_ref = F.silu(hr[:, :f]) * hr[:, f:]
+    (dh_ref,) = torch.autograd.grad(act_ref, hr, torch.where(valid, da.float(), 0))
+    (dq, ds), (dqt, dst), (aqt, ast) = got
+    assert _rel(dequant_1x128(dq, ds), dh_ref) < 0.04
+    assert _rel(dequant_1x128(dqt, dst).t(), dh_ref) < 0.04
+    assert _rel(dequant_1x128(aqt, ast).t(), act_ref) < 0.04
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # whole path
 

@@ -38,7 +38,11 @@ FP8 = torch.float8_e4m3fn
 ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
 COL_CHUNK = 64  # columns per register chunk of the columnwise pass
 NUM_WARPS = 4
-COL_STORE = 1  # how column codes reach qT (see _quantize_tile)
+COL_STORE = 1  # how column codes reach qT (see _cols_out)
+# SwiGLU backward: three input tiles in shared memory (100 KB: two blocks per SM); 8 warps and 32-column chunks
+# keep it at 92 registers per thread (4 warps / 64 columns spill at 255)
+SWIGLU_WARPS = 8
+SWIGLU_COL_CHUNK = 32
 
 
 def available(x: torch.Tensor) -> bool:
@@ -57,45 +61,116 @@ if gluon is not None:
         a = gl.maximum(amax, _EPS)
         return gl.div_rn(a, _FMAX), gl.div_rn(gl.full_like(a, 1.0), a) * _FMAX
 
+    @gluon.constexpr_function
+    def _row_layout(num_warps):
+        """Register layout of a [RC, 128] row chunk: 8 contiguous values per thread, 16 threads per row."""
+        return gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+
+    @gluon.constexpr_function
+    def _col_layout(num_warps, cc):
+        """Register layout of a [128, CC] column chunk read from shared memory: each thread 128 / warps rows of
+        CC / 32 neighbouring columns (CC = 64: two, read by ldmatrix), a warp's 32 threads side by side."""
+        return gl.BlockedLayout([128 // num_warps, cc // 32], [1, 32], [num_warps, 1], [0, 1])
+
+    @gluon.jit
+    def _rows_out(v, row0, col0, q_ptr, s_ptr, ld_q, ld_s):
+        """Rowwise (1x128) quantization of v [RC, 128] fp32 (row layout) at rows row0.., columns col0..col0+127
+        of q [*, ld_q] (scales s[row, col0 / 128], row stride ld_s)."""
+        rl: gl.constexpr = _row_layout(gl.num_warps())
+        rs, ri = _scale_inv(gl.max(gl.abs(v), axis=1))
+        rows = row0 + gl.arange(0, v.shape[0], layout=gl.SliceLayout(1, rl))
+        cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, rl))
+        gl.store(q_ptr + rows[:, None].to(gl.int64) * ld_q + cols[None, :], (v * ri[:, None]).to(gl.float8e4nv))
+        gl.store(s_ptr + rows * ld_s + col0 // 128, rs)
+
+    @gluon.jit
+    def _cols_out(v, row0, col0, qt_ptr, st_ptr, M, COL_STORE: gl.constexpr, qts, c0):
+        """Columnwise (128x1) quantization of v [128, CC] fp32 (column layout) at rows row0..row0+127, columns
+        col0..: codes into qT [*, M] (row col, column row), scales into sT [*, M / 128]. COL_STORE: how the codes
+        reach qT: 0 from the ldmatrix layout (16 bytes per thread per column: a warp's store touches 32 lines);
+        1 after a layout conversion to 16 rows per thread, 8 threads per column (128 contiguous bytes of a qT row
+        per 8 threads); 2 into qts[c0:c0+CC, :] ([128, 128] e4m3 in shared memory), copied out by the caller."""
+        cl: gl.constexpr = _col_layout(gl.num_warps(), v.shape[1])
+        sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])
+        cc: gl.constexpr = v.shape[1]
+        cs, ci = _scale_inv(gl.max(gl.abs(v), axis=0))
+        codes = (v * ci[None, :]).to(gl.float8e4nv)
+        if COL_STORE == 2:
+            qts.slice(c0, cc, dim=0).permute((1, 0)).store(codes)
+        elif COL_STORE == 1:
+            codes = gl.convert_layout(codes.to(gl.uint8, bitcast=True), sl)
+            rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
+            cols = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, sl))
+            gl.store(qt_ptr.to(gl.pointer_type(gl.uint8)) + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
+        else:
+            rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
+            cols = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, cl))
+            gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
+        cols_s = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, cl))
+        gl.store(st_ptr + cols_s * (M // 128) + row0 // 128, cs)
+
     @gluon.jit
     def _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr,
                        COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr, qts):
         """tile: [128, 128] bf16 in shared memory, the block (pid_m, pid_n) of x [M, N]. Rowwise: q [M, N] and
-        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128]. The column codes are read from the tile by ldmatrix
-        (each thread 128 / warps rows of two columns) and stored (COL_STORE) 0: from those registers (16 bytes per
-        thread per column: a warp's store touches 32 lines); 1: after a layout conversion to 16 rows per thread, 8
-        threads per column (128 contiguous bytes of qT per 8 threads); 2: into qts ([128, 128] e4m3 in shared
-        memory, transposed), which the caller copies to qT with one TMA store."""
-        rl: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])  # [RC, 128]
-        cl: gl.constexpr = gl.BlockedLayout([128 // gl.num_warps(), 2], [1, 32], [gl.num_warps(), 1], [0, 1])
-        sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])  # [128, CC]
+        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128] (COL_STORE: see _cols_out)."""
         if ROWWISE:
             for r0 in gl.static_range(0, 128, RC):
-                v = tile.slice(r0, RC, dim=0).load(rl).to(gl.float32)
-                rs, ri = _scale_inv(gl.max(gl.abs(v), axis=1))
-                rows = pid_m * 128 + r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, rl))
-                cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, rl))
-                gl.store(q_ptr + rows[:, None].to(gl.int64) * N + cols[None, :], (v * ri[:, None]).to(gl.float8e4nv))
-                gl.store(s_ptr + rows * (N // 128) + pid_n, rs)
+                v = tile.slice(r0, RC, dim=0).load(_row_layout(gl.num_warps())).to(gl.float32)
+                _rows_out(v, pid_m * 128 + r0, pid_n * 128, q_ptr, s_ptr, N, N // 128)
         if COLWISE:
             for c0 in gl.static_range(0, 128, CC):
-                v = tile.slice(c0, CC, dim=1).load(cl).to(gl.float32)
-                cs, ci = _scale_inv(gl.max(gl.abs(v), axis=0))
-                codes = (v * ci[None, :]).to(gl.float8e4nv)
-                if COL_STORE == 2:
-                    qts.slice(c0, CC, dim=0).permute((1, 0)).store(codes)
-                elif COL_STORE == 1:
-                    codes = gl.convert_layout(codes.to(gl.uint8, bitcast=True), sl)
-                    rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
-                    cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, sl))
-                    gl.store(qt_ptr.to(gl.pointer_type(gl.uint8)) + cols[None, :].to(gl.int64) * M + rows[:, None],
-                             codes)
-                else:
-                    rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
-                    cols = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
-                    gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
-                cols_s = pid_n * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, cl))
-                gl.store(st_ptr + cols_s * (M // 128) + pid_m, cs)
+                v = tile.slice(c0, CC, dim=1).load(_col_layout(gl.num_warps(), CC)).to(gl.float32)
+                _cols_out(v, pid_m * 128, pid_n * 128 + c0, qt_ptr, st_ptr, M, COL_STORE, qts, c0)
+
+    @gluon.jit
+    def _swiglu_grads(g, u, da, valid):
+        """(dg, du, act) of SwiGLU act = silu(g) * u at fp32 values, zero where not valid (padding rows, whose
+        inputs may be anything); the Triton kernel's expressions, so the same values."""
+        g = gl.where(valid, g, 0.0)
+        u = gl.where(valid, u, 0.0)
+        da = gl.where(valid, da, 0.0)
+        sig = 1 / (1 + gl.exp(-g))
+        silu = g * sig
+        return da * u * (sig + silu * (1.0 - sig)), da * silu, silu * u
+
+    @gluon.jit
+    def _swiglu_bwd_kernel(h_desc, da_desc, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
+                           RC: gl.constexpr, CC: gl.constexpr):
+        """Tile (pid_m, pid_f): g = h[:, f], u = h[:, F + f] and dact arrive in shared memory by three TMA copies;
+        the row pass writes dh's rowwise codes (dg and du), the column pass dh's and act's columnwise codes."""
+        pid_f = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        gs = gl.allocate_shared_memory(gl.bfloat16, [128, 128], h_desc.layout)
+        us = gl.allocate_shared_memory(gl.bfloat16, [128, 128], h_desc.layout)
+        das = gl.allocate_shared_memory(gl.bfloat16, [128, 128], da_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + da_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(h_desc, [pid_m * 128, pid_f * 128], bar, gs)
+        tma.async_copy_global_to_shared(h_desc, [pid_m * 128, F + pid_f * 128], bar, us)
+        tma.async_copy_global_to_shared(da_desc, [pid_m * 128, pid_f * 128], bar, das)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        rl: gl.constexpr = _row_layout(gl.num_warps())
+        cl: gl.constexpr = _col_layout(gl.num_warps(), CC)
+        for r0 in gl.static_range(0, 128, RC):
+            rows = pid_m * 128 + r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, rl))
+            valid = (gl.load(m_idx_ptr + rows) >= 0)[:, None]
+            dg, du, act = _swiglu_grads(gs.slice(r0, RC, dim=0).load(rl).to(gl.float32),
+                                        us.slice(r0, RC, dim=0).load(rl).to(gl.float32),
+                                        das.slice(r0, RC, dim=0).load(rl).to(gl.float32), valid)
+            _rows_out(dg, pid_m * 128 + r0, pid_f * 128, dh_ptr, dhs_ptr, 2 * F, 2 * F // 128)
+            _rows_out(du, pid_m * 128 + r0, F + pid_f * 128, dh_ptr, dhs_ptr, 2 * F, 2 * F // 128)
+        rows = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
+        valid = (gl.load(m_idx_ptr + rows) >= 0)[:, None]
+        for c0 in gl.static_range(0, 128, CC):
+            dg, du, act = _swiglu_grads(gs.slice(c0, CC, dim=1).load(cl).to(gl.float32),
+                                        us.slice(c0, CC, dim=1).load(cl).to(gl.float32),
+                                        das.slice(c0, CC, dim=1).load(cl).to(gl.float32), valid)
+            _cols_out(dg, pid_m * 128, pid_f * 128 + c0, dht_ptr, dhst_ptr, M, 1, gs, c0)
+            _cols_out(du, pid_m * 128, F + pid_f * 128 + c0, dht_ptr, dhst_ptr, M, 1, gs, c0)
+            _cols_out(act, pid_m * 128, pid_f * 128 + c0, at_ptr, ast_ptr, M, 1, gs, c0)
 
     @gluon.jit
     def _rowcol_tma_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
@@ -183,6 +258,19 @@ if gluon is not None:
         gl.thread_barrier()
         _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC, COL_STORE,
                        tile)
+
+
+def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, dhq, dhs, dhqt, dhst, aqt, ast, *,
+               rc: int = ROW_CHUNK, cc: int = SWIGLU_COL_CHUNK, num_warps: int = SWIGLU_WARPS) -> None:
+    """Fill the outputs allocated by moela.ops.moe_triton.swiglu_bwd(quant=True): dh [M, 2F] rowwise and
+    columnwise, act's columnwise codes, from h [M, 2F] and dact [M, F] (bf16, contiguous rows)."""
+    m, two_f = h.shape
+    f = two_f // 2
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    h_desc = TensorDescriptor.from_tensor(h, [128, 128], layout)
+    da_desc = TensorDescriptor.from_tensor(dact, [128, 128], layout)
+    _swiglu_bwd_kernel[(f // 128, m // 128)](h_desc, da_desc, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, RC=rc,
+                                             CC=cc, num_warps=num_warps)
 
 
 def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Tensor | None, gather_div: int,

@@ -373,6 +373,19 @@ def _rowcol_quant_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_
                      ROWWISE, COLWISE)
 
 
+def _use_gluon(op: str, impl: str, *tensors: torch.Tensor) -> bool:
+    """Whether `op` runs its Gluon kernel (moela.ops.moe_gluon): impl "gluon" demands it, "auto" takes it where it
+    can run (never under the interpreter), "triton" never."""
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"{op}: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
+    ok = all(moe_gluon.available(t) for t in tensors)
+    if impl == "gluon" and not ok:
+        got = ", ".join(f"{t.dtype} on {t.device}" for t in tensors)
+        raise ValueError(f"{op}: impl='gluon' needs bf16 CUDA tensors on an sm_90+ GPU and a Triton with Gluon "
+                         f"(got {got}); use impl='triton'")
+    return impl == "gluon" or (impl == "auto" and ok and not INTERPRET)
+
+
 def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = True, src: torch.Tensor | None = None,
                     gather_div: int = 1, impl: str = "auto"):
     """One read of x [M, N] (or of rows x[src // gather_div], zero where src < 0, M = len(src)); returns
@@ -384,12 +397,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     n = x.shape[1]
     if m % 128 or n % 128:
         raise ValueError(f"quant_rows_cols: shape ({m}, {n}) must be multiples of 128 in both dims")
-    if impl not in ("auto", "triton", "gluon"):
-        raise ValueError(f"quant_rows_cols: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
-    use_gluon = impl == "gluon" or (impl == "auto" and not INTERPRET and moe_gluon.available(x))
-    if use_gluon and not moe_gluon.available(x):
-        raise ValueError(f"quant_rows_cols: impl='gluon' needs a bf16 CUDA tensor on an sm_90+ GPU and a Triton "
-                         f"with Gluon (got {x.dtype} on {x.device}); use impl='triton'")
+    use_gluon = _use_gluon("quant_rows_cols", impl, x)
     dev = x.device
     q = torch.empty(m, n, device=dev, dtype=FP8) if rowwise else None
     s = torch.empty(m, n // 128, device=dev, dtype=torch.float32) if rowwise else None
@@ -546,9 +554,11 @@ def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_
                          pid_f, QUANT, 2)
 
 
-def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
+def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool, impl: str = "auto"):
     """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
-    with act recomputed (the bf16 weight gradient reads it row-major)."""
+    with act recomputed (the bf16 weight gradient reads it row-major). impl (quant only): "triton" (one program per
+    output tile, the inputs in registers), "gluon" (moela.ops.moe_gluon: the three input tiles staged in shared
+    memory, every output from one read; bf16 on sm_90+), "auto" (gluon where it can run). Same bytes."""
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
@@ -559,14 +569,19 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
         _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False,
                                  **LAUNCH["swiglu_bwd"])
         return dh, None, act
+    h, dact = h.contiguous(), dact.contiguous()
+    use_gluon = _use_gluon("swiglu_bwd", impl, h, dact)
     dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
     dhs = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
     dhqt = torch.empty(two_f, m, device=dev, dtype=FP8)
     dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
     aqt = torch.empty(f, m, device=dev, dtype=FP8)
     ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-    _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
-                             **LAUNCH["swiglu_bwd"])
+    if use_gluon:
+        moe_gluon.swiglu_bwd(h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast)
+    else:
+        _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
+                                 **LAUNCH["swiglu_bwd"])
     return (dhq, dhs), (dhqt, dhst), (aqt, ast)
 
 
