@@ -380,6 +380,8 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         "build_layout": lambda: L.build_layout(ids, e),
         "permute_align+quant": lambda: L.permute_align(x, ids, e, layout=lay),
         "quant_weights w13+w2": lambda: (L.quant_weights(w13), L.quant_weights(w2)),
+        "quant_weights w13+w2 (Triton kernel)": lambda: (L.quant_weights(w13, impl="triton"),
+                                                         L.quant_weights(w2, impl="triton")),
         "gemm1 fwd": lambda: G.mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s),
         "swiglu fwd+quant": lambda: L.swiglu_fwd(h, lay.m_indices, quant=True),
         "gemm2 fwd": lambda: G.mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s),

@@ -177,7 +177,8 @@ def moe_triton_kernels():
 
 def moe_gluon_kernels():
     """The Gluon kernels (moela.ops.moe_gluon) at the V3 layer shape: the row+column quantization (both outputs,
-    and the gathered column-only variant of the weight-gradient path) and the SwiGLU backward."""
+    and the gathered column-only variant of the weight-gradient path), the SwiGLU backward and the weight
+    quantization."""
     from moela.ops import moe_gluon as G
     from moela.ops import moe_triton as L
 
@@ -199,7 +200,10 @@ def moe_gluon_kernels():
         "moe_gluon swiglu_bwd": compile_sm90(G._swiglu_bwd_kernel, dict(
             h_desc=desc, da_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dhs_ptr="*fp32", dht_ptr="*fp8e4nv",
             dhst_ptr="*fp32", at_ptr="*fp8e4nv", ast_ptr="*fp32", M=m, F=2048, RC=G.ROW_CHUNK,
-            CC=G.SWIGLU_COL_CHUNK), num_warps=G.SWIGLU_WARPS)}
+            CC=G.SWIGLU_COL_CHUNK), num_warps=G.SWIGLU_WARPS),
+        "moe_gluon weight_quant": compile_sm90(G._weight_quant_kernel, dict(  # w13 [E, 2F, D]
+            w_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", N=4096, K=d, RC=G.ROW_CHUNK,
+            CC=G.COL_CHUNK, TRANSPOSED=True), num_warps=G.NUM_WARPS)}
 
 
 if __name__ == "__main__":

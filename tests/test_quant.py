@@ -166,6 +166,32 @@ def test_gluon_rows_cols_equal_the_triton_kernel(case):
         assert_same_quant(*got[1], *quant_1x128(rows.float().t().contiguous()))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("transposed", [True, False])
+def test_gluon_weight_quant_equals_the_triton_kernel(transposed):
+    """One read per block (Gluon) gives the Triton launches' bytes: q, the block scales and the transposed copy, for
+    experts of very different magnitudes, a zero block and 3 x 5 blocks per expert."""
+    from moela.ops import moe_gluon
+    from moela.ops.moe_triton import quant_weights
+
+    w = torch.randn(3, 384, 640, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
+    w[1, :128, 128:256] = 0
+    w = w.to(torch.bfloat16)
+    if not moe_gluon.available(w):
+        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+    got = quant_weights(w, transposed=transposed, impl="gluon")
+    want = quant_weights(w, transposed=transposed, impl="triton")
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    if transposed:
+        assert torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8))
+        assert torch.equal(got[2].view(torch.uint8), got[0].transpose(1, 2).contiguous().view(torch.uint8))
+    else:
+        assert got[2] is None
+    for e in range(3):
+        assert_same_quant(got[0][e], got[1][e], *quant_128x128(w[e]))
+
+
 @needs_kernels
 @pytest.mark.parametrize("transpose_by,dtype", [("quant", torch.bfloat16), ("quant", torch.float32),
                                                ("torch", torch.float32)])

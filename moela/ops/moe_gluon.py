@@ -260,6 +260,58 @@ if gluon is not None:
                        tile)
 
 
+    @gluon.jit
+    def _weight_quant_kernel(w_desc, q_ptr, s_ptr, qt_ptr, N, K, RC: gl.constexpr, CC: gl.constexpr,
+                             TRANSPOSED: gl.constexpr):
+        """Block (bn, bk) of expert e of w [E, N, K] (w_desc over its [E * N, K] view) by one TMA copy: its amax
+        (one pass over the tile in shared memory), then q [E, N, K] from row chunks and, when TRANSPOSED, the same
+        codes at their transposed places in qT [E, K, N] from column chunks, stored after a layout conversion so
+        that 8 threads write 128 contiguous bytes of a qT row."""
+        bk = gl.program_id(0)
+        bn = gl.program_id(1)
+        e = gl.program_id(2)
+        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], w_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [e * N + bn * 128, bk * 128], bar, tile)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        rl: gl.constexpr = _row_layout(gl.num_warps())
+        cl: gl.constexpr = _col_layout(gl.num_warps(), CC)
+        sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])
+        amax = gl.zeros([RC], gl.float32, layout=gl.SliceLayout(1, rl))
+        for r0 in gl.static_range(0, 128, RC):
+            amax = gl.maximum(amax, gl.max(gl.abs(tile.slice(r0, RC, dim=0).load(rl).to(gl.float32)), axis=1))
+        sc, inv = _scale_inv(gl.zeros_like(amax) + gl.max(amax, axis=0))  # [RC], every entry the block's
+        gl.store(s_ptr + (e * (N // 128) + bn) * (K // 128) + bk, gl.max(sc, axis=0))
+        inv_r = inv[:, None]
+        qe = q_ptr + e.to(gl.int64) * N * K
+        for r0 in gl.static_range(0, 128, RC):
+            v = tile.slice(r0, RC, dim=0).load(rl).to(gl.float32)
+            rows = bn * 128 + r0 + gl.arange(0, RC, layout=gl.SliceLayout(1, rl))
+            cols = bk * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, rl))
+            gl.store(qe + rows[:, None] * K + cols[None, :], (v * inv_r).to(gl.float8e4nv))
+        if TRANSPOSED:
+            inv_s = gl.max(inv, axis=0)
+            qte = qt_ptr.to(gl.pointer_type(gl.uint8)) + e.to(gl.int64) * N * K
+            for c0 in gl.static_range(0, 128, CC):
+                v = tile.slice(c0, CC, dim=1).load(cl).to(gl.float32)
+                codes = gl.convert_layout((v * inv_s).to(gl.float8e4nv).to(gl.uint8, bitcast=True), sl)
+                rows = bn * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
+                cols = bk * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, sl))
+                gl.store(qte + cols[None, :] * N + rows[:, None], codes)
+
+def quant_weights(w: torch.Tensor, q, s, qt) -> None:
+    """Fill the outputs allocated by moela.ops.moe_triton.quant_weights (w [E, N, K] contiguous bf16; qt None
+    when the transposed copy is not asked): one read of w."""
+    e, n, k = w.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor.from_tensor(w.view(e * n, k), [128, 128], layout)
+    _weight_quant_kernel[(k // 128, n // 128, e)](desc, q, s, qt if qt is not None else q, n, k, RC=ROW_CHUNK,
+                                                  CC=COL_CHUNK, TRANSPOSED=qt is not None, num_warps=NUM_WARPS)
+
+
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, dhq, dhs, dhqt, dhst, aqt, ast, *,
                rc: int = ROW_CHUNK, cc: int = SWIGLU_COL_CHUNK, num_warps: int = SWIGLU_WARPS) -> None:
     """Fill the outputs allocated by moela.ops.moe_triton.swiglu_bwd(quant=True): dh [M, 2F] rowwise and

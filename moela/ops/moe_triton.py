@@ -441,21 +441,36 @@ def _weight_quant_launch(w: torch.Tensor):
     return q, s
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant"):
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant", impl: str = "auto"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
-    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. transpose_by="quant" runs the kernel
-    again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and codes, so
-    qT is exactly q's transpose, written with coalesced row stores (2.24 ms for both launches on w13 + w2 of the V3
-    E32 layer on the H200, bench/results/moe.md run 11); "torch" copies q.transpose(1, 2) byte by byte (9.6 ms,
-    run 4). Writing qT from the same kernel gave wrong bytes on the H200 (triton 3.6) in three designs, though
-    bit-exact in the interpreter: codes stored at transposed addresses (fp8 and uint8 stores) and the bf16 block
-    transposed on chip (tl.trans) and quantized again; only that transpose inside a persistent, software-pipelined
-    loop (the block read back from shared memory transposed) was right, and it was no faster (3.5 ms)."""
+    s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. impl "gluon" (moela.ops.moe_gluon;
+    contiguous bf16 on sm_90+, "auto" takes it where it can run): one read of w, each 128x128 block staged in shared
+    memory and its codes written to q and, read back by columns, to qT. impl "triton": transpose_by="quant" runs
+    the kernel again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and
+    codes, so qT is exactly q's transpose, written with coalesced row stores (2.24 ms for both launches on w13 + w2
+    of the V3 E32 layer on the H200, bench/results/moe.md run 11); "torch" copies q.transpose(1, 2) byte by byte
+    (9.6 ms, run 4). Writing qT from the same Triton kernel gave wrong bytes on the H200 (triton 3.6) in three
+    designs, though bit-exact in the interpreter: codes stored at transposed addresses (fp8 and uint8 stores) and
+    the bf16 block transposed on chip (tl.trans) and quantized again; only that transpose inside a persistent,
+    software-pipelined loop (the block read back from shared memory transposed) was right, and it was no faster
+    (3.5 ms). The Gluon kernel's bytes are checked against the Triton launches on the GPU
+    (tests/test_quant.py::test_gluon_weight_quant_equals_the_triton_kernel)."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
     if transpose_by not in ("quant", "torch"):
         raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'quant' or 'torch'")
+    if impl == "gluon" and transpose_by != "quant":
+        raise ValueError("quant_weights: transpose_by='torch' is a way of the Triton kernel; use impl='triton'")
+    if impl == "auto" and (not w.is_contiguous() or transpose_by != "quant"):
+        impl = "triton"
+    if _use_gluon("quant_weights", impl, w):
+        w = w.contiguous()
+        q = torch.empty(e, n, k, device=w.device, dtype=FP8)
+        s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
+        qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if transposed else None
+        moe_gluon.quant_weights(w, q, s, qt)
+        return q, s, qt
     q, s = _weight_quant_launch(w)
     if not transposed:
         return q, s, None
