@@ -289,7 +289,8 @@ def _scaled_grouped(aq, a_s, bq, b_s, offs):
 
 
 def section_gemm(quick):
-    cases = [("v3 w13", 8, 4096, 4096, 7168), ("v3 w2", 8, 4096, 7168, 2048), ("v3 w13 E32", 32, 1024, 4096, 7168),
+    cases = [("v3 w13", 8, 4096, 4096, 7168), ("v3 w2", 8, 4096, 7168, 2048), ("v3 w13 E32", 32, 2048, 4096, 7168),
+             ("v3 w2 E32", 32, 2048, 7168, 2048), ("v3 w13 E32", 32, 1024, 4096, 7168),
              ("v2lite w13", 16, 4096, 2816, 2048), ("v2lite w2", 16, 4096, 2048, 1408)]
     for name, e, per, n, k in cases[:2] if quick else cases:
         if out_of_time():
