@@ -19,7 +19,8 @@ satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-
 `--gluon` times the library's Triton and Gluon (moela.ops.moe_gluon: the tile staged in shared memory) kernels and
 the Gluon kernel at other register chunks, warp counts and as a persistent kernel with a ring of TMA copies.
 Usage:
-  python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon] [--out bench/results/quant_transpose.md]
+  python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon]
+                                  [--out bench/results/quant_transpose.md]
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def main():
         add("library quant_rows_cols(rowwise=False), Gluon", 128, G.NUM_WARPS,
             lambda: L.quant_rows_cols(x, rowwise=False, impl="gluon"), col_bytes,
             lambda: same_cols(L.quant_rows_cols(x, rowwise=False, impl="gluon")))
-    for mode, name in () if args.rows_cols_only or args.gluon else ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4")):
+    designs = ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4"))
+    for mode, name in () if args.rows_cols_only or args.gluon else designs:
         for bc in (32, 64, 128):
             for warps in (4, 8):
                 try:
@@ -275,7 +277,8 @@ def main():
         lambda: L.quant_rows_cols(x, impl="triton"), both_bytes, lambda: True)
     if G.available(x):
         add("library quant_rows_cols, Gluon (tile in shared memory)", 128, G.NUM_WARPS,
-            lambda: L.quant_rows_cols(x, impl="gluon"), both_bytes, lambda: same_both(L.quant_rows_cols(x, impl="gluon")))
+            lambda: L.quant_rows_cols(x, impl="gluon"), both_bytes,
+            lambda: same_both(L.quant_rows_cols(x, impl="gluon")))
 
     if args.gluon:
         stores = {0: "codes stored from the ldmatrix layout", 1: "codes through a layout conversion",

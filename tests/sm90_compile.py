@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
     """args: every parameter by name: a constexpr's value; for the others a pointer type string ("*bf16",
-    16-byte aligned like a torch allocation), a tensor descriptor type string (Gluon kernels' TMA descriptors), an int (i32, specialized as the launcher does: 1 becomes a constant,
-    a multiple of 16 gets the divisibility hint) or a float (fp32). Returns (shared bytes, async copies in the
-    TTGIR, registers per thread, spill bytes)."""
+    16-byte aligned like a torch allocation), a tensor descriptor type string (Gluon kernels' TMA descriptors),
+    an int (i32, specialized as the launcher does: 1 becomes a constant, a multiple of 16 gets the divisibility
+    hint) or a float (fp32). Returns (shared bytes, async copies in the TTGIR, registers per thread, spill
+    bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -335,7 +335,7 @@ def test_gluon_swiglu_bwd_equals_the_triton_kernel():
     h = torch.randn(lay.m_pad, 2 * f, device=DEV).masked_fill(~valid, float("nan")).to(torch.bfloat16)
     da = torch.randn(lay.m_pad, f, device=DEV).masked_fill(~valid, float("nan")).to(torch.bfloat16)
     if not moe_gluon.available(h):
-        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+        pytest.skip("the Gluon kernels need a Hopper (sm_90) GPU and a Triton with Gluon")
     got = swiglu_bwd(h, da, lay.m_indices, quant=True, impl="gluon")
     want = swiglu_bwd(h, da, lay.m_indices, quant=True, impl="triton")
     for (q, sc), (rq, rsc) in zip(got, want):

@@ -152,7 +152,7 @@ def test_gluon_rows_cols_equal_the_triton_kernel(case):
         kw = dict(src=torch.randint(-1, 300, (384,), device=DEV, dtype=torch.int32), gather_div=3,
                   rowwise=case == "gather rows+cols", colwise=True)
     if not moe_gluon.available(x):
-        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+        pytest.skip("the Gluon kernels need a Hopper (sm_90) GPU and a Triton with Gluon")
     got = quant_rows_cols(x, impl="gluon", **kw)
     want = quant_rows_cols(x, impl="triton", **kw)
     for (q, s), (rq, rs) in zip(got, want):
@@ -179,7 +179,7 @@ def test_gluon_weight_quant_equals_the_triton_kernel(transposed):
     w[1, :128, 128:256] = 0
     w = w.to(torch.bfloat16)
     if not moe_gluon.available(w):
-        pytest.skip("the Gluon kernels need an sm_90+ GPU and a Triton with Gluon")
+        pytest.skip("the Gluon kernels need a Hopper (sm_90) GPU and a Triton with Gluon")
     got = quant_weights(w, transposed=transposed, impl="gluon")
     want = quant_weights(w, transposed=transposed, impl="triton")
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])

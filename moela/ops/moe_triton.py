@@ -50,8 +50,9 @@ _ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the permute kernel's 
 # backward (three output tiles per input tile) stays at 16 warps: 1.58 ms there (run 11), 2.73 ms at 4 (run 9;
 # bench/results/moe_notes.md). The tile kernels' grids put the column blocks on the fastest axis, so the blocks in
 # flight read long contiguous stretches of each row: the row+column quantization ran at 65% of the copy bandwidth
-# in that order, 56% with row blocks fastest (256-byte pieces of many rows; quant_transpose.md). On sm_90+ bf16
-# inputs quant_rows_cols runs moela.ops.moe_gluon's kernel instead (the tile staged in shared memory: 79-83%).
+# in that order, 56% with row blocks fastest (256-byte pieces of many rows; quant_transpose.md). On Hopper (sm_90),
+# for bf16 inputs, quant_rows_cols, swiglu_bwd(quant=True) and quant_weights run moela.ops.moe_gluon's kernels
+# instead (tiles staged in shared memory; the row+column quantization at 79-83%).
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
               swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
@@ -381,7 +382,7 @@ def _use_gluon(op: str, impl: str, *tensors: torch.Tensor) -> bool:
     ok = all(moe_gluon.available(t) for t in tensors)
     if impl == "gluon" and not ok:
         got = ", ".join(f"{t.dtype} on {t.device}" for t in tensors)
-        raise ValueError(f"{op}: impl='gluon' needs bf16 CUDA tensors on an sm_90+ GPU and a Triton with Gluon "
+        raise ValueError(f"{op}: impl='gluon' needs bf16 CUDA tensors on a Hopper (sm_90) GPU and a Triton with Gluon "
                          f"(got {got}); use impl='triton'")
     return impl == "gluon" or (impl == "auto" and ok and not INTERPRET)
 
@@ -392,7 +393,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     (q [M, N] e4m3, s [M, N/128]) rowwise and (qT [N, M] e4m3, sT [N, M/128]) columnwise (None where not asked).
     M and N must be multiples of 128 (the padded layout guarantees M). impl: "triton" (the tile in registers; runs
     everywhere, the interpreter included), "gluon" (the tile staged in shared memory, moela.ops.moe_gluon: bf16 on
-    sm_90+), "auto" (gluon where it can run, else triton). Both give the same bytes."""
+    sm_90), "auto" (gluon where it can run, else triton). Both give the same bytes."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
     if m % 128 or n % 128:
@@ -444,7 +445,7 @@ def _weight_quant_launch(w: torch.Tensor):
 def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant", impl: str = "auto"):
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
     s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128. impl "gluon" (moela.ops.moe_gluon;
-    contiguous bf16 on sm_90+, "auto" takes it where it can run): one read of w, each 128x128 block staged in shared
+    contiguous bf16 on sm_90, "auto" takes it where it can run): one read of w, each 128x128 block staged in shared
     memory and its codes written to q and, read back by columns, to qT. impl "triton": transpose_by="quant" runs
     the kernel again on the transposed view of w: every 128x128 block has the same amax, hence the same scale and
     codes, so qT is exactly q's transpose, written with coalesced row stores (2.24 ms for both launches on w13 + w2
@@ -573,7 +574,7 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
     with act recomputed (the bf16 weight gradient reads it row-major). impl (quant only): "triton" (one program per
     output tile, the inputs in registers), "gluon" (moela.ops.moe_gluon: the three input tiles staged in shared
-    memory, every output from one read; bf16 on sm_90+), "auto" (gluon where it can run). Same bytes."""
+    memory, every output from one read; bf16 on sm_90), "auto" (gluon where it can run). Same bytes."""
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
