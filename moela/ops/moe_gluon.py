@@ -22,9 +22,8 @@ moe.md run 22).
 
 Codes and scales are the same bytes as the Triton kernels' (same `div_rn` scale math, same saturating e4m3
 conversion, same SwiGLU expressions): the GPU tests `test_gluon_*` of tests/test_quant.py and tests/test_moe_ops.py
-compare them byte for byte.
-Gluon does not run in the Triton interpreter; on CPU the Triton kernels run, and tests/sm90_compile.py compiles
-these kernels for sm_90 (registers, spills, shared memory).
+compare them byte for byte. Gluon does not run in the Triton interpreter; on CPU the Triton kernels run, and
+tests/sm90_compile.py compiles these kernels for sm_90 (registers, spills, shared memory).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon: quant_rows_cols keeps its Triton kernel
+except ImportError:  # a Triton without Gluon: moela.ops.moe_triton keeps its Triton kernels
     gluon = None
 
 from moela.ops.quant import AMAX_EPS, FP8_MAX
@@ -268,7 +267,6 @@ if gluon is not None:
         _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC, COL_STORE,
                        tile)
 
-
     @gluon.jit
     def _weight_quant_kernel(w_desc, q_ptr, s_ptr, qt_ptr, N, K, RC: gl.constexpr, CC: gl.constexpr,
                              TRANSPOSED: gl.constexpr):
@@ -311,6 +309,7 @@ if gluon is not None:
                 cols = bk * 128 + c0 + gl.arange(0, CC, layout=gl.SliceLayout(0, sl))
                 gl.store(qte + cols[None, :] * N + rows[:, None], codes)
 
+
 def quant_weights(w: torch.Tensor, q, s, qt) -> None:
     """Fill the outputs allocated by moela.ops.moe_triton.quant_weights (w [E, N, K] contiguous bf16; qt None
     when the transposed copy is not asked): one read of w."""
@@ -338,7 +337,7 @@ def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Te
                     q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS,
                     col_store: int = COL_STORE, stages: int = 0, per_sm: int = 2) -> None:
     """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes). col_store: how
-    the column codes reach qT (see _quantize_tile; 2 only without gather). stages > 0 (no gather): the persistent
+    the column codes reach qT (see _cols_out; 2 only without gather). stages > 0 (no gather): the persistent
     kernel with that many shared-memory tiles, per_sm programs per SM."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
