@@ -118,6 +118,18 @@ if gluon is not None:
         gl.store(st_ptr + cols_s * (M // 128) + row0 // 128, cs)
 
     @gluon.jit
+    def _tma_tile(desc, row, col):
+        """The [128, 128] block of desc's tensor at (row, col), copied into shared memory by the TMA engine."""
+        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, tile)
+        mbarrier.wait(bar, 0)
+        mbarrier.invalidate(bar)
+        return tile
+
+    @gluon.jit
     def _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr,
                        COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr, qts):
         """tile: [128, 128] bf16 in shared memory, the block (pid_m, pid_n) of x [M, N]. Rowwise: q [M, N] and
@@ -187,13 +199,7 @@ if gluon is not None:
         qt_ptr is qT's TMA descriptor."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
-        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], x_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        mbarrier.expect(bar, x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [pid_m * 128, pid_n * 128], bar, tile)
-        mbarrier.wait(bar, 0)
-        mbarrier.invalidate(bar)
+        tile = _tma_tile(x_desc, pid_m * 128, pid_n * 128)
         if COL_STORE == 2:
             qts = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], qt_ptr.layout)
             _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
@@ -277,13 +283,7 @@ if gluon is not None:
         bk = gl.program_id(0)
         bn = gl.program_id(1)
         e = gl.program_id(2)
-        tile = gl.allocate_shared_memory(gl.bfloat16, [128, 128], w_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        mbarrier.expect(bar, w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [e * N + bn * 128, bk * 128], bar, tile)
-        mbarrier.wait(bar, 0)
-        mbarrier.invalidate(bar)
+        tile = _tma_tile(w_desc, e * N + bn * 128, bk * 128)
         rl: gl.constexpr = _row_layout(gl.num_warps())
         cl: gl.constexpr = _col_layout(gl.num_warps(), CC)
         sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])
