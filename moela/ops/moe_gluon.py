@@ -38,6 +38,11 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: moela.ops.moe_triton keeps its Triton kernels
     gluon = None
+else:  # the copy builtins' names: Triton 3.6 (the GPU machine) and newer ones (3.9, with torch 2.13)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 from moela.ops.quant import AMAX_EPS, FP8_MAX
 
@@ -124,7 +129,7 @@ if gluon is not None:
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         mbarrier.expect(bar, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, tile)
+        _tma_load(desc, [row, col], bar, tile)
         mbarrier.wait(bar, 0)
         mbarrier.invalidate(bar)
         return tile
@@ -167,9 +172,9 @@ if gluon is not None:
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         mbarrier.expect(bar, 2 * h_desc.block_type.nbytes + da_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(h_desc, [pid_m * 128, pid_f * 128], bar, gs)
-        tma.async_copy_global_to_shared(h_desc, [pid_m * 128, F + pid_f * 128], bar, us)
-        tma.async_copy_global_to_shared(da_desc, [pid_m * 128, pid_f * 128], bar, das)
+        _tma_load(h_desc, [pid_m * 128, pid_f * 128], bar, gs)
+        _tma_load(h_desc, [pid_m * 128, F + pid_f * 128], bar, us)
+        _tma_load(da_desc, [pid_m * 128, pid_f * 128], bar, das)
         mbarrier.wait(bar, 0)
         mbarrier.invalidate(bar)
         rl: gl.constexpr = _row_layout(gl.num_warps())
@@ -205,8 +210,8 @@ if gluon is not None:
             _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
                            COL_STORE, qts)
             fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(qt_ptr, [pid_n * 128, pid_m * 128], qts)
+            _cta_barrier()
+            _tma_store(qt_ptr, [pid_n * 128, pid_m * 128], qts)
             tma.store_wait(0)
         else:
             _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
@@ -229,17 +234,17 @@ if gluon is not None:
             t = pid + i * nprog
             if t < n_tiles:
                 mbarrier.expect(bars.index(i), x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [t // n_tn * 128, t % n_tn * 128], bars.index(i),
+                _tma_load(x_desc, [t // n_tn * 128, t % n_tn * 128], bars.index(i),
                                                 bufs.index(i))
         it = 0
         for t in range(pid, n_tiles, nprog):
-            gl.thread_barrier()  # every warp is done with the slot the next copy overwrites (read last iteration)
+            _cta_barrier()  # every warp is done with the slot the next copy overwrites (read last iteration)
             fence_async_shared()
             nt = t + (STAGES - 1) * nprog
             if nt < n_tiles:
                 ns = (it + STAGES - 1) % STAGES
                 mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(x_desc, [nt // n_tn * 128, nt % n_tn * 128], bars.index(ns),
+                _tma_load(x_desc, [nt // n_tn * 128, nt % n_tn * 128], bars.index(ns),
                                                 bufs.index(ns))
             slot = it % STAGES
             mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
@@ -265,11 +270,11 @@ if gluon is not None:
         s = gl.load(src_ptr + rows)
         ok = s >= 0
         srow = gl.where(ok, s // gather_div, 0).to(gl.int64)
-        async_copy.async_copy_global_to_shared(tile, x_ptr + srow[:, None] * ld_x + cols[None, :],
+        _cp_async_load(tile, x_ptr + srow[:, None] * ld_x + cols[None, :],
                                                mask=ok[:, None] & (cols < N)[None, :])
         async_copy.commit_group()
         async_copy.wait_group(0)
-        gl.thread_barrier()
+        _cta_barrier()
         _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC, COL_STORE,
                        tile)
 
