@@ -17,7 +17,8 @@ BC (columns per tile) and warps are swept. Rows and columns from one read (both 
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
 `--gluon` times the library's Triton and Gluon (moela.ops.moe_gluon: the tile staged in shared memory) kernels and
-the Gluon kernel at other register chunks, warp counts and as a persistent kernel with a ring of TMA copies.
+the Gluon kernel at other register chunks and warp counts (at commit 680e623 it also timed other ways for the
+column codes to reach qT and a persistent kernel; quant_transpose.md).
 Usage:
   python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon]
                                   [--out bench/results/quant_transpose.md]
@@ -205,15 +206,14 @@ def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
     return (q, s) if rows else None, (qt, st)
 
 
-def gluon_rowcol(x, rc, cc, warps, col_store, stages=0, per_sm=2, rowwise=True):
-    """The Gluon kernels of moela.ops.moe_gluon at a given chunking / warps / column store / persistence."""
+def gluon_rowcol(x, rc, cc, warps, rowwise=True):
+    """The Gluon kernel of moela.ops.moe_gluon at given register chunks and warps."""
     m, n = x.shape
     q = torch.empty(m, n, device=x.device, dtype=L.FP8) if rowwise else None
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32) if rowwise else None
     qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    G.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps, col_store=col_store,
-                      stages=stages, per_sm=per_sm)
+    G.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps)
     return (q, s), (qt, st)
 
 
@@ -281,20 +281,9 @@ def main():
             lambda: same_both(L.quant_rows_cols(x, impl="gluon")))
 
     if args.gluon:
-        stores = {0: "codes stored from the ldmatrix layout", 1: "codes through a layout conversion",
-                  2: "codes through shared memory + TMA store"}
-        for col_store in (0, 1, 2):
-            add(f"Gluon columns only, {stores[col_store]}", 128, 4, lambda: gluon_rowcol(x, 32, 64, 4, col_store,
-                rowwise=False), col_bytes, lambda: same_cols(gluon_rowcol(x, 32, 64, 4, col_store, rowwise=False)))
-        for col_store in (0, 1, 2):
-            for warps, rc, cc in ((4, 32, 64), (4, 16, 32), (8, 32, 64)):
-                add(f"Gluon rows+cols, {rc}-row / {cc}-column chunks, {stores[col_store]}", 128, warps,
-                    lambda: gluon_rowcol(x, rc, cc, warps, col_store), both_bytes,
-                    lambda: same_both(gluon_rowcol(x, rc, cc, warps, col_store)))
-        for stages, per_sm in ((2, 2), (3, 1)):
-            add(f"Gluon persistent rows+cols, {stages} tiles in shared memory, {per_sm} programs per SM, "
-                f"{stores[1]}", 128, 4, lambda: gluon_rowcol(x, 32, 64, 4, 1, stages, per_sm), both_bytes,
-                lambda: same_both(gluon_rowcol(x, 32, 64, 4, 1, stages, per_sm)))
+        for warps, rc, cc in ((4, 32, 64), (4, 16, 32), (8, 32, 64), (8, 16, 32)):
+            add(f"Gluon rows+cols, {rc}-row / {cc}-column chunks", 128, warps, lambda: gluon_rowcol(x, rc, cc, warps),
+                both_bytes, lambda: same_both(gluon_rowcol(x, rc, cc, warps)))
         open(args.out, "w").write("\n".join(lines) + "\n")
         return
     for warps in (4, 8, 16):

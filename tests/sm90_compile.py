@@ -187,16 +187,13 @@ def moe_gluon_kernels():
         return {}
     m, d, k = L.build_layout_rows(8192, 8, 32), 7168, 8
     desc = f"tensordesc<bf16[128, 128],{G.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)}>"
-    qt = "*fp8e4nv"
-    if G.COL_STORE == 2:
-        qt = f"tensordesc<fp8e4nv[128, 128],{G.gl.NVMMASharedLayout.get_default_for([128, 128], G.gl.float8e4nv)}>"
     chunks = dict(RC=G.ROW_CHUNK, CC=G.COL_CHUNK)
     return {"moe_gluon rowcol rows+cols": compile_sm90(G._rowcol_tma_kernel, dict(
-        x_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr=qt, st_ptr="*fp32", M=m, N=d, ROWWISE=True,
-        COLWISE=True, COL_STORE=G.COL_STORE, **chunks), num_warps=G.NUM_WARPS),
+        x_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m, N=d, ROWWISE=True,
+        COLWISE=True, **chunks), num_warps=G.NUM_WARPS),
         "moe_gluon rowcol gather colwise": compile_sm90(G._rowcol_gather_kernel, dict(
             x_ptr="*bf16", src_ptr="*i32", q_ptr="*bf16", s_ptr="*bf16", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m,
-            N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, COL_STORE=min(G.COL_STORE, 1), **chunks),
+            N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, **chunks),
             num_warps=G.NUM_WARPS),
         "moe_gluon swiglu_bwd": compile_sm90(G._swiglu_bwd_kernel, dict(
             h_desc=desc, da_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dhs_ptr="*fp32", dht_ptr="*fp8e4nv",

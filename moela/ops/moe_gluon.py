@@ -11,8 +11,10 @@ unswizzled tile). The column codes then change layout (through shared memory) so
 contiguous bytes of a qT row: stored straight from the ldmatrix layout, each thread's 16 bytes land in a
 different 128-byte line and the kernel ran at 55%. ~100 registers per thread; shared memory (41 KB per block)
 allows five blocks per SM, each with a whole tile in flight. Measured (bench/results/quant_transpose.md, moe.md
-runs 20, 23): rows + columns 79-83% of the copy bandwidth, columns alone 87-88%; a persistent kernel with a ring of
-TMA copies was slower (60-69%), as were 8 warps or other chunk sizes (equal or lower).
+runs 20, 23): rows + columns 79-83% of the copy bandwidth, columns alone 87-88%. Also measured there (at commit
+680e623, whose bench/quant_transpose.py --gluon ran them): the codes written transposed into shared memory and
+copied out by a TMA store (as fast: 79%, 87%), a persistent kernel with a ring of TMA copies (slower: 60-69%), 8
+warps and other chunk sizes (equal or lower).
 
 The same staging serves two more kernels: the SwiGLU backward (g, u and dact tiles by TMA; dh's row and column
 codes and act's column codes from one read of each; 0.67 ms against 1.49 for the Triton kernel, which runs one
@@ -34,13 +36,12 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: moela.ops.moe_triton keeps its Triton kernels
     gluon = None
 else:  # the copy builtins' names: Triton 3.6 (the GPU machine) and newer ones (3.9, with torch 2.13)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -50,7 +51,6 @@ FP8 = torch.float8_e4m3fn
 ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
 COL_CHUNK = 64  # columns per register chunk of the columnwise pass
 NUM_WARPS = 4
-COL_STORE = 1  # how column codes reach qT (see _cols_out)
 # SwiGLU backward: three input tiles in shared memory (100 KB: two blocks per SM); 8 warps and 32-column chunks
 # keep it at 92 registers per thread (4 warps / 64 columns spill at 255)
 SWIGLU_WARPS = 8
@@ -97,28 +97,19 @@ if gluon is not None:
         gl.store(s_ptr + rows * ld_s + col0 // 128, rs)
 
     @gluon.jit
-    def _cols_out(v, row0, col0, qt_ptr, st_ptr, M, COL_STORE: gl.constexpr, qts, c0):
+    def _cols_out(v, row0, col0, qt_ptr, st_ptr, M):
         """Columnwise (128x1) quantization of v [128, CC] fp32 (column layout) at rows row0..row0+127, columns
-        col0..: codes into qT [*, M] (row col, column row), scales into sT [*, M / 128]. COL_STORE: how the codes
-        reach qT: 0 from the ldmatrix layout (16 bytes per thread per column: a warp's store touches 32 lines);
-        1 after a layout conversion to 16 rows per thread, 8 threads per column (128 contiguous bytes of a qT row
-        per 8 threads); 2 into qts[c0:c0+CC, :] ([128, 128] e4m3 in shared memory), copied out by the caller."""
+        col0..: codes into qT [*, M] (row col, column row), scales into sT [*, M / 128]. The codes change layout
+        (through shared memory) to 16 rows per thread, 8 threads per column, so that 8 threads store 128 contiguous
+        bytes of a qT row (stored from the column layout, each thread's 16 bytes would land in a different line)."""
         cl: gl.constexpr = _col_layout(gl.num_warps(), v.shape[1])
         sl: gl.constexpr = gl.BlockedLayout([16, 1], [8, 4], [1, gl.num_warps()], [0, 1])
         cc: gl.constexpr = v.shape[1]
         cs, ci = _scale_inv(gl.max(gl.abs(v), axis=0))
-        codes = (v * ci[None, :]).to(gl.float8e4nv)
-        if COL_STORE == 2:
-            qts.slice(c0, cc, dim=0).permute((1, 0)).store(codes)
-        elif COL_STORE == 1:
-            codes = gl.convert_layout(codes.to(gl.uint8, bitcast=True), sl)
-            rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
-            cols = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, sl))
-            gl.store(qt_ptr.to(gl.pointer_type(gl.uint8)) + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
-        else:
-            rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, cl))
-            cols = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, cl))
-            gl.store(qt_ptr + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
+        codes = gl.convert_layout((v * ci[None, :]).to(gl.float8e4nv).to(gl.uint8, bitcast=True), sl)
+        rows = row0 + gl.arange(0, 128, layout=gl.SliceLayout(1, sl))
+        cols = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, sl))
+        gl.store(qt_ptr.to(gl.pointer_type(gl.uint8)) + cols[None, :].to(gl.int64) * M + rows[:, None], codes)
         cols_s = col0 + gl.arange(0, cc, layout=gl.SliceLayout(0, cl))
         gl.store(st_ptr + cols_s * (M // 128) + row0 // 128, cs)
 
@@ -136,9 +127,9 @@ if gluon is not None:
 
     @gluon.jit
     def _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr,
-                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr, qts):
+                       COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
         """tile: [128, 128] bf16 in shared memory, the block (pid_m, pid_n) of x [M, N]. Rowwise: q [M, N] and
-        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128] (COL_STORE: see _cols_out)."""
+        s [M, N/128]; columnwise: qT [N, M] and sT [N, M/128]."""
         if ROWWISE:
             for r0 in gl.static_range(0, 128, RC):
                 v = tile.slice(r0, RC, dim=0).load(_row_layout(gl.num_warps())).to(gl.float32)
@@ -146,7 +137,7 @@ if gluon is not None:
         if COLWISE:
             for c0 in gl.static_range(0, 128, CC):
                 v = tile.slice(c0, CC, dim=1).load(_col_layout(gl.num_warps(), CC)).to(gl.float32)
-                _cols_out(v, pid_m * 128, pid_n * 128 + c0, qt_ptr, st_ptr, M, COL_STORE, qts, c0)
+                _cols_out(v, pid_m * 128, pid_n * 128 + c0, qt_ptr, st_ptr, M)
 
     @gluon.jit
     def _swiglu_grads(g, u, da, valid):
@@ -193,71 +184,22 @@ if gluon is not None:
             dg, du, act = _swiglu_grads(gs.slice(c0, CC, dim=1).load(cl).to(gl.float32),
                                         us.slice(c0, CC, dim=1).load(cl).to(gl.float32),
                                         das.slice(c0, CC, dim=1).load(cl).to(gl.float32), valid)
-            _cols_out(dg, pid_m * 128, pid_f * 128 + c0, dht_ptr, dhst_ptr, M, 1, gs, c0)
-            _cols_out(du, pid_m * 128, F + pid_f * 128 + c0, dht_ptr, dhst_ptr, M, 1, gs, c0)
-            _cols_out(act, pid_m * 128, pid_f * 128 + c0, at_ptr, ast_ptr, M, 1, gs, c0)
+            _cols_out(dg, pid_m * 128, pid_f * 128 + c0, dht_ptr, dhst_ptr, M)
+            _cols_out(du, pid_m * 128, F + pid_f * 128 + c0, dht_ptr, dhst_ptr, M)
+            _cols_out(act, pid_m * 128, pid_f * 128 + c0, at_ptr, ast_ptr, M)
 
     @gluon.jit
     def _rowcol_tma_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE: gl.constexpr, COLWISE: gl.constexpr,
-                           RC: gl.constexpr, CC: gl.constexpr, COL_STORE: gl.constexpr):
-        """One 128x128 tile per program, column blocks fastest; the tile arrives by one TMA copy. COL_STORE 2:
-        qt_ptr is qT's TMA descriptor."""
+                           RC: gl.constexpr, CC: gl.constexpr):
+        """One 128x128 tile per program, column blocks fastest; the tile arrives by one TMA copy."""
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         tile = _tma_tile(x_desc, pid_m * 128, pid_n * 128)
-        if COL_STORE == 2:
-            qts = gl.allocate_shared_memory(gl.float8e4nv, [128, 128], qt_ptr.layout)
-            _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
-                           COL_STORE, qts)
-            fence_async_shared()
-            _cta_barrier()
-            _tma_store(qt_ptr, [pid_n * 128, pid_m * 128], qts)
-            tma.store_wait(0)
-        else:
-            _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC,
-                           COL_STORE, tile)
-
-    @gluon.jit
-    def _rowcol_tma_persistent_kernel(x_desc, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles, ROWWISE: gl.constexpr,
-                                      COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr,
-                                      COL_STORE: gl.constexpr, STAGES: gl.constexpr):
-        """Persistent: program p quantizes tiles p, p + P, ... (column blocks fastest) from a ring of STAGES
-        shared-memory tiles, the TMA copies of the next STAGES - 1 tiles in flight while one is quantized."""
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        n_tn = N // 128
-        bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(STAGES - 1):
-            t = pid + i * nprog
-            if t < n_tiles:
-                mbarrier.expect(bars.index(i), x_desc.block_type.nbytes)
-                _tma_load(x_desc, [t // n_tn * 128, t % n_tn * 128], bars.index(i),
-                                                bufs.index(i))
-        it = 0
-        for t in range(pid, n_tiles, nprog):
-            _cta_barrier()  # every warp is done with the slot the next copy overwrites (read last iteration)
-            fence_async_shared()
-            nt = t + (STAGES - 1) * nprog
-            if nt < n_tiles:
-                ns = (it + STAGES - 1) % STAGES
-                mbarrier.expect(bars.index(ns), x_desc.block_type.nbytes)
-                _tma_load(x_desc, [nt // n_tn * 128, nt % n_tn * 128], bars.index(ns),
-                                                bufs.index(ns))
-            slot = it % STAGES
-            mbarrier.wait(bars.index(slot), (it // STAGES) & 1)
-            _quantize_tile(bufs.index(slot), t // n_tn, t % n_tn, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE,
-                           COLWISE, RC, CC, COL_STORE, bufs)
-            it += 1
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
 
     @gluon.jit
     def _rowcol_gather_kernel(x_ptr, src_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ld_x, gather_div,
-                              ROWWISE: gl.constexpr, COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr,
-                              COL_STORE: gl.constexpr):
+                              ROWWISE: gl.constexpr, COLWISE: gl.constexpr, RC: gl.constexpr, CC: gl.constexpr):
         """Rows x[src // gather_div] (zeros where src < 0), one 128x128 tile per program, row blocks fastest (the
         order the Triton gather kernel measured faster); the tile arrives by cp.async (16 bytes per copy)."""
         pid_m = gl.program_id(0)
@@ -275,8 +217,7 @@ if gluon is not None:
         async_copy.commit_group()
         async_copy.wait_group(0)
         _cta_barrier()
-        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC, COL_STORE,
-                       tile)
+        _quantize_tile(tile, pid_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, ROWWISE, COLWISE, RC, CC)
 
     @gluon.jit
     def _weight_quant_kernel(w_desc, q_ptr, s_ptr, qt_ptr, N, K, RC: gl.constexpr, CC: gl.constexpr,
@@ -339,33 +280,19 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, dhq
 
 
 def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Tensor | None, gather_div: int,
-                    q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS,
-                    col_store: int = COL_STORE, stages: int = 0, per_sm: int = 2) -> None:
-    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes). col_store: how
-    the column codes reach qT (see _cols_out; 2 only without gather). stages > 0 (no gather): the persistent
-    kernel with that many shared-memory tiles, per_sm programs per SM."""
+                    q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS) -> None:
+    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes); rc, cc and
+    num_warps are the register chunks and warps (bench/quant_transpose.py --gluon sweeps them)."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
-    if src is not None or stages:
-        col_store = min(col_store, 1)
-    consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, COL_STORE=col_store, num_warps=num_warps)
-    if colwise and col_store == 2:
-        qt_arg = TensorDescriptor.from_tensor(qt, [128, 128], gl.NVMMASharedLayout.get_default_for([128, 128],
-                                                                                                  gl.float8e4nv))
-    else:
-        qt_arg = qt if colwise else x
-    outs = (q if rowwise else x, s if rowwise else x, qt_arg, st if colwise else x)
+    consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, num_warps=num_warps)
+    outs = (q if rowwise else x, s if rowwise else x, qt if colwise else x, st if colwise else x)
     if src is None:
         if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
             x = x.contiguous()
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         desc = TensorDescriptor.from_tensor(x, [128, 128], layout)
-        if stages:
-            tiles = (m // 128) * (n // 128)
-            grid = min(tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
-            _rowcol_tma_persistent_kernel[(grid,)](desc, *outs, m, n, tiles, STAGES=stages, **consts)
-        else:
-            _rowcol_tma_kernel[(n // 128, m // 128)](desc, *outs, m, n, **consts)
+        _rowcol_tma_kernel[(n // 128, m // 128)](desc, *outs, m, n, **consts)
     else:
         if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
