@@ -1,53 +1,34 @@
-"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert, context and tensor parallelism.
+"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert and context parallelism (tensor
+parallelism is not built yet: `parallel.tp` must be 1).
 
-`apply_parallelism(model, mesh, cfg)` is the one entry point the trainer calls. It applies, in torchtitan's order:
-context parallelism (attention hooks, and `model(batch)` runs on this rank's part of the batch), expert
-parallelism (routed experts replaced by their EP version), activation checkpointing, FSDP2. Tensor parallelism is
-not built (`ParallelConfig.validate` rejects `tp > 1`). Parameter names never change, so checkpoints written
-under one layout load under another. Contract with the trainer: FSDP
-averages every gradient over the `dp_cp` ranks (see `moela.parallel.fsdp`), so the trainer multiplies each rank's
-loss by `mesh.size("dp_cp")` after weighting micro-batches by their share of the global step's labelled tokens;
-gradient clipping goes through `clip_grad_norm_` (gradients may live on several meshes); the per-step expert load
-is summed with `reduce_expert_load` before `update_router_bias`.
+`apply_parallelism(model, mesh, cfg)` (`moela.parallel.apply`) is the one entry point the trainer calls.
+Contract with the trainer: FSDP averages every gradient over the `dp_cp` ranks (see `moela.parallel.fsdp`), so the
+trainer multiplies each rank's loss by `mesh.size("dp_cp")` after weighting micro-batches by their share of the
+global step's labelled tokens; gradient clipping goes through `clip_grad_norm_` (gradients may live on several
+meshes); the per-step expert load is summed with `reduce_expert_load` before `update_router_bias`.
+
+Everything but `ParallelConfig` is imported on first use, so that reading the `parallel` section of a recipe
+(`moela.parallel.config`) imports no kernels.
 """
 
-from __future__ import annotations
-
-import torch
-import torch.nn as nn
+from importlib import import_module
 
 from moela.parallel.config import ParallelConfig
-from moela.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel, reduce_expert_load
-from moela.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, clip_grad_norm_
-from moela.parallel.mesh import ParallelMesh, build_mesh
+
+_LAZY = {
+    "ExpertParallelExperts": "moela.parallel.expert_parallel",
+    "reduce_expert_load": "moela.parallel.expert_parallel",
+    "apply_parallelism": "moela.parallel.apply",
+    "clip_grad_norm_": "moela.parallel.fsdp",
+    "ParallelMesh": "moela.parallel.mesh",
+    "build_mesh": "moela.parallel.mesh",
+}
 
 __all__ = ["ExpertParallelExperts", "ParallelConfig", "ParallelMesh", "apply_parallelism", "build_mesh",
            "clip_grad_norm_", "reduce_expert_load"]
 
 
-def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, layout: str) -> None:
-    """Route `model(batch)` through `ContextParallel.forward`: this rank's part of the batch, rescaled loss."""
-    from moela.parallel.context_parallel import ContextParallel
-
-    cp = ContextParallel(model, mesh.group("cp"), layout)
-    cp.model = model.forward
-    model.forward = cp.forward
-
-
-def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, *,
-                      mixed_precision: bool | None = None) -> nn.Module:
-    """Parallelize `model` in place for `mesh` as `cfg` asks; returns it. `mixed_precision` (bf16 params, fp32
-    gradient reduction in `cfg.reduce_dtype` under FSDP) defaults to on for CUDA meshes, off on CPU."""
-    if mixed_precision is None:
-        mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
-    if mesh.size("cp") > 1:
-        _apply_context_parallel(model, mesh, cfg.cp_layout)
-    if mesh.size("ep") > 1:
-        if apply_expert_parallel(model, mesh["ep"]) == 0:
-            raise ValueError(f"parallel.ep={cfg.ep} but the model has no routed experts; set ep: 1 (a dense model "
-                             f"has nothing to distribute)")
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if mesh.distributed and mesh.size("dp_cp") > 1:
-        apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision,
-                   reduce_dtype=getattr(torch, cfg.reduce_dtype))
-    return model
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
