@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from moela.config import Config, ConfigError, dump_config, load_config, parse_override
-from moela.model.config import PRESETS
+from moela.configlib import Presets, load
+from moela.model.config import BACKEND_NAMES, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,3 +224,61 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has imported after running `code` in the repository root."""
+    script = f"import sys\n{code}\nprint('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_loading_a_recipe_imports_no_kernels():
+    modules = _modules_after("import moela.config\nmoela.config.load_config('recipes/small.yaml')")
+    assert "moela.config" in modules
+    kernels = sorted(m for m in modules if m == "triton" or m.startswith(("triton.", "moela.ops.attention",
+                                                                          "moela.ops.moe", "moela.model.transformer")))
+    assert not kernels, kernels
+    loader = _modules_after("import moela.configlib")
+    assert sorted(m for m in loader if m.startswith("moela")) == ["moela", "moela.configlib"]
+
+
+def test_backend_names_are_the_ops_backends():
+    from moela.ops.attention import BACKENDS as attention
+    from moela.ops.moe import BACKENDS as moe
+
+    assert BACKEND_NAMES == {"attention_backend": attention, "moe_backend": moe}
+
+
+@dataclass
+class _Shape:
+    kind: str = "square"
+    width: int = 1
+    height: int = 1
+
+
+@dataclass
+class _Run:
+    name: str = "x"
+
+
+@dataclass
+class _Doc:
+    shape: _Shape = field(default_factory=_Shape)
+    run: _Run = field(default_factory=_Run)
+
+
+def test_loader_is_generic_over_schemas_and_presets(tmp_path):
+    """The loader on a schema of its own: preset sections, inheritance and overrides without any moela section."""
+    rule = Presets(key="kind", table={"square": dict(width=2, height=2), "strip": dict(width=9, height=1)},
+                   default="square")
+    base = write(tmp_path / "base.yaml", "shape: {width: 5}\nrun: {name: a}\n")
+    child = write(tmp_path / "child.yaml", "base: base.yaml\nshape: {kind: strip}\n")
+    assert load(_Doc, base, presets={"shape": rule}) == _Doc(_Shape("square", 5, 2), _Run("a"))
+    assert load(_Doc, child, presets={"shape": rule}) == _Doc(_Shape("strip", 9, 1), _Run("a"))
+    assert load(_Doc, child, ["shape.height=3"], presets={"shape": rule}).shape == _Shape("strip", 9, 3)
+    with pytest.raises(ConfigError) as info:
+        load(_Doc, child, ["shape.kind=stripe", "run.nme=b"], presets={"shape": rule})
+    assert info.value.errors == ["command line: shape.kind: unknown preset 'stripe'; choose one of square, strip; "
+                                 "did you mean 'strip'?",
+                                 "command line: run.nme: unknown key in section 'run'; did you mean 'name'?"]

@@ -4,8 +4,12 @@ Decisions:
 - Keys that exist in HF's `DeepseekV3Config` keep its names and meanings (`q_lora_rank: null` = no q compression,
   `rope_scaling` = YaRN, `n_group` / `topk_group` = group-limited routing), so `hf.py` maps config.json one to one.
   Our own keys (`block`, `qk_norm`, balancing, auxiliary losses, backends) have no HF counterpart.
-- `size` names a preset from `PRESETS`; the config loader builds the section from `PRESETS[size]` and overlays
-  the recipe's other model keys. The dataclass defaults equal the `tiny` preset.
+- `size` names a preset from `PRESETS`; the recipe loader builds the section from `PRESETS[size]` and overlays
+  the recipe's other model keys (`MODEL_PRESETS`). A file or override that changes `size` from what its bases set
+  drops the model keys they set: those were chosen for the other size, so `base: tiny.yaml` + `size: small` is
+  the small preset. The dataclass defaults equal the `tiny` preset.
+- The backend names each op accepts (`BACKEND_NAMES`) are listed here, so that loading a recipe imports no
+  kernels; a test keeps them equal to the ops' own lists.
 - The presets are pretraining shapes: `v2-lite` and `v3` have YaRN off (DeepSeek extends context after
   pretraining); set `rope_scaling` to train long-context stages. `v2-lite` takes DeepSeek-V2-Lite's sizes only:
   its routing is moela's (V3's sigmoid gate with a balancing bias), not V2's softmax gate, so V2-Lite checkpoints
@@ -18,8 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from moela.ops.attention import BACKENDS as ATTENTION_BACKENDS
-from moela.ops.moe import BACKENDS as MOE_BACKENDS
+from moela.configlib import Presets
+
+# model key -> the backends its op accepts (`moela.ops.attention.BACKENDS`, `moela.ops.moe.BACKENDS`)
+BACKEND_NAMES: dict[str, tuple[str, ...]] = {
+    "attention_backend": ("auto", "reference", "triton", "sdpa"),
+    "moe_backend": ("auto", "reference", "triton", "torch", "cublas", "deep_gemm"),
+}
 
 
 @dataclass
@@ -146,7 +155,7 @@ class ModelConfig:
             errors.append(f"rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
         if self.initializer_range <= 0:
             errors.append(f"initializer_range: must be > 0, got {self.initializer_range}")
-        for name, known in (("attention_backend", ATTENTION_BACKENDS), ("moe_backend", MOE_BACKENDS)):
+        for name, known in BACKEND_NAMES.items():
             if getattr(self, name) not in known:
                 errors.append(f"{name}: unknown backend {getattr(self, name)!r}; choose one of {', '.join(known)}")
         if self.size not in PRESETS:
@@ -182,6 +191,9 @@ PRESETS: dict[str, dict] = {
         initializer_range=0.006,
     ),
 }
+
+
+MODEL_PRESETS = Presets(key="size", table=PRESETS, default=ModelConfig().size)
 
 
 def preset(size: str, **overrides) -> ModelConfig:

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from moela.config import Config, LoggingConfig, to_dict
+from moela.config import Config, to_dict
+from moela.trainer.config import LoggingConfig
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from moela.config import OptimConfig, ScheduleConfig
+from moela.trainer.config import OptimConfig, ScheduleConfig
 
 NO_DECAY_NAME_PARTS = ("embed", "e_score_correction_bias")
 
