@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from moela.batch import IGNORE_INDEX, PackedBatch
-from moela.data.cp import LAYOUTS, attention_passes, make_plan, shard_batch, unshard
 from moela.model import build_model, preset
 from moela.ops.attention import mla_attention
-from moela.parallel.context_parallel import ContextParallel, attend_passes, cp_attention
+from moela.parallel.context_parallel import apply_context_parallel, attend_passes, cp_attention
+from moela.parallel.cp_plan import LAYOUTS, attention_passes, make_plan, shard_batch, unshard
 from tests.parallel_harness import spawn
 
 REF = functools.partial(mla_attention, backend="reference")
@@ -190,13 +190,9 @@ def _check_model(rank: int, world: int, layout: str, case: dict) -> None:
     model = build_model(preset("tiny", **TINY))
     model.load_state_dict(case["state"])
     batch = case["batch"]
-    cp = ContextParallel(model, dist.group.WORLD, layout)
-    if layout == "striped":  # route model(batch) through the wrapper, as apply_parallelism does
-        cp.model = model.forward
-        model.forward = cp.forward
-        out = model(batch)
-    else:
-        out = cp(batch)
+    apply_context_parallel(model, dist.group.WORLD, layout)  # as apply_parallelism does
+    assert f"ContextParallel(cp={world}, rank={rank}, layout={layout})" in repr(model)
+    out = model(batch)
     share = out.num_targets / batch.num_targets()
     (out.loss * share).backward()
     counts = torch.tensor([out.num_targets])

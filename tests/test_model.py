@@ -10,7 +10,7 @@ import torch
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model import build_model, count_params, flops_per_token, preset
 from moela.model.moe import MoE
-from moela.model.transformer import shift_within_docs
+from moela.model.transformer import mtp_targets, shift_within_docs
 from moela.ops.attention import mla_attention
 
 
@@ -103,6 +103,12 @@ def test_mtp_targets_shift_within_documents():
     assert shift_within_docs(x, last, -1).tolist() == [1, 2, 3, -1, -1, 6, 7, 8, 9, -1]
     two = shift_within_docs(shift_within_docs(x, last, -1), last, -1)
     assert two.tolist() == [2, 3, -1, -1, -1, 7, 8, 9, -1, -1]
+    batch = _batch(50, [4, 1, 5], seed=3)
+    (t1, l1), (t2, l2) = mtp_targets(batch, 2)
+    ids, labels = batch.input_ids.tolist(), batch.labels.tolist()
+    assert t1.tolist() == ids[1:4] + [0, 0] + ids[6:10] + [0] and t2.tolist() == ids[2:4] + [0] * 3 + ids[7:10] + [0, 0]
+    assert l1.tolist() == labels[1:4] + [IGNORE_INDEX] * 2 + labels[6:10] + [IGNORE_INDEX]
+    assert l2.tolist() == labels[2:4] + [IGNORE_INDEX] * 3 + labels[7:10] + [IGNORE_INDEX] * 2
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -407,16 +413,13 @@ def _loss_and_grads(model, batch):
 
 
 def test_blocks_are_safe_under_activation_checkpointing():
-    from torch.utils.checkpoint import checkpoint
     torch.manual_seed(5)
     cfg = _cfg(block="fal", num_nextn_predict_layers=1)
     model = build_model(cfg)
     batch = _batch(cfg.vocab_size, [11, 17], seed=7)
     out, grads = _loss_and_grads(model, batch)
-    blocks = list(model.layers) + [m.block for m in model.mtp]
-    plain = [b.forward for b in blocks]
-    for b, fwd in zip(blocks, plain):
-        b.forward = lambda *a, _f=fwd, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    for b in list(model.layers) + [m.block for m in model.mtp]:
+        b.recompute = True
     again = model(batch)
     again.loss.backward()
     assert torch.equal(again.loss, out.loss) and torch.equal(again.expert_load, out.expert_load)

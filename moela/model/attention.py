@@ -14,9 +14,9 @@ Decisions:
   (weight [H*Dqk], OLMo2 style). Both normalize k_pe together with each head's k_nope, so with QK-Norm on the
   RoPE part of the key differs per head (it is shared only without QK-Norm). The latent norms `q_norm` /
   `kv_norm` use eps 1e-6 as DeepSeek and HF do.
-- The attention itself is `self.core_attention(q, k, v, cu_seqlens, max_seqlen, causal=, softmax_scale=,
-  return_lse=)`, an attribute (default: `mla_attention` with the configured backend) that context parallelism
-  replaces per module. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
+- The attention op is `self.core_attention` (`mla_attention` with the configured backend); the batch's context
+  applies it (`ctx.attend`): on this rank's own tokens, or under context parallelism on the keys of the whole
+  group. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
   sum_t token_weight[t] * mean_h lse[h, t]**2, i.e. the mean over labelled tokens.
 
 Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
@@ -119,8 +119,8 @@ class MLA(nn.Module):
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
-        res = self.core_attention(q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
-                                  softmax_scale=self.softmax_scale, return_lse=self.z_loss)
+        res = ctx.attend(self.core_attention, q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
+                         softmax_scale=self.softmax_scale, return_lse=self.z_loss)
         if self.z_loss:
             out, lse = res  # [T, H, Dv], [H, T]
             z = (lse.float().pow(2).mean(0) * ctx.token_weight).sum()  # []

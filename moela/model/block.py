@@ -16,7 +16,9 @@ norm_a = `a1_norm`, each block with its own weights):
 MLP_l is the dense SwiGLU MLP for the first `first_k_dense_replace` layers and the MoE afterwards. A block returns
 (x_{l+1}, a1, z, aux, load): a1 is passed along the stack (None for standard models), z is the attention
 z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense). Returning
-values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing.
+values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
+whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
+non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward.
 
 Shapes: T tokens, D hidden, E experts.
 """
@@ -27,6 +29,7 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from moela.model.attention import MLA
 from moela.model.config import ModelConfig
@@ -48,6 +51,10 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         if kind != "standard":
             self.a1_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.recompute = False  # activation checkpointing: recompute this block's activations in backward
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, recompute={self.recompute}"
 
     def _ffn(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if isinstance(self.ffn, MoE):
@@ -56,6 +63,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None) -> BlockOutput:
         """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load)."""
+        if self.recompute:
+            return checkpoint(self._forward, x, ctx, a1, use_reentrant=False)
+        return self._forward(x, ctx, a1)
+
+    def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None) -> BlockOutput:
         a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
         if self.kind == "standard":
             h = x + a  # [T, D]

@@ -6,18 +6,25 @@ Decisions:
   `Transformer.init_weights`, so a model built on the meta device gets all its values after `to_empty()`.
 - `PackedContext` carries what every layer needs about the packed batch (positions, document boundaries, loss
   weights per token and document) so block signatures stay fixed for activation checkpointing and FSDP wrapping.
+  It is also the one seam for wrappers that split a batch over ranks (context parallelism): how attention reaches
+  the keys of other ranks (`attend`), which tokens are real rather than padding (`real_tokens`), and how
+  per-document statistics are summed over the ranks holding parts of the same documents (`reduce_doc_stats`).
+  The defaults describe a rank that holds whole documents; `BatchPart` is what such a wrapper hands the model.
 
 Shapes: T tokens, D hidden, N documents, F FFN width.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moela.batch import PackedBatch
 from moela.ops.norm import rms_norm
 from moela.ops.swiglu import swiglu
 
@@ -58,6 +65,12 @@ class MLP(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]
 
 
+def attend_locally(attention: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cu_seqlens: torch.Tensor, max_seqlen: int, **kwargs: Any) -> Any:
+    """`PackedContext.attend` of a rank holding whole documents: the layer's attention op on its own tokens."""
+    return attention(q, k, v, cu_seqlens, max_seqlen, **kwargs)
+
+
 @dataclass
 class PackedContext:
     """Per-micro-batch facts that every block needs; built once by `Transformer.forward`."""
@@ -69,10 +82,28 @@ class PackedContext:
     token_weight: torch.Tensor  # [T] float32: 1/num_targets where the token has a label, else 0
     doc_weight: torch.Tensor  # [N] float32: labelled tokens of the document / num_targets
     inv_freq: torch.Tensor  # [R/2] float32 RoPE inverse frequencies (YaRN-adjusted)
+    # attend(attention, q, k, v, cu_seqlens, max_seqlen, causal=, softmax_scale=, return_lse=): applies a layer's
+    # attention op (`mla_attention`'s signature) to this batch's queries and every key they see
+    attend: Callable[..., Any] = attend_locally
+    real_tokens: torch.Tensor | None = None  # [T] bool: tokens counted in MoE statistics (None: all of them)
+    # [N, S] per-document statistics of this rank's tokens -> the same summed over every rank holding part of the
+    # documents (None: this rank holds whole documents)
+    reduce_doc_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_docs(self) -> int:
         return self.cu_seqlens.numel() - 1
+
+
+class BatchPart(NamedTuple):
+    """One rank's part of a batch that a wrapper split over several ranks, and the `PackedContext` seams that let
+    its layers compute what they would on the whole batch (see `Transformer.context_parallel`)."""
+
+    batch: PackedBatch  # this rank's tokens (with their original positions)
+    mtp_targets: list[tuple[torch.Tensor, torch.Tensor]]  # per MTP depth, (input token, label) of this rank's tokens
+    attend: Callable[..., Any]
+    real_tokens: torch.Tensor  # [T_loc] bool
+    reduce_doc_stats: Callable[[torch.Tensor], torch.Tensor]
 
 
 def segment_sum(values: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> torch.Tensor:

@@ -26,8 +26,6 @@ Shapes: T tokens, D hidden, E routed experts, K experts per token, G groups, F e
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
@@ -94,38 +92,31 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(cfg)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
-        # set by context parallelism (moela.parallel.context_parallel): which local tokens are real (not CP
-        # padding), device -> [T] bool, and the sum of the per-document balance statistics over the CP group
-        self.real_tokens: Callable[[torch.device], torch.Tensor] | None = None
-        self.reduce_balance_stats: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def _real(self, device) -> torch.Tensor | None:
-        return None if self.real_tokens is None else self.real_tokens(device)
 
     def balance_loss(self, topk_ids: torch.Tensor, scores: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        """Sequence-wise balance loss per document, weighted by doc_weight (see module docstring) -> []. Under
-        context parallelism the statistics count real tokens only and are summed over the group first."""
+        """Sequence-wise balance loss per document, weighted by doc_weight (see module docstring) -> []. The
+        statistics count real tokens only (`ctx.real_tokens`) and are summed over the ranks holding parts of the
+        same documents (`ctx.reduce_doc_stats`) first."""
         e, n = self.n_experts, ctx.num_docs
         hits = torch.zeros_like(scores).scatter_(1, topk_ids, 1.0)  # [T, E] 1 where the expert was chosen
         probs = scores / scores.sum(-1, keepdim=True)  # [T, E]
         count = torch.ones_like(scores[:, :1])  # [T, 1]
-        real = self._real(scores.device)
-        if real is not None:
-            count = real.to(scores.dtype)[:, None]
+        if ctx.real_tokens is not None:
+            count = ctx.real_tokens.to(scores.dtype)[:, None]
             hits, probs = hits * count, probs * count
         stats = torch.cat([segment_sum(v, ctx.doc_ids, n) for v in (hits, probs, count)], dim=1)  # [N, 2E + 1]
-        if self.reduce_balance_stats is not None:
-            stats = self.reduce_balance_stats(stats)  # whole documents
+        if ctx.reduce_doc_stats is not None:
+            stats = ctx.reduce_doc_stats(stats)  # whole documents
         lengths = stats[:, 2 * e:]  # [N, 1]
         f = stats[:, :e] * (e / self.topk) / lengths  # [N, E]
         p = stats[:, e:2 * e] / lengths  # [N, E]
         return ((f * p).sum(-1) * ctx.doc_weight).sum()
 
     def expert_load(self, topk_ids: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
-        """Tokens routed to each expert, topk_ids [T, K] -> [E] float32 (no host sync); real tokens only under
-        context parallelism."""
+        """Tokens routed to each expert, topk_ids [T, K] -> [E] float32 (no host sync); real tokens only
+        (`ctx.real_tokens`)."""
         flat = topk_ids.reshape(-1)  # [T*K]
-        real = self._real(topk_ids.device)
+        real = ctx.real_tokens
         weight = (torch.ones_like(flat, dtype=torch.float32) if real is None
                   else real.float()[:, None].expand(topk_ids.shape).reshape(-1))  # [T*K]
         return torch.zeros(self.n_experts, device=topk_ids.device).index_add_(0, flat, weight)  # [E]

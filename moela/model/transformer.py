@@ -22,13 +22,17 @@ Decisions:
 - Initialization: every matrix ~ N(0, initializer_range), norms 1, router bias 0 (DeepSeek-V3 uses std 0.006).
   A module that replaces a part from outside (e.g. expert parallelism) may define `init_weights(std)`; it is
   called instead of the built-in rule for that module.
+- Context parallelism attaches itself as `context_parallel`, a module without parameters whose
+  `split(batch, mtp_targets) -> BatchPart` gives this rank's part of every batch and the `PackedContext` seams
+  for it; the MTP targets are computed on the whole batch first, since a token's successors may sit on another
+  rank. Without it (None), the model runs on the whole batch.
 
 Shapes: T tokens, D hidden, V vocabulary, N documents, E routed experts, L_moe MoE blocks (main + MTP).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.block import Block
 from moela.model.config import ModelConfig
-from moela.model.layers import Linear, PackedContext, RMSNorm, segment_sum
+from moela.model.layers import BatchPart, Linear, PackedContext, RMSNorm, segment_sum
 from moela.model.moe import Gate, MoE, RoutedExperts
 from moela.model.output import ModelOutput
 from moela.ops.linear_cross_entropy import linear_cross_entropy
@@ -70,6 +74,19 @@ def shift_within_docs(x: torch.Tensor, doc_last: torch.Tensor, fill: int) -> tor
     return torch.where(doc_last, torch.full_like(x, fill), nxt)
 
 
+def mtp_targets(batch: PackedBatch, depth: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MTP depth d = 1..depth, (input token [T], label [T]) of every position: the batch's tokens and labels
+    shifted d steps within their document (a filler token 0 and IGNORE_INDEX past the document's end)."""
+    doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.input_ids.device)
+    doc_last[(batch.cu_seqlens[1:] - 1).long()] = True  # [T]
+    tokens, labels, out = batch.input_ids, batch.labels, []
+    for _ in range(depth):
+        tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
+        labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
+        out.append((tokens, labels))
+    return out
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -84,6 +101,8 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_nextn_predict_layers))
         self.register_buffer("inv_freq", torch.empty(cfg.qk_rope_head_dim // 2, dtype=torch.float32),
                              persistent=False)
+        # set by context parallelism (moela.parallel.context_parallel): splits every batch over its group
+        self.context_parallel: nn.Module | None = None
 
     # ----- construction -----
     @torch.no_grad()
@@ -132,15 +151,19 @@ class Transformer(nn.Module):
             moe.gate.update_bias(load, self.cfg.bias_update_rate)
 
     # ----- forward -----
-    def _context(self, batch: PackedBatch, num_targets: int) -> PackedContext:
+    def _context(self, batch: PackedBatch, num_targets: int, part: BatchPart | None = None) -> PackedContext:
+        """The batch's context; with `part` (this rank's share of a split batch), its seams too."""
         t, cu = batch.num_tokens, batch.cu_seqlens
         lengths = (cu[1:] - cu[:-1]).long()  # [N]
         doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
                                           output_size=t)  # [T]
         token_weight = (batch.labels != IGNORE_INDEX).float() / max(num_targets, 1)  # [T]
+        seams = {} if part is None else dict(attend=part.attend, real_tokens=part.real_tokens,
+                                             reduce_doc_stats=part.reduce_doc_stats)
         return PackedContext(position_ids=batch.position_ids, cu_seqlens=cu, max_seqlen=batch.max_seqlen,
                              doc_ids=doc_ids, token_weight=token_weight,
-                             doc_weight=segment_sum(token_weight, doc_ids, lengths.numel()), inv_freq=self.inv_freq)
+                             doc_weight=segment_sum(token_weight, doc_ids, lengths.numel()), inv_freq=self.inv_freq,
+                             **seams)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [T, D] -> logits [T, V]."""
@@ -156,14 +179,18 @@ class Transformer(nn.Module):
         weight = self.head.weight if self.head is not None else self.embed.weight  # [V, D]
         return linear_cross_entropy(h, weight, labels), None
 
-    def forward(self, batch: PackedBatch, *, return_logits: bool = False,
-                mtp_targets: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ModelOutput:
-        """`mtp_targets`: per MTP depth, (input token [T], label [T]) of every position, for callers whose batch
-        is not whole documents (context parallelism); by default they are the batch shifted within documents."""
+    def forward(self, batch: PackedBatch, *, return_logits: bool = False) -> ModelOutput:
+        """The objective on `batch` (under context parallelism: on this rank's part of it, see the module
+        docstring); `return_logits` also returns the main head's logits."""
         cfg = self.cfg
+        targets = mtp_targets(batch, len(self.mtp))
+        part = None
+        if self.context_parallel is not None:
+            part = self.context_parallel.split(batch, targets)
+            batch, targets = part.batch, part.mtp_targets
         num_targets = batch.num_targets()
         denom = max(num_targets, 1)
-        ctx = self._context(batch, num_targets)
+        ctx = self._context(batch, num_targets, part)
         h = self.embed(batch.input_ids)  # [T, D]
         a1 = None
         zs, auxs, loads = [], [], []
@@ -179,16 +206,8 @@ class Transformer(nn.Module):
         metrics = {"lm_loss": lm_loss.detach()}
         loss = lm_loss
         if self.mtp:
-            cu = batch.cu_seqlens
-            doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=h.device)
-            doc_last[(cu[1:] - 1).long()] = True  # [T]
-            tokens, labels, mtp_sum = batch.input_ids, batch.labels, 0.0
-            for d, module in enumerate(self.mtp):
-                if mtp_targets is None:
-                    tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
-                    labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
-                else:
-                    tokens, labels = mtp_targets[d]  # [T], [T]
+            mtp_sum = 0.0
+            for module, (tokens, labels) in zip(self.mtp, targets):  # [T], [T]
                 h, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D]
                 zs.append(z)
                 if load is not None:

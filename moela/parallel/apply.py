@@ -1,9 +1,10 @@
 """`apply_parallelism(model, mesh, cfg)`: the one entry point the trainer calls to parallelize a model in place.
 
-It applies, in torchtitan's order: context parallelism (`model(batch)` then runs on this rank's part of the
-batch), expert parallelism (routed experts replaced by their EP version), activation checkpointing, FSDP2. Tensor
-parallelism is not built (`ParallelConfig.validate` rejects `tp > 1`). Parameter names never change, so
-checkpoints written under one layout load under another.
+It applies, in torchtitan's order: context parallelism (attached as `model.context_parallel`, so `model(batch)`
+runs on this rank's part of the batch), expert parallelism (routed experts replaced by their EP version),
+activation checkpointing (each block's `recompute` flag), FSDP2. Tensor parallelism is not built
+(`ParallelConfig.validate` rejects `tp > 1`). Parameter names never change, so checkpoints written under one
+layout load under another.
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ import torch
 import torch.nn as nn
 
 from moela.parallel.config import ParallelConfig
+from moela.parallel.context_parallel import apply_context_parallel
 from moela.parallel.expert_parallel import apply_expert_parallel
 from moela.parallel.fsdp import apply_activation_checkpointing, apply_fsdp
 from moela.parallel.mesh import ParallelMesh
-
-
-def _apply_context_parallel(model: nn.Module, mesh: ParallelMesh, layout: str) -> None:
-    """Route `model(batch)` through `ContextParallel.forward`: this rank's part of the batch, rescaled loss."""
-    from moela.parallel.context_parallel import ContextParallel
-
-    cp = ContextParallel(model, mesh.group("cp"), layout)
-    cp.model = model.forward
-    model.forward = cp.forward
 
 
 def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, *,
@@ -33,7 +26,7 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
     if mixed_precision is None:
         mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
     if mesh.size("cp") > 1:
-        _apply_context_parallel(model, mesh, cfg.cp_layout)
+        apply_context_parallel(model, mesh.group("cp"), cfg.cp_layout)
     if mesh.size("ep") > 1:
         if apply_expert_parallel(model, mesh["ep"]) == 0:
             raise ValueError(f"parallel.ep={cfg.ep} but the model has no routed experts; set ep: 1 (a dense model "

@@ -2,16 +2,18 @@
 keys and values and each rank attends with its own queries.
 
 Decisions:
-- Partitioning is `moela.data.cp` (DualChunkSwap by default, or striped); every rank builds the same plan from the
-  batch, without communication.
+- Partitioning is `moela.parallel.cp_plan` (DualChunkSwap by default, or striped); every rank builds the same plan
+  from the batch, without communication.
 - Attention: K and V of the local tokens are concatenated and all-gathered in one collective (rank-major); the
   backward of that gather reduce-scatters dK/dV, so each rank ends with the full gradient of its own keys and
-  values. Each "pass" of the plan is one `mla_attention` call with separate cu_seqlens_q / cu_seqlens_k and
-  bottom-right causal alignment; several passes (striped) are merged exactly through their log-sum-exp, which is
-  also what is returned when the z-loss asks for it.
-- The model is wrapped from the outside: `ContextParallel` replaces `core_attention` on every module that has it
-  (the attention modules of the blocks and of the MTP heads). RoPE needs nothing: the local batch carries the
-  tokens' original `position_ids`.
+  values. Each "pass" of the plan is one call of the layer's attention op (`mla_attention`) with separate
+  cu_seqlens_q / cu_seqlens_k and bottom-right causal alignment; several passes (striped) are merged exactly
+  through their log-sum-exp, which is also what is returned when the z-loss asks for it.
+- The model is changed from the outside only through its declared seam: `apply_context_parallel` attaches a
+  `ContextParallel` module as `model.context_parallel`, and the model hands it every batch
+  (`split(batch, mtp_targets) -> BatchPart`): this rank's tokens plus the `PackedContext` seams (the all-gather
+  attention, the real-token mask, the sum of per-document statistics over the group). RoPE needs nothing: the
+  local batch carries the tokens' original `position_ids`.
 - Loss: each CP rank is treated like a data-parallel rank holding part of the micro-batch: the model returns the
   token-mean over this rank's labelled tokens and their count (`num_targets`), and its metrics and `expert_load`
   over this rank's tokens. Weighting by num_targets / (labelled tokens of the micro-batch) and summing over the
@@ -19,14 +21,15 @@ Decisions:
   the trainer's usual weighting works unchanged as long as it counts the step's labelled tokens once per
   micro-batch (sum over the `dp` ranks: the ranks of a CP group share micro-batches). No collective runs here
   beyond the attention's (and the balance loss's, below). Padding tokens (at most 2*cp-1 per document) are
-  routed through the experts like the others but left out of `expert_load` (each MoE gets this rank's real-token
-  mask, `MoE.real_tokens`), so the summed load, hence the router-bias update, equals the single-process one.
-- Multi-token prediction: a token's successors may sit on another rank, so the shifted MTP inputs and labels are
-  computed on the whole batch and sharded like the tokens (`Transformer.forward(..., mtp_targets=)`).
+  routed through the experts like the others but left out of `expert_load` (`PackedContext.real_tokens`), so
+  the summed load, hence the router-bias update, equals the single-process one.
+- Multi-token prediction: a token's successors may sit on another rank, so the model computes the shifted MTP
+  inputs and labels on the whole batch (`moela.model.transformer.mtp_targets`) and they are sharded like the
+  tokens.
 - The sequence-wise balance loss needs per-document statistics (tokens routed to each expert, mean router
   probabilities, document length) over the whole document: each MoE's `balance_loss` counts real (non-padding)
-  tokens only and sums the statistics over the group with a differentiable all-reduce (`MoE.reduce_balance_stats`)
-  before the same formula, so that term is exact too.
+  tokens only and sums the statistics over the group with a differentiable all-reduce
+  (`PackedContext.reduce_doc_stats`) before the same formula, so that term is exact too.
 
 Shapes: T_loc local tokens, H heads, Dqk / Dv head dims.
 """
@@ -35,11 +38,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from moela.batch import IGNORE_INDEX, PackedBatch
-from moela.data.cp import AttentionPass, CPPlan, attention_passes, make_plan, shard_batch, shard_tokens
-from moela.model.moe import MoE
-from moela.model.transformer import shift_within_docs
+from moela.model.layers import BatchPart
+from moela.parallel.cp_plan import AttentionPass, attention_passes, make_plan, shard_batch, shard_tokens
 
 # torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,93 +136,58 @@ def attend_passes(q, kv, passes: list[AttentionPass], attention, *, softmax_scal
     return (out, lse_tot) if return_lse else out
 
 
-class _CPCoreAttention:
-    """Drop-in for a module's `core_attention` that runs `cp_attention` with the wrapper's current plan."""
+class CPAttention:
+    """`PackedContext.attend` of one rank's part of a batch: `cp_attention` with the batch's passes."""
 
-    def __init__(self, owner: "ContextParallel", attention):
-        self.owner = owner
-        self.attention = attention
+    def __init__(self, passes: list[AttentionPass], group, local_tokens: int):
+        self.passes, self.group, self.local_tokens = passes, group, local_tokens
 
-    def __call__(self, q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None, return_lse=False,
-                 **kwargs):
-        passes = self.owner.current_passes()
-        if q.shape[0] != self.owner.plan.local_tokens:
-            raise RuntimeError(f"context parallel attention got {q.shape[0]} tokens but the current plan gives "
-                               f"this rank {self.owner.plan.local_tokens}; run the model through "
-                               f"ContextParallel.forward (or shard()) with the same batch")
-        return cp_attention(q, k, v, passes, self.owner.group, self.attention, causal=causal,
-                            softmax_scale=softmax_scale, return_lse=return_lse)
+    def __call__(self, attention, q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None,
+                 return_lse=False):
+        if q.shape[0] != self.local_tokens:
+            raise RuntimeError(f"context parallel attention got {q.shape[0]} tokens but the batch's plan gives "
+                               f"this rank {self.local_tokens}; call it through the model's forward, which "
+                               f"splits the batch")
+        return cp_attention(q, k, v, self.passes, self.group, attention, causal=causal, softmax_scale=softmax_scale,
+                            return_lse=return_lse)
 
 
-class ContextParallel:
-    """Context parallelism for `model` over process group `group` (all ranks of the group see the same batch)."""
+class ContextParallel(nn.Module):
+    """Splits every batch of the model it is attached to over the ranks of `group` (all ranks of the group see
+    the same batch); holds no parameters."""
 
-    def __init__(self, model: torch.nn.Module, group=None, layout: str = "dualchunk"):
-        self.model = model  # what `forward` calls on the local batch (a wrapper may swap in the original forward)
-        self.mtp_depth = len(getattr(model, "mtp", ()))
+    def __init__(self, group=None, layout: str = "dualchunk"):
+        super().__init__()
         self.group = group if group is not None else dist.group.WORLD
         self.cp_size = dist.get_world_size(self.group)
         self.cp_rank = dist.get_rank(self.group)
         self.layout = layout
-        self.plan: CPPlan | None = None
-        self._passes: list[AttentionPass] | None = None
-        self._real: torch.Tensor | None = None
-        wrapped = 0
-        for module in model.modules():
-            attention = getattr(module, "core_attention", None)
-            if attention is not None and not isinstance(attention, _CPCoreAttention):
-                module.core_attention = _CPCoreAttention(self, attention)
-                wrapped += 1
-        for module in model.modules():
-            if isinstance(module, MoE):  # balance statistics and expert load over real tokens, whole documents
-                module.real_tokens = self.real_tokens
-                module.reduce_balance_stats = self._sum_balance_stats
-        if wrapped == 0:
-            raise ValueError("ContextParallel found no module with a `core_attention` attribute in the model; "
-                             "wrap a moela Transformer (its attention modules expose that hook)")
 
-    def current_passes(self) -> list[AttentionPass]:
-        if self._passes is None:
-            raise RuntimeError("context parallel attention ran before a batch was sharded; call "
-                               "ContextParallel.forward(batch) instead of model(batch)")
-        return self._passes
+    def extra_repr(self) -> str:
+        return f"cp={self.cp_size}, rank={self.cp_rank}, layout={self.layout}"
 
-    def shard(self, batch: PackedBatch) -> PackedBatch:
-        """Plan the batch for the group and return this rank's part (also arms the attention modules)."""
-        self.plan = make_plan(batch.cu_seqlens, self.cp_size, self.layout)
-        self._passes = attention_passes(self.plan, self.cp_rank)
-        self._real = None
-        return shard_batch(batch, self.plan, self.cp_rank)
+    def split(self, batch: PackedBatch, mtp_targets: list[tuple[torch.Tensor, torch.Tensor]]) -> BatchPart:
+        """This rank's part of `batch`, of its MTP targets (per depth, computed on the whole batch) and the
+        context seams that make its layers compute what they would on the whole batch."""
+        plan = make_plan(batch.cu_seqlens, self.cp_size, self.layout)
+        rank = self.cp_rank
+        targets = [(shard_tokens(tokens, plan, rank, 0), shard_tokens(labels, plan, rank, IGNORE_INDEX))
+                   for tokens, labels in mtp_targets]
+        return BatchPart(batch=shard_batch(batch, plan, rank), mtp_targets=targets,
+                         attend=CPAttention(attention_passes(plan, rank), self.group, plan.local_tokens),
+                         real_tokens=plan.local_source(rank, batch.input_ids.device) >= 0,
+                         reduce_doc_stats=self.sum_over_group)
 
-    def real_tokens(self, device) -> torch.Tensor:
-        """[T_loc] bool: this rank's tokens that are not CP padding."""
-        if self._real is None or self._real.device != torch.device(device):
-            self._real = self.plan.local_source(self.cp_rank, device) >= 0
-        return self._real
-
-    def _sum_balance_stats(self, stats: torch.Tensor) -> torch.Tensor:
+    def sum_over_group(self, stats: torch.Tensor) -> torch.Tensor:
+        """Differentiable sum of per-document statistics over the group."""
         return _SumOverGroup.apply(stats, self.group)
 
-    def mtp_targets(self, batch: PackedBatch) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Per MTP depth, this rank's (input token, label): shifted within documents on the whole batch first,
-        since a token's successors may live on another rank."""
-        depth = self.mtp_depth
-        if depth == 0:
-            return None
-        doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.input_ids.device)
-        doc_last[(batch.cu_seqlens[1:] - 1).long()] = True  # [T]
-        tokens, labels, out = batch.input_ids, batch.labels, []
-        for _ in range(depth):
-            tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
-            labels = shift_within_docs(labels, doc_last, IGNORE_INDEX)  # [T]
-            out.append((shard_tokens(tokens, self.plan, self.cp_rank, 0),
-                        shard_tokens(labels, self.plan, self.cp_rank, IGNORE_INDEX)))
-        return out
 
-    def forward(self, batch: PackedBatch, **kwargs):
-        """Run the model on this rank's part of `batch`; its `ModelOutput` is the local token-mean loss with the
-        local `num_targets` (see the module docstring for how the group's outputs combine)."""
-        local = self.shard(batch)
-        return self.model(local, mtp_targets=self.mtp_targets(batch), **kwargs)
-
-    __call__ = forward
+def apply_context_parallel(model: nn.Module, group=None, layout: str = "dualchunk") -> ContextParallel:
+    """Attach context parallelism over `group` to `model`: from then on `model(batch)` runs on this rank's part
+    of the batch (module docstring). Returns the attached module."""
+    if not hasattr(model, "context_parallel"):
+        raise ValueError(f"{type(model).__name__} has no `context_parallel` seam; context parallelism wraps a "
+                         f"moela Transformer")
+    model.context_parallel = ContextParallel(group, layout)
+    return model.context_parallel

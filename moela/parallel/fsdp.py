@@ -24,12 +24,12 @@ Decisions:
   until the GPU catches up, so without explicit prefetching each block's all-gather would wait behind the
   previous block's tail (torchtitan sets explicit prefetching for expert parallelism for the same reason). It
   keeps at most one more block's parameters unsharded.
-- Activation checkpointing per block without changing parameter names: the block's `forward` is replaced by a
-  non-reentrant `torch.utils.checkpoint` of the original. `full` recomputes every block; `selective` recomputes
-  every second block (torchtitan's layer-selective mode: about half the activation memory of no checkpointing, at
-  half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires the
-  recomputation to replay exactly the forward's operator sequence, which the nested FSDP unit of expert-parallel
-  experts does not (its hooks differ between forward and recompute).
+- Activation checkpointing per block without changing parameter names: the block's `recompute` flag makes its
+  forward run under a non-reentrant `torch.utils.checkpoint`. `full` recomputes every block; `selective`
+  recomputes every second block (torchtitan's layer-selective mode: about half the activation memory of no
+  checkpointing, at half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires
+  the recomputation to replay exactly the forward's operator sequence, which the nested FSDP unit of
+  expert-parallel experts does not (its hooks differ between forward and recompute).
 - `clip_grad_norm_` handles gradients that live on different meshes (dense vs expert DTensors, plain tensors)
   by computing one total norm per mesh and combining them.
 """
@@ -43,7 +43,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from moela.parallel.expert_parallel import ExpertParallelExperts
 
@@ -59,15 +58,6 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers) + [getattr(depth, "block", depth) for depth in getattr(model, "mtp", [])]
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-
-
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     """Recompute each block's activations in backward: mode "none", "full" or "selective" (see module doc)."""
     if mode not in AC_MODES:
@@ -76,8 +66,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     if mode == "none":
         return
     for i, block in enumerate(transformer_blocks(model)):
+        if not hasattr(block, "recompute"):
+            raise TypeError(f"{type(block).__name__} has no `recompute` flag; activation checkpointing sets it on "
+                            f"each moela Block")
         if mode == "full" or i % 2 == 1:
-            _checkpoint_forward(block)
+            block.recompute = True
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
