@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests: every test starts from the same seeded RNGs, whatever ran before it."""
+"""Shared by the tests: every test starts from the same seeded RNGs, whatever ran before it; tests marked `gpu`
+are skipped where CUDA is not available."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ import random
 import numpy as np
 import pytest
 import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test marked `gpu` without a CUDA device (a test that needs more than one GPU checks the count
+    itself)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

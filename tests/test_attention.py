@@ -21,7 +21,6 @@ from moela.ops.attention import attention_reference, mla_attention
 triton_mod = pytest.importorskip("moela.ops.attention_triton")
 
 needs_interpreter = pytest.mark.skipif(not triton_mod.INTERPRET, reason="set TRITON_INTERPRET=1 to run Triton on CPU")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def naive_attention(q, k, v, cu_q, cu_k, causal, scale, alibi):
@@ -231,7 +230,6 @@ def test_triton_rejects_what_its_launch_cannot_address():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_triton_gpu_heads_times_documents_above_grid_y_limit():
     """16 heads x 4500 documents = 72000 program rows: more than grid dim y alone allows (heads on y, docs on z)."""
     lens = [1, 2, 3, 17, 9] * 900
@@ -239,7 +237,6 @@ def test_triton_gpu_heads_times_documents_above_grid_y_limit():
 
 
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi,dtype", [
     (192, 128, [2048, 2048], [2048, 2048], True, False, torch.bfloat16),
     (192, 128, [2048, 2048], [2048, 2048], True, False, torch.float16),
@@ -257,7 +254,6 @@ def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dt
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_sdpa_backend_gpu():
     q, k, v, cu, _, _, _, _ = make_case([1024] * 3, [1024] * 3, 8, 192, 128, torch.bfloat16, "cuda", False, 1)
     out = mla_attention(q, k, v, cu, 1024, backend="sdpa")

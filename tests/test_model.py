@@ -447,7 +447,6 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_auto_backends_match_reference_backends():
     """float32 on CUDA: the fast paths that accept float32 (compiled small ops, chunked head + loss, and any
     attention / expert kernels that support it) give the reference model's loss and gradients."""

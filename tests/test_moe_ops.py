@@ -322,7 +322,6 @@ def test_swiglu_kernels_match_autograd():
 
 
 @gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gluon_swiglu_bwd_equals_the_triton_kernel():
     """The shared-memory (Gluon) SwiGLU backward writes the Triton kernel's bytes (3 column tiles, skewed routing
     with empty experts, NaN in the padding rows' inputs, which must come out as zeros) and matches autograd."""
@@ -443,7 +442,6 @@ def test_fast_backend_rejects_unaligned_shapes_with_a_clear_message():
 
 
 @gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("recipe,backend", [("fp8_blockwise", "triton"), ("fp8_blockwise", "cublas"),
                                             ("bf16", "triton"), ("bf16", "torch")])
 @pytest.mark.parametrize("skew", [False, True])
@@ -463,7 +461,6 @@ def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
 
 
 @gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_gemm_v3_shape_vs_float64():
     from moela.ops.moe_gemm import cublas_blockwise_available, cublas_mgrouped, mgrouped_gemm
     from moela.ops.moe_triton import build_layout, permute_align, quant_weights

@@ -77,7 +77,6 @@ def test_unknown_backend_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_backends_match_reference_on_cuda():
     dev = "cuda"
     x = torch.randn(1037, 3, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -135,7 +135,6 @@ def test_rows_cols_impl_is_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("case", ["rows+cols", "rows", "cols", "strided", "gather", "gather rows+cols"])
 def test_gluon_rows_cols_equal_the_triton_kernel(case):
     """The shared-memory (Gluon) row+column quantization writes the Triton kernel's bytes: 3 x 7 tiles of fresh
@@ -167,7 +166,6 @@ def test_gluon_rows_cols_equal_the_triton_kernel(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("transposed", [True, False])
 def test_gluon_weight_quant_equals_the_triton_kernel(transposed):
     """One read per block (Gluon) gives the Triton launches' bytes: q, the block scales and the transposed copy, for
