@@ -1,4 +1,4 @@
-"""Run a function on N ranks for the multi-rank tests, plus a tiny model and data.
+"""Run a function on N ranks for the multi-rank tests (their model and data: tests/factories.py).
 
 `spawn(fn, world_size, *args)` forks `world_size` CPU processes with a gloo process group (fork rather than spawn:
 the children inherit the imported modules, which saves seconds of imports per rank on a small machine; each child
@@ -50,36 +50,3 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(world_size, os.path.join(tmp, "store"), backend, fn, args),
                            nprocs=world_size, join=True, start_method=method)
-
-
-def tiny_moe_config(**overrides):
-    """A small MoE model (dense layer, MoE layers, MTP with MoE) that trains in milliseconds on CPU."""
-    from moela.model.config import ModelConfig
-
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-                num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
-                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=2,
-                num_nextn_predict_layers=1, aux_loss_coef=1e-2, bias_update_rate=1e-2, initializer_range=0.1,
-                attention_backend="reference", moe_backend="reference")
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def random_batches(count: int, seed: int, vocab: int = 97):
-    """`count` packed micro-batches of a few documents of odd lengths each."""
-    from moela.batch import IGNORE_INDEX, PackedBatch
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(count):
-        lengths = [int(x) for x in torch.randint(3, 17, (int(torch.randint(2, 5, (1,), generator=g)),),
-                                                   generator=g)]
-        ids = torch.randint(0, vocab, (sum(lengths),), generator=g)  # [T]
-        labels = ids.clone()
-        labels[:-1] = ids[1:]
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)  # [N+1]
-        labels[(cu[1:] - 1).long()] = IGNORE_INDEX
-        pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])  # [T]
-        out.append(PackedBatch(ids, labels, pos, cu, max(lengths)))
-    return out

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from moela.data.balance import (balanced_assign, cost_coefficients, imbalance, imbalance_report,
                                 microbatch_cost, rank_totals, round_robin_assign)
 from moela.model.config import preset
+from factories import tiny_config
 
 costs_strategy = st.integers(1, 12).flatmap(
     lambda dp: st.integers(1, 8).flatmap(
@@ -124,10 +125,10 @@ def attention_training_flops(length: int, heads: int, dqk: int, dv: int) -> floa
 def test_cost_coefficients_count_every_linear_weight():
     """a / 6 equals the weights one token multiplies, counted from real nn.Linear shapes of an MLA + MoE layer."""
     import torch.nn as nn
-    cfg = preset("tiny", hidden_size=48, num_attention_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                 v_head_dim=12, q_lora_rank=20, kv_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1,
-                 intermediate_size=96, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
-                 n_shared_experts=1, vocab_size=101, num_nextn_predict_layers=1, n_group=1, topk_group=1)
+    cfg = tiny_config(hidden_size=48, num_attention_heads=3, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=12, q_lora_rank=20, kv_lora_rank=24, num_hidden_layers=3, first_k_dense_replace=1,
+                      intermediate_size=96, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
+                      n_shared_experts=1, vocab_size=101, num_nextn_predict_layers=1, n_group=1, topk_group=1)
     d, h, dqk = 48, 3, 24
 
     def attn():

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from moela.batch import IGNORE_INDEX, PackedBatch
-from moela.model import build_model, preset
+from moela.model import build_model
 from moela.ops.attention import mla_attention
 from moela.parallel.context_parallel import apply_context_parallel, attend_passes, cp_attention
 from moela.parallel.cp_plan import LAYOUTS, attention_passes, make_plan, shard_batch, unshard
+from tests.factories import packed_batch, tiny_config
 from tests.parallel_harness import spawn
 
 REF = functools.partial(mla_attention, backend="reference")
@@ -25,13 +26,7 @@ def make_batch(seed: int, n_docs: int, max_len: int = 23, vocab: int = 97) -> Pa
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, max_len + 1, (n_docs,), generator=g)
     lens[0] = 1  # a one-token document: every rank but one holds only its padding
-    t = int(lens.sum())
-    ids = torch.randint(0, vocab, (t,), generator=g)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)]).to(torch.int32)
-    labels = torch.roll(ids, -1).clone()
-    labels[cu[1:].long() - 1] = IGNORE_INDEX
-    pos = torch.cat([torch.arange(int(n)) for n in lens]).to(torch.int32)
-    batch = PackedBatch(ids, labels, pos, cu, int(lens.max()))
+    batch = packed_batch(vocab, lens.tolist(), seed)
     batch.validate()
     return batch
 
@@ -139,10 +134,8 @@ def test_attention_passes_with_triton_kernel(layout):
         assert err_split <= 2 * err_whole + atol, f"{name}: CP error {err_split:.2e} vs whole {err_whole:.2e}"
 
 
-TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_attention_heads=2, num_nextn_predict_layers=1,
-            aux_loss_coef=0.03, z_loss_coef=0.1)
+TINY = dict(num_hidden_layers=2, n_routed_experts=4, n_group=1, qk_rope_head_dim=4, aux_loss_coef=0.03,
+            z_loss_coef=0.1)
 
 
 def _attention_case(world: int, layout: str) -> dict:
@@ -160,7 +153,7 @@ def _model_case(world: int, layout: str) -> dict:
     """Tiny MLA + MoE model with MTP, sequence-wise balance loss and attention z-loss: weights, batch and
     single-process loss / gradients."""
     torch.manual_seed(11)
-    model = build_model(preset("tiny", **TINY))
+    model = build_model(tiny_config(**TINY))
     batch = make_batch(seed=3 * world + len(layout), n_docs=5, max_len=29)
     ref = model(batch)
     ref.loss.backward()
@@ -187,7 +180,7 @@ def _check_attention(rank: int, world: int, layout: str, case: dict) -> None:
 
 
 def _check_model(rank: int, world: int, layout: str, case: dict) -> None:
-    model = build_model(preset("tiny", **TINY))
+    model = build_model(tiny_config(**TINY))
     model.load_state_dict(case["state"])
     batch = case["batch"]
     apply_context_parallel(model, dist.group.WORLD, layout)  # as apply_parallelism does

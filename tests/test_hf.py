@@ -7,9 +7,9 @@ import zlib
 import pytest
 import torch
 
-from moela.batch import IGNORE_INDEX, PackedBatch
-from moela.model import RopeScaling, build_model, preset
+from moela.model import RopeScaling, build_model
 from moela.model.hf import export_hf, import_hf, load_hf_config
+from factories import packed_batch, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,11 +29,7 @@ CONFIGS = {
 
 
 def _tiny(**kw):
-    base = dict(vocab_size=211, hidden_size=48, intermediate_size=72, moe_intermediate_size=20,
-                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=20,
-                qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, num_attention_heads=3,
-                max_position_embeddings=64)
-    return preset("tiny", **{**base, **kw})
+    return tiny_config(max_position_embeddings=64, **kw)
 
 
 def _model(cfg):
@@ -45,16 +41,6 @@ def _model(cfg):
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.2)
     return model
-
-
-def _batch(vocab, lens):
-    t = sum(lens)
-    ids = torch.randint(0, vocab, (t,))
-    pos = torch.cat([torch.arange(n) for n in lens]).int()
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    labels = torch.cat((ids[1:], ids[:1]))
-    labels[(cu[1:] - 1).long()] = IGNORE_INDEX
-    return PackedBatch(ids, labels, pos, cu, max(lens))
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers' zero-width shared experts
@@ -74,7 +60,7 @@ def test_transformers_logits_match(name, tmp_path):
     assert all(k.startswith(mtp_prefixes) for k in info["unexpected_keys"])  # transformers drops MTP layers
     assert bool(info["unexpected_keys"]) == (cfg.num_nextn_predict_layers > 0)
     assert hf.model.rotary_emb.rope_type == ("yarn" if cfg.rope_scaling else "default")
-    batch = _batch(cfg.vocab_size, [9, 23, 5])
+    batch = packed_batch(cfg.vocab_size, [9, 23, 5], seed=2)
     with torch.no_grad():
         ours = model(batch, return_logits=True).logits
         cu = batch.cu_seqlens.tolist()
@@ -96,7 +82,7 @@ def test_round_trip(name, tmp_path):
     for k in sd:
         assert torch.equal(sd[k], sd2[k]), k
     assert back.moe_layers()[0].gate.e_score_correction_bias.dtype == torch.float32
-    batch = _batch(cfg.vocab_size, [6, 13])
+    batch = packed_batch(cfg.vocab_size, [6, 13], seed=3)
     with torch.no_grad():
         assert torch.equal(model(batch).loss, back(batch).loss)
 

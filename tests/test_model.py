@@ -1,7 +1,6 @@
 """The model on packed batches: no leakage between documents (attention or MTP), gradients everywhere, DeepSeek
 routing and bias update, FAL / FAL+ formulas, meta-device build, parameter counts and FLOPs, config validation."""
 
-import itertools
 import math
 
 import pytest
@@ -12,25 +11,16 @@ from moela.model import build_model, count_params, flops_per_token, preset
 from moela.model.moe import MoE
 from moela.model.transformer import mtp_targets, shift_within_docs
 from moela.ops.attention import mla_attention
+from factories import packed_batch, tiny_config
+
+
+# the tiny test model with three heads, six experts (three groups possible) and head dims that differ
+MODEL = dict(vocab_size=101, hidden_size=40, intermediate_size=56, n_routed_experts=6, q_lora_rank=20,
+             qk_rope_head_dim=6, v_head_dim=10, num_attention_heads=3, aux_loss_coef=0.01, z_loss_coef=1e-3)
 
 
 def _cfg(**kw):
-    base = dict(vocab_size=101, hidden_size=40, intermediate_size=56, moe_intermediate_size=16, num_hidden_layers=3,
-                n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
-                q_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, num_attention_heads=3,
-                aux_loss_coef=0.01, z_loss_coef=1e-3)
-    return preset("tiny", **{**base, **kw})
-
-
-def _batch(vocab, lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lens)
-    ids = torch.randint(0, vocab, (t,), generator=g)
-    pos = torch.cat([torch.arange(n) for n in lens]).int()
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
-    labels = torch.cat((ids[1:], ids[:1]))
-    labels[(cu[1:] - 1).long()] = IGNORE_INDEX
-    return PackedBatch(ids, labels, pos, cu, max(lens))
+    return tiny_config(**{**MODEL, **kw})
 
 
 def _split(batch):
@@ -62,7 +52,7 @@ def test_packed_forward_equals_separate_documents(name):
     torch.manual_seed(0)
     cfg = _variant(name)
     model = build_model(cfg)
-    batch = _batch(cfg.vocab_size, [7, 12, 3, 9], seed=1)
+    batch = packed_batch(cfg.vocab_size, [7, 12, 3, 9], seed=1)
     with torch.no_grad():
         packed = model(batch, return_logits=True)
         docs = [model(b, return_logits=True) for b in _split(batch)]
@@ -83,8 +73,8 @@ def test_packed_forward_equals_separate_documents(name):
 def test_changing_one_document_leaves_the_others_alone():
     cfg = _cfg(num_nextn_predict_layers=2, block="fal")
     model = build_model(cfg)
-    a = _batch(cfg.vocab_size, [10, 6, 8], seed=3)
-    b = _batch(cfg.vocab_size, [10, 6, 8], seed=3)
+    a = packed_batch(cfg.vocab_size, [10, 6, 8], seed=3)
+    b = packed_batch(cfg.vocab_size, [10, 6, 8], seed=3)
     b.input_ids[10:16] = (b.input_ids[10:16] + 1) % cfg.vocab_size
     with torch.no_grad():
         la, lb = model(a, return_logits=True).logits, model(b, return_logits=True).logits
@@ -103,7 +93,7 @@ def test_mtp_targets_shift_within_documents():
     assert shift_within_docs(x, last, -1).tolist() == [1, 2, 3, -1, -1, 6, 7, 8, 9, -1]
     two = shift_within_docs(shift_within_docs(x, last, -1), last, -1)
     assert two.tolist() == [2, 3, -1, -1, -1, 7, 8, 9, -1, -1]
-    batch = _batch(50, [4, 1, 5], seed=3)
+    batch = packed_batch(50, [4, 1, 5], seed=3)
     (t1, l1), (t2, l2) = mtp_targets(batch, 2)
     ids, labels = batch.input_ids.tolist(), batch.labels.tolist()
     assert t1.tolist() == ids[1:4] + [0, 0] + ids[6:10] + [0] and t2.tolist() == ids[2:4] + [0] * 3 + ids[7:10] + [0, 0]
@@ -116,7 +106,7 @@ def test_gradients_reach_every_parameter(name):
     torch.manual_seed(1)
     cfg = _variant(name)
     model = build_model(cfg)
-    out = model(_batch(cfg.vocab_size, [40, 33, 50], seed=2))
+    out = model(packed_batch(cfg.vocab_size, [40, 33, 50], seed=2))
     out.loss.backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None, pname
@@ -208,7 +198,7 @@ def test_sequence_balance_loss_per_document():
     torch.manual_seed(3)
     cfg = _cfg(first_k_dense_replace=0, num_hidden_layers=1, num_nextn_predict_layers=0)
     model = build_model(cfg)
-    batch = _batch(cfg.vocab_size, [5, 11, 8], seed=4)
+    batch = packed_batch(cfg.vocab_size, [5, 11, 8], seed=4)
     moe: MoE = model.layers[0].ffn
     ctx = model._context(batch, batch.num_targets())
     x = torch.randn(batch.num_tokens, cfg.hidden_size)
@@ -236,7 +226,7 @@ def test_z_loss_is_mean_squared_lse_over_labelled_tokens():
         return out, lse
     for layer in model.layers:
         layer.attn.core_attention = recording
-    batch = _batch(cfg.vocab_size, [6, 9], seed=5)
+    batch = packed_batch(cfg.vocab_size, [6, 9], seed=5)
     z = model(batch).metrics["z_loss"]
     keep = batch.labels != IGNORE_INDEX
     want = sum(lse.pow(2).mean(0)[keep].mean() for lse in seen) / len(seen)
@@ -268,7 +258,7 @@ def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
         seen.update(q=q.detach().double(), k=k.detach().double(), scale=kw["softmax_scale"])
         return mla_attention(q, k, v, cu, mx, **kw)
     attn.core_attention = recording
-    batch = _batch(cfg.vocab_size, [5, 13], seed=8)
+    batch = packed_batch(cfg.vocab_size, [5, 13], seed=8)
     ctx = model._context(batch, batch.num_targets())
     x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
     attn(x.float(), ctx)
@@ -314,7 +304,7 @@ def test_fal_blocks_follow_the_formulas(kind):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.3)
-    batch = _batch(cfg.vocab_size, [8, 5], seed=6)
+    batch = packed_batch(cfg.vocab_size, [8, 5], seed=6)
     ctx = model._context(batch, batch.num_targets())
     x1 = torch.randn(batch.num_tokens, cfg.hidden_size)
     b1, b2, b3 = model.layers
@@ -416,7 +406,7 @@ def test_blocks_are_safe_under_activation_checkpointing():
     torch.manual_seed(5)
     cfg = _cfg(block="fal", num_nextn_predict_layers=1)
     model = build_model(cfg)
-    batch = _batch(cfg.vocab_size, [11, 17], seed=7)
+    batch = packed_batch(cfg.vocab_size, [11, 17], seed=7)
     out, grads = _loss_and_grads(model, batch)
     for b in list(model.layers) + [m.block for m in model.mtp]:
         b.recompute = True
@@ -435,7 +425,7 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
     torch.manual_seed(6)
     cfg = _cfg(num_nextn_predict_layers=1, tie_word_embeddings=True)
     model = build_model(cfg)
-    batch = _batch(cfg.vocab_size, [13, 8], seed=8)
+    batch = packed_batch(cfg.vocab_size, [13, 8], seed=8)
     ref, grads = _loss_and_grads(model, batch)
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 4 * cfg.vocab_size)
     monkeypatch.setattr(tr, "linear_cross_entropy", functools.partial(lce.linear_cross_entropy, backend="chunked"))
@@ -456,7 +446,7 @@ def test_cuda_auto_backends_match_reference_backends():
                kv_lora_rank=64, q_lora_rank=96, moe_intermediate_size=128, n_routed_experts=8, n_group=2,
                num_nextn_predict_layers=1, block="fal", qk_norm="head")
     model = build_model(cfg, "cuda", dtype=dtype)
-    batch = _batch(cfg.vocab_size, [37, 200, 5, 130], seed=9).to("cuda")
+    batch = packed_batch(cfg.vocab_size, [37, 200, 5, 130], seed=9).to("cuda")
 
     def run(attn_backend, moe_backend):
         for blk in list(model.layers) + [m.block for m in model.mtp]:
@@ -481,7 +471,7 @@ def test_fp8_expert_recipe_runs_through_the_model():
     model = build_model(cfg)
     fp8 = build_model(_cfg(hidden_size=136, moe_intermediate_size=72, moe_recipe="fp8_blockwise"))
     fp8.load_state_dict(model.state_dict())
-    batch = _batch(cfg.vocab_size, [21, 30], seed=10)
+    batch = packed_batch(cfg.vocab_size, [21, 30], seed=10)
     a, b = model(batch), fp8(batch)
     assert fp8.moe_layers()[0].experts.recipe == "fp8_blockwise"
     assert a.loss.item() != b.loss.item() and math.isclose(a.loss.item(), b.loss.item(), rel_tol=1e-2)
@@ -519,7 +509,7 @@ def test_moe_experts_follow_autocast():
 def test_batch_moved_from_cpu_counts_targets_without_reading_the_device():
     """The model asks for the labelled-token count once per micro-batch; a batch moved from the CPU carries it, so
     on a GPU that is no device synchronization (here: a meta tensor cannot be read at all)."""
-    batch = _batch(64, [5, 1, 7])
+    batch = packed_batch(64, [5, 1, 7])
     moved = batch.to("meta")
     assert moved.labels.device.type == "meta"
     assert moved.num_targets() == batch.num_targets() == int((batch.labels != IGNORE_INDEX).sum())

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.config import ParallelConfig
-from parallel_harness import random_batches, spawn, tiny_moe_config
+from factories import VISIBLE_TRAINING, random_batches, tiny_config
+from parallel_harness import spawn
 
 
 def _full(t):
@@ -37,7 +38,7 @@ def full_states(model, optimizer) -> dict[str, torch.Tensor]:
 
 def build(layout: dict | None, world_size: int, seed: int):
     torch.manual_seed(seed)
-    model = build_model(tiny_moe_config(), "cpu")
+    model = build_model(tiny_config(**VISIBLE_TRAINING), "cpu")
     if layout is not None:
         pcfg = ParallelConfig(**layout)
         model = apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)

@@ -18,7 +18,8 @@ from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.parallel.config import ParallelConfig
 from moela.parallel.expert_parallel import ExpertParallelExperts
-from parallel_harness import random_batches, spawn, tiny_moe_config
+from factories import VISIBLE_TRAINING, random_batches, tiny_config
+from parallel_harness import spawn
 
 STEPS, LR, CLIP = 3, 0.2, 1.0  # the first step's gradient norm is ~2.1: clipping is exercised
 
@@ -101,7 +102,7 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
          dict(dp_replicate=2, ep=2, reshard_after_forward=False)]),
 ])
 def test_parallel_training_matches_single_process(world_size, layouts):
-    cfg, expected = tiny_moe_config(), {}
+    cfg, expected = tiny_config(**VISIBLE_TRAINING), {}
     for layout in layouts:  # the reference depends only on how many data-parallel shares a step has
         dp_size = world_size // layout.get("cp", 1)
         if dp_size not in expected:
@@ -114,7 +115,7 @@ def test_parallel_training_matches_single_process(world_size, layouts):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_parallel_training_matches_single_process_on_two_gpus():
     """The same equality over NCCL (float32, reference kernels): FSDP2 alone and with EP=2."""
-    cfg = tiny_moe_config()
+    cfg = tiny_config(**VISIBLE_TRAINING)
     expected = train_single_process(cfg, 2, "cuda")
     spawn(_run, 2, [(cfg, dict(), expected), (cfg, dict(ep=2), expected)], "cuda", backend="nccl")
 
@@ -143,7 +144,7 @@ def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
 
 
 def test_mixed_precision_gathers_bf16_keeps_fp32_inputs_and_grads():
-    cfg = tiny_moe_config()
+    cfg = tiny_config(**VISIBLE_TRAINING)
     ref_losses, _ = train_single_process(cfg, 2)
     spawn(_mixed_precision, 2, cfg, ref_losses[0])
 
@@ -151,7 +152,7 @@ def test_mixed_precision_gathers_bf16_keeps_fp32_inputs_and_grads():
 def _meta_build(rank: int, world_size: int) -> None:
     from moela.model.transformer import Transformer
 
-    cfg, pcfg = tiny_moe_config(), ParallelConfig(ep=2)
+    cfg, pcfg = tiny_config(**VISIBLE_TRAINING), ParallelConfig(ep=2)
     with torch.device("meta"):
         model = Transformer(cfg)
     apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
@@ -181,7 +182,7 @@ def test_meta_build_then_parallelize_then_init():
 def _prefetch_chain(rank: int, world_size: int) -> None:
     from moela.parallel.fsdp import transformer_blocks
 
-    cfg, pcfg = tiny_moe_config(), ParallelConfig(ep=2)
+    cfg, pcfg = tiny_config(**VISIBLE_TRAINING), ParallelConfig(ep=2)
     model = apply_parallelism(build_model(cfg, "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
     blocks = transformer_blocks(model)  # forward order: main layers, then the MTP block
 

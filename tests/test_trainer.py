@@ -16,14 +16,9 @@ from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.metrics import LogWindow
 from moela.trainer.optim import LRMultiplier, apply_hyperparameters, build_optimizer, param_groups
+from factories import tiny_overrides
 
-TINY_MODEL = [
-    "model.vocab_size=4096", "model.hidden_size=32", "model.num_hidden_layers=2", "model.first_k_dense_replace=1",
-    "model.n_routed_experts=4", "model.n_group=2", "model.topk_group=1", "model.num_experts_per_tok=2",
-    "model.num_attention_heads=2", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16",
-    "model.num_nextn_predict_layers=1",
-]
+TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,61 @@
+"""Small models and packed batches shared by the tests.
+
+`tiny_config(**overrides)`: an MLA + MoE model (a dense layer, then MoE layers with group-limited routing, a shared
+expert, one MoE MTP depth) that trains in milliseconds on CPU; a test passes only what it needs different.
+`tiny_overrides(**overrides)`: the same shape as recipe overrides (`model.key=value`), for tests of the trainer.
+`packed_batch(vocab, lens, seed)`: one packed batch of documents of the given lengths, labels shifted within each
+document. `random_batches(count, seed)`: micro-batches of a few documents of odd lengths each.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from moela.batch import IGNORE_INDEX, PackedBatch
+from moela.model.config import ModelConfig, preset
+
+TINY_SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                  num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=24, kv_lora_rank=16,
+                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_attention_heads=2,
+                  num_nextn_predict_layers=1)
+
+# Training settings under which every signal shows within a few steps (balance loss, router-bias update, weight
+# gradients well above rounding) and every op runs its reference, for the multi-rank training tests
+VISIBLE_TRAINING = dict(aux_loss_coef=1e-2, bias_update_rate=1e-2, initializer_range=0.1,
+                        attention_backend="reference", moe_backend="reference")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """The tiny test model's config with `overrides` (validated like a recipe's model section)."""
+    return preset("tiny", **{**TINY_SHAPE, **overrides})
+
+
+def tiny_overrides(**overrides) -> list[str]:
+    """`model.key=value` recipe overrides that give the trainer `tiny_config(**overrides)`'s model."""
+    return [f"model.{key}={json.dumps(value)}" for key, value in {**TINY_SHAPE, **overrides}.items()]
+
+
+def packed_batch(vocab: int, lens: list[int], seed: int = 0) -> PackedBatch:
+    """Documents of lengths `lens` packed into one batch, random token ids below `vocab` drawn from a generator
+    seeded with `seed`, each token labelled with its successor within the document (IGNORE_INDEX at the end)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (sum(lens),), generator=g)  # [T]
+    pos = torch.cat([torch.arange(n) for n in lens]).int()  # [T]
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)  # [N+1]
+    labels = torch.cat((ids[1:], ids[:1]))  # [T]
+    labels[(cu[1:] - 1).long()] = IGNORE_INDEX
+    return PackedBatch(ids, labels, pos, cu, max(lens))
+
+
+def random_batches(count: int, seed: int, vocab: int = 97) -> list[PackedBatch]:
+    """`count` packed micro-batches of 2-4 documents of 3-16 tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        docs = int(torch.randint(2, 5, (1,), generator=g))
+        lens = [int(n) for n in torch.randint(3, 17, (docs,), generator=g)]
+        out.append(packed_batch(vocab, lens, seed=seed * 1000 + i))
+    return out
