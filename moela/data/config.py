@@ -4,13 +4,14 @@ Decisions: the bundled Shakespeare corpus and tokenizer are the defaults, so a r
 One source is given by the section's own source keys; several, with sampling weights, by `mixture` (each entry
 has the same source keys plus `weight`). The micro-batch token budget is not here: it is a training-shape setting
 passed to `build_loaders` by the trainer. `validate()` checks everything that can be checked without reading the
-data (paths exist, values in range, keys that would be ignored), so a bad recipe fails at load time with all its
-errors at once.
+data (paths exist, values in range, keys that would be ignored, the `datasets` package that the hf source needs:
+an optional extra, `moela[datasets]`), so a bad recipe fails at load time with all its errors at once.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -57,6 +58,10 @@ class SourceConfig:
             if not self.hf_name:
                 errors.append("hf_name: source 'hf' needs a dataset name (hub) or a builder such as 'json' "
                               "with data.paths; set data.hf_name")
+            if importlib.util.find_spec("datasets") is None:
+                errors.append("source: 'hf' reads through the Hugging Face datasets package, which is not "
+                              "installed; pip install 'moela[datasets]', or read the files with source: jsonl, "
+                              "parquet or text")
         elif self.source == "bundled" and self.paths:
             errors.append("paths: given, but source 'bundled' reads only the shipped corpus; set data.source to "
                           "text, jsonl, parquet or hf to read these files")

@@ -3,11 +3,13 @@ device, precision), `checkpoint` and `logging` (step line, wandb, plot, profiler
 
 Each section is a plain dataclass; `moela.config` assembles them with the other sections into the recipe and
 `moela.configlib` loads it. `validate()` returns messages `"<field>: <what is wrong>; <how to fix>"`; the loader
-prefixes the section name.
+prefixes the section name. wandb is an optional extra (`moela[wandb]`): a recipe that logs to it without it
+installed is a recipe error.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,6 +117,12 @@ class WandbConfig:
     entity: str | None = None
     name: str | None = None  # run name; defaults to the run directory's name
     tags: list[str] = field(default_factory=list)
+
+    def validate(self) -> list[str]:
+        if self.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            return [f"mode: {self.mode!r} needs the wandb package, which is not installed; pip install "
+                    f"'moela[wandb]', or set logging.wandb.mode: disabled"]
+        return []
 
 
 @dataclass

@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from moela.config import Config, to_dict
-from moela.trainer.config import LoggingConfig
+from moela.config import Config, LoggingConfig, to_dict
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -253,7 +252,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(run_dir: str | Path) -> Path | None:
-    """Write run_dir/loss.png: the training objective, its LM part and the validation LM loss against the step."""
+    """Write run_dir/loss.png: the training objective, its LM part and the validation LM loss against the step.
+    matplotlib is an optional extra (`moela[plot]`): without it the plot is skipped with a message on stderr."""
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train" and math.isfinite(r["loss"])]
     train_lm = [(r["step"], r["lm_loss"]) for r in records
@@ -261,7 +261,12 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
     if not train and not val:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{PLOT_FILE} not written: matplotlib is not installed; pip install 'moela[plot]' (or set "
+              f"logging.plot=false)", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
