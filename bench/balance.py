@@ -41,8 +41,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from moela.data.balance import (balanced_assign, cost_coefficients, imbalance, lockstep_imbalance,  # noqa: E402
-                                microbatch_cost, rank_totals, round_robin_assign)
+from moela.data.balance import (  # noqa: E402
+    balanced_assign,
+    cost_coefficients,
+    imbalance,
+    lockstep_imbalance,
+    microbatch_cost,
+    rank_totals,
+    round_robin_assign,
+)
 from moela.data.packing import MAX_OPEN_MICROBATCHES, pack, split_into_pieces  # noqa: E402
 from moela.model.config import preset  # noqa: E402
 

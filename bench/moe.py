@@ -453,7 +453,7 @@ def section_layer(quick):
 
 def section_check(quick):
     """Every backward intermediate of the fp8 path on the GPU against float64 math on the same quantized inputs."""
-    from moela.ops.quant import dequant_128x128, dequant_1x128
+    from moela.ops.quant import dequant_1x128, dequant_128x128
 
     t, d, f, e, k = (200, 256, 128, 4, 2) if quick else (3000, 1024, 512, 6, 3)
     dev = DEV

@@ -16,8 +16,7 @@ from moela.configlib import OVERRIDE_SOURCE, ConfigError, dump, load, parse_over
 from moela.data.config import DataConfig
 from moela.model.config import MODEL_PRESETS, ModelConfig
 from moela.parallel.config import ParallelConfig
-from moela.trainer.config import (CheckpointConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig,
-                                  WandbConfig)
+from moela.trainer.config import CheckpointConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig, WandbConfig
 
 __all__ = ["OVERRIDE_SOURCE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig", "TrainConfig", "WandbConfig",

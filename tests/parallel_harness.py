@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a rank stuck in a collective fails the test, not the whole run
 STACKS_AFTER_S = 90.0
 

@@ -14,10 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moela.data.balance import (balanced_assign, cost_coefficients, imbalance, imbalance_report,
-                                microbatch_cost, rank_totals, round_robin_assign)
-from moela.model.config import preset
 from factories import tiny_config
+from moela.data.balance import (
+    balanced_assign,
+    cost_coefficients,
+    imbalance,
+    imbalance_report,
+    microbatch_cost,
+    rank_totals,
+    round_robin_assign,
+)
+from moela.model.config import preset
 
 costs_strategy = st.integers(1, 12).flatmap(
     lambda dp: st.integers(1, 8).flatmap(

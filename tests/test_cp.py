@@ -206,7 +206,7 @@ def _check_model(rank: int, world: int, layout: str, case: dict) -> None:
         assert gref is not None, name
         g = p.grad.clone() if p.grad is not None else torch.zeros_like(gref)
         dist.all_reduce(g)
-        torch.testing.assert_close(g, gref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g, gref, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _cp_group(rank: int, world: int, cases: dict) -> None:

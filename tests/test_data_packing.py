@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moela.batch import IGNORE_INDEX
-from moela.data.cache import TokenCache
 from moela.data.balance import round_robin_assign
+from moela.data.cache import TokenCache
 from moela.data.loader import Part, TrainLoader, ValLoader, split_train_val
 from moela.data.packing import make_batch, pack, split_into_pieces
 

@@ -5,9 +5,9 @@ import hashlib
 import importlib.util
 import json
 import multiprocessing as mp
-import re
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -280,7 +280,8 @@ def test_prepare_data_script(tmp_path, capsys):
 
 
 def test_cache_uses_uint32_for_large_vocabularies(tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
 
     from moela.data.tokenizer import Tokenizer
 

@@ -7,9 +7,9 @@ import zlib
 import pytest
 import torch
 
+from factories import packed_batch, tiny_config
 from moela.model import RopeScaling, build_model
 from moela.model.hf import export_hf, import_hf, load_hf_config
-from factories import packed_batch, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

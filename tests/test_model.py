@@ -6,13 +6,12 @@ import math
 import pytest
 import torch
 
+from factories import packed_batch, tiny_config
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model import build_model, count_params, flops_per_token, preset
 from moela.model.moe import MoE
 from moela.model.transformer import mtp_targets, shift_within_docs
 from moela.ops.attention import mla_attention
-from factories import packed_batch, tiny_config
-
 
 # the tiny test model with three heads, six experts (three groups possible) and head dims that differ
 MODEL = dict(vocab_size=101, hidden_size=40, intermediate_size=56, n_routed_experts=6, q_lora_rank=20,

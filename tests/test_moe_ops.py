@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moela.ops.moe import moe_experts
-from moela.ops.quant import dequant_128x128, dequant_1x128, quant_1x128
+from moela.ops.quant import dequant_1x128, dequant_128x128, quant_1x128
 from test_quant import assert_same_quant
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -463,7 +463,7 @@ def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
 @gpu
 def test_gpu_fp8_gemm_v3_shape_vs_float64():
     from moela.ops.moe_gemm import cublas_blockwise_available, cublas_mgrouped, mgrouped_gemm
-    from moela.ops.moe_triton import build_layout, permute_align, quant_weights
+    from moela.ops.moe_triton import permute_align, quant_weights
 
     t, d, n, e = 4096, 7168, 4096, 8
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

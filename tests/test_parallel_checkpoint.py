@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.config import ParallelConfig
-from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from parallel_harness import spawn
 
 
@@ -72,7 +72,7 @@ def check_loaded(model, opt, expected_file: str) -> None:
     assert got.keys() == expected.keys()
     assert any("experts.w13" in k for k in got)
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _load(rank: int, world_size: int, path: str, expected_file: str) -> None:

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.parallel.config import ParallelConfig
 from moela.parallel.expert_parallel import ExpertParallelExperts
-from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from parallel_harness import spawn
 
 STEPS, LR, CLIP = 3, 0.2, 1.0  # the first step's gradient norm is ~2.1: clipping is exercised
@@ -86,12 +86,12 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
             experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
             assert len(experts) == 3 and experts[0].w13.to_local().shape[0] < cfg.n_routed_experts, layout
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{layout}: {m}")
+                                   msg=lambda m, layout=layout: f"{layout}: {m}")
         state = full_state(model)
         assert state.keys() == ref_state.keys(), layout
         for name, value in ref_state.items():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{layout} {name}: {m}")
+                                       msg=lambda m, layout=layout, name=name: f"{layout} {name}: {m}")
         dist.barrier()
 
 

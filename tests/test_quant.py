@@ -6,8 +6,15 @@ import os
 import pytest
 import torch
 
-from moela.ops.quant import (AMAX_EPS, FP8_MAX, dequant_128x128, dequant_1x128, fake_quant_1x128, quant_128x128,
-                             quant_1x128)
+from moela.ops.quant import (
+    AMAX_EPS,
+    FP8_MAX,
+    dequant_1x128,
+    dequant_128x128,
+    fake_quant_1x128,
+    quant_1x128,
+    quant_128x128,
+)
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")

@@ -11,12 +11,12 @@ import signal
 import pytest
 import torch
 
+from factories import tiny_overrides
 from moela.config import Config, OptimConfig, ScheduleConfig, load_config
 from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.metrics import LogWindow
 from moela.trainer.optim import LRMultiplier, apply_hyperparameters, build_optimizer, param_groups
-from factories import tiny_overrides
 
 TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
 

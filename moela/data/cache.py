@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-from array import array
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from array import array
 from collections.abc import Iterable
 from pathlib import Path
 

@@ -41,7 +41,7 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from moela.parallel.expert_parallel import ExpertParallelExperts

@@ -43,8 +43,7 @@ from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduc
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import TrainingError
-from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib,
-                                   plot_losses)
+from moela.trainer.metrics import LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib, plot_losses
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from moela.trainer.profiling import StepProfiler
 

@@ -8,9 +8,9 @@ Decisions:
   tests treat as the reference.
 - The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
   run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
-  instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based) trains with `lr * multiplier(i)`: warmup ramps linearly to
-  the peak reaching it at step `warmup_steps - 1`, and every decay ends exactly at `min_lr_ratio` on the last
-  step.
+  instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based)
+  trains with `lr * multiplier(i)`: warmup ramps linearly to the peak reaching it at step `warmup_steps - 1`, and
+  every decay ends exactly at `min_lr_ratio` on the last step.
 """
 
 from __future__ import annotations
