@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from moela.ops import attention as attn_mod
+from moela.ops.attention import api as attn_mod
 from moela.ops.attention import attention_reference, mla_attention
 
-triton_mod = pytest.importorskip("moela.ops.attention_triton")
+triton_mod = pytest.importorskip("moela.ops.attention.autograd")
 
 needs_interpreter = pytest.mark.skipif(not triton_mod.INTERPRET, reason="set TRITON_INTERPRET=1 to run Triton on CPU")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,10 +8,10 @@ Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate)
   simulates DeepSeek-V3's FP8 recipe (e4m3, activations 1x128 groups, weights 128x128 blocks) by quantize ->
   dequantize around each GEMM, so fast kernels can be compared against it with the same scales.
 - fast backends (CUDA; on CPU only when asked for by name, under TRITON_INTERPRET=1 for tests) register in
-  `_FAST_BACKENDS` from `moela.ops.moe_fused`, in `auto` preference order: `deep_gemm` (fp8, when `import deep_gemm`
+  `_FAST_BACKENDS` from `moela.ops.moe.autograd`, in `auto` preference order: `deep_gemm` (fp8, when `import deep_gemm`
   works), `cublas` (fp8, cuBLAS blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >= 2.10),
   `torch` (bf16, `torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All four share
-  the fused Triton layout/quantization kernels of `moela.ops.moe_triton` and need D and F multiples of 128 and x in
+  the fused Triton layout/quantization kernels of `moela.ops.moe kernels` and need D and F multiples of 128 and x in
   bf16/fp16; `auto` falls back to the reference otherwise.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
@@ -22,11 +22,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moela.ops.dispatch import check_backend, resolve_backend
+from moela.ops.moe.reference import RECIPES, moe_experts_reference
 
-RECIPES = ("bf16", "fp8_blockwise")
 BACKENDS = ("auto", "reference", "triton", "torch", "cublas", "deep_gemm")
 
 _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
@@ -34,34 +33,6 @@ _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]
 
 def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
     _FAST_BACKENDS[name] = (supported, impl)
-
-
-def moe_experts_reference(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16"):
-    """Loop over experts in float32 (simulated FP8 for the fp8 recipe). Differentiable in x, weights, w13, w2."""
-    from moela.ops.quant import fake_quant_1x128, fake_quant_128x128
-
-    t, d = x.shape
-    e, two_f, _ = w13.shape
-    f = two_f // 2
-    fp8 = recipe == "fp8_blockwise"
-    flat_ids = topk_ids.reshape(-1)  # [T*K]
-    token_of = torch.arange(t, device=x.device).repeat_interleave(topk_ids.shape[1])  # [T*K]
-    gate = topk_weights.reshape(-1).float()  # [T*K]
-    y = torch.zeros(t, d, device=x.device, dtype=torch.float32)
-    for ex in range(e):
-        rows = (flat_ids == ex).nonzero(as_tuple=True)[0]
-        if rows.numel() == 0:
-            continue
-        xe = x[token_of[rows]].float()  # [M, D]
-        a, b = w13[ex].float(), w2[ex].float()  # [2F, D], [D, F]
-        if fp8:
-            xe, a, b = fake_quant_1x128(xe), fake_quant_128x128(a), fake_quant_128x128(b)
-        h = xe @ a.t()  # [M, 2F]
-        act = F.silu(h[:, :f]) * h[:, f:]  # [M, F]
-        if fp8:
-            act = fake_quant_1x128(act)
-        y = y.index_add(0, token_of[rows], (act @ b.t()) * gate[rows, None])  # [M, D]
-    return y.to(x.dtype)
 
 
 def _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe):
@@ -109,7 +80,7 @@ def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="a
 
 def _register_fast_backends() -> None:
     try:
-        from moela.ops.moe_fused import BACKENDS as fused
+        from moela.ops.moe.autograd import BACKENDS as fused
     except ImportError:  # no Triton on this platform: the reference backend stays available
         return
     for name, (supported, impl) in fused.items():

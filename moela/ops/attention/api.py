@@ -3,7 +3,7 @@
 Public function: `mla_attention`. Backends:
 - `reference`: pure torch, any device; loops over documents and materializes each document's score matrix in
   float32. Exact, slow, the specification the fast kernels are tested against. Autograd flows through `lse`.
-- `triton`: our flash kernels (`moela.ops.attention_triton`): Dqk != Dv without padding, varlen, ALiBi, and an
+- `triton`: our flash kernels (`moela.ops.attention.autograd`): Dqk != Dv without padding, varlen, ALiBi, and an
   lse whose gradient is fused into the backward. CUDA tensors; on CPU only under TRITON_INTERPRET=1 and only when
   asked for by name (tests).
 - `sdpa`: PyTorch SDPA (cuDNN first) for the plain case only: every document of the same length on both sides,
@@ -23,11 +23,10 @@ Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N do
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
-import torch
-
+from moela.ops.attention.reference import attention_reference
+from moela.ops.attention.sdpa import sdpa_attention, sdpa_supported
 from moela.ops.dispatch import check_backend, log_choice
 
 BACKENDS = ("auto", "reference", "triton", "sdpa")
@@ -41,35 +40,6 @@ _FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., object]]] = {
 
 def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., object]) -> None:
     _FAST_BACKENDS[name] = (supported, impl)
-
-
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=True, softmax_scale=None,
-                        alibi_slopes=None):
-    """Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32); differentiable in q, k, v (through lse too)."""
-    tq, h, dqk = q.shape
-    dv = v.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(dqk)
-    outs, lses = [], []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:])):
-        lq, lk = q1 - q0, k1 - k0
-        qd = q[q0:q1].float().transpose(0, 1)  # [H, Lq, Dqk]
-        kd = k[k0:k1].float().transpose(0, 1)  # [H, Lk, Dqk]
-        vd = v[k0:k1].float().transpose(0, 1)  # [H, Lk, Dv]
-        s = torch.matmul(qd, kd.transpose(1, 2)) * scale  # [H, Lq, Lk]
-        qpos = torch.arange(lq, device=q.device)[:, None] + (lk - lq)  # query position on the k side
-        kpos = torch.arange(lk, device=q.device)[None, :]
-        if alibi_slopes is not None:
-            s = s - alibi_slopes.float()[:, None, None] * (qpos - kpos).abs()
-        if causal:
-            s = s.masked_fill(kpos > qpos, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # [H, Lq]; -inf for a query that sees no key
-        p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-        outs.append(torch.matmul(p, vd).transpose(0, 1))  # [Lq, H, Dv]
-        lses.append(lse)
-    out = torch.cat(outs, 0) if outs else q.new_zeros(0, h, dv, dtype=torch.float32)
-    lse = torch.cat(lses, 1) if lses else q.new_zeros(h, 0, dtype=torch.float32)
-    return out.to(q.dtype), lse
 
 
 def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
@@ -121,34 +91,9 @@ def mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, *, cu_seqlens_k=None, max
     return (out, lse) if return_lse else out
 
 
-def _sdpa_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal,
-                    softmax_scale, alibi_slopes, explicit):
-    """Equal-length documents (checked without a device sync: T == N * max_seqlen on both sides)."""
-    n_docs = cu_seqlens_q.numel() - 1
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not return_lse and alibi_slopes is None
-            and n_docs > 0 and max_seqlen_q == max_seqlen_k and q.shape[0] == n_docs * max_seqlen_q
-            and k.shape[0] == n_docs * max_seqlen_k)
-
-
-def _sdpa_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
-                    softmax_scale, alibi_slopes):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention
-
-    tq, h, _ = q.shape
-    n_docs = cu_seqlens_q.numel() - 1
-    qb = q.reshape(n_docs, max_seqlen_q, h, -1).transpose(1, 2)  # [N, H, L, Dqk]
-    kb = k.reshape(n_docs, max_seqlen_k, h, -1).transpose(1, 2)  # [N, H, L, Dqk]
-    vb = v.reshape(n_docs, max_seqlen_k, h, -1).transpose(1, 2)  # [N, H, L, Dv]
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    with sdpa_kernel(order, set_priority=True):
-        out = scaled_dot_product_attention(qb, kb, vb, is_causal=causal, scale=softmax_scale)  # [N, H, L, Dv]
-    return out.transpose(1, 2).reshape(tq, h, -1), None
-
-
-register_backend("sdpa", _sdpa_supported, _sdpa_attention)
+register_backend("sdpa", sdpa_supported, sdpa_attention)
 try:
-    from moela.ops.attention_triton import flash_mla_attention, triton_supported
+    from moela.ops.attention.autograd import flash_mla_attention, triton_supported
 except ImportError:  # no triton on this platform: reference and sdpa remain
     pass
 else:

@@ -21,26 +21,40 @@ from __future__ import annotations
 
 import torch
 
-from moela.ops import moe_gemm as G
-from moela.ops import moe_triton as L
+from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
+from moela.ops.moe.combine import combine_bwd, unpermute_combine
+from moela.ops.moe.gemm_library import (
+    cublas_blockwise_available,
+    cublas_k_blocks_ok,
+    cublas_kgrouped,
+    cublas_mgrouped,
+    deep_gemm_available,
+    deep_gemm_mgrouped,
+    torch_kgrouped,
+    torch_mgrouped,
+)
+from moela.ops.moe.gemm_triton import kgrouped_gemm, mgrouped_gemm
+from moela.ops.moe.layout import Layout, build_layout_rows
+from moela.ops.moe.permute import permute_align
+from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
 
 def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
-    if provider == "cublas" and a_scale is not None and G.cublas_k_blocks_ok(a.shape[1]):
-        return G.cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
+    if provider == "cublas" and a_scale is not None and cublas_k_blocks_ok(a.shape[1]):
+        return cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
     if provider == "torch":
-        return G.torch_mgrouped(a, b, lay.offsets)
+        return torch_mgrouped(a, b, lay.offsets)
     if provider == "deep_gemm" and a_scale is not None:
-        return G.deep_gemm_mgrouped(a, a_scale, b, b_scale, lay.m_indices).to(out_dtype)
-    return G.mgrouped_gemm(a, b, lay.m_indices, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+        return deep_gemm_mgrouped(a, a_scale, b, b_scale, lay.m_indices).to(out_dtype)
+    return mgrouped_gemm(a, b, lay.m_indices, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
 
 
 def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
     if provider == "cublas" and a_scale is not None:
-        return G.cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
+        return cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
     if provider == "torch":
-        return G.torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
-    return G.kgrouped_gemm(a, b, lay.offsets, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+        return torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
+    return kgrouped_gemm(a, b, lay.offsets, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
 
 
 class MoEExpertsFn(torch.autograd.Function):
@@ -49,52 +63,52 @@ class MoEExpertsFn(torch.autograd.Function):
         e = w13.shape[0]
         fp8 = recipe == "fp8_blockwise"
         # [M_pad, D] (e4m3 with scales xs [M_pad, D/128] for fp8); the layout is built by the same launches
-        xp, xs, lay = L.permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
+        xp, xs, lay = permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
         bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync
         if fp8:
-            w13q, w13s, w13qt = L.quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
-            w2q, w2s, w2qt = L.quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
+            w13q, w13s, w13qt = quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
+            w2q, w2s, w2qt = quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
             h = _mgemm(provider, xp, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
-            aq, as_ = L.swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
+            aq, as_ = swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
             o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
             ctx.save_for_backward(x, topk_weights, h, o, w13qt, w13s, w2qt, w2s, *_lay_tensors(lay))
         else:
             w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
             h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
-            act, _ = L.swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
+            act, _ = swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
             o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
             ctx.save_for_backward(x, topk_weights, h, o, w13c, w2c, *_lay_tensors(lay))
         ctx.meta = (recipe, provider, lay.num_tokens, lay.topk, w13.dtype, w2.dtype, topk_ids, bounds)
-        return L.unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
+        return unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
 
     @staticmethod
     def backward(ctx, dy):
         recipe, provider, t, k, w13_dtype, w2_dtype, topk_ids, bounds = ctx.meta
         if recipe == "fp8_blockwise":
             x, w, h, o, w13qt, w13s, w2qt, w2s, *lt = ctx.saved_tensors
-            lay = L.Layout(*lt, num_tokens=t, topk=k)
-            (doq, dos), (doqt, dost), dw = L.combine_bwd(dy, o, lay, w, quant=True)
+            lay = Layout(*lt, num_tokens=t, topk=k)
+            (doq, dos), (doqt, dost), dw = combine_bwd(dy, o, lay, w, quant=True)
             dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
-            (dhq, dhs), (dhqt, dhst), (aqt, ast) = L.swiglu_bwd(h, dact, lay.m_indices, quant=True)
+            (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
             dw2 = _kgemm(provider, doqt, aqt, lay, w2_dtype, dost, ast, bounds)  # [E, D, F]
             dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2), bounds)  # [M_pad, D]
-            _, (xqt, xst) = L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
+            _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
             dw13 = _kgemm(provider, dhqt, xqt, lay, w13_dtype, dhst, xst, bounds)  # [E, 2F, D]
         else:
             x, w, h, o, w13c, w2c, *lt = ctx.saved_tensors
-            lay = L.Layout(*lt, num_tokens=t, topk=k)
-            do, _, dw = L.combine_bwd(dy, o, lay, w, quant=False)  # [M_pad, D]
+            lay = Layout(*lt, num_tokens=t, topk=k)
+            do, _, dw = combine_bwd(dy, o, lay, w, quant=False)  # [M_pad, D]
             dact = _mgemm(provider, do, w2c.transpose(1, 2), lay, dy.dtype)  # [M_pad, F]
-            dh, _, act = L.swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
+            dh, _, act = swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
             dw2 = _kgemm(provider, do.t(), act.t(), lay, w2_dtype)  # [E, D, F]
             dxp = _mgemm(provider, dh, w13c.transpose(1, 2), lay, dy.dtype)  # [M_pad, D]
-            xp, _, _ = L.permute_align(x, topk_ids, w13c.shape[0], quant=None, layout=lay)  # [M_pad, D]
+            xp, _, _ = permute_align(x, topk_ids, w13c.shape[0], quant=None, layout=lay)  # [M_pad, D]
             dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13_dtype)  # [E, 2F, D]
-        dx = L.unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
+        dx = unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
         return dx, None, dw.to(w.dtype), dw13, dw2, None, None
 
 
-def _lay_tensors(lay: L.Layout):
+def _lay_tensors(lay: Layout):
     return lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
 
 
@@ -114,12 +128,12 @@ def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
 
 def _supported_cublas(x, topk_ids, topk_weights, w13, w2, *, recipe):
     return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
-        and G.cublas_blockwise_available(x.device)
+        and cublas_blockwise_available(x.device)
 
 
 def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
     return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
-        and G.deep_gemm_available()
+        and deep_gemm_available()
 
 
 def _impl(provider):
@@ -133,16 +147,16 @@ def _impl(provider):
         if provider == "cublas" and recipe != "fp8_blockwise":
             raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
                              "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
-        if provider == "cublas" and not G.cublas_blockwise_available(x.device if x.is_cuda else None):
+        if provider == "cublas" and not cublas_blockwise_available(x.device if x.is_cuda else None):
             raise RuntimeError("moe_experts backend 'cublas' needs a Hopper GPU (compute capability 9.x) and torch "
                                ">= 2.10 (cuBLAS blockwise FP8); use backend='triton'")
         t, k = topk_ids.shape
-        m_pad = L.build_layout_rows(t, k, w13.shape[0])
+        m_pad = build_layout_rows(t, k, w13.shape[0])
         if m_pad * max(x.shape[1], w13.shape[1]) >= 2 ** 31:
             raise ValueError(f"moe_experts backend {provider!r}: {m_pad} padded rows x width "
                              f"{max(x.shape[1], w13.shape[1])} overflow the kernels' int32 offsets; use fewer tokens "
                              f"per micro-batch (or per expert-parallel rank)")
-        if provider == "deep_gemm" and not G.deep_gemm_available():
+        if provider == "deep_gemm" and not deep_gemm_available():
             raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
                                "use backend='triton'")
         return MoEExpertsFn.apply(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
