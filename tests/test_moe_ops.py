@@ -285,10 +285,10 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
 
 
 def test_cublas_provider_whole_path_matches_triton(monkeypatch):
-    from moela.ops.moe import autograd as moe_autograd
+    from moela.ops.moe import providers as moe_providers
 
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
-    monkeypatch.setattr(moe_autograd, "cublas_blockwise_available", lambda device=None: True)
+    monkeypatch.setattr(moe_providers, "cublas_blockwise_available", lambda device=None: True)
     # D = 512: GEMM1 forward and GEMM2 data gradient on cuBLAS; F = 384 (2F = 768): the other two m-grouped GEMMs
     # fall back to Triton; both weight gradients on cuBLAS
     prob = _problem(37, 512, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from moela.ops.attention import BACKENDS as ATTENTION_BACKENDS
-from moela.ops.moe import BACKENDS as MOE_BACKENDS
+from moela.ops.backends import ATTENTION_BACKENDS, MOE_BACKENDS
 
 
 @dataclass

@@ -80,11 +80,11 @@ def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_s
                            alibi_slopes)
 
 
-def triton_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, explicit=False, **_):
-    """CUDA tensors with head dims up to 256: fp16/bf16 under `auto`, also fp32 (tf32 dots) when asked for by
-    name. On CPU only under TRITON_INTERPRET=1 and only when asked for by name (tests)."""
-    if q.shape[-1] > 256 or v.shape[-1] > 256:
-        return False
-    if not explicit:
-        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    return q.is_cuda or INTERPRET
+def triton_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:
+    """`auto` takes the kernels for CUDA fp16/bf16 tensors with head dims up to 256."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and v.shape[-1] <= 256
+
+
+def triton_accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:
+    """Asked for by name the kernels also take fp32 (tf32 dots), and CPU tensors under TRITON_INTERPRET=1 (tests)."""
+    return (q.is_cuda or INTERPRET) and q.shape[-1] <= 256 and v.shape[-1] <= 256

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def sdpa_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal,
-                    softmax_scale, alibi_slopes, explicit):
+def sdpa_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, *, max_seqlen_q: int, max_seqlen_k: int, return_lse: bool, causal: bool,
+                   softmax_scale: float | None, alibi_slopes: torch.Tensor | None) -> bool:
     """Equal-length documents (checked without a device sync: T == N * max_seqlen on both sides)."""
     n_docs = cu_seqlens_q.numel() - 1
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and not return_lse and alibi_slopes is None
@@ -17,8 +18,9 @@ def sdpa_supported(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seq
             and k.shape[0] == n_docs * max_seqlen_k)
 
 
-def sdpa_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
-                    softmax_scale, alibi_slopes):
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, return_lse: bool, causal: bool,
+                   softmax_scale: float | None, alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, None]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 

@@ -3,41 +3,30 @@
 y[t] = sum_k topk_weights[t, k] * W2_e (silu(W1_e x[t]) * W3_e x[t]),  e = topk_ids[t, k]
 
 Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate), rows [F, 2F) are W3 (up)) and
-`w2 [E, D, F]`. Backends:
-- `reference`: pure torch, any device, loops over experts; the specification. With `recipe="fp8_blockwise"` it
-  simulates DeepSeek-V3's FP8 recipe (e4m3, activations 1x128 groups, weights 128x128 blocks) by quantize ->
-  dequantize around each GEMM, so fast kernels can be compared against it with the same scales.
-- fast backends (CUDA; on CPU only when asked for by name, under TRITON_INTERPRET=1 for tests) register in
-  `_FAST_BACKENDS` from `moela.ops.moe.autograd`, in `auto` preference order: `deep_gemm` (fp8, when `import deep_gemm`
-  works), `cublas` (fp8, cuBLAS blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >= 2.10),
-  `torch` (bf16, `torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All four share
-  the fused Triton layout/quantization kernels of `moela.ops.moe kernels` and need D and F multiples of 128 and x in
-  bf16/fp16; `auto` falls back to the reference otherwise.
+`w2 [E, D, F]`. Backends: `reference` (moela.ops.moe.reference: pure torch, any device, the specification; the
+fp8 recipe simulated by quantize -> dequantize), and the fast backends of moela.ops.moe.providers (CUDA; on CPU only
+when asked for by name, under TRITON_INTERPRET=1 for tests), which share the fused Triton layout / quantization
+kernels and differ in their grouped GEMMs. `auto` falls back to the reference for a call no fast backend supports.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from moela.ops.dispatch import check_backend, resolve_backend
-from moela.ops.moe.reference import RECIPES, moe_experts_reference
+from moela.ops.backends import MOE_BACKENDS, MOE_RECIPES
+from moela.ops.dispatch import Dispatch
+from moela.ops.moe.reference import moe_experts_reference
 
-BACKENDS = ("auto", "reference", "triton", "torch", "cublas", "deep_gemm")
-
-_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
-
-
-def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
-    _FAST_BACKENDS[name] = (supported, impl)
+# fast backends: impl and predicates (x, topk_ids, topk_weights, w13, w2, *, recipe)
+DISPATCH = Dispatch("moe_experts", MOE_BACKENDS, needs="CUDA and its package")
 
 
-def _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe):
-    if recipe not in RECIPES:
-        raise ValueError(f"moe_experts: unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+def _check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, recipe: str) -> None:
+    if recipe not in MOE_RECIPES:
+        raise ValueError(f"moe_experts: unknown recipe {recipe!r}; choose one of {', '.join(MOE_RECIPES)}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts wants x [T, D] and topk_ids [T, K]; got {tuple(x.shape)}, "
                          f"{tuple(topk_ids.shape)}")
@@ -65,26 +54,23 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def moe_experts(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16", backend="auto"):
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, *, recipe: str = "bf16", backend: str = "auto") -> torch.Tensor:
     """Weighted sum over each token's top-k experts of SwiGLU expert FFNs. x [T, D] -> y [T, D] (x's dtype, or
     the autocast dtype when autocast is on)."""
-    check_backend("moe_experts", backend, BACKENDS)
+    DISPATCH.check(backend)
     _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe)
     x = autocast_input(x)
-    chosen = resolve_backend("moe_experts", backend, _FAST_BACKENDS, x, topk_ids, topk_weights, w13, w2,
-                             recipe=recipe, reason=recipe, needs="CUDA and its package")
+    chosen = DISPATCH.choose(backend, x, topk_ids, topk_weights, w13, w2, recipe=recipe, reason=f"recipe {recipe}")
     if chosen == "reference":
         return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
-    return _FAST_BACKENDS[chosen][1](x, topk_ids, topk_weights, w13, w2, recipe=recipe)
+    return DISPATCH.impl(chosen)(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
 
 
-def _register_fast_backends() -> None:
-    try:
-        from moela.ops.moe.autograd import BACKENDS as fused
-    except ImportError:  # no Triton on this platform: the reference backend stays available
-        return
-    for name, (supported, impl) in fused.items():
-        register_backend(name, supported, impl)
-
-
-_register_fast_backends()
+try:
+    from moela.ops.moe.providers import FAST_BACKENDS
+except ImportError:  # no Triton on this platform: the reference backend stays available
+    pass
+else:
+    for _name, _auto, _impl in FAST_BACKENDS:
+        DISPATCH.register(_name, _impl, auto=_auto)

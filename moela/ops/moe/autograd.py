@@ -23,18 +23,10 @@ import torch
 
 from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
 from moela.ops.moe.combine import combine_bwd, unpermute_combine
-from moela.ops.moe.gemm_library import (
-    cublas_blockwise_available,
-    cublas_k_blocks_ok,
-    cublas_kgrouped,
-    cublas_mgrouped,
-    deep_gemm_available,
-    deep_gemm_mgrouped,
-    torch_kgrouped,
-    torch_mgrouped,
-)
+from moela.ops.moe.gemm_library import (cublas_k_blocks_ok, cublas_kgrouped, cublas_mgrouped, deep_gemm_mgrouped,
+                                       torch_kgrouped, torch_mgrouped)
 from moela.ops.moe.gemm_triton import kgrouped_gemm, mgrouped_gemm
-from moela.ops.moe.layout import Layout, build_layout_rows
+from moela.ops.moe.layout import Layout
 from moela.ops.moe.permute import permute_align
 from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
@@ -110,64 +102,3 @@ class MoEExpertsFn(torch.autograd.Function):
 
 def _lay_tensors(lay: Layout):
     return lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
-
-
-def _shapes_ok(x, w13):
-    d, f = x.shape[1], w13.shape[1] // 2
-    return d % 128 == 0 and f % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16)
-
-
-def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return x.is_cuda and _shapes_ok(x, w13)
-
-
-def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return (recipe == "bf16" and x.is_cuda and x.dtype == torch.bfloat16 and _shapes_ok(x, w13)
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
-
-
-def _supported_cublas(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
-        and cublas_blockwise_available(x.device)
-
-
-def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
-        and deep_gemm_available()
-
-
-def _impl(provider):
-    def run(x, topk_ids, topk_weights, w13, w2, *, recipe):
-        if not _shapes_ok(x, w13):
-            raise ValueError(f"moe_experts backend {provider!r} needs D and F multiples of 128 and x in bf16/fp16; "
-                             f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
-        if provider == "torch" and recipe != "bf16":
-            raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
-                             "backend='triton', 'cublas' or 'deep_gemm' for fp8_blockwise")
-        if provider == "cublas" and recipe != "fp8_blockwise":
-            raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
-                             "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
-        if provider == "cublas" and not cublas_blockwise_available(x.device if x.is_cuda else None):
-            raise RuntimeError("moe_experts backend 'cublas' needs a Hopper GPU (compute capability 9.x) and torch "
-                               ">= 2.10 (cuBLAS blockwise FP8); use backend='triton'")
-        t, k = topk_ids.shape
-        m_pad = build_layout_rows(t, k, w13.shape[0])
-        if m_pad * max(x.shape[1], w13.shape[1]) >= 2 ** 31:
-            raise ValueError(f"moe_experts backend {provider!r}: {m_pad} padded rows x width "
-                             f"{max(x.shape[1], w13.shape[1])} overflow the kernels' int32 offsets; use fewer tokens "
-                             f"per micro-batch (or per expert-parallel rank)")
-        if provider == "deep_gemm" and not deep_gemm_available():
-            raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
-                               "use backend='triton'")
-        return MoEExpertsFn.apply(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
-
-    return run
-
-
-# in `auto` preference order
-BACKENDS = {
-    "deep_gemm": (_supported_deep_gemm, _impl("deep_gemm")),
-    "cublas": (_supported_cublas, _impl("cublas")),
-    "torch": (_supported_torch, _impl("torch")),
-    "triton": (_supported_triton, _impl("triton")),
-}

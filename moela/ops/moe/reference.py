@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from moela.ops.moe.quant import fake_quant_1x128, fake_quant_128x128
 
-RECIPES = ("bf16", "fp8_blockwise")
 
-
-def moe_experts_reference(x, topk_ids, topk_weights, w13, w2, *, recipe="bf16"):
+def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                          w2: torch.Tensor, *, recipe: str = "bf16") -> torch.Tensor:
     """Loop over experts in float32 (simulated FP8 for the fp8 recipe). Differentiable in x, weights, w13, w2."""
     t, d = x.shape
     e, two_f, _ = w13.shape
