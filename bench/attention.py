@@ -39,8 +39,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moela.ops import attention_triton as at  # noqa: E402
 from moela.ops.attention import mla_attention  # noqa: E402
+from moela.ops.attention.triton_bwd import attention_backward  # noqa: E402
+from moela.ops.attention.triton_common import CONFIGS, head_class  # noqa: E402
+from moela.ops.attention.triton_fwd import attention_forward  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -144,23 +146,23 @@ def sweep(d_qk, d_v, seq, candidates):
     lens = [seq, seq]
     q, k, v, do, cu = packed_inputs(lens, d_qk, d_v)
     scale = d_qk ** -0.5
-    key = at.head_class(d_qk, d_v)
+    key = head_class(d_qk, d_v)
     fl = flops(lens, d_qk, d_v, True)
-    out, lse = at.attention_forward(q, k, v, cu, cu, seq, causal=True, softmax_scale=scale, alibi_slopes=None)
+    out, lse = attention_forward(q, k, v, cu, cu, seq, causal=True, softmax_scale=scale, alibi_slopes=None)
     best = {}
     for kernel in ("fwd", "dkdv", "dq"):
         results = []
         for cfg in candidates[kernel]:
-            saved = at.CONFIGS[kernel][key]
-            at.CONFIGS[kernel][key] = cfg
+            saved = CONFIGS[kernel][key]
+            CONFIGS[kernel][key] = cfg
             if kernel == "fwd":
-                fn = lambda: at.attention_forward(q, k, v, cu, cu, seq, causal=True,  # noqa: E731
+                fn = lambda: attention_forward(q, k, v, cu, cu, seq, causal=True,  # noqa: E731
                                                   softmax_scale=scale, alibi_slopes=None)
             else:
-                fn = lambda: at.attention_backward(do, None, q, k, v, out, lse, cu, cu, seq, seq,  # noqa: E731
+                fn = lambda: attention_backward(do, None, q, k, v, out, lse, cu, cu, seq, seq,  # noqa: E731
                                                    causal=True, softmax_scale=scale, alibi_slopes=None)
             ms = guarded(60, lambda: do_bench(fn, warmup=10, rep=50, return_mode="median"))
-            at.CONFIGS[kernel][key] = saved
+            CONFIGS[kernel][key] = saved
             f = fl[0] if kernel == "fwd" else fl[1]
             say(f"sweep {d_qk}/{d_v} {kernel:5s} {cfg}: " + (ms if isinstance(ms, str) else
                                                            f"{ms:.3f} ms  {f / ms / 1e9:.0f} TFLOP/s"))
@@ -168,7 +170,7 @@ def sweep(d_qk, d_v, seq, candidates):
                 results.append((ms, cfg))
         if results:
             best[kernel] = min(results)[1]
-            at.CONFIGS[kernel][key] = best[kernel]
+            CONFIGS[kernel][key] = best[kernel]
     say(f"sweep {d_qk}/{d_v} best: {best}")
 
 
@@ -360,9 +362,9 @@ def profile_pair(plain_fb, z_fb, iters=20):
 def kernel_only_backward(q, k, v, do, cu, seq):
     """The fused lse gradient costs one subtraction per row in the preprocess; time the launches directly."""
     kw = dict(causal=True, softmax_scale=q.shape[-1] ** -0.5, alibi_slopes=None)
-    out, lse = at.attention_forward(q, k, v, cu, cu, seq, **kw)
+    out, lse = attention_forward(q, k, v, cu, cu, seq, **kw)
     dlse = torch.randn_like(lse)
-    return [do_bench(lambda: at.attention_backward(do, g, q, k, v, out, lse, cu, cu, seq, seq, **kw), warmup=25,
+    return [do_bench(lambda: attention_backward(do, g, q, k, v, out, lse, cu, cu, seq, seq, **kw), warmup=25,
                      rep=100, return_mode="median") for g in (None, dlse)]
 
 
@@ -412,7 +414,7 @@ def main():
         sweep(192, 128, 8192, SWEEP_WIDE)
         sweep(128, 128, 8192, SWEEP_NARROW)
         say("```")
-    say(f"\nlaunch configs used below: {at.CONFIGS}")
+    say(f"\nlaunch configs used below: {CONFIGS}")
     cases = set(args.cases.split(","))
     if "equal" in cases:
         equal_case(8192, 192, 128, True, budget_ok)

@@ -33,10 +33,18 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from moela.ops import moe_gemm as G
-from moela.ops import moe_triton as L
+from moela.ops.moe import gemm_library as moe_gemm_library
 from moela.ops.moe import moe_experts
-from moela.ops.quant import AMAX_EPS, FP8_MAX, inv_scale, quant_128x128
+from moela.ops.moe import permute as moe_permute
+from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
+from moela.ops.moe.combine import combine_bwd, unpermute_combine
+from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
+from moela.ops.moe.gemm_triton import _kgrouped_kernel, _mgrouped_kernel, kgrouped_gemm, mgrouped_gemm
+from moela.ops.moe.kernel_common import ALIGN, LAUNCH
+from moela.ops.moe.layout import _count_and_scan
+from moela.ops.moe.permute import build_layout, permute_align
+from moela.ops.moe.quant import AMAX_EPS, FP8_MAX, inv_scale, quant_128x128
+from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {"v3": dict(d=7168, f=2048, k=8), "v2lite": dict(d=2048, f=1408, k=6)}
@@ -204,23 +212,23 @@ def section_layout(copy_gbs, quick):
         case = f"{name} E{e} T{t} {'skew' if skew else 'unif'}"
         x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
         ids = routing(t, e, k, skew)
-        q, s, lay = L.permute_align(x, ids, e)
+        q, s, lay = permute_align(x, ids, e)
         rq, rs = eager_permute_quant(x, ids, e)
         real = lay.src[: lay.offsets[-1]] >= 0
         check = code_diff(q[: lay.offsets[-1]][real], rq[real], s[: lay.offsets[-1]][real], rs[real])
         nbytes = t * d * 2 + t * k * d + t * k * d // 128 * 4
-        ours = bench(lambda: L.permute_align(x, ids, e))
+        ours = bench(lambda: permute_align(x, ids, e))
         gbs = nbytes / ours / 1e6
         row("layout", case, "permute+align+quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs, **check)
-        data = bench(lambda: L.permute_align(x, ids, e, layout=lay))  # the data pass alone, layout built before
+        data = bench(lambda: permute_align(x, ids, e, layout=lay))  # the data pass alone, layout built before
         row("layout", case, "  its data pass (layout given)", data, nbytes / data / 1e6, "GB/s",
             pct_copy=100 * nbytes / data / 1e6 / copy_gbs)
-        lms = bench(lambda: L._count_and_scan(ids, e, L.ALIGN))
+        lms = bench(lambda: _count_and_scan(ids, e, ALIGN))
         row("layout", case, "  its count + scan launches", lms, 0.0, "-")
-        lms = bench(lambda: L.build_layout(ids, e))
+        lms = bench(lambda: build_layout(ids, e))
         row("layout", case, "  build_layout alone (3 launches)", lms, 0.0, "-")
         try:  # the op's GPU time without host launch overhead
-            gms = triton.testing.do_bench_cudagraph(lambda: L.permute_align(x, ids, e), rep=40, return_mode="median")
+            gms = triton.testing.do_bench_cudagraph(lambda: permute_align(x, ids, e), rep=40, return_mode="median")
             row("layout", case, "  whole op as a CUDA graph", gms, nbytes / gms / 1e6, "GB/s",
                 pct_copy=100 * nbytes / gms / 1e6 / copy_gbs)
         except Exception as exc:  # a diagnostic: must not stop the section
@@ -232,21 +240,21 @@ def section_layout(copy_gbs, quick):
             comp(x, ids, e)
             cms = bench(lambda: comp(x, ids, e))
             row("layout", case, "torch.compile (vectorized)", cms, nbytes / cms / 1e6, "GB/s", speedup=cms / ours)
-        xp, _, _ = L.permute_align(x, ids, e, quant=None, layout=lay)
+        xp, _, _ = permute_align(x, ids, e, quant=None, layout=lay)
         m = xp.shape[0]
         nb2 = m * d * 2 + 2 * m * d + 2 * m * d // 128 * 4
-        (q1, s1), (qt1, st1) = L.quant_rows_cols(xp)
+        (q1, s1), (qt1, st1) = quant_rows_cols(xp)
         (q2, s2), (qt2, st2) = eager_rows_cols(xp)
         rows_check = code_diff(q1, q2, s1, s2)
         cols_check = {f"col_{k}": v for k, v in code_diff(qt1, qt2, st1, st2).items()}
-        ours = bench(lambda: L.quant_rows_cols(xp))
+        ours = bench(lambda: quant_rows_cols(xp))
         gbs = nb2 / ours / 1e6
         row("layout", case, "row+col quant ours", ours, gbs, "GB/s", pct_copy=100 * gbs / copy_gbs, **rows_check,
             **cols_check)
-        (q3, s3), (qt3, st3) = L.quant_rows_cols(xp, impl="triton")
+        (q3, s3), (qt3, st3) = quant_rows_cols(xp, impl="triton")
         same = torch.equal(q3.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s3, s1) and \
             torch.equal(qt3.view(torch.uint8), qt1.view(torch.uint8)) and torch.equal(st3, st1)
-        tri = bench(lambda: L.quant_rows_cols(xp, impl="triton"))
+        tri = bench(lambda: quant_rows_cols(xp, impl="triton"))
         row("layout", case, "row+col quant, Triton kernel (tile in registers)", tri, nb2 / tri / 1e6, "GB/s",
             pct_copy=100 * nb2 / tri / 1e6 / copy_gbs, same_bytes_as_ours=same)
         eager = bench(lambda: eager_rows_cols(xp))
@@ -265,22 +273,22 @@ def section_permute_configs(copy_gbs):
     e, t, d, k = 32, 16384, SHAPES["v3"]["d"], SHAPES["v3"]["k"]
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     ids = routing(t, e, k, False)
-    q0, s0, _ = L.permute_align(x, ids, e)
+    q0, s0, _ = permute_align(x, ids, e)
     nbytes = t * d * 2 + t * k * d + t * k * d // 128 * 4
-    default = (L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"])
+    default = (moe_permute.PERMUTE_BLOCK_D, LAUNCH["permute"]["num_warps"])
     try:
         for block_d in (512, 1024, 2048):
             for warps in (2, 4, 8):
                 if out_of_time():
                     return
-                L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"] = block_d, warps
-                q, s, _ = L.permute_align(x, ids, e)
+                moe_permute.PERMUTE_BLOCK_D, LAUNCH["permute"]["num_warps"] = block_d, warps
+                q, s, _ = permute_align(x, ids, e)
                 same = torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
-                ms = bench(lambda: L.permute_align(x, ids, e))
+                ms = bench(lambda: permute_align(x, ids, e))
                 row("permute_cfg", f"v3 E{e} T{t} unif", f"BLOCK_D {block_d}, {warps} warps", ms, nbytes / ms / 1e6,
                     "GB/s", pct_copy=100 * nbytes / ms / 1e6 / copy_gbs, same_bytes=same)
     finally:
-        L.PERMUTE_BLOCK_D, L.LAUNCH["permute"]["num_warps"] = default
+        moe_permute.PERMUTE_BLOCK_D, LAUNCH["permute"]["num_warps"] = default
 
 
 def _scaled_grouped(aq, a_s, bq, b_s, offs):
@@ -302,24 +310,24 @@ def section_gemm(quick):
         m_idx = torch.arange(e, device="cuda", dtype=torch.int32).repeat_interleave(per)
         offsets = torch.arange(0, m + 1, per, device="cuda", dtype=torch.int64)
         offs32 = offsets[1:].to(torch.int32)
-        (aq, a_s), (aqt, ast) = L.quant_rows_cols(a)
-        bq, b_s, bqt = L.quant_weights(b)
+        (aq, a_s), (aqt, ast) = quant_rows_cols(a)
+        bq, b_s, bqt = quant_weights(b)
         flops = 2 * m * n * k
         ref = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs32)
-        ours = G.mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s)
+        ours = mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s)
         err = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
         t_bf = bench(lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs32))
         row("gemm", case, "fwd bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
-        t_o = bench(lambda: G.mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s))
+        t_o = bench(lambda: mgrouped_gemm(aq, bq, m_idx, a_scale=a_s, b_scale=b_s))
         row("gemm", case, "fwd fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=err)
-        t_ob = bench(lambda: G.mgrouped_gemm(a, b, m_idx))
+        t_ob = bench(lambda: mgrouped_gemm(a, b, m_idx))
         row("gemm", case, "fwd bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
-        cub = G.cublas_blockwise_available()
+        cub = cublas_blockwise_available()
         bounds = list(zip(offsets.tolist()[:-1], offsets.tolist()[1:]))
         if cub:
-            err_c = ((G.cublas_mgrouped(aq, a_s, bq, b_s, bounds).float() - ref.float()).norm()
+            err_c = ((cublas_mgrouped(aq, a_s, bq, b_s, bounds).float() - ref.float()).norm()
                      / ref.float().norm()).item()
-            t_c = bench(lambda: G.cublas_mgrouped(aq, a_s, bq, b_s, bounds))
+            t_c = bench(lambda: cublas_mgrouped(aq, a_s, bq, b_s, bounds))
             row("gemm", case, "fwd fp8 cublas (per expert)", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c,
                 rel_err=err_c)
         try:
@@ -333,33 +341,33 @@ def section_gemm(quick):
         except (RuntimeError, TypeError) as exc:
             print(f"_scaled_grouped_mm unavailable: {str(exc)[:120]}")
         # data gradient: dX [M, K] = dY [M, N] @ W_e [N, K]
-        (dq, ds), (dqt, dst) = L.quant_rows_cols(ref)
+        (dq, ds), (dqt, dst) = quant_rows_cols(ref)
         t_bf = bench(lambda: torch._grouped_mm(ref, b, offs=offs32))
         row("gemm", case, "dgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
-        t_o = bench(lambda: G.mgrouped_gemm(dq, bqt, m_idx, a_scale=ds, b_scale=b_s.transpose(1, 2)))
+        t_o = bench(lambda: mgrouped_gemm(dq, bqt, m_idx, a_scale=ds, b_scale=b_s.transpose(1, 2)))
         row("gemm", case, "dgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o)
         if cub:
-            t_c = bench(lambda: G.cublas_mgrouped(dq, ds, bqt, b_s.transpose(1, 2), bounds))
+            t_c = bench(lambda: cublas_mgrouped(dq, ds, bqt, b_s.transpose(1, 2), bounds))
             row("gemm", case, "dgrad fp8 cublas", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c)
         # weight gradient: dW_e [N, K] = dY_e^T @ X_e
         t_bf = bench(lambda: torch._grouped_mm(ref.t(), a, offs=offs32))
         row("gemm", case, "wgrad bf16 torch._grouped_mm", t_bf, flops / t_bf / 1e9, "TFLOP/s")
         wref = torch._grouped_mm(ref.t(), a, offs=offs32).float()
-        wo = G.kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast)
+        wo = kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast)
         werr = ((wo - wref).norm() / wref.norm()).item()
-        t_o = bench(lambda: G.kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast))
+        t_o = bench(lambda: kgrouped_gemm(dqt, aqt, offsets, a_scale=dst, b_scale=ast))
         row("gemm", case, "wgrad fp8 ours", t_o, flops / t_o / 1e9, "TFLOP/s", vs_bf16=t_bf / t_o, rel_err=werr)
         if cub:
-            wc = G.cublas_kgrouped(dqt, dst, aqt, ast, bounds)
+            wc = cublas_kgrouped(dqt, dst, aqt, ast, bounds)
             werr_c = ((wc.float() - wref).norm() / wref.norm()).item()
-            t_c = bench(lambda: G.cublas_kgrouped(dqt, dst, aqt, ast, bounds))
+            t_c = bench(lambda: cublas_kgrouped(dqt, dst, aqt, ast, bounds))
             row("gemm", case, "wgrad fp8 cublas", t_c, flops / t_c / 1e9, "TFLOP/s", vs_bf16=t_bf / t_c,
-                rel_err=werr_c, fp32_out=G._FP32_OUT[0])
+                rel_err=werr_c, fp32_out=moe_gemm_library._FP32_OUT[0])
             # the baseline's output dtype (what the layer writes for bf16 weights): half the output bytes
-            t_c16 = bench(lambda: G.cublas_kgrouped(dqt, dst, aqt, ast, bounds, torch.bfloat16))
+            t_c16 = bench(lambda: cublas_kgrouped(dqt, dst, aqt, ast, bounds, torch.bfloat16))
             row("gemm", case, "wgrad fp8 cublas, bf16 out", t_c16, flops / t_c16 / 1e9, "TFLOP/s",
                 vs_bf16=t_bf / t_c16)
-        t_ob = bench(lambda: G.kgrouped_gemm(ref.t(), a.t(), offsets, out_dtype=torch.bfloat16))
+        t_ob = bench(lambda: kgrouped_gemm(ref.t(), a.t(), offsets, out_dtype=torch.bfloat16))
         row("gemm", case, "wgrad bf16 ours", t_ob, flops / t_ob / 1e9, "TFLOP/s", vs_bf16=t_bf / t_ob)
         del a, b, aq, aqt, bq, bqt, ref
 
@@ -368,40 +376,40 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
     """Time each stage of the fp8 path alone on the same inputs (where the layer's time goes)."""
     e, k = w13.shape[0], ids.shape[1]
     x, w, w13, w2 = x.detach(), w.detach(), w13.detach(), w2.detach()
-    lay = L.build_layout(ids, e)
-    xq, xs, _ = L.permute_align(x, ids, e, layout=lay)
-    w13q, w13s, w13qt = L.quant_weights(w13)
-    w2q, w2s, w2qt = L.quant_weights(w2)
-    h = G.mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s)
-    aq, as_ = L.swiglu_fwd(h, lay.m_indices, quant=True)
-    o = G.mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s)
+    lay = build_layout(ids, e)
+    xq, xs, _ = permute_align(x, ids, e, layout=lay)
+    w13q, w13s, w13qt = quant_weights(w13)
+    w2q, w2s, w2qt = quant_weights(w2)
+    h = mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s)
+    aq, as_ = swiglu_fwd(h, lay.m_indices, quant=True)
+    o = mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s)
     dy = torch.randn_like(x)
-    (doq, dos), (doqt, dost), _ = L.combine_bwd(dy, o, lay, w, quant=True)
-    dact = G.mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2))
-    (dhq, dhs), (dhqt, dhst), (aqt, ast) = L.swiglu_bwd(h, dact, lay.m_indices, quant=True)
-    _, (xqt, xst) = L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)
+    (doq, dos), (doqt, dost), _ = combine_bwd(dy, o, lay, w, quant=True)
+    dact = mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2))
+    (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
+    _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)
     dxp = dact.new_zeros(lay.m_pad, x.shape[1])  # [M_pad, D] the gather-sum's input, allocated outside the timing
     stages = {
-        "build_layout": lambda: L.build_layout(ids, e),
-        "permute_align+quant": lambda: L.permute_align(x, ids, e, layout=lay),
-        "quant_weights w13+w2": lambda: (L.quant_weights(w13), L.quant_weights(w2)),
-        "quant_weights w13+w2 (Triton kernel)": lambda: (L.quant_weights(w13, impl="triton"),
-                                                         L.quant_weights(w2, impl="triton")),
-        "gemm1 fwd": lambda: G.mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s),
-        "swiglu fwd+quant": lambda: L.swiglu_fwd(h, lay.m_indices, quant=True),
-        "gemm2 fwd": lambda: G.mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s),
-        "unpermute_combine": lambda: L.unpermute_combine(o, lay, w, x.dtype),
-        "combine bwd+row/col quant": lambda: L.combine_bwd(dy, o, lay, w, quant=True),
-        "gemm2 dgrad": lambda: G.mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2)),
-        "swiglu bwd+quants": lambda: L.swiglu_bwd(h, dact, lay.m_indices, quant=True),
-        "swiglu bwd+quants (Triton kernel)": lambda: L.swiglu_bwd(h, dact, lay.m_indices, quant=True, impl="triton"),
-        "gemm2 wgrad": lambda: G.kgrouped_gemm(doqt, aqt, lay.offsets, a_scale=dost, b_scale=ast),
-        "gemm1 dgrad": lambda: G.mgrouped_gemm(dhq, w13qt, lay.m_indices, a_scale=dhs, b_scale=w13s.transpose(1, 2)),
-        "x column quant (gather)": lambda: L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k),
-        "x column quant (gather, Triton kernel)": lambda: L.quant_rows_cols(x, rowwise=False, src=lay.src,
+        "build_layout": lambda: build_layout(ids, e),
+        "permute_align+quant": lambda: permute_align(x, ids, e, layout=lay),
+        "quant_weights w13+w2": lambda: (quant_weights(w13), quant_weights(w2)),
+        "quant_weights w13+w2 (Triton kernel)": lambda: (quant_weights(w13, impl="triton"),
+                                                         quant_weights(w2, impl="triton")),
+        "gemm1 fwd": lambda: mgrouped_gemm(xq, w13q, lay.m_indices, a_scale=xs, b_scale=w13s),
+        "swiglu fwd+quant": lambda: swiglu_fwd(h, lay.m_indices, quant=True),
+        "gemm2 fwd": lambda: mgrouped_gemm(aq, w2q, lay.m_indices, a_scale=as_, b_scale=w2s),
+        "unpermute_combine": lambda: unpermute_combine(o, lay, w, x.dtype),
+        "combine bwd+row/col quant": lambda: combine_bwd(dy, o, lay, w, quant=True),
+        "gemm2 dgrad": lambda: mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2)),
+        "swiglu bwd+quants": lambda: swiglu_bwd(h, dact, lay.m_indices, quant=True),
+        "swiglu bwd+quants (Triton kernel)": lambda: swiglu_bwd(h, dact, lay.m_indices, quant=True, impl="triton"),
+        "gemm2 wgrad": lambda: kgrouped_gemm(doqt, aqt, lay.offsets, a_scale=dost, b_scale=ast),
+        "gemm1 dgrad": lambda: mgrouped_gemm(dhq, w13qt, lay.m_indices, a_scale=dhs, b_scale=w13s.transpose(1, 2)),
+        "x column quant (gather)": lambda: quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k),
+        "x column quant (gather, Triton kernel)": lambda: quant_rows_cols(x, rowwise=False, src=lay.src,
                                                                             gather_div=k, impl="triton"),
-        "gemm1 wgrad": lambda: G.kgrouped_gemm(dhqt, xqt, lay.offsets, a_scale=dhst, b_scale=xst),
-        "dx gather-sum": lambda: L.unpermute_combine(dxp, lay, None, x.dtype),
+        "gemm1 wgrad": lambda: kgrouped_gemm(dhqt, xqt, lay.offsets, a_scale=dhst, b_scale=xst),
+        "dx gather-sum": lambda: unpermute_combine(dxp, lay, None, x.dtype),
     }
     for name, fn in stages.items():
         row("stage", case, name, bench(fn), 0.0, "-")
@@ -434,7 +442,7 @@ def section_layer(quick):
         row("layer", case, "eager per-expert loop bf16", t_e, flops / t_e / 1e9, "TFLOP/s")
         res = {}
         combos = [("bf16", "torch"), ("bf16", "triton"), ("fp8_blockwise", "triton")]
-        if G.cublas_blockwise_available():
+        if cublas_blockwise_available():
             combos.append(("fp8_blockwise", "cublas"))
         for recipe, backend in combos:
             y = moe_experts(x, ids, w, w13, w2, recipe=recipe, backend=backend).float()
@@ -453,7 +461,7 @@ def section_layer(quick):
 
 def section_check(quick):
     """Every backward intermediate of the fp8 path on the GPU against float64 math on the same quantized inputs."""
-    from moela.ops.quant import dequant_1x128, dequant_128x128
+    from moela.ops.moe.quant import dequant_1x128, dequant_128x128
 
     t, d, f, e, k = (200, 256, 128, 4, 2) if quick else (3000, 1024, 512, 6, 3)
     dev = DEV
@@ -461,7 +469,7 @@ def section_check(quick):
     ids = routing(t, e, k, True, dev)
     w13 = torch.randn(e, 2 * f, d, device=dev) / d ** 0.5
     w2 = torch.randn(e, d, f, device=dev) / f ** 0.5
-    lay = L.build_layout(ids, e)
+    lay = build_layout(ids, e)
     valid = lay.m_indices >= 0
 
     def rel(a, b):
@@ -470,27 +478,27 @@ def section_check(quick):
     def deq_w(q, sc):
         return torch.stack([dequant_128x128(q[i], sc[i]) for i in range(q.shape[0])]).double()
 
-    q2, s2, q2t = L.quant_weights(w2)
+    q2, s2, q2t = quant_weights(w2)
     ref = [quant_128x128(w2[i]) for i in range(w2.shape[0])]  # torch on the GPU (scales may differ by an ulp)
     ref_q = torch.stack([r[0] for r in ref])
     msg = []
     for by in ("quant", "torch"):
-        q, sc, qt = L.quant_weights(w2, transpose_by=by)
+        q, sc, qt = quant_weights(w2, transpose_by=by)
         exact = torch.equal(qt.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
         msg.append(f"{by}: {(q.float() != ref_q.float()).float().mean().item():.1e}, {exact}")
     print("check  w2 weight quantization (fraction of codes unlike torch's; transposed copy exact): " + "; ".join(msg))
     wgt = torch.rand(t, k, device=dev)
     o = torch.randn(lay.m_pad, d, device=dev, dtype=x.dtype)
     dy = torch.randn(t, d, device=dev, dtype=x.dtype)
-    (cq, cs), (cqt, cst), _ = L.combine_bwd(dy, o, lay, wgt, quant=True)
+    (cq, cs), (cqt, cst), _ = combine_bwd(dy, o, lay, wgt, quant=True)
     src = lay.src.long()
     do_ref = torch.where(valid[:, None], dy[(src.clamp_min(0) // k)].double()
                          * wgt.reshape(-1)[src.clamp_min(0)].double()[:, None], 0)
     print(f"check  combine bwd do rows {rel(dequant_1x128(cq, cs)[valid], do_ref[valid]):.2e} "
           f"cols {rel(dequant_1x128(cqt, cst).t()[valid], do_ref[valid]):.2e}")
     do = torch.randn(lay.m_pad, d, device=dev, dtype=x.dtype) * valid[:, None]
-    (doq, dos), (doqt, dost) = L.quant_rows_cols(do)
-    dact = G.mgrouped_gemm(doq, q2t, lay.m_indices, a_scale=dos, b_scale=s2.transpose(1, 2), out_dtype=x.dtype)
+    (doq, dos), (doqt, dost) = quant_rows_cols(do)
+    dact = mgrouped_gemm(doq, q2t, lay.m_indices, a_scale=dos, b_scale=s2.transpose(1, 2), out_dtype=x.dtype)
     w2d = deq_w(q2, s2)
     ref = torch.einsum("md,mdf->mf", dequant_1x128(doq, dos).double(), w2d[lay.m_indices.long().clamp_min(0)])
     print(f"check  dgrad fp8 rel err {rel(dact[valid], ref[valid]):.2e}  nan {torch.isnan(dact).any().item()}")
@@ -498,14 +506,14 @@ def section_check(quick):
     hh = h.float().requires_grad_()
     act = F.silu(hh[:, :f]) * hh[:, f:]
     (dh,) = torch.autograd.grad(act, hh, dact.float())
-    (dhq, dhs), (dhqt, dhst), (aqt, ast) = L.swiglu_bwd(h, dact, lay.m_indices, quant=True)
+    (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
     print(f"check  swiglu bwd dh {rel(dequant_1x128(dhq, dhs), dh):.2e} dhT {rel(dequant_1x128(dhqt, dhst).t(), dh):.2e}"
           f" actT {rel(dequant_1x128(aqt, ast).t(), act.detach()):.2e}")
-    _, (xqt, xst) = L.quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)
+    _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)
     xg = torch.where(valid[:, None], x[(lay.src.clamp_min(0) // k).long()], 0)
     print(f"check  gathered column quant x {rel(dequant_1x128(xqt, xst).t(), xg):.2e}")
     combos = [("fp8_blockwise", "triton"), ("bf16", "triton")]
-    if G.cublas_blockwise_available():
+    if cublas_blockwise_available():
         combos.insert(1, ("fp8_blockwise", "cublas"))
     for recipe, backend in combos:
         leaves = [v.detach().clone().requires_grad_() for v in (x, torch.rand(t, k, device=dev), w13, w2)]
@@ -532,7 +540,7 @@ def write_markdown(path, copy_gbs):
 
 
 def best_configs():
-    for name, kern in (("mgrouped", G._mgrouped_kernel), ("kgrouped", G._kgrouped_kernel)):
+    for name, kern in (("mgrouped", _mgrouped_kernel), ("kgrouped", _kgrouped_kernel)):
         for key, cfg in kern.cache.items():
             print(f"autotune {name} {key}: {cfg}")
 

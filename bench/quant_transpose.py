@@ -3,7 +3,7 @@
 The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
 the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16. In bench/results/moe.md (runs
 5-8) the row-only quantizing kernels run at 75-95% of the copy bandwidth, those with a transposed output at 25%.
-This script times the library kernel (`moela.ops.moe_triton.quant_rows_cols`, which stores the codes at
+This script times the library kernel (`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at
 transposed addresses) against candidate designs, each checked byte for byte against it first:
 
   store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
@@ -16,7 +16,7 @@ transposed addresses) against candidate designs, each checked byte for byte agai
 BC (columns per tile) and warps are swept. Rows and columns from one read (both outputs) are timed for the
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
-`--gluon` times the library's Triton and Gluon (moela.ops.moe_gluon: the tile staged in shared memory) kernels and
+`--gluon` times the library's Triton and Gluon (moela.ops.moe.gluon: the tile staged in shared memory) kernels and
 the Gluon kernel at other register chunks and warp counts (at commit 680e623 it also timed other ways for the
 column codes to reach qT and a persistent kernel; quant_transpose.md).
 Usage:
@@ -34,8 +34,9 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from moela.ops import moe_gluon as G
-from moela.ops import moe_triton as L
+from moela.ops.moe import gluon as moe_gluon
+from moela.ops.moe.kernel_common import FP8, LAUNCH, _quant, _scale_inv, _store_codes
+from moela.ops.moe.quantize import quant_rows_cols
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,10 +51,10 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
     cols = pid_n * BC + tl.arange(0, BC)
     if MODE == 0 or MODE == 3:
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)  # [128, BC]
-        sc, inv = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        q = L._quant(tile, inv[None, :])
+        sc, inv = _scale_inv(tl.max(tl.abs(tile), axis=0))
+        q = _quant(tile, inv[None, :])
         if MODE == 0:
-            L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, (rows < M)[:, None])
+            _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, (rows < M)[:, None])
         else:  # 4 codes of consecutive rows packed into one int32 (a reduction over 4 lanes), stored as words
             b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (32, 4, BC))
             packed = tl.sum(b << (tl.arange(0, 4) * 8)[None, :, None], axis=1)  # [32, BC]
@@ -66,12 +67,12 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
             t = tl.trans(raw).to(tl.float32)  # [BC, 128]
         else:
             t = tl.load(x_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]).to(tl.float32)  # [BC, 128]
-        sc, inv = L._scale_inv(tl.max(tl.abs(t), axis=1))
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], L._quant(t, inv[:, None]))
+        sc, inv = _scale_inv(tl.max(tl.abs(t), axis=1))
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], _quant(t, inv[:, None]))
         if ROWS:
             tile = raw.to(tl.float32)
-            rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+            rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _quant(tile, ri[:, None]))
             tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
     tl.store(st_ptr + cols * (M // 128) + pid_m, sc)
 
@@ -79,8 +80,8 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
 @triton.jit
 def _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m):
     """Column (128x1) quantization of tile [128, BC] at (rows, cols): codes transposed into qT, scales into sT."""
-    cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-    L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], L._quant(tile, ci[None, :]),
+    cs, ci = _scale_inv(tl.max(tl.abs(tile), axis=0))
+    _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], _quant(tile, ci[None, :]),
                    (rows < M)[:, None])
     tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
 
@@ -88,8 +89,8 @@ def _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m):
 @triton.jit
 def _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n):
     """Row (1x128) quantization of tile [128, 128] at (rows, cols)."""
-    rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], L._quant(tile, ri[:, None]))
+    rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _quant(tile, ri[:, None]))
     tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
 
 
@@ -130,9 +131,9 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
         b = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cb[None, :]).to(tl.float32)
         _cols_out(a, rows, ca, qt_ptr, st_ptr, M, pid_m)
         _cols_out(b, rows, cb, qt_ptr, st_ptr, M, pid_m)
-        rs, ri = L._scale_inv(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], L._quant(a, ri[:, None]))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], L._quant(b, ri[:, None]))
+        rs, ri = _scale_inv(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], _quant(a, ri[:, None]))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], _quant(b, ri[:, None]))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
     elif MODE == 6:
         cols = pid_n * 128 + tl.arange(0, 128)
@@ -144,11 +145,11 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
     elif MODE == 5:
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
-        rs, ri = L._scale_inv(tl.max(tl.abs(tile), axis=1))
+        rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
-        cs, ci = L._scale_inv(tl.max(tl.abs(tile), axis=0))
-        L._store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], (tile * ci[None, :]).to(tl.float8e4nv),
+        cs, ci = _scale_inv(tl.max(tl.abs(tile), axis=0))
+        _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], (tile * ci[None, :]).to(tl.float8e4nv),
                        (rows < M)[:, None])
         tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
     else:  # 7, 9: the library's algorithm in another program order
@@ -175,9 +176,9 @@ def _rowcol_persistent_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, n_tiles
 
 def rowcol_persistent(x, stages: int, warps: int, per_sm: int):
     m, n = x.shape
-    q = torch.empty(m, n, device=x.device, dtype=L.FP8)
+    q = torch.empty(m, n, device=x.device, dtype=FP8)
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
-    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    qt = torch.empty(n, m, device=x.device, dtype=FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
     tiles = (m // 128) * (n // 128)
     grid = min(tiles, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
@@ -187,9 +188,9 @@ def rowcol_persistent(x, stages: int, warps: int, per_sm: int):
 
 def rowcol(x, mode: int, warps: int, group_m: int = 1):
     m, n = x.shape
-    q = torch.empty(m, n, device=x.device, dtype=L.FP8)
+    q = torch.empty(m, n, device=x.device, dtype=FP8)
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32)
-    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    qt = torch.empty(n, m, device=x.device, dtype=FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
     grid = (n // 128, m // 128) if mode == 7 else ((m // 128) * (n // 128),) if mode == 9 else (m // 128, n // 128)
     _rowcol_kernel[grid](x, q, s, qt, st, m, n, MODE=mode, GROUP_M=group_m, num_warps=warps)
@@ -198,22 +199,22 @@ def rowcol(x, mode: int, warps: int, group_m: int = 1):
 
 def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
     m, n = x.shape
-    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    qt = torch.empty(n, m, device=x.device, dtype=FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    q = torch.empty(m, n, device=x.device, dtype=L.FP8) if rows else qt
+    q = torch.empty(m, n, device=x.device, dtype=FP8) if rows else qt
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32) if rows else st
     _colq_kernel[(m // 128, n // bc)](x, qt, st, q, s, m, n, BC=bc, MODE=mode, ROWS=rows, num_warps=warps)
     return (q, s) if rows else None, (qt, st)
 
 
 def gluon_rowcol(x, rc, cc, warps, rowwise=True):
-    """The Gluon kernel of moela.ops.moe_gluon at given register chunks and warps."""
+    """The Gluon kernel of moela.ops.moe.gluon at given register chunks and warps."""
     m, n = x.shape
-    q = torch.empty(m, n, device=x.device, dtype=L.FP8) if rowwise else None
+    q = torch.empty(m, n, device=x.device, dtype=FP8) if rowwise else None
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32) if rowwise else None
-    qt = torch.empty(n, m, device=x.device, dtype=L.FP8)
+    qt = torch.empty(n, m, device=x.device, dtype=FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    G.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps)
+    moe_gluon.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps)
     return (q, s), (qt, st)
 
 
@@ -228,7 +229,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
-    (rq, rs), (rqt, rst) = L.quant_rows_cols(x, impl="triton")
+    (rq, rs), (rqt, rst) = quant_rows_cols(x, impl="triton")
     a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
     copy_gbs = 2 * a.numel() / do_bench(lambda: a.clone(), return_mode="median") / 1e6
     del a
@@ -250,12 +251,12 @@ def main():
     def same_cols(out):
         return torch.equal(out[1][0].view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(out[1][1], rst)
 
-    add("library quant_rows_cols(rowwise=False), Triton", 128, L.LAUNCH["quant_rows_or_cols"]["num_warps"],
-        lambda: L.quant_rows_cols(x, rowwise=False, impl="triton"), col_bytes, lambda: True)
-    if G.available(x):
-        add("library quant_rows_cols(rowwise=False), Gluon", 128, G.NUM_WARPS,
-            lambda: L.quant_rows_cols(x, rowwise=False, impl="gluon"), col_bytes,
-            lambda: same_cols(L.quant_rows_cols(x, rowwise=False, impl="gluon")))
+    add("library quant_rows_cols(rowwise=False), Triton", 128, LAUNCH["quant_rows_or_cols"]["num_warps"],
+        lambda: quant_rows_cols(x, rowwise=False, impl="triton"), col_bytes, lambda: True)
+    if moe_gluon.available(x):
+        add("library quant_rows_cols(rowwise=False), Gluon", 128, moe_gluon.NUM_WARPS,
+            lambda: quant_rows_cols(x, rowwise=False, impl="gluon"), col_bytes,
+            lambda: same_cols(quant_rows_cols(x, rowwise=False, impl="gluon")))
     designs = ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4"))
     for mode, name in () if args.rows_cols_only or args.gluon else designs:
         for bc in (32, 64, 128):
@@ -273,12 +274,12 @@ def main():
         return same_cols(out) and torch.equal(out[0][0].view(torch.uint8), rq.view(torch.uint8)) and \
             torch.equal(out[0][1], rs)
 
-    add("library quant_rows_cols, Triton", 128, L.LAUNCH["quant_rows_cols"]["num_warps"],
-        lambda: L.quant_rows_cols(x, impl="triton"), both_bytes, lambda: True)
-    if G.available(x):
-        add("library quant_rows_cols, Gluon (tile in shared memory)", 128, G.NUM_WARPS,
-            lambda: L.quant_rows_cols(x, impl="gluon"), both_bytes,
-            lambda: same_both(L.quant_rows_cols(x, impl="gluon")))
+    add("library quant_rows_cols, Triton", 128, LAUNCH["quant_rows_cols"]["num_warps"],
+        lambda: quant_rows_cols(x, impl="triton"), both_bytes, lambda: True)
+    if moe_gluon.available(x):
+        add("library quant_rows_cols, Gluon (tile in shared memory)", 128, moe_gluon.NUM_WARPS,
+            lambda: quant_rows_cols(x, impl="gluon"), both_bytes,
+            lambda: same_both(quant_rows_cols(x, impl="gluon")))
 
     if args.gluon:
         for warps, rc, cc in ((4, 32, 64), (4, 16, 32), (8, 32, 64), (8, 16, 32)):

@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 
-from moela.ops import attention as attn_mod
+from moela.ops.attention import api as attn_mod
 from moela.ops.attention import attention_reference, mla_attention
 
-triton_mod = pytest.importorskip("moela.ops.attention_triton")
+triton_mod = pytest.importorskip("moela.ops.attention.autograd")
 
 needs_interpreter = pytest.mark.skipif(not triton_mod.INTERPRET, reason="set TRITON_INTERPRET=1 to run Triton on CPU")
 
@@ -193,13 +193,13 @@ def test_triton_under_torch_compile():
         torch.testing.assert_close(a, b)
 
 
-def test_auto_on_cpu_is_reference(monkeypatch):
-    calls = []
-    monkeypatch.setattr(attn_mod, "log_choice", lambda op, name, reason="": calls.append(name))
+def test_auto_on_cpu_is_reference(monkeypatch, caplog):
+    monkeypatch.setattr(attn_mod.DISPATCH, "logged", set())  # the choice is logged once per process
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    out = mla_attention(q, q, q[..., :8].contiguous(), cu, 6)
-    assert calls == ["reference"]
+    with caplog.at_level("INFO", logger="moela.ops"):
+        out = mla_attention(q, q, q[..., :8].contiguous(), cu, 6)
+    assert "mla_attention: using backend 'reference' (auto)" in caplog.text
     torch.testing.assert_close(out, attention_reference(q, q, q[..., :8], cu, cu)[0])
 
 

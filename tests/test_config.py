@@ -244,10 +244,10 @@ def test_loading_a_recipe_imports_no_kernels():
 
 
 def test_backend_names_are_the_ops_backends():
-    from moela.ops.attention import BACKENDS as attention
-    from moela.ops.moe import BACKENDS as moe
+    from moela.ops.attention.api import DISPATCH as attention
+    from moela.ops.moe.api import DISPATCH as moe
 
-    assert BACKEND_NAMES == {"attention_backend": attention, "moe_backend": moe}
+    assert BACKEND_NAMES == {"attention_backend": attention.names, "moe_backend": moe.names}
 
 
 @dataclass

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moela.ops.moe import moe_experts
-from moela.ops.quant import dequant_1x128, dequant_128x128, quant_1x128
+from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128
 from test_quant import assert_same_quant
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -83,7 +83,7 @@ def _check_layout(lay, ids, e):
 @pytest.mark.parametrize("case", ["uniform", "empty_experts", "one_expert_all", "many_experts", "no_tokens",
                                   "strided_ids"])
 def test_layout_invariants(case):
-    from moela.ops.moe_triton import build_layout, permute_align
+    from moela.ops.moe.permute import build_layout, permute_align
 
     t, e, k = 153, 7, 3  # 459 (token, k) pairs: four 128-id chunks of the counting kernel, the last one partial
     if case == "many_experts":
@@ -109,7 +109,7 @@ def test_layout_invariants(case):
 @settings(max_examples=25, deadline=None)
 @given(t=st.integers(1, 300), e=st.integers(1, 40), k=st.integers(1, 8), seed=st.integers(0, 2 ** 31 - 1))
 def test_layout_invariants_random_routing(t, e, k, seed):
-    from moela.ops.moe_triton import build_layout
+    from moela.ops.moe.permute import build_layout
 
     k = min(k, e)
     g = torch.Generator().manual_seed(seed)
@@ -119,7 +119,7 @@ def test_layout_invariants_random_routing(t, e, k, seed):
 
 @pytest.mark.parametrize("quant", [None, "fp8_1x128"])
 def test_permute_align_writes_rows_scales_and_zero_padding(quant):
-    from moela.ops.moe_triton import permute_align
+    from moela.ops.moe.permute import permute_align
 
     t, d, e, k = 41, 256, 5, 2
     x = torch.randn(t, d, device=DEV, dtype=torch.float16)
@@ -137,7 +137,8 @@ def test_permute_align_writes_rows_scales_and_zero_padding(quant):
 
 
 def test_unpermute_combine_and_gradients():
-    from moela.ops.moe_triton import build_layout, combine_bwd, unpermute_combine
+    from moela.ops.moe.combine import combine_bwd, unpermute_combine
+    from moela.ops.moe.permute import build_layout
 
     t, d, e, k = 29, 384, 4, 3
     ids = _routing(t, e, k)
@@ -164,7 +165,7 @@ def test_unpermute_combine_and_gradients():
 
 
 def _layout_and_rows(t, e, skew):
-    from moela.ops.moe_triton import build_layout
+    from moela.ops.moe.permute import build_layout
 
     lay = build_layout(_routing(t, e, 1, skew=skew), e)
     return lay, lay.src >= 0
@@ -172,8 +173,8 @@ def _layout_and_rows(t, e, skew):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mgrouped_gemm_vs_float64(fp8):
-    from moela.ops.moe_gemm import mgrouped_gemm
-    from moela.ops.moe_triton import quant_weights
+    from moela.ops.moe.gemm_triton import mgrouped_gemm
+    from moela.ops.moe.quantize import quant_weights
 
     e, n, k = 3, 384, 256
     lay, real = _layout_and_rows(70, e, skew=True)
@@ -199,8 +200,8 @@ def test_mgrouped_gemm_vs_float64(fp8):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_kgrouped_gemm_vs_float64(fp8):
-    from moela.ops.moe_gemm import kgrouped_gemm
-    from moela.ops.moe_triton import quant_rows_cols
+    from moela.ops.moe.gemm_triton import kgrouped_gemm
+    from moela.ops.moe.quantize import quant_rows_cols
 
     e, n, k = 4, 256, 384
     lay, real = _layout_and_rows(150, e, skew=True)  # expert 0 all tokens, others empty
@@ -255,8 +256,9 @@ TOL_SAME = 5e-4 if DEV == "cuda" else 1e-6  # the GPU's fp8 MMA accumulates with
 def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     """The cuBLAS provider's per-expert slicing and scale reordering against the Triton grouped GEMMs on the same
     quantized operands: empty experts, rows past the last expert; K that cuBLASLt's layout cannot take is refused."""
-    from moela.ops import moe_gemm as G
-    from moela.ops.moe_triton import quant_rows_cols, quant_weights
+    from moela.ops.moe.gemm_library import cublas_kgrouped, cublas_mgrouped
+    from moela.ops.moe.gemm_triton import kgrouped_gemm, mgrouped_gemm
+    from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
     e, n, k = 4, 1024, 512
@@ -265,28 +267,28 @@ def test_cublas_grouped_wrappers_follow_the_scale_layouts(monkeypatch):
     a = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real[:, None]
     (aq, as_), (aqt, ast) = quant_rows_cols(a)
     bq, bs, bqt = quant_weights(torch.randn(e, n, k, device=DEV, dtype=torch.float16))
-    got = G.cublas_mgrouped(aq, as_, bq, bs, bounds, torch.float32)
-    want = G.mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
+    got = cublas_mgrouped(aq, as_, bq, bs, bounds, torch.float32)
+    want = mgrouped_gemm(aq, bq, lay.m_indices, a_scale=as_, b_scale=bs, out_dtype=torch.float32)
     assert _rel(got, want) < TOL_SAME and (got[lay.offsets[-1]:] == 0).all()
     with pytest.raises(ValueError, match="multiple of 512"):
-        G.cublas_mgrouped(aq[:, :384], as_[:, :3], bq[:, :, :384], bs[:, :, :3], bounds)
+        cublas_mgrouped(aq[:, :384], as_[:, :3], bq[:, :, :384], bs[:, :, :3], bounds)
     # data gradient: the transposed weight copy with the transposed block scales
     dy = torch.randn(lay.m_pad, n, device=DEV, dtype=torch.float16) * real[:, None]
     (dq, ds), (dqt, dst) = quant_rows_cols(dy)
-    got = G.cublas_mgrouped(dq, ds, bqt, bs.transpose(1, 2), bounds, torch.float32)
-    want = G.mgrouped_gemm(dq, bqt, lay.m_indices, a_scale=ds, b_scale=bs.transpose(1, 2), out_dtype=torch.float32)
+    got = cublas_mgrouped(dq, ds, bqt, bs.transpose(1, 2), bounds, torch.float32)
+    want = mgrouped_gemm(dq, bqt, lay.m_indices, a_scale=ds, b_scale=bs.transpose(1, 2), out_dtype=torch.float32)
     assert _rel(got, want) < TOL_SAME
     # weight gradient over tokens
-    got = G.cublas_kgrouped(dqt, dst, aqt, ast, bounds)
-    want = G.kgrouped_gemm(dqt, aqt, lay.offsets, a_scale=dst, b_scale=ast)
+    got = cublas_kgrouped(dqt, dst, aqt, ast, bounds)
+    want = kgrouped_gemm(dqt, aqt, lay.offsets, a_scale=dst, b_scale=ast)
     assert _rel(got, want) < TOL_SAME and (got[lay.counts == 0] == 0).all()
 
 
 def test_cublas_provider_whole_path_matches_triton(monkeypatch):
-    from moela.ops import moe_gemm as G
+    from moela.ops.moe import providers as moe_providers
 
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
-    monkeypatch.setattr(G, "cublas_blockwise_available", lambda device=None: True)
+    monkeypatch.setattr(moe_providers, "cublas_blockwise_available", lambda device=None: True)
     # D = 512: GEMM1 forward and GEMM2 data gradient on cuBLAS; F = 384 (2F = 768): the other two m-grouped GEMMs
     # fall back to Triton; both weight gradients on cuBLAS
     prob = _problem(37, 512, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
@@ -299,7 +301,8 @@ def test_cublas_provider_whole_path_matches_triton(monkeypatch):
 
 
 def test_swiglu_kernels_match_autograd():
-    from moela.ops.moe_triton import build_layout, swiglu_bwd, swiglu_fwd
+    from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
+    from moela.ops.moe.permute import build_layout
 
     f = 256
     lay = build_layout(_routing(60, 3, 2), 3)
@@ -325,8 +328,9 @@ def test_swiglu_kernels_match_autograd():
 def test_gluon_swiglu_bwd_equals_the_triton_kernel():
     """The shared-memory (Gluon) SwiGLU backward writes the Triton kernel's bytes (3 column tiles, skewed routing
     with empty experts, NaN in the padding rows' inputs, which must come out as zeros) and matches autograd."""
-    from moela.ops import moe_gluon
-    from moela.ops.moe_triton import build_layout, swiglu_bwd
+    from moela.ops.moe import gluon as moe_gluon
+    from moela.ops.moe.activation import swiglu_bwd
+    from moela.ops.moe.permute import build_layout
 
     f = 384
     lay = build_layout(_routing(150, 5, 2, skew=True), 5)
@@ -446,7 +450,7 @@ def test_fast_backend_rejects_unaligned_shapes_with_a_clear_message():
                                             ("bf16", "triton"), ("bf16", "torch")])
 @pytest.mark.parametrize("skew", [False, True])
 def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
-    from moela.ops.moe_gemm import cublas_blockwise_available
+    from moela.ops.moe.gemm_library import cublas_blockwise_available
 
     if backend == "cublas" and not cublas_blockwise_available():
         pytest.skip("cuBLAS blockwise FP8 needs a Hopper GPU and torch >= 2.10")
@@ -462,8 +466,10 @@ def test_gpu_whole_path_v2lite_shape(recipe, backend, skew):
 
 @gpu
 def test_gpu_fp8_gemm_v3_shape_vs_float64():
-    from moela.ops.moe_gemm import cublas_blockwise_available, cublas_mgrouped, mgrouped_gemm
-    from moela.ops.moe_triton import permute_align, quant_weights
+    from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_mgrouped
+    from moela.ops.moe.gemm_triton import mgrouped_gemm
+    from moela.ops.moe.permute import permute_align
+    from moela.ops.moe.quantize import quant_weights
 
     t, d, n, e = 4096, 7168, 4096, 8
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

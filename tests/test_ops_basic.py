@@ -1,6 +1,10 @@
-"""Reference ops the model uses (rms_norm, rope + YaRN, swiglu, cross_entropy) against independent float64 math."""
+"""Reference ops the model uses (rms_norm, rope + YaRN, swiglu, cross_entropy) against independent float64 math, and
+the backend dispatch every op shares."""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +184,31 @@ def test_compiled_backend_falls_back_to_the_reference_when_compilation_fails(mon
         assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
         assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
     assert len(calls) == 2 and "no compiler here" in caplog.text and caplog.text.count("torch.compile failed") == 1
+
+
+def test_dispatch_picks_the_first_supporting_backend_and_logs_each_choice_once(caplog):
+    from moela.ops.dispatch import Dispatch
+
+    dispatch = Dispatch("toy", ("auto", "reference", "fast", "narrow", "absent"), needs="a GPU",
+                        describe=lambda x: f"x={x}")
+    dispatch.register("narrow", lambda x: "narrow", auto=lambda x: x < 0, accepts=lambda x: x < 10)
+    dispatch.register("fast", lambda x: "fast", auto=lambda x: x > 5)
+    with caplog.at_level("INFO", logger="moela.ops"):
+        assert [dispatch.choose("auto", x) for x in (-1, 7, 3, 7)] == ["narrow", "fast", "reference", "fast"]
+    assert caplog.text.count("toy: using backend 'fast' (auto)") == 1
+    assert dispatch.choose("fast", 1) == "fast" and dispatch.impl("fast")(1) == "fast"
+    with pytest.raises(ValueError, match=r"'narrow' does not support this call \(x=12\)"):
+        dispatch.choose("narrow", 12)
+    with pytest.raises(RuntimeError, match=r"'absent' is not available here \(needs a GPU\)"):
+        dispatch.choose("absent", 1)
+    with pytest.raises(ValueError, match="unknown backend 'other'"):
+        dispatch.choose("other", 1)
+    with pytest.raises(ValueError, match="cannot register"):
+        dispatch.register("reference", lambda x: x, auto=lambda x: True)
+
+
+def test_backend_names_load_without_importing_a_kernel():
+    code = ("import sys; import moela.ops.backends as b; assert b.MOE_RECIPES == ('bf16', 'fp8_blockwise'); "
+            "loaded = [m for m in sys.modules if m.startswith(('triton', 'moela.ops.attention', 'moela.ops.moe'))]; "
+            "assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -8,8 +8,8 @@ Decisions:
   the recipe's other model keys (`MODEL_PRESETS`). A file or override that changes `size` from what its bases set
   drops the model keys they set: those were chosen for the other size, so `base: tiny.yaml` + `size: small` is
   the small preset. The dataclass defaults equal the `tiny` preset.
-- The backend names each op accepts (`BACKEND_NAMES`) are listed here, so that loading a recipe imports no
-  kernels; a test keeps them equal to the ops' own lists.
+- The backend names each op accepts (`BACKEND_NAMES`) come from `moela.ops.backends`, which imports nothing, so
+  loading a recipe imports no kernels.
 - The presets are pretraining shapes: `v2-lite` and `v3` have YaRN off (DeepSeek extends context after
   pretraining); set `rope_scaling` to train long-context stages. `v2-lite` takes DeepSeek-V2-Lite's sizes only:
   its routing is moela's (V3's sigmoid gate with a balancing bias), not V2's softmax gate, so V2-Lite checkpoints
@@ -23,12 +23,10 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from moela.configlib import Presets
+from moela.ops.backends import ATTENTION_BACKENDS, MOE_BACKENDS
 
-# model key -> the backends its op accepts (`moela.ops.attention.BACKENDS`, `moela.ops.moe.BACKENDS`)
-BACKEND_NAMES: dict[str, tuple[str, ...]] = {
-    "attention_backend": ("auto", "reference", "triton", "sdpa"),
-    "moe_backend": ("auto", "reference", "triton", "torch", "cublas", "deep_gemm"),
-}
+# model key -> the backends its op accepts (`moela.ops.backends` imports nothing: loading a recipe imports no kernel)
+BACKEND_NAMES: dict[str, tuple[str, ...]] = {"attention_backend": ATTENTION_BACKENDS, "moe_backend": MOE_BACKENDS}
 
 
 @dataclass

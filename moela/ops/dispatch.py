@@ -1,40 +1,78 @@
-"""Backend selection shared by every op: validate the requested backend and log the automatic choice once.
+"""Backend selection shared by every op: one `Dispatch` per op holds its fast backends and picks one per call.
 
-`auto` resolves to the first candidate whose `supported(...)` predicate accepts the call; the reference backend
-is always last and always supported. The resolution is logged once per (op, backend, reason) so a run's log says
-which implementation actually ran.
+Each fast backend registers an implementation and an `auto` predicate (may `backend="auto"` pick it for this
+call?), optionally an `accepts` predicate (may a caller who names it run this call?; without one a named backend
+always runs and its implementation raises its own errors). `auto` resolves to the first registered backend, in
+registration order, whose `auto` predicate accepts the call; the reference is last and always supported. The
+choice is logged once per (op, backend, reason), so a run's log says which implementation actually ran and why.
+Backend names come from `moela.ops.backends`, which imports nothing.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger("moela.ops")
-_logged: set[tuple[str, str, str]] = set()
 
 
-def check_backend(op: str, backend: str, known: tuple[str, ...]) -> None:
-    if backend not in known:
-        raise ValueError(f"{op}: unknown backend {backend!r}; choose one of {', '.join(known)}")
+@dataclass(frozen=True)
+class FastBackend:
+    impl: Callable[..., object]
+    auto: Callable[..., bool]
+    accepts: Callable[..., bool] | None = None
 
 
-def log_choice(op: str, backend: str, reason: str = "") -> None:
-    key = (op, backend, reason)
-    if key not in _logged:
-        _logged.add(key)
-        log.info("%s: using backend %r%s", op, backend, f" ({reason})" if reason else "")
+class Dispatch:
+    """The backends of one op. `names` is the op's tuple from `moela.ops.backends`; `needs` says what a backend that
+    is not registered here requires (for the error); `describe(*args, **kwargs)` sums a call up for the error a
+    named backend that does not accept it raises."""
 
+    def __init__(self, op: str, names: tuple[str, ...], *, needs: str = "",
+                 describe: Callable[..., str] | None = None) -> None:
+        self.op = op
+        self.names = names
+        self.needs = needs
+        self.describe = describe
+        self.fast: dict[str, FastBackend] = {}
+        self.logged: set[tuple[str, str]] = set()
 
-def resolve_backend(op: str, backend: str, registry: dict, *args, reason: str = "", needs: str = "",
-                    **kwargs) -> str:
-    """The backend that runs this call (`backend` already passed `check_backend`): the named one if registered, or
-    for `auto` the first registered one whose `supported(*args, **kwargs)` accepts the call, else "reference".
-    `registry` maps name -> (supported, impl); `needs` says what a missing backend requires (for the error)."""
-    if backend == "auto":
-        chosen = next((name for name, (ok, _) in registry.items() if ok(*args, **kwargs)), "reference")
-        log_choice(op, chosen, reason)
-        return chosen
-    if backend != "reference" and backend not in registry:
-        raise RuntimeError(f"{op}: backend {backend!r} is not available here{f' (needs {needs})' if needs else ''}; "
-                           f"use backend='auto' or 'reference'")
-    return backend
+    def register(self, name: str, impl: Callable[..., object], *, auto: Callable[..., bool],
+                 accepts: Callable[..., bool] | None = None) -> None:
+        if name not in self.names or name in ("auto", "reference"):
+            raise ValueError(f"{self.op}: cannot register backend {name!r}; its names are {', '.join(self.names)}")
+        self.fast[name] = FastBackend(impl, auto, accepts)
+
+    def check(self, backend: str) -> None:
+        if backend not in self.names:
+            raise ValueError(f"{self.op}: unknown backend {backend!r}; choose one of {', '.join(self.names)}")
+
+    def choose(self, backend: str, *args, reason: str = "", **kwargs) -> str:
+        """The backend that runs this call: for "auto" the first registered one whose `auto(*args, **kwargs)` holds,
+        else "reference"; a named one if it is registered here and accepts the call."""
+        self.check(backend)
+        if backend == "auto":
+            chosen = next((name for name, fast in self.fast.items() if fast.auto(*args, **kwargs)), "reference")
+            self._log(chosen, f"auto, {reason}" if reason else "auto")
+            return chosen
+        if backend != "reference":
+            fast = self.fast.get(backend)
+            if fast is None:
+                needs = f" (needs {self.needs})" if self.needs else ""
+                raise RuntimeError(f"{self.op}: backend {backend!r} is not available here{needs}; use backend='auto' "
+                                   f"or 'reference'")
+            if fast.accepts is not None and not fast.accepts(*args, **kwargs):
+                call = f" ({self.describe(*args, **kwargs)})" if self.describe else ""
+                raise ValueError(f"{self.op}: backend {backend!r} does not support this call{call}; use "
+                                 f"backend='auto'")
+        self._log(backend, f"asked for, {reason}" if reason else "asked for")
+        return backend
+
+    def impl(self, name: str) -> Callable[..., object]:
+        return self.fast[name].impl
+
+    def _log(self, backend: str, reason: str) -> None:
+        if (backend, reason) not in self.logged:
+            self.logged.add((backend, reason))
+            log.info("%s: using backend %r (%s)", self.op, backend, reason)

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from moela.ops.dispatch import check_backend, log_choice
+from moela.ops.backends import LINEAR_CROSS_ENTROPY_BACKENDS
+from moela.ops.dispatch import Dispatch
 from moela.ops.loss import IGNORE_INDEX, cross_entropy_reference
 
-BACKENDS = ("auto", "reference", "chunked")
 CHUNK_ELEMENTS = 2 ** 26  # logits per chunk (256 MiB in float32)
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return cross_entropy_reference(h @ weight.t(), labels).sum()
+
+
+DISPATCH = Dispatch("linear_cross_entropy", LINEAR_CROSS_ENTROPY_BACKENDS)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -62,21 +65,25 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         backend: str = "auto") -> torch.Tensor:
-    """h [T, D], weight [V, D], labels [T] -> summed token cross-entropy (float32 scalar)."""
-    check_backend("linear_cross_entropy", backend, BACKENDS)
-    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or labels.shape != h.shape[:1]:
-        raise ValueError(f"linear_cross_entropy wants h [T, D], weight [V, D], labels [T]; got {tuple(h.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(labels.shape)}")
-    chosen = backend
-    if backend == "auto":
-        chosen = "chunked" if h.is_cuda else "reference"
-        log_choice("linear_cross_entropy", chosen)
-    if chosen == "reference":
-        return linear_cross_entropy_reference(h, weight, labels)
+def linear_cross_entropy_chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     chunk_rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
     # grad mode is always off inside Function.forward: decide here whether the gradients are needed at all (not
     # under no_grad, e.g. evaluation, where a parameter weight still has requires_grad set)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return _ChunkedLinearCE.apply(h, weight, labels, chunk_rows, want_grad)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         backend: str = "auto") -> torch.Tensor:
+    """h [T, D], weight [V, D], labels [T] -> summed token cross-entropy (float32 scalar)."""
+    DISPATCH.check(backend)
+    if h.dim() != 2 or weight.dim() != 2 or h.shape[1] != weight.shape[1] or labels.shape != h.shape[:1]:
+        raise ValueError(f"linear_cross_entropy wants h [T, D], weight [V, D], labels [T]; got {tuple(h.shape)}, "
+                         f"{tuple(weight.shape)}, {tuple(labels.shape)}")
+    chosen = DISPATCH.choose(backend, h, weight, labels)
+    if chosen == "reference":
+        return linear_cross_entropy_reference(h, weight, labels)
+    return DISPATCH.impl(chosen)(h, weight, labels)
+
+
+DISPATCH.register("chunked", linear_cross_entropy_chunked, auto=lambda h, weight, labels: h.is_cuda)

@@ -3,25 +3,18 @@
 y = x / sqrt(mean(x**2) + eps) * weight, computed in float32 and returned in x's dtype. The weight multiplies the
 float32 normalized value before the cast back (DeepSeek's reference order); HF's T5-style norm casts first, which
 is identical in float32. Backends: `reference` (pure torch), `compiled` (the reference through TorchInductor,
-CUDA, see `moela.ops.compiled`); further kernels register in `_FAST_BACKENDS`.
+CUDA, see `moela.ops.compiled`); further kernels register with `DISPATCH`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from moela.ops.backends import RMS_NORM_BACKENDS
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, resolve_backend
+from moela.ops.dispatch import Dispatch
 
-BACKENDS = ("auto", "reference", "compiled")
-
-_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
-
-
-def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
-    _FAST_BACKENDS[name] = (supported, impl)
+DISPATCH = Dispatch("rms_norm", RMS_NORM_BACKENDS)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,16 +23,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * weight.float()).to(x.dtype)
 
 
-register_backend("compiled", on_cuda, compiled(rms_norm_reference))
+DISPATCH.register("compiled", compiled(rms_norm_reference), auto=on_cuda)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:
     """x [..., C], weight [C] -> [..., C] in x's dtype."""
-    check_backend("rms_norm", backend, BACKENDS)
+    DISPATCH.check(backend)
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: weight must be [C] with C = x.shape[-1]; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)}")
-    chosen = resolve_backend("rms_norm", backend, _FAST_BACKENDS, x, weight)
+    chosen = DISPATCH.choose(backend, x, weight)
     if chosen == "reference":
         return rms_norm_reference(x, weight, eps)
-    return _FAST_BACKENDS[chosen][1](x, weight, eps)
+    return DISPATCH.impl(chosen)(x, weight, eps)

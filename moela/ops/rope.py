@@ -18,20 +18,14 @@ Shapes: T tokens, H heads, R rotary dim (even).
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 
+from moela.ops.backends import ROPE_BACKENDS
 from moela.ops.compiled import compiled, on_cuda
-from moela.ops.dispatch import check_backend, resolve_backend
+from moela.ops.dispatch import Dispatch
 
-BACKENDS = ("auto", "reference", "compiled")
-
-_FAST_BACKENDS: dict[str, tuple[Callable[..., bool], Callable[..., torch.Tensor]]] = {}
-
-
-def register_backend(name: str, supported: Callable[..., bool], impl: Callable[..., torch.Tensor]) -> None:
-    _FAST_BACKENDS[name] = (supported, impl)
+DISPATCH = Dispatch("rope", ROPE_BACKENDS)
 
 
 def yarn_inv_freq(dim: int, theta: float, *, factor: float | None = None, original_max_position_embeddings: int = 0,
@@ -70,17 +64,17 @@ def rope_reference(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.
     return out.reshape(t, h, r).to(x.dtype)
 
 
-register_backend("compiled", on_cuda, compiled(rope_reference))
+DISPATCH.register("compiled", compiled(rope_reference), auto=on_cuda)
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, *, attention_factor: float = 1.0,
          backend: str = "auto") -> torch.Tensor:
     """x [T, H, R], position_ids [T], inv_freq [R/2] -> x rotated, [T, H, R] in x's dtype."""
-    check_backend("rope", backend, BACKENDS)
+    DISPATCH.check(backend)
     if x.dim() != 3 or x.shape[-1] % 2 or position_ids.shape != x.shape[:1] or inv_freq.shape != (x.shape[-1] // 2,):
         raise ValueError(f"rope wants x [T, H, R] with R even, position_ids [T], inv_freq [R/2]; got "
                          f"{tuple(x.shape)}, {tuple(position_ids.shape)}, {tuple(inv_freq.shape)}")
-    chosen = resolve_backend("rope", backend, _FAST_BACKENDS, x, position_ids, inv_freq)
+    chosen = DISPATCH.choose(backend, x, position_ids, inv_freq)
     if chosen == "reference":
         return rope_reference(x, position_ids, inv_freq, attention_factor)
-    return _FAST_BACKENDS[chosen][1](x, position_ids, inv_freq, attention_factor)
+    return DISPATCH.impl(chosen)(x, position_ids, inv_freq, attention_factor)

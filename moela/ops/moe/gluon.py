@@ -1,7 +1,7 @@
 """The MoE path's quantizing kernels that read tiles both by rows and by columns, staged through shared memory
 (Gluon, Triton's explicit-layout dialect; Hopper).
 
-`moela.ops.moe_triton.quant_rows_cols` reads each 128x128 bf16 tile once and writes both its rowwise (1x128) and
+`moela.ops.moe.quant_rows_cols` reads each 128x128 bf16 tile once and writes both its rowwise (1x128) and
 its columnwise (128x1, stored transposed) e4m3 codes. In plain Triton the tile lives in registers (128 fp32 values
 per thread, ~200 registers at 4 warps), so two blocks fit on an SM and little memory traffic is in flight: 65-66%
 of the copy bandwidth on the H200. Here the tile is copied into shared memory by the copy engine (TMA, or cp.async
@@ -38,14 +38,14 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon: moela.ops.moe_triton keeps its Triton kernels
+except ImportError:  # a Triton without Gluon: moela.ops.moe kernels keeps its Triton kernels
     gluon = None
 else:  # the copy builtins' names: Triton 3.6 (the GPU machine) and newer ones (3.9, with torch 2.13)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-from moela.ops.quant import AMAX_EPS, FP8_MAX
+from moela.ops.moe.quant import AMAX_EPS, FP8_MAX
 
 FP8 = torch.float8_e4m3fn
 ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
@@ -70,7 +70,7 @@ if gluon is not None:
 
     @gluon.jit
     def _scale_inv(amax):
-        """(scale, inverse) of groups with this amax, rounded as moela.ops.quant rounds them."""
+        """(scale, inverse) of groups with this amax, rounded as moela.ops.moe.quant rounds them."""
         a = gl.maximum(amax, _EPS)
         return gl.div_rn(a, _FMAX), gl.div_rn(gl.full_like(a, 1.0), a) * _FMAX
 
@@ -257,7 +257,7 @@ if gluon is not None:
 
 
 def quant_weights(w: torch.Tensor, q, s, qt) -> None:
-    """Fill the outputs allocated by moela.ops.moe_triton.quant_weights (w [E, N, K] contiguous bf16; qt None
+    """Fill the outputs allocated by moela.ops.moe.quant_weights (w [E, N, K] contiguous bf16; qt None
     when the transposed copy is not asked): one read of w."""
     e, n, k = w.shape
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
@@ -268,7 +268,7 @@ def quant_weights(w: torch.Tensor, q, s, qt) -> None:
 
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, dhq, dhs, dhqt, dhst, aqt, ast, *,
                rc: int = ROW_CHUNK, cc: int = SWIGLU_COL_CHUNK, num_warps: int = SWIGLU_WARPS) -> None:
-    """Fill the outputs allocated by moela.ops.moe_triton.swiglu_bwd(quant=True): dh [M, 2F] rowwise and
+    """Fill the outputs allocated by moela.ops.moe.swiglu_bwd(quant=True): dh [M, 2F] rowwise and
     columnwise, act's columnwise codes, from h [M, 2F] and dact [M, F] (bf16, contiguous rows)."""
     m, two_f = h.shape
     f = two_f // 2
@@ -281,7 +281,7 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, dhq
 
 def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Tensor | None, gather_div: int,
                     q, s, qt, st, *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS) -> None:
-    """Fill the outputs allocated by moela.ops.moe_triton.quant_rows_cols (which checks the shapes); rc, cc and
+    """Fill the outputs allocated by moela.ops.moe.quant_rows_cols (which checks the shapes); rc, cc and
     num_warps are the register chunks and warps (bench/quant_transpose.py --gluon sweeps them)."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]

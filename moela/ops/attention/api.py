@@ -1,0 +1,88 @@
+"""Variable-length (packed) attention for MLA: Dqk may differ from Dv; log-sum-exp is returned and differentiable.
+
+Public function: `mla_attention`. Backends:
+- `reference`: pure torch, any device; loops over documents and materializes each document's score matrix in
+  float32. Exact, slow, the specification the fast kernels are tested against. Autograd flows through `lse`.
+- `triton`: our flash kernels (`moela.ops.attention.autograd`): Dqk != Dv without padding, varlen, ALiBi, and an
+  lse whose gradient is fused into the backward. CUDA tensors; on CPU only under TRITON_INTERPRET=1 and only when
+  asked for by name (tests).
+- `sdpa`: PyTorch SDPA (cuDNN first) for the plain case only: every document of the same length on both sides,
+  no ALiBi, no lse requested. Documents are reshaped to a batch, so no mask is materialized.
+`auto` tries the fast backends in registration order (sdpa, then triton) and falls back to
+`reference`; on CPU it always resolves to `reference`. sdpa comes first because cuDNN is faster where it applies
+(bench/notes/attention.md); everything else (packed documents, lse / z-loss, ALiBi, a longer k side) goes to triton.
+
+Masking: with `causal=True`, query i of a document (0-based within the q side) may see key j when
+`j <= i + (Lk - Lq)`: causal alignment is bottom-right, as FlashAttention >= 2.1, so a q chunk that is the tail of
+a longer k side (context parallelism) attends correctly. ALiBi adds `-slope_h * |(i + Lk - Lq) - j|` to the
+scores (for causal attention that is `-slope_h * (i' - j)` with i' the query's position on the k side).
+
+Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moela.ops.attention.reference import attention_reference
+from moela.ops.attention.sdpa import sdpa_attention, sdpa_supported
+from moela.ops.backends import ATTENTION_BACKENDS
+from moela.ops.dispatch import Dispatch
+
+
+def _describe(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse, alibi_slopes, **_) -> str:
+    return (f"{q.device.type} tensors, {q.dtype}, Dqk={q.shape[-1]}, Dv={v.shape[-1]}, return_lse={return_lse}, "
+            f"alibi={alibi_slopes is not None}")
+
+
+# fast backends: impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
+# softmax_scale, alibi_slopes) -> (out, lse or None); predicates(q, k, v, cu_seqlens_q, cu_seqlens_k, *,
+# max_seqlen_q, max_seqlen_k, return_lse, causal, softmax_scale, alibi_slopes) -> bool
+DISPATCH = Dispatch("mla_attention", ATTENTION_BACKENDS, needs="triton", describe=_describe)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"mla_attention wants q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1:] != q.shape[1:] or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"mla_attention: shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (heads and Dqk must match between q and k; Tk between k and v)")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError("mla_attention: cu_seqlens_q and cu_seqlens_k must describe the same number of documents")
+    if alibi_slopes is not None and alibi_slopes.shape != (q.shape[1],):
+        raise ValueError(f"alibi_slopes must be [H]={q.shape[1]}, got {tuple(alibi_slopes.shape)}")
+
+
+def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  max_seqlen_q: int, *, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
+                  causal: bool = True, softmax_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                  return_lse: bool = False, backend: str = "auto"
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed documents. q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> out [Tq, H, Dv]
+    (and lse [H, Tq] float32, natural log, differentiable, when `return_lse`)."""
+    DISPATCH.check(backend)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens_q, max_seqlen_q
+    elif max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    options = dict(causal=causal, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+    chosen = DISPATCH.choose(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_k=max_seqlen_k, return_lse=return_lse, **options)
+    if chosen == "reference":
+        out, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    else:
+        out, lse = DISPATCH.impl(chosen)(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
+                                         return_lse=return_lse, **options)
+    return (out, lse) if return_lse else out
+
+
+DISPATCH.register("sdpa", sdpa_attention, auto=sdpa_supported, accepts=sdpa_supported)
+try:
+    from moela.ops.attention.autograd import flash_mla_attention, triton_accepts, triton_auto
+except ImportError:  # no triton on this platform: reference and sdpa remain
+    pass
+else:
+    DISPATCH.register("triton", flash_mla_attention, auto=triton_auto, accepts=triton_accepts)

@@ -1,0 +1,90 @@
+"""The `triton` backend of `mla_attention`: input checks, the autograd
+Function around the forward and backward launchers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moela.ops.attention.triton_bwd import attention_backward
+from moela.ops.attention.triton_common import INTERPRET, MAX_GRID_YZ
+from moela.ops.attention.triton_fwd import attention_forward
+
+
+def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"triton mla_attention wants q, k, v of one dtype among float16/bfloat16/float32; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] > 256 or v.shape[-1] > 256:
+        raise ValueError(f"triton mla_attention supports head dims up to 256; got Dqk={q.shape[-1]}, "
+                         f"Dv={v.shape[-1]} (use backend='reference')")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"triton mla_attention needs {name} contiguous in its last dim; call .contiguous()")
+        if t.device != q.device:
+            raise ValueError(f"triton mla_attention wants q, k, v on one device; got {name} on {t.device}, q on "
+                             f"{q.device}")
+    if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
+        raise ValueError(f"triton mla_attention launches one program row per head and document, at most "
+                         f"{MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents (split the "
+                         f"micro-batch)")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous int32 tensor on {q.device}; got {t.dtype} on {t.device}"
+                            f"{'' if t.is_contiguous() else ', strided'}")
+    if alibi_slopes is not None and (alibi_slopes.dtype != torch.float32 or alibi_slopes.device != q.device
+                                     or not alibi_slopes.is_contiguous()):
+        raise TypeError(f"alibi_slopes must be a contiguous float32 tensor on {q.device}; got {alibi_slopes.dtype} "
+                        f"on {alibi_slopes.device}{'' if alibi_slopes.is_contiguous() else ', strided'}")
+
+
+class _FlashMLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                alibi_slopes):
+        out, lse = attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
+                                     softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                        alibi_slopes=alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+@torch.compiler.disable
+def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, causal=True,
+                        softmax_scale=None, alibi_slopes=None, return_lse=False):
+    """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
+    Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
+    _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    for name, t, length in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
+        if length * max(t.stride(0), t.shape[1] * t.shape[2]) >= 2 ** 31:  # (the outputs are contiguous)
+            raise ValueError(f"triton mla_attention addresses a document's rows with int32 offsets: {length} tokens "
+                             f"x {name}'s row stride {t.stride(0)} exceed 2^31; split long documents or use context "
+                             f"parallelism")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(scale),
+                           alibi_slopes)
+
+
+def triton_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:
+    """`auto` takes the kernels for CUDA fp16/bf16 tensors with head dims up to 256."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and v.shape[-1] <= 256
+
+
+def triton_accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:
+    """Asked for by name the kernels also take fp32 (tf32 dots), and CPU tensors under TRITON_INTERPRET=1 (tests)."""
+    return (q.is_cuda or INTERPRET) and q.shape[-1] <= 256 and v.shape[-1] <= 256

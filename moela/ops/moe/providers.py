@@ -1,0 +1,78 @@
+"""The fast backends of `moe_experts`: one per GEMM provider, all running `MoEExpertsFn` (moela.ops.moe.autograd).
+
+`auto` prefers, for a call it supports: `deep_gemm` (fp8, when `import deep_gemm` works), `cublas` (fp8, cuBLAS
+blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >= 2.10), `torch` (bf16,
+`torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All need D and F multiples of 128 and x in
+bf16/fp16. A backend asked for by name checks its preconditions itself and says what is missing.
+
+Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moela.ops.moe.autograd import MoEExpertsFn
+from moela.ops.moe.gemm_library import cublas_blockwise_available, deep_gemm_available
+from moela.ops.moe.layout import build_layout_rows
+
+
+def _shapes_ok(x, w13):
+    d, f = x.shape[1], w13.shape[1] // 2
+    return d % 128 == 0 and f % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return x.is_cuda and _shapes_ok(x, w13)
+
+
+def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return (recipe == "bf16" and x.is_cuda and x.dtype == torch.bfloat16 and _shapes_ok(x, w13)
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def _supported_cublas(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
+        and cublas_blockwise_available(x.device)
+
+
+def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
+        and deep_gemm_available()
+
+
+def _impl(provider):
+    def run(x, topk_ids, topk_weights, w13, w2, *, recipe):
+        if not _shapes_ok(x, w13):
+            raise ValueError(f"moe_experts backend {provider!r} needs D and F multiples of 128 and x in bf16/fp16; "
+                             f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
+        if provider == "torch" and recipe != "bf16":
+            raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
+                             "backend='triton', 'cublas' or 'deep_gemm' for fp8_blockwise")
+        if provider == "cublas" and recipe != "fp8_blockwise":
+            raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
+                             "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
+        if provider == "cublas" and not cublas_blockwise_available(x.device if x.is_cuda else None):
+            raise RuntimeError("moe_experts backend 'cublas' needs a Hopper GPU (compute capability 9.x) and torch "
+                               ">= 2.10 (cuBLAS blockwise FP8); use backend='triton'")
+        t, k = topk_ids.shape
+        m_pad = build_layout_rows(t, k, w13.shape[0])
+        if m_pad * max(x.shape[1], w13.shape[1]) >= 2 ** 31:
+            raise ValueError(f"moe_experts backend {provider!r}: {m_pad} padded rows x width "
+                             f"{max(x.shape[1], w13.shape[1])} overflow the kernels' int32 offsets; use fewer tokens "
+                             f"per micro-batch (or per expert-parallel rank)")
+        if provider == "deep_gemm" and not deep_gemm_available():
+            raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
+                               "use backend='triton'")
+        return MoEExpertsFn.apply(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
+
+    return run
+
+
+# (name, auto predicate, implementation) in `auto` preference order
+FAST_BACKENDS = (
+    ("deep_gemm", _supported_deep_gemm, _impl("deep_gemm")),
+    ("cublas", _supported_cublas, _impl("cublas")),
+    ("torch", _supported_torch, _impl("torch")),
+    ("triton", _supported_triton, _impl("triton")),
+)
