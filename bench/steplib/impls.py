@@ -85,6 +85,19 @@ def peer_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def cast_real_tensors(model: torch.nn.Module, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> None:
+    """Cast the real floating-point parameters and buffers to `dtype`, except the buffers named in `keep`
+    (`Module.to(dtype)` would also cast complex buffers such as torchtitan's RoPE table, dropping their imaginary
+    part)."""
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point() and name not in keep:
+                setattr(module, name, b.to(dtype))
+
+
 def moela_initial_model(cfg: Config, device: torch.device) -> torch.nn.Module:
     """The weights the trainer starts from (same seed, same device, same order of draws)."""
     seed_everything(cfg.train.seed)
@@ -93,20 +106,23 @@ def moela_initial_model(cfg: Config, device: torch.device) -> torch.nn.Module:
 
 class TitanStep(PeerStep):
     def __init__(self, cfg: Config, source: PackedDocs, device: torch.device, compiled: bool):
-        from bench.steplib.titan import (build_titan_model, compile_blocks, dense_document_mask, import_torchtitan,
-                                         load_moela_weights, use_dense_attention)
         from torchtitan.components.loss import cross_entropy_loss
+
+        from bench.steplib.titan import (
+            build_titan_model,
+            compile_blocks,
+            dense_document_mask,
+            import_torchtitan,
+            load_moela_weights,
+            use_dense_attention,
+        )
 
         stand_ins = import_torchtitan()
         initial = moela_initial_model(cfg, device)
         model, config = build_titan_model(cfg.model, max(cfg.model.max_position_embeddings, source.row_len), device)
         load_moela_weights(model, config, initial)
         del initial
-        model.to(peer_dtype(device))
-        for module in model.modules():  # routing state stays float32, as in moela and torchtitan's trainer
-            for name in ("expert_bias_E", "tokens_per_expert_E"):
-                if isinstance(getattr(module, name, None), torch.Tensor):
-                    setattr(module, name, getattr(module, name).float())
+        cast_real_tensors(model, peer_dtype(device), keep=("expert_bias_E", "tokens_per_expert_E"))
         self.dense_mask = dense_document_mask if device.type == "cpu" else None
         if self.dense_mask is not None:  # FlexAttention has no backward on the CPU
             use_dense_attention(model)

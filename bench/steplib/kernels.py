@@ -37,7 +37,8 @@ _MOELA_COPIES = ("_permute_kernel", "_combine_kernel", "_combine_bwd_kernel", "_
 _MOELA_ACTIVATION = ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel")
 _MOELA_ROUTER = ("_layout_count_kernel", "_layout_scan_kernel")
 
-_GEMM = re.compile(r"gemm|nvjet|xmma|gemv|splitkreduce|cutlass|matmul|^triton_tem_fused_(?:.*_)?(?:mm|addmm|bmm)(?:_|$)")
+_GEMM = re.compile(r"gemm|nvjet|xmma|gemv|splitkreduce|cutlass|matmul|"
+                   r"^triton_tem_fused_(?:.*_)?(?:mm|addmm|bmm)(?:_|$)")
 _ATTENTION = re.compile(r"flash|fmha|sdpa|flex_attention|flex_decoding|attention|mha_")
 _EXPERT = re.compile(r"groupproblemshape|grouped|moeexperts|experts|moe_")
 _OPTIMIZER = re.compile(r"adam|multi_tensor_apply|lpnorm|foreach")

@@ -28,7 +28,6 @@ import dataclasses
 import inspect
 
 import torch
-
 import torch.nn.functional as F
 
 from moela.model.config import ModelConfig
@@ -102,8 +101,13 @@ def titan_config(cfg: ModelConfig, max_seq_len: int):
     """torchtitan `DeepSeekV3Model.Config` with `cfg`'s shapes (see the module docstring); RoPE tables cover
     positions < max_seq_len."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3 import (_EMBEDDING_INIT, _NORM_INIT, DeepSeekV3Model, _build_dsv3_layers,
-                                               _output_linear_init)
+    from torchtitan.models.deepseek_v3 import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        DeepSeekV3Model,
+        _build_dsv3_layers,
+        _output_linear_init,
+    )
 
     if cfg.rope_scaling is not None:
         raise ValueError("torchtitan mapping: rope_scaling (YaRN) is not mapped; benchmark a config without it")
