@@ -18,6 +18,7 @@ trainer does, so the first-step losses of one config must agree.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -118,7 +119,7 @@ class TitanStep(PeerStep):
         )
 
         stand_ins = import_torchtitan()
-        initial = moela_initial_model(cfg, device)
+        initial = moela_initial_model(cfg, device).to(peer_dtype(device))  # the peers' weights: moela's, rounded
         model, config = build_titan_model(cfg.model, max(cfg.model.max_position_embeddings, source.row_len), device)
         load_moela_weights(model, config, initial)
         del initial
@@ -150,8 +151,10 @@ class HFStep(PeerStep):
         from moela.model.hf import export_hf
 
         initial = moela_initial_model(cfg, device).to(peer_dtype(device))
+        size = sum(t.numel() * t.element_size() for t in initial.state_dict().values())
         shm = Path("/dev/shm")
-        with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as tmp:
+        in_memory = shm.is_dir() and shutil.disk_usage(shm).free > 2 * size
+        with tempfile.TemporaryDirectory(dir=shm if in_memory else None) as tmp:
             export_hf(initial, tmp)
             del initial
             model = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp, dtype=peer_dtype(device),

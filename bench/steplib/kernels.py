@@ -9,7 +9,9 @@ or the gradient clipping launches is optimizer time. Rules are checked in FAMILI
 Kernel names it knows (Hopper, torch 2.11-2.13): cuBLAS `nvjet_*`, `sm90_xmma_gemm_*`, `ampere_*gemm*`,
 `splitKreduce_kernel`, `gemv*`; CUTLASS grouped GEMM (`torch._grouped_mm`: `GroupProblemShape`); attention:
 FlashAttention `flash_fwd/bwd`, memory-efficient `fmha_cutlassF/B`, cuDNN `cudnn_generated_fort_native_sdpa`,
-Inductor FlexAttention `triton_tem_fused_flex_attention*`; Inductor's generated kernels `triton_{poi,red,per}_
+Inductor FlexAttention `triton_tem_fused_flex_attention*` (any Inductor template kernel that is not a matmul
+template counts as attention: in these models FlexAttention is the only other template); Inductor's generated
+kernels `triton_{poi,red,per}_
 fused_<aten ops>_N` (classified by the fused ops: `rsqrt` -> norm, `silu` -> activation, `cat` -> copies, ...);
 ATen elementwise / copy / cat / index / sort / top-k kernels; the fused AdamW and foreach kernels
 (`multi_tensor_apply_kernel`, `FusedAdamMathFunctor`, `LpNormFunctor`, `lpnorm_cleanup`); NCCL; and moela's own
@@ -72,6 +74,8 @@ def classify(name: str, context: tuple[str, ...] = ()) -> str:
     if _GEMM.search(low):
         expert = _EXPERT.search(low) or any(_EXPERT.search(c) for c in ctx)
         return "expert GEMM" if expert else "dense GEMM"
+    if low.startswith("triton_tem_"):  # Inductor's other templates here: FlexAttention (mm templates matched above)
+        return "attention"
     if name in _MOELA_COPIES:
         return "copies/cat/casts"
     if name in _MOELA_ACTIVATION:

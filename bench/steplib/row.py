@@ -8,8 +8,10 @@ Phases, in order (each step ends with a device synchronization outside what is m
 2. the remaining warm-up steps, then `steps` timed steps: tokens/s = tokens per step / median step time; MFU with
    the trainer's formula (`flops_per_token` at the token-weighted mean document length of the timed steps, over
    the device's bf16 peak from `moela.trainer.metrics`); peak memory;
-3. `profile_steps` steps under torch.profiler: GPU-busy share (the trainer's definition: the union of the
-   kernels' intervals over the wall time) and the kernel-time breakdown by family (`kernels`);
+3. `profile_steps` steps under torch.profiler with CUDA activity only, for the GPU-busy share (the trainer's
+   definition: the union of the kernels' intervals over the wall time; recording CPU ops too would slow the host
+   and understate it for host-bound steps), then `profile_steps` more with CPU ops recorded, for the kernel-time
+   breakdown by family (`kernels`: the launching op is part of a kernel's classification);
 4. `sync_steps` steps inside `SyncCounter` windows, after the counter proved on this device that it sees a
    deliberate `.item()` (the trace hooks it needs slow later steps, hence last);
 Dynamo compilations after step 2 are counted over phases 2-4.
@@ -45,19 +47,17 @@ def _step(impl, device: torch.device):
     return out
 
 
-def _profile(impl, device: torch.device, steps: int) -> tuple[float | None, dict]:
+def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
+    """`steps` steps under torch.profiler (CUDA activity, and CPU ops if `with_cpu`); returns (profiler, wall s)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if with_cpu else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             _step(impl, device)
         wall = time.perf_counter() - start
-    if not cuda:
-        return None, {}
-    return compute_busy_us(prof) / 1e6 / wall, breakdown(device_kernels(prof), steps)
+    return prof, wall
 
 
 def run_row(spec: dict) -> dict:
@@ -88,7 +88,12 @@ def run_row(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     seq_len = source.token_weighted_doc_len()
     peak_gib = memory_gib(device)
-    busy, kernels = _profile(impl, device, spec["profile_steps"]) if spec["profile_steps"] else (None, {})
+    busy, kernels = None, {}
+    if device.type == "cuda" and spec["profile_steps"]:
+        prof, wall = _profiled(impl, device, spec["profile_steps"], with_cpu=False)
+        busy = compute_busy_us(prof) / 1e6 / wall
+        prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
+        kernels = breakdown(device_kernels(prof), spec["profile_steps"])
 
     syncs = warned = None
     check, witness = {}, "not counted on the CPU"
