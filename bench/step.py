@@ -45,10 +45,10 @@ from bench.steplib.report import write_report  # noqa: E402
 SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
 CONFIGS = {
-    "small-16k": dict(recipe=SMALL, rows=2, row_len=8192, median_doc_len=1536, overrides=[]),
-    "small-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=1536,
+    "small-16k": dict(recipe=SMALL, rows=2, row_len=8192, median_doc_len=2048, overrides=[]),
+    "small-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,
                       overrides=["train.tokens_per_microbatch=65536", "train.grad_accum=1"]),
-    "v2lite6-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=1536,
+    "v2lite6-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,
                         overrides=["model.size=v2-lite", "model.num_hidden_layers=6",
                                    "train.tokens_per_microbatch=65536", "train.grad_accum=1"]),
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,

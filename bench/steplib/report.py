@@ -117,13 +117,16 @@ def _other_kernels(rows: list[dict]) -> list[str]:
 
 def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     devices = sorted({r["device_name"] for r in _ok(rows)}) or ["-"]
+    docs = [r for r in _ok(rows) if "doc_len_mean" in r]
+    doc_text = (f" (timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted mean "
+                f"{docs[0]['doc_len_token_weighted']:,.0f})" if docs else "")
     lines = ["# Whole training step (bench/step.py)", "",
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
              f"timed steps, {counts['profile_steps']} profiled step(s) for GPU busy and the kernel breakdown, "
              f"{counts['sync_steps']} step(s) counted for host syncs; one process per row. Tokens: synthetic "
-             f"packed documents (lognormal lengths, cut at 4096 and at the row end), the same for every row of a "
-             f"config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
+             f"packed documents (lognormal lengths, median 2048 before the cuts at 4096 and at the row end"
+             f"{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
              f"moela-nomtp run MTP off.", ""]
     lines += _main_table(rows)
     ratios = _ratios(rows)

@@ -86,7 +86,7 @@ def run_row(spec: dict) -> dict:
         start = time.perf_counter()
         _step(impl, device)
         times.append(time.perf_counter() - start)
-    seq_len = source.token_weighted_doc_len()
+    seq_len, mean_doc = source.token_weighted_doc_len(), source.mean_doc_len()
     peak_gib = memory_gib(device)
     busy, kernels = None, {}
     if device.type == "cuda" and spec["profile_steps"]:
@@ -125,6 +125,7 @@ def run_row(spec: dict) -> dict:
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
         "tokens_per_step": source.tokens_per_step, "grad_accum": cfg.train.grad_accum,
         "rows_x_row_len": [spec["rows"], spec["row_len"]], "doc_len_token_weighted": seq_len,
+        "doc_len_mean": mean_doc,
         "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,
         "params": total, "active_params": active, "mtp_depth": cfg.model.num_nextn_predict_layers,
         "kernel_breakdown": kernels, "notes": impl.notes,
