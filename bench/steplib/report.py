@@ -123,10 +123,11 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     lines = ["# Whole training step (bench/step.py)", "",
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
-             f"timed steps, {counts['profile_steps']} profiled step(s) for GPU busy and the kernel breakdown, "
-             f"{counts['sync_steps']} step(s) counted for host syncs; one process per row. Tokens: synthetic "
-             f"packed documents (lognormal lengths, median 2048 before the cuts at 4096 and at the row end"
-             f"{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
+             f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only) and "
+             f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
+             f"step(s) counted for host syncs; one process per row. Tokens: synthetic packed documents (lognormal "
+             f"lengths, median 2048 before the cuts at 4096 and at the row end{doc_text}), the same for every row "
+             f"of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
              f"moela-nomtp run MTP off.", ""]
     lines += _main_table(rows)
     ratios = _ratios(rows)
