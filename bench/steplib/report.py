@@ -115,7 +115,16 @@ def _other_kernels(rows: list[dict]) -> list[str]:
     return out
 
 
+def _display_order(rows: list[dict]) -> list[dict]:
+    """Config by config (in run order), then moela, moela-nomtp and the peers, bf16 before fp8."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    impl_rank = {impl: i for i, impl in enumerate(LOSS_IMPLS)}
+    return sorted(rows, key=lambda r: (configs.index(r["config"]), impl_rank.get(r["impl"], len(impl_rank)),
+                                       r["recipe"] != "bf16"))
+
+
 def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
+    rows = _display_order(rows)
     devices = sorted({r["device_name"] for r in _ok(rows)}) or ["-"]
     docs = [r for r in _ok(rows) if "doc_len_mean" in r]
     doc_text = (f" (timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted mean "
@@ -151,6 +160,9 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
                   f"the CUDA trace hooks."] + [
                   f"- {r['config']} {r['impl']} {r['recipe']}: {r['sync_witness']} (check {r['sync_counter_check']})"
                   for r in odd]
+    walls = [r["row_wall_s"] for r in rows if "row_wall_s" in r]
+    if walls:
+        lines += ["", f"{len(walls)} rows ran in {sum(walls):.0f} s (slowest {max(walls):.0f} s)."]
     notes = sorted({f"{r['impl']}: {n}" for r in _ok(rows) for n in r.get("notes", [])})
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
