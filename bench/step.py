@@ -13,10 +13,11 @@ out-of-memory error ends only its row:
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
-weights. The time to the first step includes compilation with whatever the Triton and Inductor on-disk caches
-hold: the first row of a fresh machine pays the cold compile, later rows reuse the kernels earlier rows built. Per row: tokens/s (median step), MFU (the trainer's formula), GPU-busy share, peak memory, host syncs per
+weights. Per row: tokens/s (median step), MFU (the trainer's formula), GPU-busy share, peak memory, host syncs per
 step, time to the end of the first optimizer step (from process start / from model built), Dynamo recompilations
-after step 2, the first-step loss (printed side by side per config), and the kernel time by family.
+after step 2, the first-step loss (printed side by side per config), and the kernel time by family. The time to
+the first step includes compilation with whatever the Triton and Inductor on-disk caches hold: the first row on a
+fresh machine pays the cold compile, later rows reuse the kernels earlier rows built.
 
 Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
                   [--quick] [--out-dir bench/results] [--log-dir DIR]
