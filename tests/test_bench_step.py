@@ -152,21 +152,28 @@ def test_every_family_is_exercised():
     assert {k[2] for k in KERNELS} == set(FAMILIES)
 
 
-def _event(name, device, *, eid=0, linked=0, parent=None, start=0.0, end=0.0):
-    return SimpleNamespace(name=name, device_type=device, id=eid, linked_correlation_id=linked, cpu_parent=parent,
-                           time_range=SimpleNamespace(start=start, end=end))
+def _event(name, device, *, eid=0, linked=0, parent=None, start=0.0, end=0.0, with_link=True):
+    e = SimpleNamespace(name=name, device_type=device, id=eid, cpu_parent=parent, kernels=[],
+                        time_range=SimpleNamespace(start=start, end=end))
+    if with_link:
+        e.linked_correlation_id = linked
+    return e
 
 
-def test_device_kernels_walks_the_launching_op_and_its_parents():
+@pytest.mark.parametrize("with_link", [True, False], ids=["linked_correlation_id", "ops_kernel_lists"])
+def test_device_kernels_walks_the_launching_op_and_its_parents(with_link):
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     fn = _event("MoEExpertsFn", cpu, eid=1)
     mm = _event("aten::_scaled_mm", cpu, eid=2, parent=fn)
     add = _event("aten::add", cpu, eid=3)
+    gemm = "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n"
+    elementwise = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>"
+    mm.kernels = [SimpleNamespace(name=gemm, device=0, duration=30.0)]
+    add.kernels = [SimpleNamespace(name=elementwise, device=0, duration=10.0)]
     events = [fn, mm, add,
-              _event("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n", cuda, linked=2, start=10.0, end=40.0),
-              _event("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", cuda,
-                     linked=3, start=40.0, end=50.0),
-              _event("_permute_kernel", cuda, linked=0, start=50.0, end=60.0)]
+              _event(gemm, cuda, linked=2, start=10.0, end=40.0, with_link=with_link),
+              _event(elementwise, cuda, linked=3, start=40.0, end=50.0, with_link=with_link),
+              _event("_permute_kernel", cuda, linked=0, start=50.0, end=60.0, with_link=with_link)]
     prof = SimpleNamespace(events=lambda: events)
     kernels = device_kernels(prof)
     assert [(n[:8], us, ctx) for n, us, ctx in kernels] == [

@@ -93,9 +93,7 @@ def classify(name: str, context: tuple[str, ...] = ()) -> str:
     return "other"
 
 
-def _op_context(event, by_id: dict) -> tuple[str, ...]:
-    """Names of the CPU op that launched a device event and of its ancestors, innermost first."""
-    op = by_id.get(getattr(event, "linked_correlation_id", 0))
+def _ancestors(op) -> tuple[str, ...]:
     names = []
     while op is not None:
         names.append(op.name)
@@ -105,17 +103,28 @@ def _op_context(event, by_id: dict) -> tuple[str, ...]:
 
 def device_kernels(prof) -> list[tuple[str, float, tuple[str, ...]]]:
     """(name, device microseconds, launch context) of every GPU kernel, copy and memset of a finished
-    torch.profiler run."""
+    torch.profiler run. A device event names the op that launched it by `linked_correlation_id` (the op's `id`);
+    a torch whose events lack that field gets the context from the ops' own `kernels` lists instead, matched by
+    kernel name and duration."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     events = prof.events()
-    by_id = {}
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CPU and e.name != "[memory]":
-            by_id.setdefault(e.id, e)
-    out = []
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out.append((e.name, e.time_range.end - e.time_range.start, _op_context(e, by_id)))
-    return out
+    ops = [e for e in events if e.device_type == cpu and e.name != "[memory]"]
+    device = [e for e in events if e.device_type == cuda]
+    if device and all(hasattr(e, "linked_correlation_id") for e in device):
+        by_id: dict = {}
+        for op in ops:
+            by_id.setdefault(op.id, op)
+        contexts = [_ancestors(by_id.get(e.linked_correlation_id)) for e in device]
+    else:
+        launched: dict = {}
+        for op in ops:
+            for k in getattr(op, "kernels", ()):
+                launched.setdefault((k.name, round(k.duration, 3)), []).append(_ancestors(op))
+        contexts = []
+        for e in device:
+            found = launched.get((e.name, round(e.time_range.end - e.time_range.start, 3)))
+            contexts.append(found.pop() if found else ())
+    return [(e.name, e.time_range.end - e.time_range.start, ctx) for e, ctx in zip(device, contexts)]
 
 
 def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top: int = 4) -> dict:
