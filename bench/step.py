@@ -140,7 +140,7 @@ def main() -> None:
                                                                     f"(--quick: {STEPS['quick'][key]})")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--log-dir", help="per-row logs (default: a new temporary folder)")
-    ap.add_argument("--row-timeout-s", type=float, default=240.0)
+    ap.add_argument("--row-timeout-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="seconds for all rows: a row is cut at the budget's end and rows not started are reported "
                          "as not run (rerun them with --impls / --configs)")
