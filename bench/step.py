@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -105,13 +106,15 @@ def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float
         env = dict(os.environ, MOELA_BENCH_T0=repr(time.time()))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec), "--row-out", str(out)]
         t = time.monotonic()
-        try:
-            with open(log, "w") as f:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                    timeout=min(row_timeout, left)).returncode
-            error = None if rc == 0 and out.exists() else f"exit code {rc}: {_tail(log)}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {min(row_timeout, left):.0f} s: {_tail(log)}"
+        with open(log, "w") as f:  # its own session: a timeout ends the row and its compile workers together
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=min(row_timeout, left))
+                error = None if rc == 0 and out.exists() else f"exit code {rc}: {_tail(log)}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                error = f"timed out after {min(row_timeout, left):.0f} s: {_tail(log)}"
         row = json.loads(out.read_text()) if error is None else base | {"error": error}
         row["row_wall_s"] = time.monotonic() - t
         results.append(row)

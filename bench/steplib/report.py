@@ -127,16 +127,16 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     rows = _display_order(rows)
     devices = sorted({r["device_name"] for r in _ok(rows)}) or ["-"]
     docs = [r for r in _ok(rows) if "doc_len_mean" in r]
-    doc_text = (f" (timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted mean "
-                f"{docs[0]['doc_len_token_weighted']:,.0f})" if docs else "")
+    doc_text = (f", median {docs[0]['doc_len_median_drawn']} before the cuts at {docs[0]['doc_len_max']} and at "
+                f"the row end; timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted "
+                f"mean {docs[0]['doc_len_token_weighted']:,.0f}" if docs else "")
     lines = ["# Whole training step (bench/step.py)", "",
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
              f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only) and "
              f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
              f"step(s) counted for host syncs; one process per row. Tokens: synthetic packed documents (lognormal "
-             f"lengths, median 2048 before the cuts at 4096 and at the row end{doc_text}), the same for every row "
-             f"of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
+             f"lengths{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
              f"moela-nomtp run MTP off.", ""]
     lines += _main_table(rows)
     ratios = _ratios(rows)

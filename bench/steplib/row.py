@@ -125,7 +125,7 @@ def run_row(spec: dict) -> dict:
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
         "tokens_per_step": source.tokens_per_step, "grad_accum": cfg.train.grad_accum,
         "rows_x_row_len": [spec["rows"], spec["row_len"]], "doc_len_token_weighted": seq_len,
-        "doc_len_mean": mean_doc,
+        "doc_len_mean": mean_doc, "doc_len_median_drawn": source.median_len, "doc_len_max": source.max_doc_len,
         "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,
         "params": total, "active_params": active, "mtp_depth": cfg.model.num_nextn_predict_layers,
         "kernel_breakdown": kernels, "notes": impl.notes,
