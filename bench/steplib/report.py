@@ -136,7 +136,8 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
              f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only) and "
              f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
              f"step(s) counted for host syncs; one process per row. Tokens: synthetic packed documents (lognormal "
-             f"lengths{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 peak (the trainer's formula). The peers and "
+             f"lengths{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 "
+             f"peak (the trainer's formula). The peers and "
              f"moela-nomtp run MTP off.", ""]
     lines += _main_table(rows)
     ratios = _ratios(rows)
