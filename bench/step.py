@@ -153,11 +153,11 @@ def main() -> None:
     if args.row:
         return child(args.row, args.row_out)
 
-    device = args.device
-    if device is None:
-        import torch
+    import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/step.py: --device cuda but no CUDA device is visible; use --device cpu for the smoke run")
     configs = (args.configs or ("tiny" if device == "cpu" else "small-16k,small-64k,v2lite6-64k")).split(",")
     impls = args.impls.split(",")
     recipes = (args.recipes or ("bf16" if device == "cpu" else ",".join(RECIPES))).split(",")
