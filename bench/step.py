@@ -1,0 +1,187 @@
+"""Benchmark the whole training step on one device: moela's trainer against torchtitan and transformers.
+
+Rows (implementations x configs x MoE recipes, run in that order), each in its own process so that a crash or an
+out-of-memory error ends only its row:
+  configs   small-16k    recipes/small.yaml as shipped: 16k tokens per micro-batch (2 rows of 8192), grad_accum 2
+            small-64k    the same model, 64k tokens per micro-batch (8 x 8192), grad_accum 1
+            v2lite6-64k  DeepSeek-V2-Lite shapes (hidden 2048, 16 heads, no q LoRA, kv LoRA 512, 64 routed + 2
+                         shared experts, top-6, expert FFN 1408, first layer dense, vocab 102400), 6 layers, 64k
+            tiny         the tiny preset on 2 x 256 tokens, grad_accum 2 (the CPU smoke run)
+  impls     moela         the trainer's own step (`Trainer.train_step`), the recipe as configured (MTP on where it
+                          is: small has depth 1)
+            moela-nomtp   the same with MTP off: the row the peers are compared with
+            titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
+  recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
+All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
+weights. Per row: tokens/s (median step), MFU (the trainer's formula), GPU-busy share, peak memory, host syncs per
+step, time to the end of the first optimizer step (from process start / from model built), Dynamo recompilations
+after step 2, the first-step loss (printed side by side per config), and the kernel time by family. The time to
+the first step includes compilation with whatever the Triton and Inductor on-disk caches hold: the first row on a
+fresh machine pays the cold compile, later rows reuse the kernels earlier rows built.
+
+Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
+                  [--quick] [--out-dir bench/results] [--log-dir DIR]
+      (CPU):  python bench/step.py --device cpu --quick
+Writes <out-dir>/step.md and <out-dir>/step.json; each row's output goes to <log-dir>/<row>.log. torchtitan
+0.3.0 must be importable for its rows (pip install --no-deps torchtitan==0.3.0 tyro spmd_types==0.2.3
+docstring_parser typeguard typing_extensions); a row that cannot run says why in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.steplib.report import write_report  # noqa: E402
+
+SMALL = str(ROOT / "recipes" / "small.yaml")
+TINY = str(ROOT / "recipes" / "tiny.yaml")
+CONFIGS = {
+    "small-16k": dict(recipe=SMALL, rows=2, row_len=8192, median_doc_len=2048, overrides=[]),
+    "small-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,
+                      overrides=["train.tokens_per_microbatch=65536", "train.grad_accum=1"]),
+    "v2lite6-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,
+                        overrides=["model.size=v2-lite", "model.num_hidden_layers=6",
+                                   "train.tokens_per_microbatch=65536", "train.grad_accum=1"]),
+    "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
+                 overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
+}
+IMPLS = ("moela", "moela-nomtp", "titan-compile", "hf", "titan-eager")
+RECIPES = ("bf16", "fp8_blockwise")
+STEPS = {"default": dict(warmup=3, steps=6, profile_steps=2, sync_steps=1),
+         "quick": dict(warmup=2, steps=3, profile_steps=1, sync_steps=1)}
+
+
+def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: str, counts: dict,
+              run_dir: str) -> list[dict]:
+    """One spec per row, in run order: implementation by implementation (in `impls` order), each over the configs
+    and, for moela, the recipes (the peers and moela-nomtp run bf16 only). A run that meets its time budget thus
+    drops whole implementations from the end of the list, never a config's moela rows."""
+    rows = []
+    for impl in impls:
+        for config in configs:
+            c = CONFIGS[config]
+            for recipe in recipes if impl == "moela" else [r for r in recipes if r == "bf16"]:
+                overrides = list(c["overrides"]) + [
+                    f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",
+                    "train.steps=1000", "train.eval_every=0", "checkpoint.every=0", "logging.progress_bar=never"]
+                if impl != "moela":
+                    overrides.append("model.num_nextn_predict_layers=0")
+                rows.append({"config": config, "impl": "moela" if impl == "moela-nomtp" else impl, "label": impl,
+                             "recipe": recipe, "device": device, "recipe_path": c["recipe"],
+                             "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
+                             "median_doc_len": c["median_doc_len"], **counts})
+    return rows
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
+    return " | ".join(line.strip() for line in text[-lines:])
+
+
+def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float) -> list[dict]:
+    """Run each spec in a child process (`--row`), within `row_timeout` each and `budget` seconds in all."""
+    results, start = [], time.monotonic()
+    for spec in specs:
+        name = f"{spec['config']}_{spec['label']}_{spec['recipe']}"
+        left = budget - (time.monotonic() - start)
+        base = {k: spec[k] for k in ("config", "recipe")} | {"impl": spec["label"]}
+        if left < 20:
+            results.append(base | {"error": f"not run: the {budget:.0f} s budget was spent"})
+            print(f"[step] {name}: skipped (budget)", flush=True)
+            continue
+        log, out = log_dir / f"{name}.log", log_dir / f"{name}.json"
+        out.unlink(missing_ok=True)
+        env = dict(os.environ, MOELA_BENCH_T0=repr(time.time()))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec), "--row-out", str(out)]
+        t = time.monotonic()
+        with open(log, "w") as f:  # its own session: a timeout ends the row and its compile workers together
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=min(row_timeout, left))
+                error = None if rc == 0 and out.exists() else f"exit code {rc}: {_tail(log)}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                error = f"timed out after {min(row_timeout, left):.0f} s: {_tail(log)}"
+        row = json.loads(out.read_text()) if error is None else base | {"error": error}
+        row["row_wall_s"] = time.monotonic() - t
+        results.append(row)
+        print(f"[step] {name}: {row['row_wall_s']:.0f} s, " + (
+            f"{row['tokens_per_s']:,.0f} tok/s" if "error" not in row else row["error"][:300]), flush=True)
+    return results
+
+
+def child(spec_json: str, out: str) -> None:
+    from bench.steplib.row import run_row
+
+    row = run_row(json.loads(spec_json))
+    Path(out).write_text(json.dumps(row, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", help=f"comma list of {', '.join(CONFIGS)} (default: all but tiny on cuda, tiny "
+                                      f"on cpu)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    ap.add_argument("--recipes", help="comma list of bf16, fp8_blockwise (default: both on cuda, bf16 on cpu)")
+    ap.add_argument("--device", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="fewer steps per row: a smoke run")
+    for key in STEPS["default"]:
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {STEPS['default'][key]} "
+                                                                    f"(--quick: {STEPS['quick'][key]})")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--log-dir", help="per-row logs (default: a new temporary folder)")
+    ap.add_argument("--row-timeout-s", type=float, default=300.0)
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="seconds for all rows: a row is cut at the budget's end and rows not started are reported "
+                         "as not run (rerun them with --impls / --configs)")
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--row-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.row:
+        return child(args.row, args.row_out)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/step.py: --device cuda but no CUDA device is visible; use --device cpu for the smoke run")
+    configs = (args.configs or ("tiny" if device == "cpu" else "small-16k,small-64k,v2lite6-64k")).split(",")
+    impls = args.impls.split(",")
+    recipes = (args.recipes or ("bf16" if device == "cpu" else ",".join(RECIPES))).split(",")
+    for kind, given, known in (("config", configs, CONFIGS), ("impl", impls, IMPLS), ("recipe", recipes, RECIPES)):
+        bad = [g for g in given if g not in known]
+        if bad:
+            sys.exit(f"bench/step.py: unknown {kind} {', '.join(bad)}; choose from {', '.join(known)}")
+    counts = dict(STEPS["quick" if args.quick else "default"])
+    for key in counts:
+        if getattr(args, key) is not None:
+            counts[key] = getattr(args, key)
+    if counts["steps"] < 1 or counts["warmup"] < 2:
+        sys.exit("bench/step.py: --steps must be >= 1 and --warmup >= 2 (steps 1 and 2 are the warm-up that "
+                 "time the first step and anchor the recompilation count)")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="moela_step_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    specs = plan_rows(configs, impls, recipes, device, counts, str(log_dir / "run"))
+    print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
+    results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s)
+    command = "python bench/step.py " + " ".join(sys.argv[1:])
+    md = write_report(results, Path(args.out_dir), command=command, counts=counts,
+                      date=datetime.date.today().isoformat())
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""`bench/step.py`'s output: the rows as JSON (a list of dicts) and a Markdown report (the header with date,
+device and versions, the main table, each config's moela-vs-peers ratios, the first-step loss check, the kernel
+breakdown by family, the largest unclassified kernels, and the rows that failed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.steplib.kernels import FAMILIES
+
+PEERS = ("titan-compile", "titan-eager", "hf")
+LOSS_IMPLS = ("moela", "moela-nomtp") + PEERS
+
+
+def _versions() -> str:
+    import torch
+
+    parts = [f"torch {torch.__version__}"]
+    for name in ("triton", "transformers", "torchtitan"):
+        try:
+            from importlib.metadata import version
+
+            parts.append(f"{name} {version(name)}")
+        except Exception:  # not installed: the rows that need it say so
+            parts.append(f"{name} -")
+    return ", ".join(parts)
+
+
+def _f(value, fmt: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, fmt)
+
+
+def _ok(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "error" not in r]
+
+
+def _syncs(r: dict) -> str:
+    """Reported count, with the sync-debug warning count beside it when it differs."""
+    n, warned = r.get("host_syncs_per_step"), r.get("sync_debug_warnings_per_step")
+    if n is None or warned is None or round(warned) == round(n):
+        return _f(n, ".0f")
+    return f"{n:.0f} ({warned:.0f} warned)"
+
+
+def _main_table(rows: list[dict]) -> list[str]:
+    out = ["| config | impl | recipe | tokens/s | MFU | GPU busy | peak GiB | host syncs / step | first step s "
+           "(from start / built) | recompiles after step 2 | step ms (min-max) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['config']} | {r['impl']} | {r['recipe']} | failed: {r['error'][:200]} "
+                       f"| | | | | | | |")
+            continue
+        out.append(
+            f"| {r['config']} | {r['impl']} | {r['recipe']} | {r['tokens_per_s']:,.0f} | {_f(r['mfu'], '.1%')} | "
+            f"{_f(r['busy'], '.0%')} | {r['peak_gib']:.1f} | {_syncs(r)} | "
+            f"{r['first_step_s_from_start']:.0f} / {r['first_step_s_from_built']:.0f} | "
+            f"{r['recompiles_after_step2']} | {r['step_ms_median']:.0f} ({r['step_ms_min']:.0f}-"
+            f"{r['step_ms_max']:.0f}) |")
+    return out
+
+
+def _ratios(rows: list[dict]) -> list[str]:
+    out = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = {r["impl"]: r for r in _ok(rows) if r["config"] == config and r["recipe"] == "bf16"}
+        ours = mine.get("moela-nomtp") or mine.get("moela")
+        if ours is None:
+            continue
+        peers = {p: mine[p]["tokens_per_s"] for p in PEERS if p in mine}
+        if not peers:
+            continue
+        text = ", ".join(f"{ours['tokens_per_s'] / v:.2f}x {p}" for p, v in peers.items())
+        titan = [p for p in ("titan-compile", "titan-eager") if p in mine]
+        mem = ""
+        if titan:
+            best = max(titan, key=lambda p: mine[p]["tokens_per_s"])
+            mem = f"; peak memory {ours['peak_gib']:.1f} GiB vs {best} {mine[best]['peak_gib']:.1f} GiB"
+        out.append(f"- {config}: {ours['impl']} (bf16) is {text}{mem}")
+    return out
+
+
+def _loss_table(rows: list[dict]) -> list[str]:
+    out = ["| config | " + " | ".join(LOSS_IMPLS) + " |", "| --- |" + " --- |" * len(LOSS_IMPLS)]
+    for config in dict.fromkeys(r["config"] for r in rows):
+        got = {r["impl"]: r["first_step_loss"] for r in _ok(rows) if r["config"] == config and r["recipe"] == "bf16"}
+        if got:
+            out.append(f"| {config} | " + " | ".join(_f(got.get(i), ".4f") for i in LOSS_IMPLS) + " |")
+    return out
+
+
+def _breakdown_table(rows: list[dict]) -> list[str]:
+    shown = [f for f in FAMILIES if any(r.get("kernel_breakdown", {}).get(f, {}).get("share", 0) > 0
+                                        for r in _ok(rows))]
+    out = ["| config | impl | recipe | kernel ms / step | " + " | ".join(shown) + " |",
+           "| --- | --- | --- | --- |" + " --- |" * len(shown)]
+    for r in _ok(rows):
+        b = r.get("kernel_breakdown") or {}
+        if not b:
+            continue
+        total = sum(v["ms_per_step"] for v in b.values())
+        out.append(f"| {r['config']} | {r['impl']} | {r['recipe']} | {total:.0f} | "
+                   + " | ".join(f"{100 * b[f]['share']:.0f}%" for f in shown) + " |")
+    return out
+
+
+def _other_kernels(rows: list[dict]) -> list[str]:
+    out = []
+    for r in _ok(rows):
+        other = (r.get("kernel_breakdown") or {}).get("other")
+        if other and other["share"] > 0.01:
+            names = "; ".join(f"`{n}` {ms:.2f} ms" for n, ms in other["top"])
+            out.append(f"- {r['config']} {r['impl']} {r['recipe']} ({100 * other['share']:.0f}%): {names}")
+    return out
+
+
+def _display_order(rows: list[dict]) -> list[dict]:
+    """Config by config (in run order), then moela, moela-nomtp and the peers, bf16 before fp8."""
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    impl_rank = {impl: i for i, impl in enumerate(LOSS_IMPLS)}
+    return sorted(rows, key=lambda r: (configs.index(r["config"]), impl_rank.get(r["impl"], len(impl_rank)),
+                                       r["recipe"] != "bf16"))
+
+
+def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
+    rows = _display_order(rows)
+    devices = sorted({r["device_name"] for r in _ok(rows)}) or ["-"]
+    docs = [r for r in _ok(rows) if "doc_len_mean" in r]
+    doc_text = (f", median {docs[0]['doc_len_median_drawn']} before the cuts at {docs[0]['doc_len_max']} and at "
+                f"the row end; timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted "
+                f"mean {docs[0]['doc_len_token_weighted']:,.0f}" if docs else "")
+    lines = ["# Whole training step (bench/step.py)", "",
+             f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
+             f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
+             f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only) and "
+             f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
+             f"step(s) counted for host syncs; one process per row. Tokens: synthetic packed documents (lognormal "
+             f"lengths{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 "
+             f"peak (the trainer's formula). The peers and "
+             f"moela-nomtp run MTP off.", ""]
+    lines += _main_table(rows)
+    ratios = _ratios(rows)
+    if ratios:
+        lines += ["", "## moela against the peers (tokens/s ratios, MTP off, bf16)", ""] + ratios
+    lines += ["", "## Loss check: first-step LM loss, same weights and tokens", "",
+              "Same function, so equal up to bf16 noise (moela keeps fp32 weights under bf16 autocast; the peers "
+              "hold bf16 weights).", ""] + _loss_table(rows)
+    breakdown = _breakdown_table(rows)
+    if len(breakdown) > 2:
+        lines += ["", "## Kernel time by family (share of the profiled steps' kernel time)", ""] + breakdown
+    other = _other_kernels(rows)
+    if other:
+        lines += ["", "## Largest unclassified kernels (`other`)", ""] + other
+    checked = [r for r in _ok(rows) if r.get("sync_counter_check")]
+    if checked:
+        odd = [r for r in checked if r["sync_witness"] != "trace"]
+        lines += ["", "## Host-sync counter", "",
+                  f"Before counting, each row checked on the device that the counter sees a deliberate `.item()` "
+                  f"and a `torch.cuda.synchronize()`: {len(checked) - len(odd)} of {len(checked)} rows counted by "
+                  f"the CUDA trace hooks."] + [
+                  f"- {r['config']} {r['impl']} {r['recipe']}: {r['sync_witness']} (check {r['sync_counter_check']})"
+                  for r in odd]
+    walls = [r["row_wall_s"] for r in rows if "row_wall_s" in r]
+    if walls:
+        lines += ["", f"{len(walls)} rows ran in {sum(walls):.0f} s (slowest {max(walls):.0f} s)."]
+    notes = sorted({f"{r['impl']}: {n}" for r in _ok(rows) for n in r.get("notes", [])})
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(rows: list[dict], out_dir: Path, *, command: str, counts: dict, date: str) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "step.json").write_text(json.dumps(rows, indent=1) + "\n")
+    md = render(rows, command=command, counts=counts, date=date)
+    (out_dir / "step.md").write_text(md)
+    return md

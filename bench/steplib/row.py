@@ -1,0 +1,133 @@
+"""One row of `bench/step.py`, run in its own process: build the implementation, time its training step, profile
+it, count its host syncs, and return the row as a dict (written as JSON for the parent).
+
+Phases, in order (each step ends with a device synchronization outside what is measured):
+1. build (model, optimizer; for moela the whole `Trainer`), then step 1 and step 2: the time to the end of step 1
+   from process start (`MOELA_BENCH_T0`, set by the parent just before it starts this process) and from the model
+   being built; the loss of step 1 (before any update) for the loss check;
+2. the remaining warm-up steps, then `steps` timed steps: tokens/s = tokens per step / median step time; MFU with
+   the trainer's formula (`flops_per_token` at the token-weighted mean document length of the timed steps, over
+   the device's bf16 peak from `moela.trainer.metrics`); peak memory;
+3. `profile_steps` steps under torch.profiler with CUDA activity only, for the GPU-busy share (the trainer's
+   definition: the union of the kernels' intervals over the wall time; recording CPU ops too would slow the host
+   and understate it for host-bound steps), then `profile_steps` more with CPU ops recorded, for the kernel-time
+   breakdown by family (`kernels`: the launching op is part of a kernel's classification);
+4. `sync_steps` steps inside `SyncCounter` windows, after the counter proved on this device that it sees a
+   deliberate `.item()` (the trace hooks it needs slow later steps, hence last);
+Dynamo compilations after step 2 are counted over phases 2-4.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from bench.steplib.kernels import breakdown, device_kernels
+from bench.steplib.measure import SyncCounter, compiled_graphs, reported_syncs
+from bench.steplib.source import PackedDocs
+from moela.config import load_config
+from moela.model import count_params, flops_per_token
+from moela.trainer.metrics import device_peak_flops, memory_gib
+from moela.trainer.profiling import compute_busy_us
+
+T0_ENV = "MOELA_BENCH_T0"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(impl, device: torch.device):
+    out = impl.step()
+    _sync(device)
+    return out
+
+
+def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
+    """`steps` steps under torch.profiler (CUDA activity, and CPU ops if `with_cpu`); returns (profiler, wall s)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if with_cpu else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            _step(impl, device)
+        wall = time.perf_counter() - start
+    return prof, wall
+
+
+def run_row(spec: dict) -> dict:
+    """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
+    median_doc_len, warmup, steps, profile_steps, sync_steps."""
+    from bench.steplib.impls import build_impl
+
+    t0 = float(os.environ.get(T0_ENV) or time.time())
+    device = torch.device(spec["device"])
+    cfg = load_config(spec["recipe_path"], spec["overrides"])
+    source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
+                        grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
+                        max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
+    impl = build_impl(spec["impl"], cfg, source, device)
+    t_built = time.time()
+
+    first_loss = float(_step(impl, device))
+    t_first = time.time()
+    _step(impl, device)
+    graphs_after_2 = compiled_graphs()
+    for _ in range(max(spec["warmup"] - 2, 0)):
+        _step(impl, device)
+    source.reset_length_stats()
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        _step(impl, device)
+        times.append(time.perf_counter() - start)
+    seq_len, mean_doc = source.token_weighted_doc_len(), source.mean_doc_len()
+    peak_gib = memory_gib(device)
+    busy, kernels = None, {}
+    if device.type == "cuda" and spec["profile_steps"]:
+        prof, wall = _profiled(impl, device, spec["profile_steps"], with_cpu=False)
+        busy = compute_busy_us(prof) / 1e6 / wall
+        prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
+        kernels = breakdown(device_kernels(prof), spec["profile_steps"])
+
+    syncs = warned = None
+    check, witness = {}, "not counted on the CPU"
+    if device.type == "cuda" and spec["sync_steps"]:
+        counter = SyncCounter(cuda=True)
+        check = counter.check(device)
+        traced = warned = 0.0
+        for _ in range(spec["sync_steps"]):
+            with counter.window() as w:
+                impl.step()
+            _sync(device)
+            traced, warned = traced + w.traced / spec["sync_steps"], warned + w.warned / spec["sync_steps"]
+        syncs, witness = reported_syncs(check, traced, warned)
+
+    step_s = statistics.median(times)
+    tokens_per_s = source.tokens_per_step / step_s
+    peak_flops = device_peak_flops(device, cfg.logging)
+    flops_tok = flops_per_token(cfg.model, max(1, round(seq_len)))
+    total, active = count_params(cfg.model)
+    return {
+        "config": spec["config"], "impl": spec["label"], "recipe": spec["recipe"],
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops_tok * tokens_per_s / peak_flops if peak_flops else None,
+        "busy": busy, "peak_gib": peak_gib, "host_syncs_per_step": syncs,
+        "sync_debug_warnings_per_step": warned, "sync_counter_check": check, "sync_witness": witness,
+        "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
+        "recompiles_after_step2": compiled_graphs() - graphs_after_2,
+        "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
+        "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
+        "tokens_per_step": source.tokens_per_step, "grad_accum": cfg.train.grad_accum,
+        "rows_x_row_len": [spec["rows"], spec["row_len"]], "doc_len_token_weighted": seq_len,
+        "doc_len_mean": mean_doc, "doc_len_median_drawn": source.median_len, "doc_len_max": source.max_doc_len,
+        "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,
+        "params": total, "active_params": active, "mtp_depth": cfg.model.num_nextn_predict_layers,
+        "kernel_breakdown": kernels, "notes": impl.notes,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
