@@ -4,6 +4,7 @@
 #
 #   .whl2/   NAME.whl.part.aa: the first part of a wheel split in two (`split -b 46000000 NAME.whl NAME.whl.part.`)
 #            because one call carries at most 64 MiB (nvidia-cutlass-dsl-libs-cu13 is ~92 MB)
+#            and any whole wheels that fit beside it
 #   .whl/    the other wheels, and NAME.whl.part.ab
 #
 # Usage on the GPU machine:
