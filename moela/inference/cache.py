@@ -28,7 +28,10 @@ def cache_bytes_per_token(kv_lora_rank: int, rope_dim: int, num_layers: int, *, 
     """Bytes one token occupies in the cache over all `num_layers` layers."""
     item = torch.empty((), dtype=dtype).element_size()
     bits = QUANT_BITS[quant]
-    latent = kv_lora_rank * item if bits is None else kv_lora_rank * bits // 8 + kv_lora_rank // group_size * SCALE_BYTES
+    if bits is None:
+        latent = kv_lora_rank * item
+    else:
+        latent = kv_lora_rank * bits // 8 + kv_lora_rank // group_size * SCALE_BYTES
     return num_layers * (latent + rope_dim * item)
 
 

@@ -3,7 +3,7 @@
 `generate` decodes a batch of prompts with the latent cache (`moela.inference.decode`): the prompts are prefilled
 in chunks (bounding the score tensor to chunk x prompt length), then one token per step for every sequence; a
 sequence stops at the end-of-document token, which is not part of its output. `on_step(tokens, finished)` is called
-after every step, for streaming.
+after every step (for streaming); a true return value stops the generation there (stop strings).
 
 `generate_uncached` reruns the full training forward over the whole sequence for every new token: no cache, so it
 works on a sharded model (FSDP2, expert parallelism) as long as every rank calls it with the same prompt; `sync`
@@ -59,7 +59,7 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
              cache_quant: str = "none", group_size: int = 64,
-             on_step: Callable[[list[int], list[bool]], None] | None = None) -> list[list[int]]:
+             on_step: Callable[[list[int], list[bool]], bool | None] | None = None) -> list[list[int]]:
     """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` tokens -> the new tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
@@ -94,9 +94,8 @@ def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: in
                 finished[i] = True
             else:
                 out[i].append(t)
-        if on_step is not None:
-            on_step(new, list(finished))
-        if all(finished) or step == max_new_tokens - 1:
+        stop = on_step is not None and on_step(new, list(finished))
+        if stop or all(finished) or step == max_new_tokens - 1:
             break
         h = decoder.hidden(nxt[:, None], (lengths + step)[:, None], cache)  # [B, 1, D]
         logits = decoder.logits(h[:, 0])  # [B, V]
