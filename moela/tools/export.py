@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from moela.config import Config
 from moela.data.tokenizer import Tokenizer
 from moela.model import hf
-from moela.tools.runs import (DTYPES, UsageError, find_checkpoint, load_run_config, load_run_tokenizer)
+from moela.tools.runs import (DTYPES, UsageError, find_checkpoint, load_run_config, load_run_tokenizer,
+                              single_process_dcp)
 
 MODEL_PREFIX = "model."
 INDEX_FILE = "model.safetensors.index.json"
@@ -141,8 +142,9 @@ class _Exporter:
         dest = torch.empty(shape, dtype=md.properties.dtype)
         self.reading = dest.nbytes
         self._note_peak()
-        dcp.load({MODEL_PREFIX + key: dest}, storage_reader=self.reader,
-                 planner=_RangePlanner(MODEL_PREFIX + key, dest, start), no_dist=True)
+        with single_process_dcp():
+            dcp.load({MODEL_PREFIX + key: dest}, storage_reader=self.reader,
+                     planner=_RangePlanner(MODEL_PREFIX + key, dest, start), no_dist=True)
         return dest
 
     def add(self, name: str, ref: _Ref, source: torch.Tensor, start: int, owned: bool) -> None:

@@ -51,8 +51,8 @@ def _check(args: argparse.Namespace) -> None:
 class _Streamer:
     """Prints the newly decoded text of one sequence after every step (complete characters only)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer):
+        self.tokenizer, self.out = tokenizer, sys.stdout
         self.ids: list[int] = []
         self.printed = 0
         self.done = False

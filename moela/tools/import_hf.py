@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from moela.data.config import DataConfig
 from moela.model import Transformer
 from moela.model.hf import load_hf_config
 from moela.model.hf_folder import config_differences, read_hf_weights
-from moela.tools.runs import CHECKPOINTS, CONFIG_FILE, LATEST, UsageError, load_run_config
+from moela.tools.runs import CHECKPOINTS, CONFIG_FILE, LATEST, UsageError, load_run_config, single_process_dcp
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -98,8 +97,7 @@ def import_folder(hf_dir: str | Path, dest: str | Path, step: int = 0) -> Path:
         (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():  # DCP's "assuming a single process" warning: that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_dcp():
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
     os.replace(tmp, ckpt)
     (ckpt.parent / LATEST).write_text(ckpt.name + "\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,11 +142,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+@contextmanager
+def single_process_dcp():
+    """DCP warns on every call without a process group that it assumes a single process: the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def read_model_weights(checkpoint: Path, state: dict[str, torch.Tensor]) -> None:
     """Fill `state` (our parameter names -> tensors of the right shapes, any dtype) in place from a checkpoint's
     `model.*` entries; a single process reads any saved layout."""
-    with warnings.catch_warnings():  # DCP warns that it assumes a single process, which is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with single_process_dcp():
         dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=not dist.is_initialized())
 
 
