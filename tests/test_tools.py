@@ -103,7 +103,8 @@ def test_generate_equals_transformers_greedy_decoding_of_the_export(trained, exp
     prompt = tok.encode("ROMEO:")
     hf = _hf_model(exported)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+        ids = torch.tensor([prompt])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                           pad_token_id=tok.eos_id)[0, len(prompt):].tolist()
     ref = ref[:ref.index(tok.eos_id)] if tok.eos_id in ref else ref
     model = load_model(cfg.model, find_checkpoint(run_dir).path, torch.device("cpu"), torch.float32)
@@ -293,3 +294,33 @@ def test_user_errors_exit_2_with_a_message(trained, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:  # argparse's own usage errors also exit 2
         main(["generate", str(run_dir), "--cache", "int3"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("yarn", [False, True])
+def test_batched_greedy_decoding_equals_transformers_on_varied_weights(yarn, tmp_path):
+    """Random weights (large init) give varied greedy continuations, unlike the briefly trained model."""
+    from moela.model import RopeScaling, build_model, preset
+    from moela.model.hf import export_hf
+
+    torch.manual_seed(3 + yarn)
+    rope = RopeScaling(factor=4.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.7) if yarn else None
+    cfg = preset("tiny", vocab_size=131, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                 num_hidden_layers=3, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                 num_attention_heads=2, initializer_range=0.15, max_position_embeddings=64, rope_scaling=rope)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    export_hf(model, tmp_path)
+    hf = _hf_model(tmp_path)
+    prompts = [torch.randint(0, 131, (n,)).tolist() for n in (5, 2, 9)]
+    ours = generate(model, prompts, max_new_tokens=16, temperature=0)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        top2 = torch.cat(out.logits).topk(2, dim=-1).values
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4  # no near-tie that float rounding could flip
+        assert got == out.sequences[0, len(prompt):].tolist()
+        assert len(set(got)) > 3
