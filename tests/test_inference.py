@@ -39,8 +39,9 @@ def _model(cfg, dtype=torch.float32):
 
 
 def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    n = ids.numel()
-    batch = PackedBatch(ids, ids, torch.arange(n, dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), n)
+    n, dev = ids.numel(), ids.device
+    batch = PackedBatch(ids, ids, torch.arange(n, dtype=torch.int32, device=dev),
+                        torch.tensor([0, n], dtype=torch.int32, device=dev), n)
     with torch.no_grad():
         return model(batch, return_logits=True).logits.float()
 
@@ -50,10 +51,11 @@ def _cached_logits(model, seqs: list[torch.Tensor], prefill: int, quant: str = "
     dec = LatentDecoder(model)
     b, s = len(seqs), max(len(x) for x in seqs)
     cache = dec.new_cache(b, s, quant=quant, group_size=group)
-    tokens = torch.zeros(b, s, dtype=torch.long)
+    dev = seqs[0].device
+    tokens = torch.zeros(b, s, dtype=torch.long, device=dev)
     for i, x in enumerate(seqs):
         tokens[i, :len(x)] = x
-    pos = torch.arange(s).expand(b, s)
+    pos = torch.arange(s, device=dev).expand(b, s)
     hs = [dec.hidden(tokens[:, :prefill], pos[:, :prefill], cache)]
     hs += [dec.hidden(tokens[:, p:p + 1], pos[:, p:p + 1], cache) for p in range(prefill, s)]
     return dec.logits(torch.cat(hs, dim=1))  # [B, S, V]
@@ -159,3 +161,21 @@ def test_sample_next_keeps_exactly_the_top_k_and_top_p_sets():
     assert draws(top_p=0.71) == {1, 3, 4}
     assert draws(top_p=0.01) == {1}
     assert int(sample_next(logits, temperature=0)) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_gpu_bf16_cached_decoding_as_accurate_as_the_bf16_forward(quant):
+    """bf16 on CUDA (the `generate` default there, Triton MoE kernels): the cached path's error against the float32
+    forward is at most twice the bf16 full forward's, plus the int8 cache's own share."""
+    cfg = _cfg()
+    model32 = _model(cfg).cuda()
+    model16 = build_model(cfg, "cuda", torch.bfloat16).eval()
+    model16.load_state_dict(model32.state_dict())
+    ids = torch.randint(0, VOCAB, (40,)).cuda()
+    ref = _full_logits(model32, ids)
+    err_full = float((_full_logits(model16, ids) - ref).abs().max())
+    got = _cached_logits(model16, [ids], prefill=16, quant=quant)[0]
+    err = float((got - ref).abs().max())
+    assert err <= 2 * err_full + (2e-2 if quant == "int8" else 1e-3) * float(ref.abs().max()), (err, err_full)

@@ -324,3 +324,21 @@ def test_batched_greedy_decoding_equals_transformers_on_varied_weights(yarn, tmp
         assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4  # no near-tie that float rounding could flip
         assert got == out.sequences[0, len(prompt):].tolist()
         assert len(set(got)) > 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_generate_and_eval_match_the_cpu(trained, capsys):
+    run_dir, _ = trained
+    args = ["generate", str(run_dir), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "12"]
+    assert main(args + ["--device", "cpu"]) == 0
+    cpu = capsys.readouterr().out
+    assert main(args + ["--device", "cuda", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == cpu
+    assert main(args + ["--device", "cuda", "--cache", "int8"]) == 0  # bf16 + int8 latent: runs and streams
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    losses = []
+    for device in ("cpu", "cuda"):
+        assert main(["eval", str(run_dir), "--device", device]) == 0
+        losses.append(float(re.search(r"loss (\d+\.\d+)", capsys.readouterr().out).group(1)))
+    assert abs(losses[0] - losses[1]) < 2e-2  # CUDA evaluates under bf16 autocast, like training there

@@ -80,7 +80,10 @@ class _Ref:
         return _Ref(self.key, self.base_shape, self.index + (idx,), self.cast)
 
     def float(self) -> "_Ref":
-        return _Ref(self.key, self.base_shape, self.index, torch.float32)
+        return self.to(torch.float32)
+
+    def to(self, dtype: torch.dtype) -> "_Ref":
+        return _Ref(self.key, self.base_shape, self.index, dtype)
 
     def detach(self) -> "_Ref":
         return self
