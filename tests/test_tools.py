@@ -247,6 +247,9 @@ def test_import_round_trips_and_init_from_starts_training_from_the_weights(train
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
     assert main(["import", str(exported), str(imported)]) == 2  # the checkpoint exists
     assert "already exists" in capsys.readouterr().err
+    assert main(["import", str(exported), str(imported / "checkpoints" / "step-7")]) == 0  # a step folder
+    assert [p.name for p in sorted((imported / "checkpoints").glob("step-*"))] == ["step-0", "step-7"]
+    assert find_checkpoint(imported).step == 7  # the newest import is `latest`
 
     for spec in (f"hf:{exported}", str(ckpt.path)):
         fresh = tmp_path / f"fresh{len(spec)}"
@@ -342,3 +345,13 @@ def test_gpu_generate_and_eval_match_the_cpu(trained, capsys):
         assert main(["eval", str(run_dir), "--device", device]) == 0
         losses.append(float(re.search(r"loss (\d+\.\d+)", capsys.readouterr().out).group(1)))
     assert abs(losses[0] - losses[1]) < 2e-2  # CUDA evaluates under bf16 autocast, like training there
+
+
+def test_python_dash_m_moela_runs_and_exits_2_on_a_user_error(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "moela", "generate", str(tmp_path / "missing")], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no such directory" in proc.stderr and "Traceback" not in proc.stderr
