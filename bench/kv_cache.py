@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import io
 import math
@@ -163,6 +164,13 @@ def main() -> None:
             label = "none (bf16 latent)" if quant == "none" else f"{quant}, group {g}"
             ppl, ref_ppl = math.exp(nll / n), math.exp(ref_nll / ref_n)
             rows.append(f"| {label} | {bytes_layer} | {nll / n:.5f} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.3f}% |")
+        control = copy.deepcopy(model)
+        with torch.no_grad():
+            for block in control.layers:
+                block.attn.kv_norm.weight.zero_()  # every cached latent 0: attention keeps only its RoPE scores
+        nll, n = cached_nll(control, docs, "none", cfg.model.kv_lora_rank)
+        ppl = math.exp(nll / n)
+        rows.append(f"| control: latent zeroed | - | {nll / n:.5f} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.3f}% |")
     mc = cfg.model
     where = (f"{torch.cuda.get_device_name(device)}, bf16 compute" if device.type == "cuda"
              else f"CPU ({platform.machine()}, 1 thread), float32 compute")
@@ -178,7 +186,9 @@ def main() -> None:
         f"{ref_nll / ref_n:.5f}, ppl {math.exp(ref_nll / ref_n):.3f}.", "",
         "## Quality through the cached decoding path (teacher forcing)", "",
         "Bytes per token per layer for a bf16 compute dtype: the RoPE key stays bf16, the latent is bf16 or int8 / "
-        "int4 codes plus one float32 scale per group. 'none' stores the latent in the compute dtype.", "",
+        "int4 codes plus one float32 scale per group. 'none' stores the latent in the compute dtype. The control row "
+        "zeroes every latent (keys keep only their RoPE part, values vanish): how much the measured path depends on "
+        "what the cache holds.", "",
         "| latent cache | bytes / token / layer | loss | ppl | ppl vs full forward |",
         "| --- | ---: | ---: | ---: | ---: |", *rows, "",
         "## Memory per token (formula of `moela.inference.cache_bytes_per_token`)", "",
