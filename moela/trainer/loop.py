@@ -98,7 +98,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------------------
     def fit(self) -> None:
-        """Train from scratch or from the newest checkpoint up to `train.steps`; save and plot at the end."""
+        """Train from scratch (or from `checkpoint.init_from` weights) or from the newest checkpoint up to
+        `train.steps`; save and plot at the end, then print the run summary."""
         cfg = self.cfg
         started = time.perf_counter()
         resume = resolve_resume(self.run_dir, cfg.checkpoint.resume)
