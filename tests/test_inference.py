@@ -12,19 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import tiny_config
 from moela.batch import PackedBatch
 from moela.inference import LatentDecoder, cache_bytes_per_token, generate, generate_uncached, sample_next
 from moela.inference.quant import dequantize, quantize
-from moela.model import RopeScaling, build_model, preset
+from moela.model import RopeScaling, build_model
 
 VOCAB = 97
 
 
 def _cfg(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-                num_hidden_layers=3, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                num_attention_heads=3, initializer_range=0.1, max_position_embeddings=64)
-    return preset("tiny", **{**base, **kw})
+    return tiny_config(**{**dict(kv_lora_rank=24, num_attention_heads=3, initializer_range=0.1,
+                                 max_position_embeddings=64), **kw})
 
 
 def _model(cfg, dtype=torch.float32):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from factories import VISIBLE_TRAINING, tiny_config, tiny_overrides
 from moela.config import Config, dump_config, load_config
 from moela.inference import generate
 from moela.model.hf import to_hf_state_dict
@@ -24,15 +25,11 @@ from moela.tools.evaluate import token_byte_lengths
 from moela.tools.export import export_checkpoint
 from moela.tools.runs import find_checkpoint, load_model, load_run_config, load_run_tokenizer
 from moela.trainer import Trainer
-from parallel_harness import spawn, tiny_moe_config
+from parallel_harness import spawn
 
 transformers = pytest.importorskip("transformers")
 
-MODEL = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.first_k_dense_replace=1",
-         "model.n_routed_experts=4", "model.n_group=2", "model.topk_group=1", "model.num_experts_per_tok=2",
-         "model.num_attention_heads=2", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-         "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.intermediate_size=48",
-         "model.moe_intermediate_size=16", "model.num_nextn_predict_layers=1", "model.max_position_embeddings=256"]
+MODEL = tiny_overrides(vocab_size=4096, max_position_embeddings=256)  # the bundled tokenizer's vocabulary
 
 
 def _cfg(run_dir, cache_dir, *extra):
@@ -166,7 +163,8 @@ def _save_two_ranks(rank, world_size, run_dir, expected_file):
 
     torch.manual_seed(0)
     pcfg = ParallelConfig(ep=2)
-    model = apply_parallelism(build_model(tiny_moe_config(), "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
+    model = build_model(tiny_config(**VISIBLE_TRAINING), "cpu")
+    model = apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
     with torch.no_grad():
         for moe in model.moe_layers():
             moe.gate.e_score_correction_bias.add_(0.01 * torch.arange(moe.n_experts))
@@ -183,7 +181,7 @@ def _save_two_ranks(rank, world_size, run_dir, expected_file):
 def test_generate_and_export_read_a_two_rank_fsdp_ep_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(dump_config(Config(model=tiny_moe_config())))
+    (run_dir / "config.yaml").write_text(dump_config(Config(model=tiny_config(**VISIBLE_TRAINING))))
     spawn(_save_two_ranks, 2, str(run_dir), str(tmp_path / "expected.pt"))
     expected = torch.load(tmp_path / "expected.pt")
     cfg = load_run_config(run_dir)

@@ -39,8 +39,14 @@ from moela.data.loader import Part, ValLoader, split_train_val
 from moela.data.sources import DocumentSource
 from moela.data.tokenizer import Tokenizer
 from moela.model import Transformer
-from moela.tools.runs import (UsageError, find_checkpoint, load_model, load_run_config, load_run_tokenizer,
-                              resolve_device)
+from moela.tools.runs import (
+    UsageError,
+    find_checkpoint,
+    load_model,
+    load_run_config,
+    load_run_tokenizer,
+    resolve_device,
+)
 
 DEFAULT_MAX_TOKENS = 1_000_000
 

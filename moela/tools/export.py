@@ -43,8 +43,14 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from moela.config import Config
 from moela.data.tokenizer import Tokenizer
 from moela.model import hf
-from moela.tools.runs import (DTYPES, UsageError, find_checkpoint, load_run_config, load_run_tokenizer,
-                              single_process_dcp)
+from moela.tools.runs import (
+    DTYPES,
+    UsageError,
+    find_checkpoint,
+    load_run_config,
+    load_run_tokenizer,
+    single_process_dcp,
+)
 
 MODEL_PREFIX = "model."
 INDEX_FILE = "model.safetensors.index.json"

@@ -13,8 +13,15 @@ import argparse
 import sys
 
 from moela.inference import QUANT_BITS, cache_bytes_per_token, generate
-from moela.tools.runs import (UsageError, find_checkpoint, load_model, load_run_config, load_run_tokenizer,
-                              resolve_device, resolve_dtype)
+from moela.tools.runs import (
+    UsageError,
+    find_checkpoint,
+    load_model,
+    load_run_config,
+    load_run_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

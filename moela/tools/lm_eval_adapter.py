@@ -35,8 +35,15 @@ from moela.data.tokenizer import Tokenizer, load_tokenizer
 from moela.inference import generate
 from moela.model import Transformer
 from moela.tools.import_hf import special_token
-from moela.tools.runs import (RunCheckpoint, UsageError, find_checkpoint, load_model, load_run_config,
-                              load_run_tokenizer, resolve_device)
+from moela.tools.runs import (
+    RunCheckpoint,
+    UsageError,
+    find_checkpoint,
+    load_model,
+    load_run_config,
+    load_run_tokenizer,
+    resolve_device,
+)
 
 try:
     from lm_eval.api.model import LM as _Base
@@ -143,7 +150,7 @@ class MoelaLM(_Base):
             logits = self.model(packed, return_logits=True).logits  # [T, V]
         logprobs = logits.float().log_softmax(dim=-1)  # [T, V]
         out, start = [], 0
-        for (inputs, targets), n in zip(batch, lengths):
+        for (_, targets), n in zip(batch, lengths):
             rows = logprobs[start + n - len(targets):start + n]  # [n_targets, V]
             want = torch.tensor(targets, device=device)
             total = float(rows.gather(1, want[:, None]).sum())
@@ -169,28 +176,26 @@ class MoelaLM(_Base):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for request in requests:
-            context, kwargs = _args(request)
-            kwargs = dict(kwargs or {})
-            until = kwargs.get("until") or [self.tokenizer.decode([self.tokenizer.eos_id])]
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.get("max_gen_toks", DEFAULT_GEN_TOKENS))
-            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            prompt = (self.bos + self.tokenizer.encode(context))[-max(1, self.max_length - max_new):]
-            produced: list[int] = []
+        return [self._generate_one(*_args(request)) for request in requests]
 
-            def stop(tokens: list[int], finished: list[bool]) -> bool:
-                if not finished[0]:
-                    produced.append(tokens[0])
-                return any(s in self.tokenizer.decode(produced) for s in until)
+    def _generate_one(self, context: str, kwargs: dict | None) -> str:
+        kwargs = dict(kwargs or {})
+        until = kwargs.get("until") or [self.tokenizer.decode([self.tokenizer.eos_id])]
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.get("max_gen_toks", DEFAULT_GEN_TOKENS))
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+        prompt = (self.bos + self.tokenizer.encode(context))[-max(1, self.max_length - max_new):]
+        produced: list[int] = []
 
-            generate(self.model, [prompt], max_new_tokens=max_new, temperature=temperature,
-                     eos_id=self.tokenizer.eos_id, on_step=stop)
-            text = self.tokenizer.decode(produced)
-            cut = min((text.index(s) for s in until if s in text), default=len(text))
-            out.append(text[:cut])
-        return out
+        def stop(tokens: list[int], finished: list[bool]) -> bool:
+            if not finished[0]:
+                produced.append(tokens[0])
+            return any(s in self.tokenizer.decode(produced) for s in until)
+
+        generate(self.model, [prompt], max_new_tokens=max_new, temperature=temperature, eos_id=self.tokenizer.eos_id,
+                 on_step=stop)
+        text = self.tokenizer.decode(produced)
+        return text[:min((text.index(s) for s in until if s in text), default=len(text))]
 
 
 if register_model is not None:

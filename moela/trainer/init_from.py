@@ -21,8 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from moela.model import ModelConfig
 from moela.model.hf import load_hf_config

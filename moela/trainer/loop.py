@@ -44,8 +44,15 @@ from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_check
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import TrainingError
 from moela.trainer.init_from import load_initial_weights
-from moela.trainer.metrics import (LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, loss_legend,
-                                   memory_gib, plot_losses)
+from moela.trainer.metrics import (
+    LogWindow,
+    MetricsWriter,
+    device_peak_flops,
+    expert_imbalance,
+    loss_legend,
+    memory_gib,
+    plot_losses,
+)
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.samples import format_samples, sample_texts
