@@ -98,6 +98,9 @@ class CheckpointConfig:
     keep_last_k: int = 2  # complete checkpoints kept in run_dir/checkpoints (older ones are deleted)
     resume: str = "auto"  # auto: newest complete checkpoint in run_dir if any; none: start fresh; or a step-N path
     save_at_end: bool = True  # save a checkpoint after the last step
+    # a fresh run (nothing to resume) starts from these weights with a new optimizer: hf:PATH (a Hugging Face
+    # deepseek_v3 folder) or a checkpoint folder (step-N); null: random initialization
+    init_from: str | None = None
 
     def validate(self) -> list[str]:
         errors = []
@@ -107,6 +110,8 @@ class CheckpointConfig:
             errors.append(f"keep_last_k: must be >= 1, got {self.keep_last_k}")
         if not self.resume:
             errors.append("resume: must be 'auto', 'none' or a checkpoint directory")
+        if self.init_from in ("", "hf:"):
+            errors.append(f"init_from: {self.init_from!r} names nothing; give hf:PATH, a step-N folder, or null")
         return errors
 
 
@@ -134,6 +139,9 @@ class LoggingConfig:
     # [first, last]: profile these optimizer steps with torch.profiler (traces and op tables in run_dir/profile,
     # a `profile` record with the collectives' shares in metrics.jsonl); null: no profiling
     profile_steps: list[int] | None = None
+    samples: int = 0  # print this many sampled continuations of sample_prompt at each evaluation (0: off)
+    sample_prompt: str = "The"  # text the samples continue
+    sample_tokens: int = 64  # tokens per sample
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def validate(self) -> list[str]:
@@ -147,4 +155,7 @@ class LoggingConfig:
                               or not 1 <= p[0] <= p[1]):
             errors.append(f"profile_steps: must be [first, last] optimizer steps with 1 <= first <= last (e.g. "
                           f"[20, 22]) or null, got {p}")
+        if self.samples < 0 or self.sample_tokens < 1:
+            errors.append(f"samples / sample_tokens: need samples >= 0 (0: off) and sample_tokens >= 1, got "
+                          f"{self.samples} / {self.sample_tokens}")
         return errors

@@ -43,9 +43,20 @@ from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduc
 from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import TrainingError
-from moela.trainer.metrics import LogWindow, MetricsWriter, device_peak_flops, expert_imbalance, memory_gib, plot_losses
+from moela.trainer.init_from import load_initial_weights
+from moela.trainer.metrics import (
+    LogWindow,
+    MetricsWriter,
+    device_peak_flops,
+    expert_imbalance,
+    loss_legend,
+    memory_gib,
+    plot_losses,
+)
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from moela.trainer.profiling import StepProfiler
+from moela.trainer.samples import format_samples, sample_texts
+from moela.trainer.summary import run_summary
 
 
 class Trainer:
@@ -94,8 +105,10 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------------------
     def fit(self) -> None:
-        """Train from scratch or from the newest checkpoint up to `train.steps`; save and plot at the end."""
+        """Train from scratch (or from `checkpoint.init_from` weights) or from the newest checkpoint up to
+        `train.steps`; save and plot at the end, then print the run summary."""
         cfg = self.cfg
+        started = time.perf_counter()
         resume = resolve_resume(self.run_dir, cfg.checkpoint.resume)
         if resume is not None:
             try:
@@ -108,6 +121,8 @@ class Trainer:
                                     f"must match the checkpointed run's; or start fresh with checkpoint.resume=none "
                                     f"or another train.run_dir") from e
             self._load_state(state)
+        elif cfg.checkpoint.init_from:
+            load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -117,9 +132,14 @@ class Trainer:
         total, active = count_params(cfg.model)
         writer.echo(f"moela: {total / 1e6:.2f}M params ({active / 1e6:.2f}M active per token) on "
                     f"{self.env.world_size} x {self.device.type}, {self.autocast_dtype or torch.float32} compute; "
-                    f"run dir {self.run_dir}" + (f"; resumed from {resume} at step {self.step}" if resume else ""))
+                    f"run dir {self.run_dir}" + (f"; resumed from {resume} at step {self.step}" if resume else "")
+                    + (f"; weights from {cfg.checkpoint.init_from}" if cfg.checkpoint.init_from and not resume else ""))
+        legend = loss_legend(cfg.model)
+        if legend:
+            writer.echo(legend)
         previous = self._install_signal_handlers()
         profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.env.rank, self.device.type == "cuda")
+        finished = False
         try:
             last_saved = self.step if resume is not None else -1
             if self.step >= cfg.train.steps:
@@ -151,6 +171,7 @@ class Trainer:
                 self._evaluate_and_log()
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
+            finished = True
         finally:
             profiler.close()
             _restore_signal_handlers(previous)
@@ -158,6 +179,9 @@ class Trainer:
             if self.env.is_main and cfg.logging.plot:
                 plot_losses(self.run_dir)
             shutdown(self.env)
+        if finished and self.env.is_main:
+            print(run_summary(self.run_dir, total_steps=cfg.train.steps, sample_prompt=cfg.logging.sample_prompt,
+                              wall_s=time.perf_counter() - started), flush=True)
 
     # ----------------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -263,6 +287,17 @@ class Trainer:
         """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0)."""
         if len(self.val_loader):  # the same on every rank
             self.writer.log(self.evaluate())
+        if self.cfg.logging.samples:
+            self._print_samples()
+
+    def _print_samples(self) -> None:
+        """`logging.samples` continuations of the sample prompt (all ranks generate in lockstep; rank 0 prints)."""
+        if self.mesh.size("cp") > 1:
+            self.writer.echo("logging.samples: none under context parallelism (parallel.cp > 1)")
+            return
+        with self._autocast():
+            texts = sample_texts(self.model, self.tokenizer, self.cfg.logging, self.cfg.train.seed + self.step)
+        self.writer.echo(format_samples(texts, self.step, self.cfg.logging))
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),

@@ -22,6 +22,7 @@ Decisions:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -130,9 +131,27 @@ def _fmt_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def loss_legend(model_cfg) -> str | None:
+    """The one-line reading of the step line's two losses, printed at start when the objective has terms beyond the
+    LM loss (None otherwise: then `loss` is the LM loss)."""
+    terms = []
+    if model_cfg.num_nextn_predict_layers:
+        terms.append(f"{model_cfg.mtp_loss_weight:g} x MTP loss")
+    if model_cfg.aux_loss_coef > 0 and model_cfg.num_moe_blocks:
+        terms.append("balance loss")
+    if model_cfg.z_loss_coef > 0:
+        terms.append("z-loss")
+    if not terms:
+        return None
+    return (f"loss = training objective (lm + {' + '.join(terms)}), so it runs above val_loss; lm = the next-token "
+            f"loss alone, the one comparable to val_loss")
+
+
 def format_step_line(rec: dict[str, Any], total_steps: int) -> str:
-    parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}", f"lr {rec['lr']:.2e}",
-             f"gnorm {rec['grad_norm']:.3f}", f"tok/s {_fmt_count(rec['tokens_per_s'])}"]
+    parts = [f"step {rec['step']}/{total_steps}", f"loss {rec['loss']:.4f}"]
+    if "lm_loss" in rec and rec["lm_loss"] != rec["loss"]:
+        parts.append(f"lm {rec['lm_loss']:.4f}")
+    parts += [f"lr {rec['lr']:.2e}", f"gnorm {rec['grad_norm']:.3f}", f"tok/s {_fmt_count(rec['tokens_per_s'])}"]
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['mem_gib']:.2f}G")
@@ -261,6 +280,7 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
     if not train and not val:
         return None
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)  # its first-use notice (building the font cache)
     try:
         import matplotlib
     except ImportError:
