@@ -14,6 +14,8 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
   gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) and of cuBLAS blockwise FP8
           (torch._scaled_mm per expert, the `cublas` provider) vs bf16 torch._grouped_mm and fp8 rowwise
           torch._scaled_grouped_mm.
+  fp8     the persistent FP8 grouped GEMMs and the FP8 linear vs bf16 (bench/fp8.py; its own files
+          bench/results/fp8.json and fp8.md are written by `python bench/fp8.py`).
   layer   the whole expert layer forward+backward: fp8 (Triton GEMMs; cuBLAS GEMMs) vs bf16 path vs an eager
           per-expert loop.
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
@@ -560,6 +562,7 @@ def main():
             {"check": lambda: section_check(args.quick), "layout": lambda: section_layout(copy_gbs, args.quick),
              "permute_cfg": lambda: section_permute_configs(copy_gbs),
              "gemm": lambda: section_gemm(args.quick),
+             "fp8": lambda: __import__("fp8").run(args.quick, False, 170),
              "layer": lambda: section_layer(args.quick)}[sec]()
         except Exception as exc:  # a failing section must not hide the others' numbers
             print(f"section {sec} failed: {type(exc).__name__}: {exc}")

@@ -34,6 +34,7 @@ FAMILIES = ("communication", "optimizer", "attention", "expert GEMM", "dense GEM
 
 _MOELA_ATTENTION = ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
 _MOELA_EXPERT_GEMM = ("_mgrouped_kernel", "_kgrouped_kernel")
+_MOELA_FP8_GEMM = ("_mgrouped_fp8_kernel", "_kgrouped_fp8_kernel")  # experts, or one group for fp8_linear
 _MOELA_COPIES = ("_permute_kernel", "_combine_kernel", "_combine_bwd_kernel", "_rowcol_quant_kernel",
                  "_weight_quant_kernel", "_rowcol_tma_kernel", "_rowcol_gather_kernel")
 _MOELA_ACTIVATION = ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel")
@@ -71,6 +72,8 @@ def classify(name: str, context: tuple[str, ...] = ()) -> str:
         return "attention"
     if name in _MOELA_EXPERT_GEMM:
         return "expert GEMM"
+    if name in _MOELA_FP8_GEMM:
+        return "expert GEMM" if any(_EXPERT.search(c) for c in ctx) else "dense GEMM"
     if _GEMM.search(low):
         expert = _EXPERT.search(low) or any(_EXPERT.search(c) for c in ctx)
         return "expert GEMM" if expert else "dense GEMM"

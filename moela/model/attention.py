@@ -64,17 +64,17 @@ class MLA(nn.Module):
         self.qk_dim = cfg.qk_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.q_lora_rank = cfg.q_lora_rank
-        h, d = self.n_heads, cfg.hidden_size
+        h, d, fp8 = self.n_heads, cfg.hidden_size, cfg.fp8_linears
         if self.q_lora_rank is None:
-            self.wq = Linear(d, h * self.qk_dim)
+            self.wq = Linear(d, h * self.qk_dim, fp8)
         else:
-            self.wq_a = Linear(d, self.q_lora_rank)
+            self.wq_a = Linear(d, self.q_lora_rank, fp8)
             self.q_norm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
-            self.wq_b = Linear(self.q_lora_rank, h * self.qk_dim)
-        self.wkv_a = Linear(d, self.kv_lora_rank + self.rope_dim)
+            self.wq_b = Linear(self.q_lora_rank, h * self.qk_dim, fp8)
+        self.wkv_a = Linear(d, self.kv_lora_rank + self.rope_dim, fp8)
         self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.wkv_b = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim))
-        self.wo = Linear(h * self.v_dim, d)
+        self.wkv_b = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), fp8)
+        self.wo = Linear(h * self.v_dim, d, fp8)
         self.qk_norm_kind = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_qk_norm = RMSNorm(self.qk_dim, cfg.rms_norm_eps)

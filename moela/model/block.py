@@ -48,7 +48,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = MLA(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.ffn = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.fp8_linears)
         if kind != "standard":
             self.a1_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.recompute = False  # activation checkpointing: recompute this block's activations in backward

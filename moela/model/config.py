@@ -81,7 +81,20 @@ class ModelConfig:
     z_loss_coef: float = 0.0  # attention z-loss: coef * mean(lse**2), 0 disables
     attention_backend: str = "auto"
     moe_backend: str = "auto"
-    moe_recipe: Literal["bf16", "fp8_blockwise"] = "bf16"
+    moe_recipe: Literal["bf16", "fp8_blockwise"] = "bf16"  # fp8_blockwise: an alias of precision fp8_experts
+    # bf16 | fp8_experts (routed experts in DeepSeek-V3's FP8) | fp8 (also the attention projections, shared
+    # experts, dense FFNs and MTP eh_proj); embedding, output head, router, norms and attention core stay bf16
+    precision: Literal["bf16", "fp8_experts", "fp8"] = "bf16"
+
+    @property
+    def expert_recipe(self) -> str:
+        """The routed experts' `moe_experts` recipe: FP8 under either FP8 precision or the `moe_recipe` alias."""
+        return "fp8_blockwise" if self.precision != "bf16" or self.moe_recipe == "fp8_blockwise" else "bf16"
+
+    @property
+    def fp8_linears(self) -> bool:
+        """Whether the projections outside the routed experts run in FP8 (moela.ops.fp8_linear)."""
+        return self.precision == "fp8"
 
     @property
     def qk_head_dim(self) -> int:

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moela.batch import PackedBatch
+from moela.ops.fp8_linear import fp8_linear
 from moela.ops.norm import rms_norm
 from moela.ops.swiglu import swiglu
 
@@ -43,10 +44,17 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """Bias-free linear layer (y = x W^T), weight [out, in]."""
+    """Bias-free linear layer (y = x W^T), weight [out, in]; with `fp8` in DeepSeek-V3's FP8 recipe
+    (moela.ops.fp8_linear: every GEMM of forward and backward in e4m3 with blockwise scales)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False):
         super().__init__(in_features, out_features, bias=False)
+        self.fp8 = fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            return fp8_linear(x, self.weight)
+        return super().forward(x)
 
     def reset_parameters(self) -> None:
         """Values come from `Transformer.init_weights`; nothing to do at construction (meta-device friendly)."""
@@ -55,11 +63,11 @@ class Linear(nn.Linear):
 class MLP(nn.Module):
     """Dense SwiGLU FFN: w2(silu(w1 x) * w3 x). Used for dense layers and for the shared experts."""
 
-    def __init__(self, dim: int, inter_dim: int):
+    def __init__(self, dim: int, inter_dim: int, fp8: bool = False):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim)
-        self.w2 = Linear(inter_dim, dim)
-        self.w3 = Linear(dim, inter_dim)
+        self.w1 = Linear(dim, inter_dim, fp8)
+        self.w2 = Linear(inter_dim, dim, fp8)
+        self.w3 = Linear(dim, inter_dim, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]

@@ -74,7 +74,7 @@ class RoutedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.recipe, self.backend = cfg.moe_recipe, cfg.moe_backend
+        self.recipe, self.backend = cfg.expert_recipe, cfg.moe_backend
         self.w13 = nn.Parameter(torch.empty(e, 2 * f, d))  # rows [0, F): W1 (gate), [F, 2F): W3 (up)
         self.w2 = nn.Parameter(torch.empty(e, d, f))
 
@@ -90,7 +90,7 @@ class MoE(nn.Module):
         self.balance = cfg.aux_loss_coef > 0
         self.gate = Gate(cfg)
         self.experts = RoutedExperts(cfg)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.fp8_linears)
                                if cfg.n_shared_experts > 0 else None)
 
     def balance_loss(self, topk_ids: torch.Tensor, scores: torch.Tensor, ctx: PackedContext) -> torch.Tensor:

@@ -57,7 +57,7 @@ class MTPModule(nn.Module):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.eh_proj = Linear(2 * d, d)
+        self.eh_proj = Linear(2 * d, d, cfg.fp8_linears)
         self.block = Block(cfg, moe=cfg.mtp_is_moe)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 

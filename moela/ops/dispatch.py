@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 log = logging.getLogger("moela.ops")
 
 
@@ -73,6 +75,8 @@ class Dispatch:
         return self.fast[name].impl
 
     def _log(self, backend: str, reason: str) -> None:
+        if torch.compiler.is_compiling():  # logging inside a traced region would break the graph
+            return
         if (backend, reason) not in self.logged:
             self.logged.add((backend, reason))
             log.info("%s: using backend %r (%s)", self.op, backend, reason)

@@ -1,4 +1,5 @@
-"""The fused MoE expert path as one autograd function, for both recipes and every GEMM provider.
+"""The fused MoE expert path as two custom ops (forward, backward) with autograd, for both recipes and every GEMM
+provider.
 
 Forward:  permute_align (+1x128 quant; its launch also places the rows, building the layout) -> GEMM1 -> SwiGLU
           (+1x128 quant) -> GEMM2 -> unpermute_combine.
@@ -6,13 +7,19 @@ Backward: combine backward (do = dy*w, d topk_weights, + row/column quant) -> dg
           (+ dh row/column quant, act column quant) -> wgrad GEMM2 -> dgrad GEMM1 -> x column quant (gathered)
           -> wgrad GEMM1 -> gather-sum of dx over k.
 FP8 (DeepSeek-V3): e4m3 everywhere a GEMM reads, fp32 scales (1x128 activations, 128x128 weights), fp32 accumulate,
-bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D], the layout, and the transposed fp8 weights
-(bf16 recipe: the weights in the compute dtype); act and permuted x are recomputed inside fused kernels.
-GEMM providers: `triton` (everything ours), `torch` (bf16 `torch._grouped_mm`), `cublas` (FP8: cuBLAS's blockwise
-GEMM through `torch._scaled_mm`, one per expert, for all six GEMMs; Hopper), `deep_gemm` (DeepGEMM's m-grouped
-FP8 GEMM for forward and data gradient, ours for the weight gradient). `cublas` reads the expert bounds on the
-host once per forward (one sync) and keeps them for the backward; an m-grouped GEMM whose K/128 is not a multiple
-of 4 (cuBLASLt's 128x128 scale layout; e.g. V2-Lite's F = 1408) runs on the Triton kernel instead.
+bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D] and the layout; act and permuted x are
+recomputed inside fused kernels. The weights' quantized copies (fp8: codes, scales and the transposed codes for the
+data gradient; bf16: the cast) come from moela.ops.weight_cache: computed once per optimizer step and looked up
+again by the backward.
+GEMM providers: `triton` (everything ours: for fp8 the persistent TMA kernels of moela.ops.moe.gemm_fp8, for bf16
+moela.ops.moe.gemm_triton), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped FP8 GEMM for
+forward and data gradient, ours for the weight gradient), `cublas` (FP8: cuBLAS's blockwise GEMM through
+`torch._scaled_mm`, one per expert, for all six GEMMs; Hopper; an m-grouped GEMM whose K/128 is not a multiple of 4
+runs on ours). Every provider but `cublas` reads the expert bounds on the device: no host sync, every buffer sized
+by the static bound M_pad, so the ops can be captured in a CUDA graph; `cublas` reads them on the host (one sync
+in the forward, one in the backward).
+Compiling: `moela::moe_experts_fwd` / `moela::moe_experts_bwd` are torch.library custom ops with fake
+implementations (output shapes from T, K, E, D, F alone), so torch.compile keeps them as single nodes.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width, M_pad padded rows.
 """
@@ -21,8 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from moela.ops import weight_cache
 from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
 from moela.ops.moe.combine import combine_bwd, unpermute_combine
+from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
 from moela.ops.moe.gemm_library import (
     cublas_k_blocks_ok,
     cublas_kgrouped,
@@ -32,79 +41,144 @@ from moela.ops.moe.gemm_library import (
     torch_mgrouped,
 )
 from moela.ops.moe.gemm_triton import kgrouped_gemm, mgrouped_gemm
-from moela.ops.moe.layout import Layout
+from moela.ops.moe.layout import Layout, build_layout_rows
 from moela.ops.moe.permute import permute_align
 from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
 
 def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
-    if provider == "cublas" and a_scale is not None and cublas_k_blocks_ok(a.shape[1]):
+    if a_scale is None:
+        if provider == "torch":
+            return torch_mgrouped(a, b, lay.offsets)
+        return mgrouped_gemm(a, b, lay.m_indices, out_dtype=out_dtype)
+    if provider == "cublas" and cublas_k_blocks_ok(a.shape[1]):
         return cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
-    if provider == "torch":
-        return torch_mgrouped(a, b, lay.offsets)
-    if provider == "deep_gemm" and a_scale is not None:
+    if provider == "deep_gemm":
         return deep_gemm_mgrouped(a, a_scale, b, b_scale, lay.m_indices).to(out_dtype)
-    return mgrouped_gemm(a, b, lay.m_indices, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+    return mgrouped_fp8(a, a_scale, b, b_scale, lay.m_indices, lay.offsets, out_dtype=out_dtype)
 
 
 def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
-    if provider == "cublas" and a_scale is not None:
+    if a_scale is None:
+        if provider == "torch":
+            return torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
+        return kgrouped_gemm(a, b, lay.offsets, out_dtype=out_dtype)
+    if provider == "cublas":
         return cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
-    if provider == "torch":
-        return torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
-    return kgrouped_gemm(a, b, lay.offsets, a_scale=a_scale, b_scale=b_scale, out_dtype=out_dtype)
+    return kgrouped_fp8(a, a_scale, b, b_scale, lay.offsets, out_dtype=out_dtype)
 
 
-class MoEExpertsFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w13, w2, recipe, provider):
-        e = w13.shape[0]
-        fp8 = recipe == "fp8_blockwise"
-        # [M_pad, D] (e4m3 with scales xs [M_pad, D/128] for fp8); the layout is built by the same launches
-        xp, xs, lay = permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
-        bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync
-        if fp8:
-            w13q, w13s, w13qt = quant_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
-            w2q, w2s, w2qt = quant_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
-            h = _mgemm(provider, xp, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
-            aq, as_ = swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
-            o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
-            ctx.save_for_backward(x, topk_weights, h, o, w13qt, w13s, w2qt, w2s, *_lay_tensors(lay))
-        else:
-            w13c, w2c = w13.to(x.dtype), w2.to(x.dtype)
-            h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
-            act, _ = swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
-            o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
-            ctx.save_for_backward(x, topk_weights, h, o, w13c, w2c, *_lay_tensors(lay))
-        ctx.meta = (recipe, provider, lay.num_tokens, lay.topk, w13.dtype, w2.dtype, topk_ids, bounds)
-        return unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
-
-    @staticmethod
-    def backward(ctx, dy):
-        recipe, provider, t, k, w13_dtype, w2_dtype, topk_ids, bounds = ctx.meta
-        if recipe == "fp8_blockwise":
-            x, w, h, o, w13qt, w13s, w2qt, w2s, *lt = ctx.saved_tensors
-            lay = Layout(*lt, num_tokens=t, topk=k)
-            (doq, dos), (doqt, dost), dw = combine_bwd(dy, o, lay, w, quant=True)
-            dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
-            (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
-            dw2 = _kgemm(provider, doqt, aqt, lay, w2_dtype, dost, ast, bounds)  # [E, D, F]
-            dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2), bounds)  # [M_pad, D]
-            _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
-            dw13 = _kgemm(provider, dhqt, xqt, lay, w13_dtype, dhst, xst, bounds)  # [E, 2F, D]
-        else:
-            x, w, h, o, w13c, w2c, *lt = ctx.saved_tensors
-            lay = Layout(*lt, num_tokens=t, topk=k)
-            do, _, dw = combine_bwd(dy, o, lay, w, quant=False)  # [M_pad, D]
-            dact = _mgemm(provider, do, w2c.transpose(1, 2), lay, dy.dtype)  # [M_pad, F]
-            dh, _, act = swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
-            dw2 = _kgemm(provider, do.t(), act.t(), lay, w2_dtype)  # [E, D, F]
-            dxp = _mgemm(provider, dh, w13c.transpose(1, 2), lay, dy.dtype)  # [M_pad, D]
-            xp, _, _ = permute_align(x, topk_ids, w13c.shape[0], quant=None, layout=lay)  # [M_pad, D]
-            dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13_dtype)  # [E, 2F, D]
-        dx = unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
-        return dx, None, dw.to(w.dtype), dw13, dw2, None, None
+def _fp8_weights(w: torch.Tensor):
+    """(codes [E, N, K], scales [E, N/128, K/128], transposed codes [E, K, N]), once per optimizer step."""
+    return weight_cache.cached(w, "fp8_blockwise", quant_weights)
 
 
-def _lay_tensors(lay: Layout):
-    return lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
+def _cast_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight_cache.cached(w, f"cast_{dtype}", lambda v: v.to(dtype))
+
+
+def _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider):
+    e = w13.shape[0]
+    fp8 = recipe == "fp8_blockwise"
+    # [M_pad, D] (e4m3 with scales xs [M_pad, D/128] for fp8); the layout is built by the same launches
+    xp, xs, lay = permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
+    bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync of the forward
+    if fp8:
+        w13q, w13s, _ = _fp8_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128]
+        w2q, w2s, _ = _fp8_weights(w2)  # [E, D, F], [E, D/128, F/128]
+        h = _mgemm(provider, xp, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
+        aq, as_ = swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
+        o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
+    else:
+        h = _mgemm(provider, xp, _cast_weights(w13, x.dtype), lay, x.dtype)  # [M_pad, 2F]
+        act, _ = swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
+        o = _mgemm(provider, act, _cast_weights(w2, x.dtype), lay, x.dtype)  # [M_pad, D]
+    y = unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
+    return y, h, o, lay
+
+
+def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provider):
+    k = lay.topk
+    dy = dy.to(x.dtype)
+    bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync of the backward
+    if recipe == "fp8_blockwise":
+        _, w13s, w13qt = _fp8_weights(w13)  # [E, 2F/128, D/128], [E, D, 2F]
+        _, w2s, w2qt = _fp8_weights(w2)  # [E, D/128, F/128], [E, F, D]
+        (doq, dos), (doqt, dost), dw = combine_bwd(dy, o, lay, topk_weights, quant=True)
+        dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
+        (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
+        dw2 = _kgemm(provider, doqt, aqt, lay, w2.dtype, dost, ast, bounds)  # [E, D, F]
+        dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2), bounds)  # [M_pad, D]
+        _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
+        dw13 = _kgemm(provider, dhqt, xqt, lay, w13.dtype, dhst, xst, bounds)  # [E, 2F, D]
+    else:
+        w13c, w2c = _cast_weights(w13, x.dtype), _cast_weights(w2, x.dtype)
+        do, _, dw = combine_bwd(dy, o, lay, topk_weights, quant=False)  # [M_pad, D]
+        dact = _mgemm(provider, do, w2c.transpose(1, 2), lay, dy.dtype)  # [M_pad, F]
+        dh, _, act = swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
+        dw2 = _kgemm(provider, do.t(), act.t(), lay, w2.dtype)  # [E, D, F]
+        dxp = _mgemm(provider, dh, w13c.transpose(1, 2), lay, dy.dtype)  # [M_pad, D]
+        xp, _, _ = permute_align(x, topk_ids, w13.shape[0], quant=None, layout=lay)  # [M_pad, D]
+        dw13 = _kgemm(provider, dh.t(), xp.t(), lay, w13.dtype)  # [E, 2F, D]
+    dx = unpermute_combine(dxp, lay, None, x.dtype)  # [T, D]
+    return dx, dw.to(topk_weights.dtype), dw13, dw2
+
+
+@torch.library.custom_op("moela::moe_experts_fwd", mutates_args=())
+def moe_experts_fwd(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, recipe: str, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor]:
+    """(y [T, D], and for the backward: h, o and the layout's m_indices, row_map, src, counts, offsets)."""
+    y, h, o, lay = _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider)
+    return y, h, o, lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
+
+
+@moe_experts_fwd.register_fake
+def _moe_experts_fwd_fake(x, topk_ids, topk_weights, w13, w2, recipe, provider):
+    t, k = topk_ids.shape
+    e, two_f, d = w13.shape
+    m = build_layout_rows(t, k, e)
+
+    def ints(*shape, dtype=torch.int32):
+        return x.new_empty(shape, dtype=dtype)
+
+    return (x.new_empty(t, d), x.new_empty(m, two_f), x.new_empty(m, d), ints(m), ints(t * k), ints(m),
+            ints(e, dtype=torch.int64), ints(e + 1, dtype=torch.int64))
+
+
+@torch.library.custom_op("moela::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, o: torch.Tensor, m_indices: torch.Tensor,
+                    row_map: torch.Tensor, src: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                    recipe: str, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [T, D], d topk_weights [T, K], dw13 [E, 2F, D], dw2 [E, D, F])."""
+    lay = Layout(m_indices, row_map, src, counts, offsets, topk_ids.shape[0], topk_ids.shape[1])
+    return _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provider)
+
+
+@moe_experts_bwd.register_fake
+def _moe_experts_bwd_fake(dy, x, topk_ids, topk_weights, w13, w2, h, o, m_indices, row_map, src, counts, offsets,
+                          recipe, provider):
+    return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w13, w2, recipe, provider = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, *output[1:])
+    ctx.meta = (recipe, provider)
+
+
+def _backward_rule(ctx, dy, *unused):
+    recipe, provider = ctx.meta
+    dx, dw, dw13, dw2 = moe_experts_bwd(dy, *ctx.saved_tensors, recipe, provider)
+    return dx, None, dw, dw13, dw2, None, None
+
+
+moe_experts_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+def moe_experts_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor, recipe: str, provider: str) -> torch.Tensor:
+    """The fused expert path: y [T, D] (differentiable in x, topk_weights, w13 and w2)."""
+    return moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, recipe, provider)[0]

@@ -73,7 +73,7 @@ def _layout_scan_kernel(hist_ptr, prefix_ptr, counts_ptr, C, BLOCK_C: tl.constex
 
 def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
     """The layout's first two launches (ranks and histograms per chunk; counts and per-chunk prefix sums per expert)
-    and every index buffer of it, in one int32 and one int64 allocation. Returns (flat ids, rank, prefix, chunks,
+    and every index buffer of it. Returns (flat ids, rank, prefix, chunks,
     row_map, m_indices, src, counts, offsets); the permute kernel in PLACE mode then writes row_map, m_indices, src
     and offsets."""
     if align != ALIGN:
@@ -85,10 +85,15 @@ def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
     flat = topk_ids.reshape(-1).contiguous()  # [T*K], int32 or int64
     m_pad = build_layout_rows(t, k, e, align)
     chunks = max(1, triton.cdiv(tk, _CHUNK))
-    ints = torch.empty(2 * tk + 2 * e * chunks + 2 * m_pad, dtype=torch.int32, device=dev)
-    rank, row_map, hist, prefix, m_indices, src = ints.split([tk, tk, e * chunks, e * chunks, m_pad, m_pad])
-    longs = torch.empty(2 * e + 1, dtype=torch.int64, device=dev)
-    counts, offsets = longs[:e], longs[e:]
+    scratch = torch.empty(tk + 2 * e * chunks, dtype=torch.int32, device=dev)
+    rank, hist, prefix = scratch.split([tk, e * chunks, e * chunks])
+    # the layout's own tensors are separate allocations: they leave moela::moe_experts_fwd as outputs, which must
+    # not alias one another
+    row_map = torch.empty(tk, dtype=torch.int32, device=dev)
+    m_indices = torch.empty(m_pad, dtype=torch.int32, device=dev)
+    src = torch.empty(m_pad, dtype=torch.int32, device=dev)
+    counts = torch.empty(e, dtype=torch.int64, device=dev)
+    offsets = torch.empty(e + 1, dtype=torch.int64, device=dev)
     e_block = min(64, triton.next_power_of_2(e))
     _layout_count_kernel[(chunks,)](flat, rank, hist, tk, chunks, e, CH=_CHUNK, E_BLOCK=e_block,
                                     E_BLOCKS=triton.cdiv(e, e_block), **LAUNCH["layout"])

@@ -1,8 +1,11 @@
-"""The fast backends of `moe_experts`: one per GEMM provider, all running `MoEExpertsFn` (moela.ops.moe.autograd).
+"""The fast backends of `moe_experts`: one per GEMM provider, all running the fused custom ops of
+moela.ops.moe.autograd.
 
-`auto` prefers, for a call it supports: `deep_gemm` (fp8, when `import deep_gemm` works), `cublas` (fp8, cuBLAS
-blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >= 2.10), `torch` (bf16,
-`torch._grouped_mm`, compute capability >= 9), `triton` (both recipes). All need D and F multiples of 128 and x in
+`auto` prefers, for a call it supports: `deep_gemm` (fp8, when `import deep_gemm` works), `torch` (bf16,
+`torch._grouped_mm`, compute capability >= 9), `triton` (both recipes; for fp8 the persistent one-launch TMA GEMMs,
+no host sync). `cublas` (fp8, cuBLAS blockwise `torch._scaled_mm` per expert, compute capability 9.x, torch >=
+2.10) is never picked by `auto`: it reads the expert bounds on the host (a sync per forward and backward) and issues
+one GEMM per expert; it stays as a measured fallback, by name. All need D and F multiples of 128 and x in
 bf16/fp16. A backend asked for by name checks its preconditions itself and says what is missing.
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moela.ops.moe.autograd import MoEExpertsFn
+from moela.ops.moe.autograd import moe_experts_fused
 from moela.ops.moe.gemm_library import cublas_blockwise_available, deep_gemm_available
 from moela.ops.moe.layout import build_layout_rows
 
@@ -31,9 +34,8 @@ def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def _supported_cublas(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return recipe == "fp8_blockwise" and _supported_triton(x, topk_ids, topk_weights, w13, w2, recipe=recipe) \
-        and cublas_blockwise_available(x.device)
+def _never(x, topk_ids, topk_weights, w13, w2, *, recipe):
+    return False
 
 
 def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
@@ -64,7 +66,7 @@ def _impl(provider):
         if provider == "deep_gemm" and not deep_gemm_available():
             raise RuntimeError("moe_experts backend 'deep_gemm' needs `import deep_gemm` to work on a CUDA device; "
                                "use backend='triton'")
-        return MoEExpertsFn.apply(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
+        return moe_experts_fused(x.contiguous(), topk_ids, topk_weights.float(), w13, w2, recipe, provider)
 
     return run
 
@@ -72,7 +74,7 @@ def _impl(provider):
 # (name, auto predicate, implementation) in `auto` preference order
 FAST_BACKENDS = (
     ("deep_gemm", _supported_deep_gemm, _impl("deep_gemm")),
-    ("cublas", _supported_cublas, _impl("cublas")),
     ("torch", _supported_torch, _impl("torch")),
     ("triton", _supported_triton, _impl("triton")),
+    ("cublas", _never, _impl("cublas")),
 )

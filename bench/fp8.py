@@ -1,0 +1,155 @@
+"""FP8 GEMM benchmark on one GPU: the persistent grouped FP8 GEMMs and the FP8 linear vs bf16, same inputs, one
+process. Writes bench/results/fp8.json (rows: case, impl, tflops, ratio_vs_bf16, ms, rel_err) and fp8.md.
+
+Grouped (V3 expert shapes D 7168, F 2048; 8 experts, balanced routing) at 4096, 1024 and 256 rows per expert: fwd
+(A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per expert) of ours (every named config with
+--sweep, else the default) vs bf16 torch._grouped_mm on the same shapes; the cuBLAS per-expert provider (host
+bounds) as a reference row. Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear
+forward+backward vs the bf16 linear at the small model's and V2-Lite's dense shapes (64k tokens).
+
+  python bench/fp8.py [--quick] [--sweep] [--budget-s 170]
+--quick: 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the full run with
+--sweep fits ~3 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from moela.ops.fp8_linear import fp8_linear
+from moela.ops.moe import gemm_fp8
+from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
+from moela.ops.moe.quantize import quant_rows_cols, quant_weights
+
+ROWS: list[dict] = []
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def add(case, impl, ms, flops, bf16_ms=None, err=None):
+    r = dict(case=case, impl=impl, ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+             ratio_vs_bf16=round(bf16_ms / ms, 3) if bf16_ms else 1.0, rel_err=err)
+    ROWS.append(r)
+    print(f"{case:34s} {impl:32s} {ms:8.3f} ms {r['tflops']:7.1f} TFLOP/s  x{r['ratio_vs_bf16']:.2f}"
+          + (f"  err {err:.2e}" if err is not None else ""), flush=True)
+
+
+def grouped(per: int, sweep: bool, e: int = 8, d: int = 7168, f: int = 2048):
+    m, n, k = e * per, 2 * f, d
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    offsets = torch.arange(0, m + 1, per, device=dev, dtype=torch.int64)
+    m_idx = torch.arange(e, device=dev, dtype=torch.int32).repeat_interleave(per)
+    offs32 = offsets[1:].to(torch.int32)
+    bounds = list(zip(range(0, m, per), range(per, m + 1, per)))
+    (xq, xs), (xqt, xst) = quant_rows_cols(x)
+    wq, ws, wqt = quant_weights(w)
+    flops = 2 * m * n * k
+    h = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32)  # [M, N]
+    (hq, hs), (hqt, hst) = quant_rows_cols(h)
+    cases = {
+        "fwd": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32),
+                lambda cfg: gemm_fp8.mgrouped_fp8(xq, xs, wq, ws, m_idx, offsets, config=cfg),
+                lambda: cublas_mgrouped(xq, xs, wq, ws, bounds), gemm_fp8.MGROUPED_CONFIGS),
+        "dgrad": (lambda: torch._grouped_mm(h, w, offs=offs32),
+                  lambda cfg: gemm_fp8.mgrouped_fp8(hq, hs, wqt, ws.transpose(1, 2), m_idx, offsets, config=cfg),
+                  lambda: cublas_mgrouped(hq, hs, wqt, ws.transpose(1, 2), bounds), gemm_fp8.MGROUPED_CONFIGS),
+        "wgrad": (lambda: torch._grouped_mm(h.t(), x, offs=offs32),
+                  lambda cfg: gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16,
+                                                    config=cfg),
+                  lambda: cublas_kgrouped(hqt, hst, xqt, xst, bounds, torch.bfloat16), gemm_fp8.KGROUPED_CONFIGS),
+    }
+    default = {"fwd": gemm_fp8.DEFAULT_MGROUPED, "dgrad": gemm_fp8.DEFAULT_MGROUPED,
+               "wgrad": gemm_fp8.DEFAULT_KGROUPED}
+    for name, (bf16_fn, ours, cublas, configs) in cases.items():
+        case = f"grouped {name} {e}x{per} N{n if name != 'dgrad' else k}"
+        ref = bf16_fn()
+        t_bf = bench(bf16_fn)
+        add(case, "bf16 torch._grouped_mm", t_bf, flops)
+        for cfg in configs if sweep else [default[name]]:
+            try:
+                err = rel(ours(cfg), ref)
+                add(case, f"fp8 ours {cfg}", bench(lambda: ours(cfg)), flops, t_bf, err)
+            except Exception as exc:  # one failing config must not hide the others
+                print(f"{case} {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        if cublas_blockwise_available() and (name == "wgrad" or k % 512 == 0):
+            add(case, "fp8 cublas per expert (host bounds)", bench(cublas), flops, t_bf, rel(cublas(), ref))
+    del x, w, h, xq, xqt, wq, wqt, hq, hqt
+
+
+def dense(name: str, t: int, k: int, n: int):
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(n, k, device="cuda") / k ** 0.5)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    flops = 6 * t * n * k
+    case = f"linear fwd+bwd {name} T{t} {k}->{n}"
+
+    def bf16():
+        with torch.autocast("cuda", torch.bfloat16):
+            torch.nn.functional.linear(x, w).backward(dy)
+
+    def fp8():
+        with torch.autocast("cuda", torch.bfloat16):
+            fp8_linear(x, w).backward(dy)
+
+    with torch.autocast("cuda", torch.bfloat16):
+        err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
+    t_bf = bench(bf16)
+    add(case, "bf16 F.linear", t_bf, flops)
+    add(case, "fp8_linear (weights cached)", bench(fp8), flops, t_bf, err)
+
+
+def run(quick: bool, sweep: bool, budget_s: float) -> None:
+    """Every case (the FP8 section of bench/moe.py calls this too)."""
+    deadline = time.time() + budget_s
+    torch.manual_seed(0)
+    for per in (4096, 256) if quick else (4096, 1024, 256):
+        if time.time() < deadline:
+            grouped(per, sweep)
+    shapes = [("small dense FFN", 65536, 1024, 2816), ("small wq_b", 65536, 384, 1536),
+              ("v2-lite dense FFN", 65536, 2048, 10944), ("v2-lite wkv_b", 65536, 512, 4096)]
+    for shape in shapes[:1] if quick else shapes:
+        if time.time() < deadline:
+            dense(*shape)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="every named config of the grouped GEMMs")
+    ap.add_argument("--budget-s", type=float, default=170)
+    ap.add_argument("--out", default="bench/results/fp8")
+    args = ap.parse_args()
+    run(args.quick, args.sweep, args.budget_s)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(ROWS, indent=1) + "\n")
+    lines = ["# FP8 GEMMs vs bf16 (`bench/fp8.py`)", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}, triton {triton.__version__}; median of do_bench. Command: "
+             f"`python bench/fp8.py {' '.join(f'--{k}' for k, v in vars(args).items() if v is True)}`", "",
+             "| case | impl | ms | TFLOP/s | vs bf16 | rel err vs bf16 |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in ROWS:
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ratio_vs_bf16']:.2f}x | "
+                     f"{err} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

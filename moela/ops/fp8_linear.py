@@ -1,0 +1,155 @@
+"""FP8 linear layer, DeepSeek-V3's recipe: y = x W^T with every GEMM of forward and backward in e4m3.
+
+- forward  y [T, N]  = x [T, K] (1x128 groups along K) @ W [N, K] (128x128 blocks)^T
+- dgrad    dx [T, K] = dy [T, N] (1x128 along N) @ W (the same codes and scales, transposed)
+- wgrad    dW [N, K] = dy^T [N, T] (1x128 along tokens) @ x^T [K, T] (1x128 along tokens)^T
+fp32 accumulation with promotion every 128 of the reduction; y and dx in the activation dtype, dW in the weight's
+dtype (fp32 master weights stay fp32). Backends:
+- `reference`: quantize -> dequantize in torch (moela.ops.moe.quant: the codes the kernels produce), GEMMs in fp32;
+  any device, the specification.
+- `triton`: one fused Triton/Gluon quantization kernel per activation tensor that reads it once and writes both its
+  row codes (for the next GEMM) and its transposed column codes (for the weight gradient; saved for backward in
+  place of x, at half x's bytes); the weight's codes, scales and transposed codes once per optimizer step
+  (moela.ops.weight_cache); the GEMMs are moela.ops.moe.gemm_fp8's persistent TMA kernels with one group. The
+  token dim is padded to a multiple of 128 inside the quantization (zero rows), so any T works.
+`auto`: `triton` on CUDA for features that are multiples of 128 (the quantization kernels' tiles), else the
+plain bf16 linear (no FP8 for a layer the kernels cannot tile, e.g. MLA's wkv_a with 512 + 64 outputs).
+
+Shapes: T tokens, K in features, N out features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moela.ops import weight_cache
+from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
+
+FP8_LINEAR_BACKENDS = ("auto", "reference", "triton")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reference
+
+
+def _fq_rows(x: torch.Tensor) -> torch.Tensor:
+    """x quantized in 1x128 groups along its last dim and dequantized, fp32."""
+    return dequant_1x128(*quant_1x128(x))
+
+
+def _fq_weight(w: torch.Tensor) -> torch.Tensor:
+    return dequant_128x128(*quant_128x128(w))
+
+
+class _ReferenceFn(torch.autograd.Function):
+    """Simulated quantization of every GEMM operand, each quantized along its GEMM's reduction dim."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return (_fq_rows(x) @ _fq_weight(w).t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = _fq_rows(dy) @ _fq_weight(w)  # dy grouped along N, the reduction of the data gradient
+        dw = _fq_rows(dy.t()) @ _fq_rows(x.t()).t()  # both grouped along tokens
+        return dx.to(x.dtype), dw.to(w.dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _ReferenceFn.apply(x, weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Triton: fused quantization + persistent FP8 GEMMs
+
+
+def _padded_rows(t: int, device: torch.device) -> torch.Tensor | None:
+    """src for the gathering quantization: row i reads x[i] for i < T, zeros up to the next multiple of 128 (None
+    when T is a multiple of 128: the quantization then reads x by TMA tiles)."""
+    if t % 128 == 0 and t > 0:
+        return None
+    m = -(-max(t, 1) // 128) * 128
+    idx = torch.arange(m, device=device, dtype=torch.int32)
+    return torch.where(idx < t, idx, -1)
+
+
+def _quant_act(x: torch.Tensor, src: torch.Tensor, rowwise: bool = True):
+    from moela.ops.moe.quantize import quant_rows_cols
+
+    return quant_rows_cols(x, rowwise=rowwise, colwise=True, src=src)
+
+
+def _fp8_weight(w: torch.Tensor):
+    from moela.ops.moe.quantize import quant_weights
+
+    def compute(v):
+        q, s, qt = quant_weights(v[None])
+        return q[0], s[0], qt[0]  # [N, K], [N/128, K/128], [K, N]
+
+    return weight_cache.cached(w, "fp8_blockwise", compute)
+
+
+class _TritonFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        from moela.ops.moe.gemm_fp8 import mgrouped_fp8
+
+        t = x.shape[0]
+        src = _padded_rows(t, x.device)
+        (xq, xs), (xqt, xst) = _quant_act(x, src)  # [M, K], [M, K/128]; [K, M], [K, M/128]
+        wq, ws, _ = _fp8_weight(w)
+        y = mgrouped_fp8(xq, xs, wq, ws, out_dtype=x.dtype)[:t]  # [T, N]
+        ctx.save_for_backward(xqt, xst, src, w)
+        ctx.x_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
+
+        xqt, xst, src, w = ctx.saved_tensors
+        t = dy.shape[0]
+        _, ws, wqt = _fp8_weight(w)
+        (dyq, dys), (dyqt, dyst) = _quant_act(dy.to(ctx.x_dtype).contiguous(), src)  # [M, N]; [N, M]
+        dx = mgrouped_fp8(dyq, dys, wqt, ws.t(), out_dtype=ctx.x_dtype)[:t]  # [T, K]
+        dw = kgrouped_fp8(dyqt, dyst, xqt, xst, out_dtype=w.dtype)[0]  # [N, K]
+        return dx, dw
+
+
+def fp8_tileable(in_features: int, out_features: int) -> bool:
+    """Whether the Triton kernels tile this layer (both feature counts multiples of 128)."""
+    return in_features % 128 == 0 and out_features % 128 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T in DeepSeek-V3's FP8 recipe -> [..., N] (x's dtype, or the autocast dtype).
+    `auto`: `triton` on CUDA where the features tile (else the bf16 linear), `reference` on CPU."""
+    if backend not in FP8_LINEAR_BACKENDS:
+        raise ValueError(f"fp8_linear: unknown backend {backend!r}; choose one of {', '.join(FP8_LINEAR_BACKENDS)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight {tuple(weight.shape)} wants {k}")
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if backend == "auto":
+        if not x.is_cuda:
+            backend = "reference"
+        elif not fp8_tileable(k, n) or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, weight.to(x.dtype))
+        else:
+            backend = "triton"
+    if backend == "triton":
+        if not fp8_tileable(k, n):
+            raise ValueError(f"fp8_linear backend 'triton' needs in and out features that are multiples of 128; got "
+                             f"{k} -> {n}; use backend='auto' (bf16 for this layer) or 'reference'")
+        with torch.autocast(x.device.type, enabled=False):
+            y = _TritonFn.apply(x2.contiguous(), weight)
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            y = fp8_linear_reference(x2, weight)
+    return y.reshape(*lead, n)

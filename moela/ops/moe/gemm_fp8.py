@@ -1,0 +1,316 @@
+"""Persistent blockwise FP8 GEMMs (DeepSeek-V3 scaling) for the MoE expert path and the FP8 linear layers: one
+launch each, expert bounds read from device memory (no host sync, capturable in a CUDA graph).
+
+- m-grouped (forward and data gradient; with one group: a dense GEMM): out [M, N] = A [M, K] @ B_e [N, K]^T for
+  each BM-row block of A, e = m_indices[block's first row] (DeepGEMM's contiguous layout: expert blocks 128-aligned,
+  so a block never straddles two experts). A: e4m3 with 1x128 scales [M, K/128]; B: e4m3 [E, N, K] with 128x128
+  scales [E, N/128, K/128] (any strides: the data gradient passes the transposed weight copy and its scales'
+  transposed view). Rows past offsets[E] (the padded total, read on the device) are not computed and not written:
+  every consumer of the layout masks them.
+- k-grouped (weight gradient): out [E, N, K], out_e = A[:, s:t] @ B[:, s:t]^T with [s, t) = offsets[e:e+2] (the
+  reduction runs along tokens); A [N, M], B [K, M] token-contiguous e4m3 with scales along tokens [N, M/128],
+  [K, M/128] (the column quantization of the activations). Empty experts get zeros.
+
+Numerics (DeepSeek-V3's promotion): each 128-wide step of the reduction is one fp8 tensor-core product whose fp32
+result is multiplied by its two scales and added to an fp32 accumulator held in registers, so the tensor core's
+limited-precision accumulation never spans more than 128 products. Output in out's dtype (bf16 / fp32).
+
+Hopper design: operands arrive by TMA through tensor descriptors built on the device (`tl.make_tensor_descriptor`;
+out-of-range rows and columns of a ragged edge read as zeros and are not stored); the reduction loop is software
+pipelined (num_stages buffers in flight); tl.dot on e4m3 tiles in shared memory lowers to wgmma (checked in the
+sm_90 PTX by tests/sm90_compile.py, with no register spills). The grid is one program per SM; each program walks
+tiles pid, pid + #SMs, ... in a grouped order (GROUP consecutive row blocks share each column block, so the B
+tiles they read stay in L2), so one launch covers every expert whatever the routing, and a tile past the routed
+rows costs one comparison. Triton 3.6 does not warp-specialize on sm_90 (a `warp_specialize=True` loop compiles
+to the same single-partition code), so the loads are hidden by software pipelining only. Configurations are
+named (`MGROUPED_CONFIGS`, `KGROUPED_CONFIGS`) and chosen per call without autotuning (a timing pass at the
+first call would run inside CUDA graph capture or a compiled step); `bench/fp8.py` sweeps them. Under the Triton
+interpreter (CPU tests) loops whose bounds come from device memory are `while` loops (the interpreter cannot
+range over a loaded value).
+
+Shapes: M rows (padded layout or tokens), N output features, K reduction, E experts (groups).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration: tile BM x BN (x 128 of the reduction), GROUP row blocks per column block in the
+    tile order, warps and pipeline stages."""
+
+    bm: int
+    bn: int
+    group: int
+    num_warps: int
+    num_stages: int
+
+
+# BM x 128 output tiles (m-grouped): one 128x128 weight block per tile and step, so its scale is a scalar and the
+# promotion one FMA per element; at 8 warps the fp32 sum and one step's product take 2 x 64 registers per thread.
+# A 128 x 256 tile needs 4 x 64 (Triton issues both halves' products before promoting either) and spills on sm_90.
+# The k-grouped tiles carry a row and a column scale vector per step (the column one is 32 registers per thread at
+# 64 wide, 64 at 128 wide, twice that with the next step's prefetched): 128 x 64 keeps them without spilling.
+MGROUPED_CONFIGS: dict[str, GemmConfig] = {
+    "128x128_s4": GemmConfig(128, 128, 8, 8, 4),
+    "128x128_s3": GemmConfig(128, 128, 8, 8, 3),
+    "128x128_s6": GemmConfig(128, 128, 8, 8, 6),
+    "128x128_s4_g16": GemmConfig(128, 128, 16, 8, 4),
+    "64x128_s6": GemmConfig(64, 128, 8, 4, 6),
+}
+KGROUPED_CONFIGS: dict[str, GemmConfig] = {
+    "128x64_s4": GemmConfig(128, 64, 8, 8, 4),
+    "128x64_s6": GemmConfig(128, 64, 8, 8, 6),
+    "128x64_s4_g16": GemmConfig(128, 64, 16, 8, 4),
+    "64x128_s4": GemmConfig(64, 128, 8, 4, 4),
+}
+DEFAULT_MGROUPED = "128x128_s4"
+DEFAULT_KGROUPED = "128x64_s4"
+
+
+def _config(name: str | None, table: dict[str, GemmConfig], default: str) -> GemmConfig:
+    name = name or default
+    if name not in table:
+        raise ValueError(f"unknown FP8 GEMM config {name!r}; choose one of {', '.join(table)}")
+    cfg = table[name]
+    if INTERPRET:  # the same tiles, a small tile group (several groups per test) and no pipeline
+        return GemmConfig(cfg.bm, cfg.bn, 2, cfg.num_warps, 1)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid_size(device: torch.device, tiles: int) -> int:
+    sms = INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
+    return max(1, min(sms, tiles))
+
+
+def _alloc(size: int, alignment: int, stream):
+    """Global scratch for the tensor descriptors the kernels build on the device (128 bytes each per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_allocator(device: torch.device) -> None:
+    """Triton keeps its allocator in a context variable: set it in the calling thread (autograd's backward runs in
+    its own threads)."""
+    if device.type == "cuda":
+        triton.set_allocator(_alloc)
+
+
+@triton.jit
+def _tile_mn(tile, num_m, num_n, GROUP: tl.constexpr):
+    """Tile index -> (row block, column block), GROUP row blocks per column block (consecutive tiles share B)."""
+    width = GROUP * num_n
+    first_m = (tile // width) * GROUP
+    size_m = tl.minimum(num_m - first_m, GROUP)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# m-grouped: forward and data gradient
+
+
+@triton.jit
+def _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb, k_steps, bs_base, s_asm, s_ask, s_bsk):
+    """Step kb's scales: a's [BM] (rows) and the weight block's scalar (zeros past the last step)."""
+    sa = tl.load(as_ptr + rows * s_asm + kb * s_ask, mask=row_ok & (rows * 0 + kb < k_steps), other=0.0)
+    sb = tl.load(bs_ptr + bs_base + kb * s_bsk, mask=kb < k_steps, other=0.0)
+    return sa, sb
+
+
+@triton.jit
+def _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK: tl.constexpr):
+    """One 128-wide reduction step: the fp8 product, then the promotion acc += product * (scale_a[row] * scale_b)."""
+    a = a_desc.load([m0, kb * BK])  # [BM, BK] e4m3
+    b = b_desc.load([b_row, kb * BK])  # [BN, BK] e4m3
+    return acc + tl.dot(a, b.T) * (sa * sb)[:, None]
+
+
+@triton.jit
+def _mgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, off_ptr, M, N, K, E, s_asm, s_ask,
+                         s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: tl.constexpr, INTERP: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of the (M/BM) x (N/BN) output. A [M, K] and
+    B [E*N, K] row-major (B's experts stacked: a tile of expert e's last column block may read expert e+1's rows
+    into columns past N, which are not stored), C [M, N] row-major; GROUPED: M is the padded layout's bound, rows
+    past offsets[E] are skipped; otherwise E = 1 and M is the real row count (a ragged last block). Each step's
+    scales are loaded one step ahead (plain loads: a [BM, 1] column of a row-major scale matrix is no TMA box)."""
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    m_used = M
+    if GROUPED:
+        m_used = tl.load(off_ptr + E).to(tl.int32)  # rows the routing filled (padded per expert)
+    k_steps = tl.cdiv(K, BK)
+    for tile in tl.range(pid, num_m * num_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_mn(tile, num_m, num_n, GROUP)
+        m0 = pid_m * BM
+        if m0 < m_used:
+            n0 = pid_n * BN
+            e = 0
+            if GROUPED:
+                e = tl.maximum(tl.load(m_idx_ptr + m0), 0)  # a block inside [0, offsets[E]) has an expert
+            rows = m0 + tl.arange(0, BM)
+            row_ok = rows < M
+            b_row = e * N + n0
+            bs_base = e * s_bse + (n0 // 128) * s_bsn
+            acc = tl.zeros((BM, BN), tl.float32)
+            kb = pid * 0  # the step index as a tensor
+            sa, sb = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb, k_steps, bs_base, s_asm, s_ask, s_bsk)
+            if INTERP:
+                while kb < k_steps:
+                    sa_n, sb_n = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb + 1, k_steps, bs_base, s_asm,
+                                                  s_ask, s_bsk)
+                    acc = _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK)
+                    sa, sb = sa_n, sb_n
+                    kb += 1
+            else:
+                for kb in range(0, k_steps):
+                    sa_n, sb_n = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb + 1, k_steps, bs_base, s_asm,
+                                                  s_ask, s_bsk)
+                    acc = _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK)
+                    sa, sb = sa_n, sb_n
+            c_desc.store([m0, n0], acc.to(c_desc.dtype))
+
+
+def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 m_indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
+                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None) -> torch.Tensor:
+    """out [M, N] = a [M, K] @ b[e] [N, K]^T per row block, e from m_indices (grouped) or 0 (b [1, N, K] or
+    [N, K]: a dense GEMM with any M). a, b e4m3 and K-contiguous (b's experts stacked contiguously); scales fp32
+    with any strides: a_scale [M, ceil(K/128)], b_scale [E, ceil(N/128), ceil(K/128)] (or 2-D for one group).
+    Grouped (m_indices [M] and offsets [E+1] of the 128-aligned layout): rows at or past offsets[E] are left
+    unwritten."""
+    if b.dim() == 2:
+        b, b_scale = b[None], b_scale[None]
+    m, k = a.shape
+    e, n, k2 = b.shape
+    grouped = m_indices is not None
+    if k2 != k or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"mgrouped_fp8: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must be "
+                         f"e4m3 with the same K")
+    if grouped and (offsets is None or offsets.numel() != e + 1 or m % 128):
+        raise ValueError("mgrouped_fp8: the grouped GEMM needs offsets [E+1] with m_indices and M a multiple of 128")
+    if not grouped and e != 1:
+        raise ValueError(f"mgrouped_fp8: {e} groups need m_indices and offsets")
+    if a.stride(1) != 1 or a.stride(0) != k or not b.is_contiguous() or k % 16 or n % 8:
+        raise ValueError("mgrouped_fp8: a and b must be row-major and contiguous, K a multiple of 16 and N of 8 "
+                         "(TMA: 16-byte aligned rows)")
+    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
+    grid = _grid_size(a.device, tiles)
+    _set_allocator(a.device)
+    dummy = a_scale
+    _mgrouped_fp8_kernel[(grid,)](
+        a, a_scale, b, b_scale, out, m_indices if grouped else dummy, offsets if grouped else dummy, m, n, k, e,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), grid,
+        GROUPED=grouped, INTERP=INTERPRET, BM=cfg.bm, BN=cfg.bn, BK=128, GROUP=cfg.group,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# k-grouped: weight gradient
+
+
+@triton.jit
+def _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb, end_tb, s_asn, s_ast, s_bsk, s_bst):
+    """Token block tb's scales: a's [BN] and b's [BK] (zeros at or past end_tb)."""
+    sa = tl.load(as_ptr + rn * s_asn + tb * s_ast, mask=n_ok & (rn * 0 + tb < end_tb), other=0.0)
+    sb = tl.load(bs_ptr + rk * s_bsk + tb * s_bst, mask=k_ok & (rk * 0 + tb < end_tb), other=0.0)
+    return sa, sb
+
+
+@triton.jit
+def _kgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst,
+                         NUM_PROGRAMS, GROUPED: tl.constexpr, INTERP: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr, BT: tl.constexpr, GROUP: tl.constexpr):
+    """Persistent over E x (N/BN) x (K/BK) tiles, expert-major (the programs in flight share one expert's token
+    slices in L2); tile (e, n, k) reduces over expert e's tokens [offsets[e], offsets[e+1]) (GROUPED) or all M,
+    promoting each 128-token block with its row and column scales (loaded one block ahead). C [E*N, K] row-major."""
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[M, 1], block_shape=[BN, BT])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, M], strides=[M, 1], block_shape=[BK, BT])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    per_e = num_n * num_k
+    for tile in tl.range(pid, E * per_e, NUM_PROGRAMS):
+        e = tile // per_e
+        pid_n, pid_k = _tile_mn(tile % per_e, num_n, num_k, GROUP)
+        n0, k0 = pid_n * BN, pid_k * BK
+        rn = n0 + tl.arange(0, BN)
+        rk = k0 + tl.arange(0, BK)
+        n_ok, k_ok = rn < N, rk < K
+        if GROUPED:
+            start = tl.load(off_ptr + e).to(tl.int32) // BT  # expert blocks are 128-aligned
+            end = tl.load(off_ptr + e + 1).to(tl.int32) // BT
+        else:
+            start = pid * 0  # a tensor: masks are built from the block index
+            end = start + tl.cdiv(M, BT)
+        acc = tl.zeros((BN, BK), tl.float32)
+        sa, sb = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, start, end, s_asn, s_ast, s_bsk, s_bst)
+        if INTERP:
+            tb = start
+            while tb < end:
+                sa_n, sb_n = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb + 1, end, s_asn, s_ast, s_bsk,
+                                              s_bst)
+                acc += tl.dot(a_desc.load([n0, tb * BT]), b_desc.load([k0, tb * BT]).T) * sa[:, None] * sb[None, :]
+                sa, sb = sa_n, sb_n
+                tb += 1
+        else:
+            for tb in range(start, end):
+                sa_n, sb_n = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb + 1, end, s_asn, s_ast, s_bsk,
+                                              s_bst)
+                acc += tl.dot(a_desc.load([n0, tb * BT]), b_desc.load([k0, tb * BT]).T) * sa[:, None] * sb[None, :]
+                sa, sb = sa_n, sb_n
+        c_desc.store([e * N + n0, k0], acc.to(c_desc.dtype))
+
+
+def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 offsets: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32,
+                 config: str | None = None) -> torch.Tensor:
+    """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned, on the device);
+    without offsets one group over all M columns (out [1, N, K]). a [N, M], b [K, M] e4m3, token-contiguous rows
+    (M a multiple of 16: TMA rows are 16-byte aligned; columns past the real tokens must hold zero codes or lie past
+    M); scales fp32 along tokens a_scale [N, ceil(M/128)], b_scale [K, ceil(M/128)] (any strides). Grouped: N a
+    multiple of 128 (a tile never spans two experts' outputs)."""
+    n, m = a.shape
+    k, m2 = b.shape
+    if m2 != m or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"kgrouped_fp8: a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must be e4m3 "
+                         f"over the same tokens")
+    if not (a.is_contiguous() and b.is_contiguous()) or m % 16 or k % 16:
+        raise ValueError("kgrouped_fp8: a and b must be contiguous, the token count and K multiples of 16")
+    grouped = offsets is not None
+    e = offsets.numel() - 1 if grouped else 1
+    cfg = _config(config, KGROUPED_CONFIGS, DEFAULT_KGROUPED)
+    if grouped and n % cfg.bm:
+        raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of {cfg.bm} for the grouped weight gradient")
+    out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
+    tiles = e * triton.cdiv(n, cfg.bm) * triton.cdiv(k, cfg.bn)
+    grid = _grid_size(a.device, tiles)
+    _set_allocator(a.device)
+    _kgrouped_fp8_kernel[(grid,)](
+        a, a_scale, b, b_scale, out, offsets if grouped else a_scale, n, k, m, e, a_scale.stride(0),
+        a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid, GROUPED=grouped, INTERP=INTERPRET,
+        BN=cfg.bm, BK=cfg.bn, BT=128, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
