@@ -7,8 +7,9 @@ dataclasses are the only source of truth for names, types and defaults.
 
 Decisions:
 - Strict: an unknown key is an error with a did-you-mean suggestion, a value of the wrong type is an error (an
-  int is accepted where a float is expected, nothing else is coerced). All errors are collected and raised
-  together as one `ConfigError`, each naming the file that set the key and the full key path.
+  int is accepted where a float is expected, nothing else is coerced; a float must be finite, so `.nan` and `.inf`
+  are errors). All errors are collected and raised together as one `ConfigError`, each naming the file that set
+  the key and the full key path.
 - `base: other.yaml` (or a list of files) is resolved relative to the including file; the including file's keys
   win, mappings merge key by key, everything else is replaced.
 - Overrides `a.b=value` are parsed with YAML rules (`lr=1e-3` is a float, `name=null` is None, `x=[1,2]` a list)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -262,9 +264,9 @@ def _source_of(path: str, sources: dict) -> str:
 
 def _convert(value: Any, tp: Any, path: str, sources: dict, errors: list[str]) -> Any:
     """`value` as type `tp`, or _MISSING after appending an error."""
-    def fail(extra: str = "") -> Any:
+    def fail(extra: str = "", expected: str = "") -> Any:
         shown = repr(value) if not isinstance(value, dict) else "a mapping"
-        errors.append(f"{_source_of(path, sources)}: {path}: expected {_type_name(tp)}, got {shown}"
+        errors.append(f"{_source_of(path, sources)}: {path}: expected {expected or _type_name(tp)}, got {shown}"
                       f" ({type(value).__name__}){extra}")
         return _MISSING
 
@@ -317,6 +319,8 @@ def _convert(value: Any, tp: Any, path: str, sources: dict, errors: list[str]) -
         return value if isinstance(value, int) and not isinstance(value, bool) else fail()
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # YAML's .nan / .inf: no key of a recipe means anything by them
+                return fail("", "a finite number")
             return float(value)
         return fail()
     if tp is str:

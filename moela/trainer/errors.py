@@ -1,7 +1,27 @@
-"""`TrainingError`: a run cannot start or continue for a reason the user can fix; `train.py` prints its message
-(no traceback) and exits with status 1."""
+"""Errors a user can fix, and the exit codes `train.py` gives every outcome of a run.
+
+`TrainingError`: the run cannot start or continue because of its environment or its state on disk (an unwritable
+or locked run dir, a missing wandb login, no intact checkpoint, a non-finite evaluation); exit code 1.
+`InputError`: what the user gave is wrong (data that is not text, a recipe that changes settings a checkpoint
+fixes); exit code 2, like a recipe error. `train.py` prints the message (no traceback) and exits with the error's
+`exit_code`.
+"""
+
+EXIT_FINISHED = 0  # trained to train.steps (or already there: nothing to do)
+EXIT_ENVIRONMENT = 1  # TrainingError
+EXIT_INPUT = 2  # a recipe error or an InputError
+EXIT_STOPPED = 3  # stopped by SIGTERM / SIGINT after writing a checkpoint; the same command resumes
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: aborted without a new checkpoint
 
 
 class TrainingError(RuntimeError):
     """Training cannot start or continue (no CUDA device, repeated non-finite losses, ...); the message says why
     and what to do."""
+
+    exit_code = EXIT_ENVIRONMENT
+
+
+class InputError(TrainingError):
+    """The recipe or the data is wrong in a way only visible once the run starts; the message names what to fix."""
+
+    exit_code = EXIT_INPUT

@@ -15,7 +15,7 @@ Decisions:
   is the logged step's own loss. Step 1 is always logged on its own. The window is part of the checkpoint, so a
   resumed run logs exactly what an uninterrupted one does.
 - After a resume, records past the resumed step are dropped from metrics.jsonl, so the file and the plot show one
-  consistent history.
+  consistent history; so is a line that is not a complete record (torn by a crash mid-write), with a warning.
 - wandb is imported only when `logging.wandb.mode` is not `disabled`; offline runs write under `run_dir/wandb`.
 """
 
@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from moela.config import Config, LoggingConfig, to_dict
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -252,22 +254,43 @@ def _wandb_id(run_dir: Path) -> str:
     return run_id
 
 
+def _parse_records(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a metrics file and the numbers of the lines that are not one (a line torn by a crash
+    mid-write, or bytes that are not UTF-8 JSON)."""
+    records, bad = [], []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            bad.append(number)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            bad.append(number)
+    return records, bad
+
+
 def _truncate_after(path: Path, step: int) -> None:
-    """Drop records with step > `step` (logged after the checkpoint a run resumes from)."""
+    """Drop records with step > `step` (logged after the checkpoint a run resumes from), and lines that are not
+    records (a torn last line from a crash mid-write), with a warning."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
+    records, bad = _parse_records(path)
+    if bad:
+        log.warning("%s: dropped line%s %s: not a complete JSON record (torn by an interrupted write)", path,
+                    "s" if len(bad) > 1 else "", ", ".join(map(str, bad)))
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
     os.replace(tmp, path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of run_dir/metrics.jsonl, skipping lines that are not complete records."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _parse_records(path)[0] if path.exists() else []
 
 
 def plot_losses(run_dir: str | Path) -> Path | None:
