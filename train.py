@@ -3,7 +3,7 @@
 Works unchanged under `torchrun` / `accelerate launch` (the process group comes from their env vars). A mistake
 in the recipe or the overrides exits with code 2 and lists every problem (file, key path, suggestion); no
 traceback. `--print-config` prints the resolved recipe and exits. Log records (e.g. which kernel backend each op
-uses) go to stderr, INFO on rank 0 and WARNING elsewhere.
+uses) go to stderr, INFO on rank 0 and WARNING elsewhere. The exit codes are listed in EXIT_CODES (and --help).
 """
 
 from __future__ import annotations
@@ -13,13 +13,21 @@ import logging
 import os
 import sys
 
-USAGE_ERROR = 2
+EXIT_CODES = """exit codes:
+  0    finished: trained to train.steps (or already there: nothing to do)
+  1    the environment stopped the run: unwritable or locked run dir, no wandb login, no intact checkpoint,
+       a non-finite evaluation, repeated non-finite steps, ...
+  2    bad input: a recipe error, data that is not text or holds none, a recipe that changes what the
+       checkpoint fixes
+  3    stopped by SIGTERM / Ctrl-C after saving a checkpoint; the same command resumes
+  130  a second Ctrl-C: aborted without a new checkpoint"""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="train.py", description="Train a DeepSeek-V3-style MLA + MoE model from a YAML recipe.",
-        epilog="example: python train.py recipes/tiny.yaml train.steps=50 optim.lr=1e-3")
+        epilog="example: python train.py recipes/tiny.yaml train.steps=50 optim.lr=1e-3\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any recipe key; values are parsed as YAML (1e-3, true, null, [1, 2])")
@@ -39,6 +47,7 @@ def _is_rank0() -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from moela.config import ConfigError, dump_config, load_config
+    from moela.trainer.errors import EXIT_FINISHED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -47,25 +56,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {count} problem{'s' if count > 1 else ''} in the recipe:", file=sys.stderr)
         for message in e.errors:
             print(f"  {message}", file=sys.stderr)
-        return USAGE_ERROR
+        return EXIT_INPUT
     if args.print_config:
         if _is_rank0():
             print(dump_config(cfg), end="")
         return 0
 
     from moela.trainer import Trainer, TrainingError
+    from moela.trainer.loop import STOPPED
 
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        Trainer(cfg).fit()
+        outcome = Trainer(cfg).fit()
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted before a checkpoint was written; the newest complete checkpoint is kept",
               file=sys.stderr)
-        return 130
-    return 0
+        return EXIT_INTERRUPTED
+    return EXIT_STOPPED if outcome == STOPPED else EXIT_FINISHED
 
 
 if __name__ == "__main__":

@@ -39,6 +39,12 @@ def train(model, opt, sched, steps: int, seed: int):
     model.router_bias += 0.5
 
 
+def preferred(run_dir, resume):
+    """The checkpoint `checkpoint.resume` tries first (None: a fresh start)."""
+    found = ckpt.resume_candidates(run_dir, resume)
+    return found[0] if found else None
+
+
 def test_round_trip_restores_model_optimizer_and_trainer_state(tmp_path):
     model, opt, sched = make(0)
     train(model, opt, sched, 3, seed=1)
@@ -63,16 +69,16 @@ def test_round_trip_restores_model_optimizer_and_trainer_state(tmp_path):
 
 def test_keep_last_k_and_resume_resolution(tmp_path):
     model, opt, _ = make(0)
-    assert ckpt.resolve_resume(tmp_path, "auto") is None
+    assert preferred(tmp_path, "auto") is None
     for step in (2, 4, 6, 8):
         ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last_k=3)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 6, 8]
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-8"
-    assert ckpt.resolve_resume(tmp_path, "none") is None
+    assert preferred(tmp_path, "auto").name == "step-8"
+    assert preferred(tmp_path, "none") is None
     explicit = tmp_path / "checkpoints" / "step-6"
-    assert ckpt.resolve_resume(tmp_path, str(explicit)) == explicit
+    assert preferred(tmp_path, str(explicit)) == explicit
     with pytest.raises(TrainingError, match="not a complete checkpoint"):
-        ckpt.resolve_resume(tmp_path, str(tmp_path / "checkpoints" / "step-2"))
+        preferred(tmp_path, str(tmp_path / "checkpoints" / "step-2"))
 
 
 def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
@@ -84,16 +90,16 @@ def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
         ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last_k=3)
     ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last_k=3)  # continued from step-2
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3, 6]  # 4 went first, then 6 would
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-3"
+    assert preferred(tmp_path, "auto").name == "step-3"
     ckpt.save_checkpoint(tmp_path, 4, model, opt, {"step": 4}, keep_last_k=2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]  # the abandoned step-6 before step-2
     (tmp_path / "checkpoints" / "latest").unlink()  # without the pointer, auto still finds this run's newest
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-4"
+    assert preferred(tmp_path, "auto").name == "step-4"
     ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep_last_k=1)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5]
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
+    assert preferred(tmp_path, "auto").name == "step-5"
     (tmp_path / "checkpoints" / "latest").write_text("step-9\n")  # a pointer to a missing checkpoint
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-5"
+    assert preferred(tmp_path, "auto").name == "step-5"
     ckpt.save_checkpoint(tmp_path, 5, model, opt, {"step": 5, "again": True}, keep_last_k=1)  # the same step again
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
     assert ckpt.load_checkpoint(tmp_path / "checkpoints" / "step-5", model, opt) == {"step": 5, "again": True}
@@ -119,7 +125,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     root = tmp_path / "checkpoints"
     assert (root / "step-6.tmp").is_dir() and not (root / "step-6").exists()
     assert (root / "latest").read_text().strip() == "step-5"
-    latest = ckpt.resolve_resume(tmp_path, "auto")
+    latest = preferred(tmp_path, "auto")
     assert latest.name == "step-5"
     fresh, fresh_opt, _ = make(7)
     ckpt.load_checkpoint(latest, fresh, fresh_opt)
@@ -151,7 +157,7 @@ def test_process_killed_mid_save_leaves_no_partial_checkpoint(tmp_path):
     assert proc.returncode == -9, proc.stderr
     root = tmp_path / "checkpoints"
     assert not (root / "step-2").exists() and (root / "step-2.tmp").exists()
-    assert ckpt.resolve_resume(tmp_path, "auto").name == "step-1"
+    assert preferred(tmp_path, "auto").name == "step-1"
     model = nn.Linear(64, 64)
     opt = build_optimizer(model, OptimConfig(), "cpu")
     assert ckpt.load_checkpoint(root / "step-1", model, opt) == {"step": 1}

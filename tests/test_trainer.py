@@ -4,6 +4,7 @@ optimizer groups and LR schedules. Runs a ~40k-parameter model on 128-token micr
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import signal
@@ -15,6 +16,7 @@ from factories import tiny_overrides
 from moela.config import Config, OptimConfig, ScheduleConfig, load_config
 from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
+from moela.trainer.errors import InputError
 from moela.trainer.metrics import LogWindow
 from moela.trainer.optim import LRMultiplier, apply_hyperparameters, build_optimizer, param_groups
 
@@ -178,12 +180,11 @@ def test_run_directory_files_and_wandb_offline(tmp_path, cache_dir):
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
     assert list(offline[0].glob("run-*.wandb")) and (offline[0] / "files").is_dir()
-    changed = make_cfg(run, cache_dir, "train.steps=4", "data.max_doc_len=32")
-    with pytest.raises(TrainingError, match="cannot resume the data stream.*max_doc_len"):
+    changed = make_cfg(run, cache_dir, "train.steps=4", "data.max_doc_len=32", "model.hidden_size=48")
+    with pytest.raises(InputError, match="cannot resume from .*step-3: the recipe changes settings") as info:
         Trainer(changed).fit()
-    wider = make_cfg(run, cache_dir, "train.steps=4", "model.hidden_size=48")
-    with pytest.raises(TrainingError, match="cannot resume from .*step-3: Size mismatch.*checkpoint.resume=none"):
-        Trainer(wider).fit()
+    assert "data.max_doc_len: 64 -> 32\n  model.hidden_size: 32 -> 48\n" in str(info.value)
+    assert "checkpoint.resume=none" in str(info.value) and info.value.exit_code == 2
 
 
 def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
@@ -203,16 +204,26 @@ def test_resume_follows_the_current_schedule_settings(tmp_path, cache_dir):
     assert resumed[-1]["lr"] == pytest.approx(2e-3 * longer.schedule.min_lr_ratio)
 
 
+def rewrite_trainer_state(checkpoint_dir, state) -> None:
+    """Replace rank 0's trainer state and record the new file in the manifest, as a save of that state would."""
+    path = checkpoint_dir / "trainer-rank0.pt"
+    torch.save(state, path)
+    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    manifest["files"][path.name] = {"bytes": path.stat().st_size,
+                                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    (checkpoint_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_a_checkpoint_without_the_current_trainer_state_is_refused_with_a_clear_error(tmp_path, cache_dir):
     Trainer(make_cfg(tmp_path, cache_dir, "train.steps=2")).fit()
     (saved,) = (tmp_path / "checkpoints").glob("step-*")
     state = torch.load(saved / "trainer-rank0.pt", weights_only=False)
     del state["log_window"], state["loader"]["weights"]  # what an older version wrote
-    torch.save(state, saved / "trainer-rank0.pt")
+    rewrite_trainer_state(saved, state)
     with pytest.raises(TrainingError, match="lacks log_window: it was written by an older moela"):
         Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
     state["log_window"] = {}
-    torch.save(state, saved / "trainer-rank0.pt")
+    rewrite_trainer_state(saved, state)
     with pytest.raises(TrainingError, match="loader state lacks weights"):
         Trainer(make_cfg(tmp_path, cache_dir, "train.steps=3")).fit()
 

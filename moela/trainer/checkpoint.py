@@ -1,20 +1,32 @@
-"""Checkpoints: model + optimizer through `torch.distributed.checkpoint` (DCP), trainer state per rank, atomically.
+"""Checkpoints: model + optimizer through `torch.distributed.checkpoint` (DCP), trainer state per rank, atomically,
+with a manifest that makes damage visible.
 
 Layout: `run_dir/checkpoints/step-N/` holds DCP's shard files and `.metadata` (model and optimizer state, saved
-by every rank in SPMD style, so a checkpoint written under one parallel layout loads under another) plus
-`trainer-rank{r}.pt` (step, scheduler, data loader, RNG states and counters of rank r). `checkpoints/latest` is a
+by every rank in SPMD style, so a checkpoint written under one parallel layout loads under another),
+`trainer-rank{r}.pt` (step, scheduler, data loader, RNG states and counters of rank r) and `manifest.json` (the
+size and sha256 of every other file, and the settings the run may not change on resume). `checkpoints/latest` is a
 one-line file naming the most recently saved checkpoint.
 
 Decisions:
-- Atomic: everything is written into `step-N.tmp/`; only after every rank has finished does rank 0 rename it to
-  `step-N/` (one `os.replace`, atomic on POSIX) and then rewrite `latest` through a temporary file. A kill at any
-  moment leaves either the previous complete checkpoint or the new one, never a half-written `step-N/` (an
-  existing `step-N/` being saved again is renamed aside before it is deleted); leftover `*.tmp` directories are
-  ignored and cleaned up by the next save.
-- `resume: auto` takes the checkpoint `latest` names when that one is complete (it is the newest save even when
-  a run resumed from an explicit older `step-N` left higher-numbered checkpoints of the abandoned continuation
-  behind), else the highest complete `step-N/` (those with DCP's `.metadata`), so a stale or missing pointer
-  cannot lead to a corrupt load.
+- Atomic: everything is written into `step-N.tmp/`; only after every rank has finished and rank 0 has written the
+  manifest (last, flushed to disk) does rank 0 rename it to `step-N/` (one `os.replace`, atomic on POSIX) and then
+  rewrite `latest` through a temporary file. A kill at any moment leaves either the previous complete checkpoint
+  or the new one, never a half-written `step-N/` (an existing `step-N/` being saved again is renamed aside before
+  it is deleted); leftover `*.tmp` directories are ignored and cleaned up by the next save.
+- Verified before use: the files are hashed when saved (each rank hashes a share of them, in the order of their
+  names) and again before a resume loads them, so a truncated, overwritten or missing file is reported by name
+  instead of loading garbage or being mistaken for a recipe change. After loading, a tensor holding NaN or inf
+  also marks the checkpoint corrupt: no training state this trainer saves can hold one (non-finite steps are
+  skipped). Hashing reads every file once more; at the ~1 GB/s of sha256 that is seconds per rank for models that
+  take minutes to save.
+- `resume: auto` tries the checkpoint `latest` names (the newest save, even when a run resumed from an explicit
+  older `step-N` left higher-numbered checkpoints of the abandoned continuation behind), then the other `step-N/`
+  from the newest down, and takes the first intact one, saying which it skipped and why; if none is intact it
+  stops. An explicit `step-N` path is verified the same way but never replaced by another.
+- The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel choices, the data section but
+  where its cache lives and how micro-batches are assigned to ranks, the seed and the micro-batch budget) are
+  compared with the recipe's before anything is loaded; a change is an `InputError` listing each key, old -> new.
+  Keys only one side knows (added or removed by another moela version) are not compared.
 - Pruning to `keep_last_k` never deletes the checkpoint just written, and deletes the checkpoints of an abandoned
   continuation (steps above the one just written: left behind by a resume from an explicit older `step-N`)
   before the oldest of the run's own history.
@@ -26,10 +38,13 @@ Decisions:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,13 +53,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from moela.trainer.errors import TrainingError
+from moela.config import Config, to_dict
+from moela.trainer.errors import InputError, TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_HASH_CHUNK = 1 << 24
+
+# keys that choose how the same network is computed, or where / how the same data is read: free to change
+_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe")
+_FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
+
+
+class CorruptCheckpoint(TrainingError):
+    """A checkpoint's files do not match its manifest, or its tensors hold non-finite values."""
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -52,49 +80,88 @@ def checkpoints_root(run_dir: str | Path) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file() and any(path.glob("trainer-rank*.pt"))
+    """Whether `path` is a finished checkpoint directory (its manifest is written last); says nothing about
+    damage, which `verify_checkpoint` checks."""
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def _written_by_training(path: Path) -> bool:
+    """A training checkpoint (damaged or not) rather than a weights-only folder (`python -m moela import`)."""
+    return (path / MANIFEST).is_file() or any(path.glob("trainer-rank*.pt"))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in `run_dir`, oldest first, as (step, path)."""
+    """Every `step-N/` training checkpoint in `run_dir` (complete or damaged), oldest first, as (step, path);
+    weights-only folders are not among them."""
     root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and is_complete(child):
+        if match and child.is_dir() and _written_by_training(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
 
 
-def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: None for a fresh start. Raises TrainingError for a bad explicit path."""
+def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
+    """The checkpoints `checkpoint.resume` may continue from, preferred first: none for a fresh start. Raises
+    InputError for an explicit path that is not a checkpoint directory."""
     if resume == "none":
-        return None
+        return []
     if resume == "auto":
+        newest_first = [path for _, path in reversed(list_checkpoints(run_dir))]
         pointer = checkpoints_root(run_dir) / LATEST
-        if pointer.is_file():
-            named = pointer.parent / pointer.read_text().strip()
-            if _STEP_DIR.match(named.name) and is_complete(named):
-                return named
-        found = list_checkpoints(run_dir)
-        return found[-1][1] if found else None
+        named = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+        if named in newest_first:
+            newest_first.remove(named)
+            newest_first.insert(0, named)
+        return newest_first
     path = Path(resume)
     if not is_complete(path):
-        raise TrainingError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected "
-                            f"a step-N folder with .metadata and trainer-rank*.pt files); use 'auto', 'none' or "
-                            f"an existing step-N path")
-    return path
+        raise InputError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected a step-N "
+                         f"folder with {MANIFEST}); use 'auto', 'none' or an existing step-N path")
+    return [path]
+
+
+def fixed_settings(cfg: Config) -> dict[str, Any]:
+    """The settings a checkpoint fixes, as {dotted key: value} (see the module docstring)."""
+    model = {k: v for k, v in to_dict(cfg.model).items() if k not in _FREE_MODEL_KEYS}
+    data = {k: v for k, v in to_dict(cfg.data).items() if k not in _FREE_DATA_KEYS}
+    flat = {**_flatten(model, "model."), **_flatten(data, "data."), "train.seed": cfg.train.seed,
+            "train.tokens_per_microbatch": cfg.train.tokens_per_microbatch}
+    return json.loads(json.dumps(flat))  # the values as the manifest stores them (tuples -> lists)
+
+
+def _flatten(tree: dict, prefix: str) -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 @contextmanager
@@ -111,13 +178,24 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], keep_last_k: int) -> Path:
-    """Write checkpoint `step` collectively (every rank calls this) and prune to the newest `keep_last_k`."""
+                    trainer_state: dict[str, Any], keep_last_k: int, settings: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint `step` collectively (every rank calls this) and prune to the newest `keep_last_k`.
+    `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume."""
     root = checkpoints_root(run_dir)
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
-    rank = _rank()
+    rank, world = _rank(), _world()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("step-*.tmp"):
@@ -126,11 +204,21 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
-                 no_dist=not dist.is_initialized())
+        metadata = dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
+                            no_dist=not dist.is_initialized())
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
     _barrier()
+    shards = {info.relative_path for info in metadata.storage_data.values()}
+    names = sorted({".metadata", *shards, *(f"trainer-rank{r}.pt" for r in range(world))})
+    digests = _all_gather({name: _digest(tmp / name) for i, name in enumerate(names) if i % world == rank})
     if rank == 0:
+        manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world,
+                    "files": {name: entry for part in digests for name, entry in sorted(part.items())},
+                    "settings": settings or {}}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         replaced = root / f"step-{step}.replaced.tmp"
         if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
             os.replace(final, replaced)
@@ -145,13 +233,120 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     return final
 
 
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint `path`; raises CorruptCheckpoint when it is missing or unreadable."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{MANIFEST} is missing (the checkpoint is incomplete, or was written by an "
+                                f"older moela)") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable ({e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CorruptCheckpoint(f"{MANIFEST} does not list the checkpoint's files")
+    return manifest
+
+
+def _check_file(path: Path, name: str, entry: dict) -> str | None:
+    file = path / name
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        return f"{name} is missing"
+    if size != entry.get("bytes"):
+        return f"{name} has {size} bytes, {entry.get('bytes')} were written (truncated or overwritten)"
+    if _digest(file)["sha256"] != entry.get("sha256"):
+        return f"{name}: its sha256 differs from the one recorded when it was written (its bytes were changed)"
+    return None
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What is wrong with checkpoint `path`'s files (each named), or None when they are as written. Collective:
+    every rank hashes a share of the files."""
+    rank, world = _rank(), _world()
+    problems = []
+    try:
+        files = sorted(read_manifest(path)["files"].items())
+    except CorruptCheckpoint as e:
+        problems.append(str(e))
+        files = []
+    for i, (name, entry) in enumerate(files):
+        if i % world == rank and (problem := _check_file(path, name, entry if isinstance(entry, dict) else {})):
+            problems.append(problem)
+    found = sorted({p for part in _all_gather(problems) for p in part})
+    return "; ".join(found) if found else None
+
+
+def settings_changes(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for each setting both sides know whose value differs."""
+    return [f"{key}: {stored[key]!r} -> {current[key]!r}" for key in sorted(stored.keys() & current.keys())
+            if stored[key] != current[key]]
+
+
+def _nonfinite(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return False
+    local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
+    return not bool(torch.isfinite(local).all())
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model and optimizer in place (collectively) and return this rank's trainer state."""
+    """Load model and optimizer in place (collectively) and return this rank's trainer state. Raises
+    CorruptCheckpoint naming the tensors that hold NaN or inf (the model is then partly overwritten)."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    bad = [f"model.{k}" for k, v in state["model"].items() if _nonfinite(v)]
+    bad += [f"optim.{k}.{s}" for k, group in state["optim"].get("state", {}).items() for s, v in group.items()
+            if _nonfinite(v)]
+    bad = sorted({name for part in _all_gather(bad) for name in part})
+    if bad:
+        raise CorruptCheckpoint(f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or inf ({', '.join(bad[:3])}"
+                                f"{', ...' if len(bad) > 3 else ''}), which no checkpoint of a training run holds")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     own = path / f"trainer-rank{_rank()}.pt"
     return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
+
+
+def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+           settings: dict[str, Any], echo: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """Load the checkpoint `checkpoint.resume` selects (see the module docstring): (its path, this rank's trainer
+    state), or None for a fresh start. `echo` reports each checkpoint skipped as corrupt."""
+    candidates = resume_candidates(run_dir, resume_setting)
+    skipped = []
+    for path in candidates:
+        try:
+            problem = verify_checkpoint(path)
+            if problem is not None:
+                raise CorruptCheckpoint(problem)
+            changes = settings_changes(read_manifest(path).get("settings", {}), settings)
+            if changes:
+                raise InputError(f"cannot resume from {path}: the recipe changes settings the checkpointed run "
+                                 f"fixed:\n  " + "\n  ".join(changes) + "\nRestore them, or start a fresh run with "
+                                 "checkpoint.resume=none or another train.run_dir")
+            try:
+                return path, load_checkpoint(path, model, optimizer)
+            except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
+                if isinstance(e, (TrainingError, torch.OutOfMemoryError)):
+                    raise
+                cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+                raise TrainingError(f"cannot resume from {path}: {str(cause).rstrip('.')}. Its files are intact and "
+                                    f"its settings match the recipe's, so it was written by a moela whose model or "
+                                    f"optimizer state differs from this one's; start a fresh run with "
+                                    f"checkpoint.resume=none or another train.run_dir") from e
+        except CorruptCheckpoint as e:
+            if resume_setting != "auto":
+                raise CorruptCheckpoint(f"checkpoint {path} is corrupt: {e}. Resume from another checkpoint (or "
+                                        f"checkpoint.resume=auto: the newest intact one), or start a fresh run with "
+                                        f"checkpoint.resume=none") from None
+            skipped.append(f"{path.name}: {e}")
+            older = candidates[candidates.index(path) + 1:]
+            echo(f"checkpoint {path} is corrupt: {e}; "
+                 + (f"trying the next newest, {older[0].name}" if older else "no older checkpoint is left"))
+    if skipped:
+        raise CorruptCheckpoint(f"no intact checkpoint in {checkpoints_root(run_dir)}: " + "; ".join(skipped)
+                                + ". Move the checkpoints directory aside to start over (or set "
+                                  "checkpoint.resume=none with another train.run_dir)")
+    return None

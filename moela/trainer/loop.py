@@ -13,10 +13,14 @@ Decisions:
 - A step whose loss or gradient norm is not finite is skipped (no optimizer or bias update; data and LR schedule
   still advance) and counted; after `train.max_nonfinite_steps` in a row training stops with `TrainingError`.
 - SIGTERM / SIGINT set a flag; at the end of the current step every rank agrees on it, a checkpoint is written and
-  `fit()` returns normally. A second SIGINT interrupts immediately.
-- Resume restores weights, optimizer moments, the data position, RNG states and counters from the checkpoint; the
-  LR schedule and AdamW hyperparameters come from the current recipe at the saved step. A checkpoint that does
-  not fit the model or the data settings stops with a `TrainingError` naming the mismatch.
+  `fit()` returns `STOPPED` (train.py exits 3). A second SIGINT interrupts immediately.
+- Before the data and the model are built, rank 0 checks that the run dir can be written, locks it for the run's
+  life (`rundir.py`) and, for wandb online, that a login exists; every rank raises the same error.
+- Resume restores weights, optimizer moments, the data position, RNG states and counters from the newest intact
+  checkpoint (`checkpoint.resume`); the LR schedule and AdamW hyperparameters come from the current recipe at the
+  saved step. A recipe that changes what the checkpoint fixes stops with an `InputError` listing each change. A run
+  already at `train.steps` writes nothing (not even config.yaml).
+- A non-finite evaluation stops the run with a `TrainingError` before anything more is saved.
 - bf16 autocast on CUDA (fp32 master weights and optimizer state), plain fp32 on CPU (`train.precision`).
 """
 
@@ -33,20 +37,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
-from moela.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from moela.trainer import checkpoint
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
-from moela.trainer.errors import TrainingError
+from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
 from moela.trainer.metrics import (
     LogWindow,
     MetricsWriter,
+    check_wandb_login,
     device_peak_flops,
     expert_imbalance,
     loss_legend,
@@ -55,8 +59,11 @@ from moela.trainer.metrics import (
 )
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from moela.trainer.profiling import StepProfiler
+from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
 from moela.trainer.summary import run_summary
+
+FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
 
 
 class Trainer:
@@ -72,18 +79,50 @@ class Trainer:
         if precision == "auto":
             precision = "bf16" if self.device.type == "cuda" else "fp32"
         self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        self.lock = RunDirLock(self.run_dir)
+        self._preflight()
+        try:
+            self._build()
+        except BaseException:
+            self.lock.release()
+            raise
 
+    def _preflight(self) -> None:
+        """Rank 0 checks the run dir (writable, not in use by another run) and the wandb login before anything
+        heavy; every rank raises the same error."""
+        error = None
+        if self.env.is_main:
+            try:
+                check_writable(self.run_dir)
+                note = self.lock.acquire()
+                if note:
+                    self._echo(note)
+                check_wandb_login(self.cfg.logging.wandb)
+            except TrainingError as e:
+                error = e
+        if dist.is_initialized():
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            self.lock.release()
+            raise error
+
+    def _build(self) -> None:
+        cfg = self.cfg
         try:
             self.train_loader, self.val_loader, self.tokenizer = build_loaders(
                 cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
                 dp_size=self.mesh.size("dp"), grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
                 cost_coefficients=cost_coefficients(cfg.model))
-        except (OSError, ValueError, TypeError) as e:  # unreadable files, bad records, missing columns or tokens
+        except OSError as e:  # unreadable files, a missing hub dataset
             raise TrainingError(f"cannot read the training data: {e}") from e
+        except (ValueError, TypeError) as e:  # bad records, undecodable or empty input, missing columns or tokens
+            raise InputError(f"cannot read the training data: {e}") from e
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise TrainingError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                                f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
-                                f"{self.tokenizer.vocab_size}")
+            raise InputError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
+                             f"{self.tokenizer.vocab_size}")
         seed_everything(cfg.train.seed)
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
@@ -104,27 +143,37 @@ class Trainer:
         return build_model(self.cfg.model, self.device, parallelize=parallelize)
 
     # ----------------------------------------------------------------------------------------------------------
-    def fit(self) -> None:
-        """Train from scratch (or from `checkpoint.init_from` weights) or from the newest checkpoint up to
-        `train.steps`; save and plot at the end, then print the run summary."""
+    def fit(self) -> str:
+        """Train from scratch (or from `checkpoint.init_from` weights) or from the newest intact checkpoint up to
+        `train.steps`; save and plot at the end, then print the run summary. Returns FINISHED, STOPPED (by a signal,
+        after saving a checkpoint) or UP_TO_DATE (nothing to do)."""
+        try:
+            outcome = self._fit()
+            self.lock.release()
+            # every rank waits for rank 0's last writes (metrics, plot, wandb): a launcher that sees one rank exit
+            # with a non-zero code (3: stopped) terminates the others at once
+            self._barrier()
+            return outcome
+        finally:
+            self.lock.release()
+            shutdown(self.env)
+
+    def _fit(self) -> str:
         cfg = self.cfg
         started = time.perf_counter()
-        resume = resolve_resume(self.run_dir, cfg.checkpoint.resume)
-        if resume is not None:
-            try:
-                state = load_checkpoint(resume, self.model, self.optimizer)
-            except torch.OutOfMemoryError:  # a RuntimeError, but not a mismatch of the model section
-                raise
-            except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
-                cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-                raise TrainingError(f"cannot resume from {resume}: {str(cause).rstrip('.')}. The model section "
-                                    f"must match the checkpointed run's; or start fresh with checkpoint.resume=none "
-                                    f"or another train.run_dir") from e
+        found = checkpoint.resume(self.run_dir, cfg.checkpoint.resume, self.model, self.optimizer,
+                                  checkpoint.fixed_settings(cfg), self._echo)
+        resume = None
+        if found is not None:
+            resume, state = found
             self._load_state(state)
+            if self.step >= cfg.train.steps:
+                self._echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
+                           f"train.steps to continue, or set checkpoint.resume=none to start over)")
+                return UP_TO_DATE
         elif cfg.checkpoint.init_from:
             load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self._barrier()
         writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
@@ -139,13 +188,8 @@ class Trainer:
             writer.echo(legend)
         previous = self._install_signal_handlers()
         profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.env.rank, self.device.type == "cuda")
-        finished = False
         try:
             last_saved = self.step if resume is not None else -1
-            if self.step >= cfg.train.steps:
-                writer.echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
-                            f"train.steps to continue, or set checkpoint.resume=none to start over)")
-                return
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
                 record = self.train_step()
@@ -166,22 +210,21 @@ class Trainer:
                     name = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     writer.echo(f"stopped by {name} after step {self.step}; checkpoint saved in "
                                 f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
-                    return
+                    return STOPPED
             if not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every:
                 self._evaluate_and_log()
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
-            finished = True
         finally:
             profiler.close()
             _restore_signal_handlers(previous)
             writer.close()
             if self.env.is_main and cfg.logging.plot:
                 plot_losses(self.run_dir)
-            shutdown(self.env)
-        if finished and self.env.is_main:
+        if self.env.is_main:
             print(run_summary(self.run_dir, total_steps=cfg.train.steps, sample_prompt=cfg.logging.sample_prompt,
                               wall_s=time.perf_counter() - started), flush=True)
+        return FINISHED
 
     # ----------------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -284,9 +327,17 @@ class Trainer:
                 "val_ppl": math.exp(min(val_loss, 50.0)), "val_targets": int(sums[1])}
 
     def _evaluate_and_log(self) -> None:
-        """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0)."""
+        """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0): a
+        non-finite result stops the run. Then print the samples `logging.samples` asks for."""
         if len(self.val_loader):  # the same on every rank
-            self.writer.log(self.evaluate())
+            record = self.evaluate()
+            self.writer.log(record)
+            if not math.isfinite(record["val_loss"]):
+                raise TrainingError(
+                    f"the evaluation at step {self.step} gave val_loss={record['val_loss']}: the model's outputs on "
+                    f"the held-out split are not finite, so its weights are unusable and no checkpoint of them is "
+                    f"written. Resume from an earlier checkpoint (checkpoint.resume="
+                    f"{self.run_dir / 'checkpoints'}/step-N) with a lower optim.lr or a tighter optim.grad_clip")
         if self.cfg.logging.samples:
             self._print_samples()
 
@@ -300,8 +351,14 @@ class Trainer:
         self.writer.echo(format_samples(texts, self.step, self.cfg.logging))
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),
-                               self.cfg.checkpoint.keep_last_k)
+        return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
+                                          self._trainer_state(), self.cfg.checkpoint.keep_last_k,
+                                          checkpoint.fixed_settings(self.cfg))
+
+    def _echo(self, text: str) -> None:
+        """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
+        if self.env.is_main:
+            print(text, flush=True)
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """What the SIGTERM / SIGINT handler does: finish the current step, save, return from `fit()`."""

@@ -17,10 +17,13 @@ Decisions:
 - After a resume, records past the resumed step are dropped from metrics.jsonl, so the file and the plot show one
   consistent history; so is a line that is not a complete record (torn by a crash mid-write), with a warning.
 - wandb is imported only when `logging.wandb.mode` is not `disabled`; offline runs write under `run_dir/wandb`.
+  `online` needs a login: `check_wandb_login` looks for one before the run builds anything, and a failing
+  `wandb.init` (no network) is a `TrainingError`, not a traceback.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -32,7 +35,8 @@ from typing import Any
 
 import torch
 
-from moela.config import Config, LoggingConfig, to_dict
+from moela.config import Config, LoggingConfig, WandbConfig, to_dict
+from moela.trainer.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +204,16 @@ class MetricsWriter:
         wb = cfg.logging.wandb
         if wb.mode != "disabled":
             import wandb
-            self.wandb_run = wandb.init(
-                mode=wb.mode, project=wb.project, entity=wb.entity, name=wb.name or run_dir.name, tags=wb.tags,
-                dir=str(run_dir), config=to_dict(cfg), resume="allow", id=_wandb_id(run_dir),
-            )
+            try:
+                self.wandb_run = wandb.init(
+                    mode=wb.mode, project=wb.project, entity=wb.entity, name=wb.name or run_dir.name, tags=wb.tags,
+                    dir=str(run_dir), config=to_dict(cfg), resume="allow", id=_wandb_id(run_dir),
+                )
+            except Exception as e:  # wandb raises its own types (CommError, UsageError, ...): all mean "no run"
+                self.close()
+                raise TrainingError(f"wandb could not start a run (logging.wandb.mode={wb.mode}): "
+                                    f"{type(e).__name__}: {e}. Check the network and `wandb login`, or use "
+                                    f"logging.wandb.mode=offline (upload later with `wandb sync`)") from None
 
     def echo(self, text: str) -> None:
         if not self.enabled:
@@ -242,6 +252,25 @@ class MetricsWriter:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def check_wandb_login(cfg: WandbConfig) -> None:
+    """`mode: online` needs wandb credentials (WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc); checked
+    before anything heavy, without the network, so a missing login fails in seconds."""
+    if cfg.mode != "online":
+        return
+    import wandb
+
+    kwargs = {"prompt": False} if "prompt" in inspect.signature(wandb.login).parameters else {}
+    try:
+        logged_in = wandb.login(verify=False, **kwargs)
+    except Exception:  # wandb versions without `prompt` raise UsageError when there is no terminal to ask on
+        logged_in = False
+    if not logged_in:
+        raise TrainingError("logging.wandb.mode=online needs a wandb login, and none is configured (no "
+                            "WANDB_API_KEY, no `wandb login` entry in ~/.netrc). Run `wandb login` or set "
+                            "WANDB_API_KEY; or use logging.wandb.mode=offline and upload later with `wandb sync`, or "
+                            "logging.wandb.mode=disabled")
 
 
 def _wandb_id(run_dir: Path) -> str:

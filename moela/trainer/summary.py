@@ -16,7 +16,7 @@ import math
 import shlex
 from pathlib import Path
 
-from moela.trainer.checkpoint import resolve_resume
+from moela.trainer.checkpoint import resume_candidates
 from moela.trainer.metrics import METRICS_FILE, PLOT_FILE, read_metrics
 
 
@@ -70,7 +70,7 @@ def run_summary(run_dir: str | Path, *, total_steps: int | None = None, sample_p
         final, best = evals[-1], min(evals, key=lambda r: r["val_loss"])
         lines.append(f"  val_loss    final {final['val_loss']:.4f} (ppl {math.exp(min(final['val_loss'], 50)):.2f}) "
                      f"at step {final['step']}; best {best['val_loss']:.4f} at step {best['step']}")
-    checkpoint = resolve_resume(run_dir, "auto")
+    checkpoint = next(iter(resume_candidates(run_dir, "auto")), None)
     lines.append(f"  checkpoint  {checkpoint if checkpoint is not None else 'none saved'}")
     lines.append(f"  metrics     {run_dir / METRICS_FILE}")
     if (run_dir / PLOT_FILE).is_file():
