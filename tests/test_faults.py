@@ -8,14 +8,19 @@ process (a lock holder, a signal) is what is tested.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import random
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moela.config import ConfigError, load_config
 from moela.trainer import Trainer, TrainingError
@@ -85,3 +90,226 @@ def test_a_torn_last_line_of_metrics_jsonl_is_dropped_with_a_warning(tmp_path, c
     writer.close()
     assert "metrics.jsonl: dropped line 3" in caplog.text and "torn" in caplog.text
     assert [(r["kind"], r["step"]) for r in read_metrics(tmp_path)] == [("train", 1), ("train", 2), ("eval", 2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def trained(tmp_path, cache_dir, *extra) -> Path:
+    """A run dir trained for 2 steps with a checkpoint after each (both kept)."""
+    run = tmp_path / "run"
+    code = train.main([str(ROOT / "recipes" / "tiny.yaml"), *overrides(run, cache_dir, "checkpoint.every=1", *extra)])
+    assert code == 0
+    return run
+
+
+def reseal(checkpoint_dir: Path) -> None:
+    """Record every file's current size and sha256 in the manifest, as if it had been saved that way."""
+    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (checkpoint_dir / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def shard(checkpoint_dir: Path) -> Path:
+    (path,) = checkpoint_dir.glob("*.distcp")
+    return path
+
+
+def test_random_bytes_in_a_shard_are_named_and_auto_resume_takes_the_previous_checkpoint(tmp_path, cache_dir,
+                                                                                          capsys):
+    run = trained(tmp_path, cache_dir)
+    capsys.readouterr()
+    damaged = shard(run / "checkpoints" / "step-2")
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = random.Random(0).randbytes(64)  # same size, other bytes
+    damaged.write_bytes(bytes(data))
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))
+    assert code == 0, err
+    assert f"checkpoint {run}/checkpoints/step-2 is corrupt: {damaged.name}: its sha256 differs" in out
+    assert "trying the next newest, step-1" in out and f"resumed from {run}/checkpoints/step-1 at step 1" in out
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(run) if r["kind"] == "train")
+
+
+@pytest.mark.parametrize("victim", [".metadata", "shard", "trainer-rank0.pt"])
+def test_a_truncated_file_is_named_and_not_blamed_on_the_recipe(victim, tmp_path, cache_dir, capsys):
+    run = trained(tmp_path, cache_dir, "checkpoint.keep_last_k=1")
+    capsys.readouterr()
+    step = run / "checkpoints" / "step-2"
+    path = shard(step) if victim == "shard" else step / victim
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
+    for resume in ("auto", step):
+        code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={resume}"))
+        assert code == 1 and "Traceback" not in err
+        assert f"{path.name} has {path.stat().st_size} bytes" in err and "truncated" in err
+        assert "model section" not in err and "optim.lr" not in err
+    assert "no intact checkpoint in" in run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))[2]
+
+
+def test_nan_saved_in_a_checkpoint_is_a_corrupt_checkpoint_not_a_learning_rate_problem(tmp_path, cache_dir, capsys):
+    run = trained(tmp_path, cache_dir)
+    trainer = Trainer(make_cfg(run, cache_dir))  # writes step-2 again, a weight poisoned, with a valid manifest
+    with torch.no_grad():
+        trainer.model.layers[0].attn.wkv_a.weight[3, 5] = float("nan")
+    trainer.step = 2
+    trainer.save()
+    trainer.lock.release()
+    capsys.readouterr()
+    poisoned = run / "checkpoints" / "step-2"
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={poisoned}"))
+    assert code == 1 and "Traceback" not in err
+    assert f"checkpoint {poisoned} is corrupt: 1 tensor holds NaN or inf (model.layers.0.attn.wkv_a.weight)" in err
+    assert "optim.lr" not in err
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))
+    assert code == 0, err
+    assert f"checkpoint {poisoned} is corrupt: 1 tensor holds NaN or inf (model.layers.0.attn.wkv_a.weight)" in out
+    assert f"resumed from {run}/checkpoints/step-1 at step 1" in out
+
+
+def test_non_finite_evaluation_exits_nonzero_and_saves_nothing(tmp_path, cache_dir, capsys, monkeypatch):
+    build = Trainer._build_model
+
+    def nan_in_eval(self):
+        model = build(self)
+        forward = model.forward
+
+        def poisoned(batch, **kw):
+            out = forward(batch, **kw)
+            if not model.training:
+                out.metrics["lm_loss"] = out.metrics["lm_loss"] * float("nan")
+            return out
+
+        model.forward = poisoned
+        return model
+
+    monkeypatch.setattr(Trainer, "_build_model", nan_in_eval)
+    run = tmp_path / "run"
+    code, out, err = run_main(capsys, *overrides(run, cache_dir))
+    assert code == 1 and "Traceback" not in err
+    assert "the evaluation at step 2 gave val_loss=nan" in err and "no checkpoint of them is written" in err
+    assert not (run / "checkpoints").exists()
+    assert math.isnan([r for r in read_metrics(run) if r["kind"] == "eval"][-1]["val_loss"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume with a changed recipe; runs with nothing to do; exit codes
+
+
+def test_a_changed_setting_the_checkpoint_fixes_is_listed_and_exits_2(tmp_path, cache_dir, capsys):
+    run = trained(tmp_path, cache_dir)
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / "config.yaml", run / "metrics.jsonl")}
+    capsys.readouterr()
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=4", "model.rope_theta=20000",
+                                                 "model.num_experts_per_tok=1", "train.seed=7"))
+    assert code == 2 and "Traceback" not in err
+    assert (f"cannot resume from {run}/checkpoints/step-2: the recipe changes settings the checkpointed run "
+            f"fixed:\n  model.num_experts_per_tok: 2 -> 1\n  model.rope_theta: 10000.0 -> 20000.0\n"
+            f"  train.seed: 0 -> 7\n") in err
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / "config.yaml", run / "metrics.jsonl")}
+    assert after == before
+    # what only chooses kernels or weights the objective may change
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", "model.attention_backend=reference",
+                                                 "model.mtp_loss_weight=0.1"))
+    assert code == 0 and f"resumed from {run}/checkpoints/step-2" in out, err
+
+
+def test_a_run_with_nothing_to_do_leaves_the_run_dir_alone(tmp_path, cache_dir, capsys):
+    run = trained(tmp_path, cache_dir)
+    files = [run / "config.yaml", run / "metrics.jsonl", run / "checkpoints" / "latest"]
+    before = [(p.read_bytes(), p.stat().st_mtime_ns) for p in files]
+    capsys.readouterr()
+    code, out, err = run_main(capsys, *overrides(run, cache_dir, "optim.lr=1e-3"))
+    assert code == 0 and "already at train.steps=2; nothing to do" in out
+    assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in files] == before
+
+
+def test_a_stop_by_signal_exits_3_after_saving(tmp_path, cache_dir, capfd, monkeypatch):
+    step = Trainer.train_step
+
+    def signalled(self):
+        record = step(self)
+        if self.step == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return record
+
+    monkeypatch.setattr(Trainer, "train_step", signalled)
+    run = tmp_path / "run"
+    code, out, err = run_main(capfd, *overrides(run, cache_dir, "train.steps=5"))  # capfd: the handler os.write()s
+    assert code == 3 and "stopped by SIGTERM after step 1" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-1"
+    assert "  3    stopped by SIGTERM" in subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"],
+                                                       capture_output=True, text=True).stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run dir: writable, one run at a time
+
+
+def test_a_second_run_on_a_locked_run_dir_is_refused_naming_the_holder(tmp_path, cache_dir, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from moela.trainer.rundir import RunDirLock; "
+                               "lock = RunDirLock(Path(sys.argv[1])); lock.acquire(); print('locked', flush=True); "
+                               "sys.stdin.read()",
+         str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code, out, err = run_main(capsys, *overrides(run, tmp_path / "cache"))
+        assert code == 1 and "Traceback" not in err
+        assert (f"train.run_dir={run} is in use by another training run (pid {holder.pid} on host "
+                f"{socket.gethostname()}, running, started ") in err
+        assert not (tmp_path / "cache").exists()  # refused before the data was read
+    finally:
+        holder.kill()
+        holder.wait()
+    code, out, err = run_main(capsys, *overrides(run, cache_dir))
+    assert code == 0, err
+    assert (f"run dir lock: its last holder (pid {holder.pid} on host {socket.gethostname()}, no longer running, "
+            f"started ") in out and "taking it over" in out
+    assert (run / ".lock").read_text() == ""  # released at the end
+
+
+def _read_only(path: Path) -> bool:
+    """Make directory `path` unwritable (file permissions; for root, the immutable attribute); False if this
+    machine allows neither."""
+    path.chmod(0o555)
+    if os.geteuid() != 0:
+        return True
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("where", ["read-only directory", "below a file"])
+def test_an_unwritable_run_dir_fails_before_the_data_is_read(where, tmp_path, capsys):
+    parent = tmp_path / "parent"
+    if where == "below a file":
+        parent.write_text("not a directory")
+    else:
+        parent.mkdir()
+        if not _read_only(parent):
+            pytest.skip("cannot make a directory read-only for root here (chattr)")
+    try:
+        code, out, err = run_main(capsys, *overrides(parent / "run", tmp_path / "cache"))
+    finally:
+        if where != "below a file":
+            subprocess.run(["chattr", "-i", str(parent)], capture_output=True)
+            parent.chmod(0o755)
+    assert code == 1 and "Traceback" not in err
+    assert f"train.run_dir={parent / 'run'} cannot be written" in err and "train.run_dir=PATH" in err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_wandb_online_without_a_login_fails_before_the_data_is_read(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"),
+                           *overrides(tmp_path / "run", tmp_path / "cache", "logging.wandb.mode=online")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**env, "HOME": str(home), "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "logging.wandb.mode=online needs a wandb login" in proc.stderr and "WANDB_API_KEY" in proc.stderr
+    assert not (tmp_path / "cache").exists()

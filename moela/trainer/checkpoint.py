@@ -23,10 +23,11 @@ Decisions:
   older `step-N` left higher-numbered checkpoints of the abandoned continuation behind), then the other `step-N/`
   from the newest down, and takes the first intact one, saying which it skipped and why; if none is intact it
   stops. An explicit `step-N` path is verified the same way but never replaced by another.
-- The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel choices, the data section but
-  where its cache lives and how micro-batches are assigned to ranks, the seed and the micro-batch budget) are
-  compared with the recipe's before anything is loaded; a change is an `InputError` listing each key, old -> new.
-  Keys only one side knows (added or removed by another moela version) are not compared.
+- The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel choices, loss weights and
+  init scale; the data section but where its cache lives and how micro-batches are assigned to ranks; the seed and
+  the micro-batch budget) are compared with the recipe's before anything is loaded; a change is an `InputError`
+  listing each key, old -> new. Keys only one side knows (added or removed by another moela version) are not
+  compared.
 - Pruning to `keep_last_k` never deletes the checkpoint just written, and deletes the checkpoints of an abandoned
   continuation (steps above the one just written: left behind by a resume from an explicit older `step-N`)
   before the oldest of the run's own history.
@@ -66,8 +67,11 @@ MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 1 << 24
 
-# keys that choose how the same network is computed, or where / how the same data is read: free to change
-_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe")
+# Free to change on resume: how the same network is computed (kernels), the weights of the training objective's
+# terms and the balancing rate (DeepSeek-V3 lowers the MTP weight and stops the bias updates late in training), the
+# init scale (used only at init), and where the same data is cached and how its micro-batches go to ranks.
+_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "bias_update_rate", "aux_loss_coef",
+                    "mtp_loss_weight", "z_loss_coef", "initializer_range")
 _FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
 
 
@@ -303,8 +307,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
             if _nonfinite(v)]
     bad = sorted({name for part in _all_gather(bad) for name in part})
     if bad:
-        raise CorruptCheckpoint(f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} hold NaN or inf ({', '.join(bad[:3])}"
-                                f"{', ...' if len(bad) > 3 else ''}), which no checkpoint of a training run holds")
+        raise CorruptCheckpoint(f"{len(bad)} {'tensors hold' if len(bad) > 1 else 'tensor holds'} NaN or inf "
+                                f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), which no checkpoint of a "
+                                f"training run holds")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     own = path / f"trainer-rank{_rank()}.pt"
     return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
