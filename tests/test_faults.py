@@ -313,3 +313,48 @@ def test_wandb_online_without_a_login_fails_before_the_data_is_read(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "logging.wandb.mode=online needs a wandb login" in proc.stderr and "WANDB_API_KEY" in proc.stderr
     assert not (tmp_path / "cache").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data that is not text, or holds none
+
+
+def data_run(capsys, tmp_path, source, *paths):
+    return run_main(capsys, *overrides(tmp_path / "run", tmp_path / "cache", f"data.source={source}",
+                                       f"data.paths=[{','.join(map(str, paths))}]"))
+
+
+def test_a_binary_file_given_as_text_is_rejected_with_file_and_line(tmp_path, capsys):
+    text = tmp_path / "good.txt"
+    text.write_text("Some lines of text.\n" * 200)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"a header line\n" + random.Random(0).randbytes(4000))
+    code, out, err = data_run(capsys, tmp_path, "text", text, binary)
+    assert code == 2 and "Traceback" not in err
+    assert f"{binary}:2: " in err and "not valid UTF-8" in err and "binary" in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_few_undecodable_bytes_in_text_are_replaced_with_a_warning(tmp_path, capsys, caplog):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes(("Some lines of text.\n" * 300).encode() + "Caf\xe9 au lait\n".encode("latin-1"))
+    code, out, err = data_run(capsys, tmp_path, "text", text, text)
+    assert code == 0, err
+    assert f"{text}:301: 1 byte is not valid UTF-8" in caplog.text
+
+
+def test_invalid_utf8_in_jsonl_names_file_and_line(tmp_path, capsys):
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "one"}\n{"text": "two"}\n{"text": "caf\xe9"}\n')
+    code, out, err = data_run(capsys, tmp_path, "jsonl", path)
+    assert code == 2 and "Traceback" not in err
+    assert f"{path}:3: not valid UTF-8 (byte 0xe9 at column 14)" in err
+
+
+@pytest.mark.parametrize("content", ["", "  \n\n\t\n"])
+def test_empty_input_says_no_text_was_found(content, tmp_path, capsys):
+    path = tmp_path / "empty.txt"
+    path.write_text(content)
+    code, out, err = data_run(capsys, tmp_path, "text", path)
+    assert code == 2 and "Traceback" not in err
+    assert f"no text found in {path}" in err and "val_fraction" not in err

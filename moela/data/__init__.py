@@ -52,6 +52,9 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         source = DocumentSource(source_cfg)
         cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
                                     num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
+        if cache.num_docs == 0:
+            raise ValueError(f"no text found in {source.describe()}: no document holds more than whitespace; "
+                             f"check data.paths (and data.text_field / data.doc_separator)")
         val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
         train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
         train_parts.append(Part(cache, train_docs, weight))

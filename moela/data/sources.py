@@ -7,12 +7,18 @@ everything derived from it is reproducible. The fingerprint of local files is (p
 content, so a cache check costs nothing; editing a file changes its mtime and therefore the cache key. Empty
 documents (only whitespace) are skipped. A hub dataset is identified by name, config, split and revision: pin
 `hf_revision` if the dataset may change upstream.
+
+Input must be UTF-8. A jsonl line that is not is an error naming file and line (JSON has no other encoding). A text
+file may hold a few undecodable bytes (a stray Latin-1 character): they become U+FFFD with a warning; when more than
+MAX_REPLACED_SHARE of its characters would be replaced it is not text in UTF-8 (a binary file, or another
+encoding) and is refused, naming the line of the first bad byte.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +27,9 @@ from .config import SourceConfig, expand_path
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus" / "shakespeare.jsonl"
 HINT_MAX_BYTES = 1 << 30  # count jsonl lines for the progress bar's total only below this size
+MAX_REPLACED_SHARE = 0.01  # a text file with more undecodable characters than this share is not UTF-8 text
+
+log = logging.getLogger(__name__)
 
 
 class DocumentSource:
@@ -37,6 +46,15 @@ class DocumentSource:
                 raise FileNotFoundError(f"data.paths: {missing} match no file; check the paths or glob patterns")
             if cfg.source != "hf" and not self.files:
                 raise ValueError(f"data.paths: source '{cfg.source}' needs at least one file")
+
+    def describe(self) -> str:
+        """Where the documents come from, for messages."""
+        if self.cfg.source == "bundled":
+            return f"the bundled corpus {self.files[0]}"
+        if self.cfg.source == "hf" and not self.files:
+            return f"dataset {self.cfg.hf_name!r} (config {self.cfg.hf_config}, split {self.cfg.hf_split})"
+        more = f" and {len(self.files) - 3} more files" if len(self.files) > 3 else ""
+        return ", ".join(self.files[:3]) + more
 
     def fingerprint(self) -> dict:
         c = self.cfg
@@ -89,10 +107,16 @@ def _count_lines(path: str) -> int:
 
 
 def _jsonl_texts(path: str, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}); JSON lines must be UTF-8: convert the file, e.g. with "
+                                 f"iconv -f latin1 -t utf-8") from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -106,9 +130,27 @@ def _jsonl_texts(path: str, field: str) -> Iterator[str]:
             yield text
 
 
+def _decode_text(path: str, data: bytes) -> str:
+    """`data` as UTF-8; a few undecodable bytes become U+FFFD with a warning, many are an error (see above)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+    text = data.decode("utf-8", errors="replace")
+    replaced = text.count("\ufffd")
+    if replaced > MAX_REPLACED_SHARE * len(text):
+        raise ValueError(f"{path}:{line}: {replaced} of {len(text)} characters ({replaced / len(text):.0%}) are not "
+                         f"valid UTF-8 (the first on this line): this is a binary file or text in another encoding, "
+                         f"not UTF-8 text. Remove it from data.paths, or convert it to UTF-8 (e.g. iconv -f latin1 "
+                         f"-t utf-8)")
+    log.warning("%s:%d: %d %s not valid UTF-8 (the first on this line); replaced by U+FFFD", path, line, replaced,
+                "byte is" if replaced == 1 else "bytes are")
+    return text
+
+
 def _text_docs(path: str, separator: str | None) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        text = _decode_text(path, f.read())
     if separator is None:
         yield text
     else:
