@@ -23,8 +23,12 @@ import pytest
 import torch
 
 from moela.config import ConfigError, load_config
-from moela.trainer import Trainer, TrainingError
+from moela.model import build_model
+from moela.parallel import ParallelConfig, apply_parallelism, build_mesh
+from moela.trainer import Trainer
+from moela.trainer import checkpoint as ckpt
 from moela.trainer.metrics import MetricsWriter, read_metrics
+from parallel_harness import random_batches, spawn, tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -251,11 +255,10 @@ def test_a_stop_by_signal_exits_3_after_saving(tmp_path, cache_dir, capfd, monke
 def test_a_second_run_on_a_locked_run_dir_is_refused_naming_the_holder(tmp_path, cache_dir, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from moela.trainer.rundir import RunDirLock; "
-                               "lock = RunDirLock(Path(sys.argv[1])); lock.acquire(); print('locked', flush=True); "
-                               "sys.stdin.read()",
-         str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    script = ("import sys; from pathlib import Path; from moela.trainer.rundir import RunDirLock; "
+              "lock = RunDirLock(Path(sys.argv[1])); lock.acquire(); print('locked', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline() == "locked\n"
         code, out, err = run_main(capsys, *overrides(run, tmp_path / "cache"))
@@ -358,3 +361,39 @@ def test_empty_input_says_no_text_was_found(content, tmp_path, capsys):
     code, out, err = data_run(capsys, tmp_path, "text", path)
     assert code == 2 and "Traceback" not in err
     assert f"no text found in {path}" in err and "val_fraction" not in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Several ranks: every file of every rank in the manifest, verification shared out and agreed on
+
+
+def _two_rank_checkpoints(rank: int, world_size: int, run_dir: str) -> None:
+    torch.manual_seed(0)
+    pcfg = ParallelConfig(ep=2)
+    model = apply_parallelism(build_model(tiny_moe_config(), "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(random_batches(world_size, seed=3)[rank]).loss.backward()
+    opt.step()
+    for step in (1, 2):
+        ckpt.save_checkpoint(run_dir, step, model, opt, {"step": step, "rank": rank}, keep_last_k=2,
+                             settings={"train.seed": 0})
+    path = Path(run_dir) / "checkpoints" / "step-2"
+    files = sorted(ckpt.read_manifest(path)["files"])
+    assert {".metadata", "trainer-rank0.pt", "trainer-rank1.pt"} < set(files)
+    assert len([f for f in files if f.endswith(".distcp")]) == 2
+    assert ckpt.verify_checkpoint(path) is None
+    torch.distributed.barrier()
+    victim = files[1]  # hashed by rank 1; both ranks must report it
+    if rank == 0:
+        (path / victim).write_bytes(b"\0" * (path / victim).stat().st_size)
+    torch.distributed.barrier()
+    assert ckpt.verify_checkpoint(path).startswith(f"{victim}: its sha256 differs")
+    echoed = []
+    found, state = ckpt.resume(run_dir, "auto", model, opt, {"train.seed": 0}, echoed.append)
+    assert found.name == "step-1" and state == {"step": 1, "rank": rank}
+    assert echoed == [f"checkpoint {path} is corrupt: {victim}: its sha256 differs from the one recorded when it "
+                      f"was written (its bytes were changed); trying the next newest, step-1"]
+
+
+def test_checkpoints_of_two_ranks_are_verified_together(tmp_path):
+    spawn(_two_rank_checkpoints, 2, str(tmp_path))
