@@ -3,6 +3,7 @@ and import(export(model)) is the same model."""
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,142 @@ def test_deepseek_v3_published_config_json(tmp_path):
     from moela.model import count_params
     total, active = count_params(cfg, include_mtp=False)
     assert 670e9 < total < 672e9 and 36.5e9 < active < 38e9
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json as others write it: every optional YaRN key present or absent, the family's model_types, shards
+
+
+def _rope(c: dict) -> dict:
+    return c["rope_scaling"]
+
+
+def _drop(*keys):
+    def edit(c):
+        for key in keys:
+            del _rope(c)[key]
+    return edit
+
+
+def _set(**values):
+    return lambda c: _rope(c).update(values)
+
+
+def _rope_parameters_form(c: dict) -> None:
+    """transformers >= 5 writes `rope_parameters` with `rope_type` and its own `rope_theta` (which wins)."""
+    rope = c.pop("rope_scaling")
+    del rope["type"]
+    c["rope_parameters"] = {**rope, "rope_theta": 2500.0}
+
+
+def _top_level_original(c: dict) -> None:
+    c["original_max_position_embeddings"] = 32  # a top-level key wins over rope_scaling's (transformers' rule)
+
+
+# each edit turns the base config.json (YaRN factor 4 over 8 positions, mscale 1, mscale_all_dim 0.7) into another
+# that transformers reads differently
+YARN_EDITS = {
+    "no_mscale_keys": _drop("mscale", "mscale_all_dim"),  # no softmax rescaling; cos/sin by 0.1 ln(factor) + 1
+    "mscale_only": _drop("mscale_all_dim"),
+    "mscale_all_dim_only": _drop("mscale"),
+    "attention_factor": _set(attention_factor=1.7),
+    "betas": _set(beta_fast=1.0, beta_slow=0.25),
+    "betas_zero_mean_default": _set(beta_fast=0, beta_slow=0, original_max_position_embeddings=32),
+    "no_truncate": _set(truncate=False),
+    "no_original_max_position_embeddings": _drop("original_max_position_embeddings"),
+    "top_level_original_max_position_embeddings": _top_level_original,
+    "factor_from_lengths": lambda c: (_drop("mscale_all_dim")(c), _set(factor=None)(c)),
+    "rope_parameters": _rope_parameters_form,
+}
+# RoPE over 16 dims with a low base and weights large enough for attention to be sharp: each edit moves the logits
+YARN_BASE = dict(q_lora_rank=None, first_k_dense_replace=1, num_nextn_predict_layers=0, qk_rope_head_dim=16,
+                 rope_theta=500.0, max_position_embeddings=128, initializer_range=0.1,
+                 rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                                          mscale_all_dim=0.7))
+
+
+def _exported(tmp_path, edit=None, **cfg_kw) -> tuple[Path, dict]:
+    model = _model(_tiny(**{**YARN_BASE, **cfg_kw}))
+    export_hf(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    if edit is not None:
+        edit(config)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path, config
+
+
+def _transformers_logits(path, batch) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.eval()
+    with torch.no_grad():
+        return hf(input_ids=batch.input_ids[None]).logits[0]
+
+
+@pytest.mark.parametrize("name", list(YARN_EDITS))
+def test_optional_yarn_keys_follow_transformers(name, tmp_path):
+    seed = zlib.crc32(name.encode())
+    torch.manual_seed(seed)
+    base, _ = _exported(tmp_path / "base")
+    torch.manual_seed(seed)  # the same weights
+    edited, config = _exported(tmp_path / "edited", YARN_EDITS[name])
+    batch = _batch(211, [100])  # positions well past original_max_position_embeddings
+    theirs = _transformers_logits(edited, batch)
+    assert (theirs - _transformers_logits(base, batch)).abs().max() > 1e-3  # the edit matters to transformers
+    with torch.no_grad():
+        ours = import_hf(edited)(batch, return_logits=True).logits
+    assert (theirs - ours).abs().max().item() < 1e-4
+
+
+def test_the_deepseek_v3_family_imports_and_other_model_types_are_refused(tmp_path):
+    """sarvam_mla is the model_type transformers also maps to DeepseekV3ForCausalLM; its config.json may use its
+    legacy names (num_experts, num_shared_experts, rope type deepseek_yarn, a head_dim for vLLM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from moela.model.hf import MODEL_TYPES
+
+    family = {t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == "DeepseekV3ForCausalLM"}
+    assert family <= set(MODEL_TYPES) and "deepseek_v3" in family
+    assert all(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t, "DeepseekV3ForCausalLM") == "DeepseekV3ForCausalLM"
+               for t in MODEL_TYPES)
+
+    def sarvam(c):
+        c["model_type"] = "sarvam_mla"
+        c["num_experts"], c["num_shared_experts"] = c.pop("n_routed_experts"), c.pop("n_shared_experts")
+        _rope(c)["type"] = _rope(c)["rope_type"] = "deepseek_yarn"
+        c["head_dim"] = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+
+    path, _ = _exported(tmp_path / "sarvam", sarvam, n_shared_experts=2)
+    batch = _batch(211, [30])
+    with torch.no_grad():
+        ours = import_hf(path)(batch, return_logits=True).logits
+    assert (_transformers_logits(path, batch) - ours).abs().max().item() < 1e-4
+    for other in ("llama", "deepseek_v2", "deepseek_v32", None):
+        config = json.loads((path / "config.json").read_text())
+        config["model_type"] = other
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"model_type {other!r} is not a DeepSeek-V3 architecture"):
+            load_hf_config(path)
+
+
+def test_a_sharded_checkpoint_loads_through_its_index_and_names_missing_shards(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(3)
+    model = _model(_tiny(**CONFIGS["qlora_groups_mtp1"]))
+    export_hf(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"stray": torch.zeros(1)}, str(tmp_path / "other.safetensors"))  # not in the index: not read
+    back = import_hf(tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k]), k
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors.index.json names 1 shard that is missing: "
+                                                "model-00002-of-00002.safetensors"):
+        import_hf(tmp_path)

@@ -51,6 +51,8 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     rs = cfg.rope_scaling
     if rs is None:
         return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
     if rs.mscale and rs.mscale_all_dim:
         return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
     return yarn_mscale(rs.factor)

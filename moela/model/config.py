@@ -31,7 +31,9 @@ BACKEND_NAMES: dict[str, tuple[str, ...]] = {"attention_backend": ATTENTION_BACK
 
 @dataclass
 class RopeScaling:
-    """YaRN context extension (HF `rope_scaling` with `type: yarn`)."""
+    """YaRN context extension (HF `rope_scaling` with `type: yarn`), with transformers' meaning for every key: 0 for
+    `mscale` or `mscale_all_dim` means absent (no softmax rescaling without `mscale_all_dim`; cos / sin scaled by
+    0.1 ln(factor) + 1 unless both are set or `attention_factor` is)."""
 
     type: Literal["yarn"] = "yarn"
     factor: float = 40.0
@@ -40,6 +42,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    attention_factor: float | None = None  # the cos / sin scale; null: from factor, mscale and mscale_all_dim
+    truncate: bool = True  # round the correction range to whole dimensions (floor / ceil), as YaRN does
 
 
 @dataclass

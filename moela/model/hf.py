@@ -12,6 +12,15 @@ Decisions:
   of `overrides` or the dataclass defaults.
 - DeepSeek's routing keys (`scoring_func: sigmoid`, `topk_method: noaux_tc`) are written for other readers and
   checked on import: softmax-routed checkpoints (DeepSeek-V2) are refused rather than silently misread.
+- Import reads config.json as transformers does (its `DeepseekV3Config` and `_compute_yarn_parameters`): the
+  `model_type`s it builds as `DeepseekV3ForCausalLM` (`MODEL_TYPES`, with their configs' alias key names) and no
+  other; YaRN keys that are absent take transformers' defaults, not moela's: no `mscale` / `mscale_all_dim` means
+  no softmax rescaling and a cos / sin scale of 0.1 ln(factor) + 1, a missing or 0 `beta_fast` / `beta_slow` is
+  32 / 1, a null `factor` is max_position_embeddings / original_max_position_embeddings, which itself defaults to
+  max_position_embeddings and is overridden by a top-level key of that name; `rope_parameters`' own `rope_theta`
+  wins over the top-level one.
+- Weights: the files `model.safetensors.index.json` names (a missing one is an error naming it), else every
+  `*.safetensors` in the folder.
 - HF names appear only in this file.
 
 Shapes: E routed experts, F expert width, D hidden.
@@ -20,7 +29,6 @@ Shapes: E routed experts, F expert width, D hidden.
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -39,6 +47,16 @@ HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_s
 # keys a config.json may omit, with the value moela assumes then
 _OPTIONAL = {"q_lora_rank": None, "tie_word_embeddings": False, "num_nextn_predict_layers": 0,
              "initializer_range": 0.02, "rms_norm_eps": 1e-6, "rope_theta": None, "max_position_embeddings": 4096}
+
+# model_type -> {alias: our key}: the types transformers maps to DeepseekV3ForCausalLM (models/auto/modeling_auto.py)
+# and the other names their configs' `attribute_map` accepts for our keys
+MODEL_TYPES = {
+    "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "sarvam_mla": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers",
+                   "num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
+}
+_YARN_TYPES = {"deepseek_v3": ("yarn",), "sarvam_mla": ("yarn", "deepseek_yarn")}
+INDEX_FILE = "model.safetensors.index.json"
 
 _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
          "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
@@ -59,12 +77,43 @@ def to_hf_config(cfg: ModelConfig) -> dict:
         "type": "yarn", "rope_type": "yarn", "factor": rs.factor,
         "original_max_position_embeddings": rs.original_max_position_embeddings, "beta_fast": rs.beta_fast,
         "beta_slow": rs.beta_slow, "mscale": rs.mscale, "mscale_all_dim": rs.mscale_all_dim}
+    if rs is not None and rs.attention_factor is not None:
+        out["rope_scaling"]["attention_factor"] = rs.attention_factor
+    if rs is not None and not rs.truncate:
+        out["rope_scaling"]["truncate"] = False
     return out
+
+
+def _rope_from_hf(hf: dict, model_type: str, where: str) -> tuple[RopeScaling | None, float | None]:
+    """(YaRN settings or None, rope_theta or None) from config.json, with transformers' defaults."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None, theta
+    if kind not in _YARN_TYPES[model_type]:
+        raise ValueError(f"{where}: rope type {kind!r} is not supported; use yarn or none")
+    max_len = hf.get("max_position_embeddings", _OPTIONAL["max_position_embeddings"])
+    original = hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or max_len
+    factor = rope.get("factor")
+    scaling = RopeScaling(
+        factor=max_len / original if factor is None else factor, original_max_position_embeddings=original,
+        beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+        mscale=rope.get("mscale") or 0.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
+        attention_factor=rope.get("attention_factor"), truncate=bool(rope.get("truncate", True)))
+    return scaling, theta
 
 
 def from_hf_config(hf: dict, **overrides) -> ModelConfig:
     """ModelConfig from a deepseek_v3 config.json dict (legacy `rope_scaling` or newer `rope_parameters`)."""
     where = "HF config.json"
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a DeepSeek-V3 architecture; moela imports "
+                         f"{' and '.join(MODEL_TYPES)} (the model types transformers builds as "
+                         f"DeepseekV3ForCausalLM)")
+    aliases = MODEL_TYPES[model_type]
+    hf = {**{aliases[k]: v for k, v in hf.items() if k in aliases}, **{k: v for k, v in hf.items() if k not in aliases}}
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ValueError(f"{where}: scoring_func={hf.get('scoring_func')!r} / topk_method="
                          f"{hf.get('topk_method')!r} is not DeepSeek-V3 routing (sigmoid, noaux_tc); moela "
@@ -76,17 +125,9 @@ def from_hf_config(hf: dict, **overrides) -> ModelConfig:
     if missing:
         raise ValueError(f"{where}: missing keys {missing}; a deepseek_v3 config.json names every shape key")
     kw = {k: hf.get(k, _OPTIONAL.get(k)) for k in HF_KEYS}
+    kw["rope_scaling"], kw["rope_theta"] = _rope_from_hf(hf, model_type, where)
     if kw["rope_theta"] is None:
         kw.pop("rope_theta")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if "rope_theta" not in hf and "rope_theta" in rope:
-        kw["rope_theta"] = rope["rope_theta"]
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "yarn":
-        names = {f.name for f in fields(RopeScaling)} - {"type"}
-        kw["rope_scaling"] = RopeScaling(**{k: rope[k] for k in names if rope.get(k) is not None})
-    elif kind != "default":
-        raise ValueError(f"{where}: rope type {kind!r} is not supported; use yarn or none")
     cfg = ModelConfig(**{**kw, **overrides})
     errors = cfg.validate()
     if errors:
@@ -232,12 +273,32 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
     return from_hf_config(json.loads(file.read_text()), **overrides)
 
 
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF folder: those its shard index names (all must exist), else every one."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (a JSON object with a weight_map of tensor name -> "
+                         f"file): {e!r}") from None
+    missing = [f for f in files if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: {INDEX_FILE} names {len(missing)} "
+                                f"{'shards that are' if len(missing) > 1 else 'shard that is'} missing: "
+                                f"{', '.join(missing)}; download the whole checkpoint (e.g. huggingface-cli "
+                                f"download REPO --local-dir {path})")
+    return [path / f for f in files]
+
+
 def import_hf(path: str | Path, device: torch.device | str = "cpu", **overrides) -> Transformer:
-    """Build a moela model from an HF deepseek_v3 folder. With weights (model.safetensors, or sharded
-    model-*.safetensors) they are loaded; with a config.json alone the model is freshly initialized."""
+    """Build a moela model from an HF deepseek_v3 folder. With weights (model.safetensors, or the shards its
+    model.safetensors.index.json names) they are loaded; with a config.json alone the model is freshly
+    initialized."""
     cfg = load_hf_config(path, **overrides)
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    files = _weight_files(path) if path.is_dir() else []
     if files and "quantization_config" in json.loads((path / "config.json").read_text()):
         raise ValueError(f"{path}: the checkpoint is quantized (config.json has quantization_config); dequantize "
                          f"it to bf16/fp32 first, or import its config.json alone")

@@ -129,7 +129,7 @@ class Transformer(nn.Module):
             return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
         return yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, factor=rs.factor,
                              original_max_position_embeddings=rs.original_max_position_embeddings,
-                             beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+                             beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
 
     def moe_layers(self) -> list[MoE]:
         """MoE FFNs in `expert_load` row order: main layers, then MTP blocks."""

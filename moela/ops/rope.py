@@ -9,7 +9,7 @@ Decisions:
   `attention_factor`; 1.0 for DeepSeek's configs where mscale == mscale_all_dim).
 - `yarn_inv_freq` follows the YaRN paper as DeepSeek and HF implement it: per-dimension blend between
   interpolated (freq / factor) and original frequencies, with a linear ramp between the correction dims found from
-  beta_fast / beta_slow rotations, floored / ceiled.
+  beta_fast / beta_slow rotations, floored / ceiled unless `truncate` is off.
 - Backends: `reference`, `compiled` (the reference through TorchInductor, CUDA, see `moela.ops.compiled`).
 
 Shapes: T tokens, H heads, R rotary dim (even).
@@ -29,7 +29,7 @@ DISPATCH = Dispatch("rope", ROPE_BACKENDS)
 
 
 def yarn_inv_freq(dim: int, theta: float, *, factor: float | None = None, original_max_position_embeddings: int = 0,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+                  beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True) -> torch.Tensor:
     """Inverse frequencies [dim/2] float32 on the CPU: plain RoPE when `factor` is None, else YaRN-blended."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [R/2]
     if factor is None:
@@ -38,8 +38,10 @@ def yarn_inv_freq(dim: int, theta: float, *, factor: float | None = None, origin
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [R/2]
