@@ -90,7 +90,8 @@ def test_continuation_from_an_older_checkpoint_is_what_auto_resumes(tmp_path):
         ckpt.save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep_last_k=3)
     ckpt.save_checkpoint(tmp_path, 3, model, opt, {"step": 3}, keep_last_k=3)  # continued from step-2
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3, 6]  # 4 went first, then 6 would
-    assert preferred(tmp_path, "auto").name == "step-3"
+    # the latest save, its history, then the abandoned continuation (what a damaged newest one falls back to)
+    assert [p.name for p in ckpt.resume_candidates(tmp_path, "auto")] == ["step-3", "step-2", "step-6"]
     ckpt.save_checkpoint(tmp_path, 4, model, opt, {"step": 4}, keep_last_k=2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]  # the abandoned step-6 before step-2
     (tmp_path / "checkpoints" / "latest").unlink()  # without the pointer, auto still finds this run's newest

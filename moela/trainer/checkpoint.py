@@ -20,9 +20,10 @@ Decisions:
   skipped). Hashing reads every file once more; at the ~1 GB/s of sha256 that is seconds per rank for models that
   take minutes to save.
 - `resume: auto` tries the checkpoint `latest` names (the newest save, even when a run resumed from an explicit
-  older `step-N` left higher-numbered checkpoints of the abandoned continuation behind), then the other `step-N/`
-  from the newest down, and takes the first intact one, saying which it skipped and why; if none is intact it
-  stops. An explicit `step-N` path is verified the same way but never replaced by another.
+  older `step-N` left higher-numbered checkpoints of the abandoned continuation behind), then the older ones from
+  the newest down, then those of an abandoned continuation, and takes the first intact one, saying which it
+  skipped and why; if none is intact it stops. An explicit `step-N` path is verified the same way but never
+  replaced by another.
 - The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel choices, loss weights and
   init scale; the data section but where its cache lives and how micro-batches are assigned to ranks; the seed and
   the micro-batch budget) are compared with the recipe's before anything is loaded; a change is an `InputError`
@@ -114,13 +115,14 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     if resume == "none":
         return []
     if resume == "auto":
-        newest_first = [path for _, path in reversed(list_checkpoints(run_dir))]
+        found = list_checkpoints(run_dir)
         pointer = checkpoints_root(run_dir) / LATEST
         named = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
-        if named in newest_first:
-            newest_first.remove(named)
-            newest_first.insert(0, named)
-        return newest_first
+        latest = next((step for step, path in found if path == named), None)
+        if latest is None:
+            return [path for _, path in reversed(found)]
+        own = [path for step, path in reversed(found) if step <= latest]  # the latest, then its history
+        return own + [path for step, path in reversed(found) if step > latest]
     path = Path(resume)
     if not is_complete(path):
         raise InputError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (expected a step-N "
