@@ -22,24 +22,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from factories import random_batches, tiny_config, tiny_overrides
 from moela.config import ConfigError, load_config
 from moela.model import build_model
 from moela.parallel import ParallelConfig, apply_parallelism, build_mesh
 from moela.trainer import Trainer
 from moela.trainer import checkpoint as ckpt
 from moela.trainer.metrics import MetricsWriter, read_metrics
-from parallel_harness import random_batches, spawn, tiny_moe_config
+from parallel_harness import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 
 TINY = [
-    "model.vocab_size=4096", "model.hidden_size=32", "model.num_hidden_layers=2", "model.first_k_dense_replace=1",
-    "model.n_routed_experts=4", "model.n_group=2", "model.topk_group=1", "model.num_experts_per_tok=2",
-    "model.num_attention_heads=2", "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.intermediate_size=48", "model.moe_intermediate_size=16",
-    "model.num_nextn_predict_layers=1", "data.max_doc_len=64", "data.val_max_tokens=256",
+    *tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16),
+    "data.max_doc_len=64", "data.val_max_tokens=256",
     "train.tokens_per_microbatch=128", "train.cpu_threads=1", "train.eval_every=0", "schedule.warmup_steps=1",
     "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false", "logging.progress_bar=never",
 ]
@@ -370,7 +368,7 @@ def test_empty_input_says_no_text_was_found(content, tmp_path, capsys):
 def _two_rank_checkpoints(rank: int, world_size: int, run_dir: str) -> None:
     torch.manual_seed(0)
     pcfg = ParallelConfig(ep=2)
-    model = apply_parallelism(build_model(tiny_moe_config(), "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
+    model = apply_parallelism(build_model(tiny_config(), "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(random_batches(world_size, seed=3)[rank]).loss.backward()
     opt.step()
