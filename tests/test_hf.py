@@ -30,7 +30,7 @@ CONFIGS = {
 
 
 def _tiny(**kw):
-    return tiny_config(max_position_embeddings=64, **kw)
+    return tiny_config(**{"max_position_embeddings": 64, **kw})
 
 
 def _model(cfg):
@@ -225,7 +225,7 @@ def test_optional_yarn_keys_follow_transformers(name, tmp_path):
     base, _ = _exported(tmp_path / "base")
     torch.manual_seed(seed)  # the same weights
     edited, config = _exported(tmp_path / "edited", YARN_EDITS[name])
-    batch = packed_batch(211, [100], seed=4)  # positions well past original_max_position_embeddings
+    batch = packed_batch(_tiny().vocab_size, [100], seed=4)  # positions well past original_max_position_embeddings
     theirs = _transformers_logits(edited, batch)
     assert (theirs - _transformers_logits(base, batch)).abs().max() > 1e-3  # the edit matters to transformers
     with torch.no_grad():
@@ -252,7 +252,7 @@ def test_the_deepseek_v3_family_imports_and_other_model_types_are_refused(tmp_pa
         c["head_dim"] = c["kv_lora_rank"] + c["qk_rope_head_dim"]
 
     path, _ = _exported(tmp_path / "sarvam", sarvam, n_shared_experts=2)
-    batch = packed_batch(211, [30], seed=5)
+    batch = packed_batch(_tiny().vocab_size, [30], seed=5)
     with torch.no_grad():
         ours = import_hf(path)(batch, return_logits=True).logits
     assert (_transformers_logits(path, batch) - ours).abs().max().item() < 1e-4
