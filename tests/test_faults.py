@@ -395,3 +395,13 @@ def _two_rank_checkpoints(rank: int, world_size: int, run_dir: str) -> None:
 
 def test_checkpoints_of_two_ranks_are_verified_together(tmp_path):
     spawn(_two_rank_checkpoints, 2, str(tmp_path))
+
+
+def test_init_from_a_damaged_checkpoint_names_the_file(tmp_path, cache_dir, capsys):
+    source = trained(tmp_path, cache_dir) / "checkpoints" / "step-2"
+    damaged = shard(source)
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    capsys.readouterr()
+    code, out, err = run_main(capsys, *overrides(tmp_path / "fine-tune", cache_dir, f"checkpoint.init_from={source}"))
+    assert code == 1 and "Traceback" not in err
+    assert f"checkpoint.init_from: {source} is corrupt: {damaged.name} has" in err and "truncated" in err

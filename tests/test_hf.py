@@ -11,6 +11,7 @@ import torch
 from factories import packed_batch, tiny_config
 from moela.model import RopeScaling, build_model
 from moela.model.hf import export_hf, import_hf, load_hf_config
+from moela.model.hf_folder import read_hf_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,7 +283,9 @@ def test_a_sharded_checkpoint_loads_through_its_index_and_names_missing_shards(t
     back = import_hf(tmp_path)
     for k, v in model.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
+    assert read_hf_weights(tmp_path, model.cfg).keys() == model.state_dict().keys()  # `moela import`, init_from
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model.safetensors.index.json names 1 shard that is missing: "
-                                                "model-00002-of-00002.safetensors"):
-        import_hf(tmp_path)
+    for load in (import_hf, lambda path: read_hf_weights(path, model.cfg)):
+        with pytest.raises(FileNotFoundError, match="model.safetensors.index.json names 1 shard that is missing: "
+                                                    "model-00002-of-00002.safetensors"):
+            load(tmp_path)

@@ -273,7 +273,7 @@ def load_hf_config(path: str | Path, **overrides) -> ModelConfig:
     return from_hf_config(json.loads(file.read_text()), **overrides)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files of an HF folder: those its shard index names (all must exist), else every one."""
     index = path / INDEX_FILE
     if not index.is_file():
@@ -298,7 +298,7 @@ def import_hf(path: str | Path, device: torch.device | str = "cpu", **overrides)
     initialized."""
     cfg = load_hf_config(path, **overrides)
     path = Path(path)
-    files = _weight_files(path) if path.is_dir() else []
+    files = weight_files(path) if path.is_dir() else []
     if files and "quantization_config" in json.loads((path / "config.json").read_text()):
         raise ValueError(f"{path}: the checkpoint is quantized (config.json has quantization_config); dequantize "
                          f"it to bf16/fp32 first, or import its config.json alone")

@@ -1,8 +1,9 @@
 """The weights of a Hugging Face `deepseek_v3` folder as moela tensors, read one safetensors tensor at a time.
 
-`hf.from_hf_state_dict` needs a mapping of HF names to tensors; `SafetensorsFolder` is that mapping over every
-`*.safetensors` file of a folder, loading a tensor only when it is looked up, so converting a folder holds the
-converted model once (plus one layer's per-expert tensors while they are stacked) rather than the HF copy as well.
+`hf.from_hf_state_dict` needs a mapping of HF names to tensors; `SafetensorsFolder` is that mapping over the
+folder's weight files (`hf.weight_files`: those its `model.safetensors.index.json` names, else every
+`*.safetensors`), loading a tensor only when it is looked up, so converting a folder holds the converted model once
+(plus one layer's per-expert tensors while they are stacked) rather than the HF copy as well.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from moela.model.config import ModelConfig
-from moela.model.hf import HF_KEYS, from_hf_state_dict
+from moela.model.hf import HF_KEYS, from_hf_state_dict, weight_files
 
 
 class SafetensorsFolder(Mapping):
@@ -23,7 +24,7 @@ class SafetensorsFolder(Mapping):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.files = sorted(self.path.glob("*.safetensors"))
+        self.files = weight_files(self.path)
         if not self.files:
             raise FileNotFoundError(f"{self.path}: no *.safetensors weight files; export or download the model's "
                                     f"weights into this folder")

@@ -8,8 +8,9 @@ interrupted fine-tuning run never goes back to the initial weights.
 
 Decisions: every rank reads the full tensors and keeps its shard (`set_model_state_dict` with full state dicts), so
 any layout (FSDP2, expert parallelism) starts from the same weights; a DCP checkpoint is read in its saved layout
-by `dcp.load` as a resume would. A folder whose config.json disagrees with the recipe's model section is refused,
-naming the keys that differ.
+by `dcp.load` as a resume would, after checking its files against its manifest when it has one (a training
+checkpoint; weights-only folders from `python -m moela import` have none). A folder whose config.json disagrees
+with the recipe's model section is refused, naming the keys that differ.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from moela.model import ModelConfig
 from moela.model.hf import load_hf_config
 from moela.model.hf_folder import config_differences, read_hf_weights
+from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
 from moela.trainer.errors import TrainingError
 
 HF_PREFIX = "hf:"
@@ -57,6 +59,9 @@ def _load_dcp(model: nn.Module, path: Path) -> None:
     if not (path / ".metadata").is_file():
         raise TrainingError(f"checkpoint.init_from: {path} is not a checkpoint folder (no .metadata); give a "
                             f"step-N folder, or hf:PATH for a Hugging Face folder")
+    problem = verify_checkpoint(path) if (path / MANIFEST).is_file() else None
+    if problem is not None:
+        raise TrainingError(f"checkpoint.init_from: {path} is corrupt: {problem}; start from another checkpoint")
     state = get_model_state_dict(model)
     try:
         with warnings.catch_warnings():  # DCP's "assuming a single process" warning: that is the intent
