@@ -24,11 +24,11 @@ Decisions:
   the newest down, then those of an abandoned continuation, and takes the first intact one, saying which it
   skipped and why; if none is intact it stops. An explicit `step-N` path is verified the same way but never
   replaced by another.
-- The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel choices, loss weights and
-  init scale; the data section but where its cache lives and how micro-batches are assigned to ranks; the seed and
-  the micro-batch budget) are compared with the recipe's before anything is loaded; a change is an `InputError`
-  listing each key, old -> new. Keys only one side knows (added or removed by another moela version) are not
-  compared.
+- The settings a checkpoint fixes (`fixed_settings`: the model section but its kernel and precision choices, loss
+  weights and init scale; the data section but where its cache lives and how micro-batches are assigned to ranks;
+  the seed and the micro-batch budget) are compared with the recipe's before anything is loaded; a change is an
+  `InputError` listing each key, old -> new. Keys only one side knows (added or removed by another moela version)
+  are not compared.
 - Pruning to `keep_last_k` never deletes the checkpoint just written, and deletes the checkpoints of an abandoned
   continuation (steps above the one just written: left behind by a resume from an explicit older `step-N`)
   before the oldest of the run's own history.
@@ -68,11 +68,11 @@ MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 1 << 24
 
-# Free to change on resume: how the same network is computed (kernels), the weights of the training objective's
+# Free to change on resume: how the same network is computed (kernels, FP8 or bf16), the weights of the objective's
 # terms and the balancing rate (DeepSeek-V3 lowers the MTP weight and stops the bias updates late in training), the
 # init scale (used only at init), and where the same data is cached and how its micro-batches go to ranks.
-_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "bias_update_rate", "aux_loss_coef",
-                    "mtp_loss_weight", "z_loss_coef", "initializer_range")
+_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "precision", "bias_update_rate",
+                    "aux_loss_coef", "mtp_loss_weight", "z_loss_coef", "initializer_range")
 _FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
 
 
