@@ -11,6 +11,7 @@ import io
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from moela.model.hf import to_hf_state_dict
 from moela.tools.cli import main
 from moela.tools.evaluate import token_byte_lengths
 from moela.tools.export import export_checkpoint
-from moela.tools.runs import find_checkpoint, load_model, load_run_config, load_run_tokenizer
+from moela.tools.runs import UsageError, find_checkpoint, load_model, load_run_config, load_run_tokenizer
 from moela.trainer import Trainer
 from parallel_harness import spawn
 
@@ -82,6 +83,25 @@ def test_run_prints_the_loss_legend_lm_loss_samples_and_ends_with_the_summary(tr
     assert any(line.strip() == f"checkpoint  {run_dir / 'checkpoints' / 'step-12'}" for line in summary)
     assert summary[-1].strip() == f"python -m moela export {run_dir} {run_dir / 'hf'}"
     assert lines[-1] == summary[-1]  # nothing (e.g. matplotlib) after the summary
+
+
+def test_commands_verify_checkpoints_and_fall_back_to_an_intact_one(trained, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained[0], run_dir)
+    newest = run_dir / "checkpoints" / "step-12"
+    shutil.copytree(newest, run_dir / "checkpoints" / "step-6")  # an older, intact checkpoint
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside a saved tensor
+    shard.write_bytes(bytes(data))
+    chosen = find_checkpoint(run_dir)  # chosen by default: falls back, saying why
+    assert chosen.step == 6
+    assert f"{shard.name}: its sha256 differs" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=shard.name):  # named by the user: an error naming the damaged file
+        find_checkpoint(newest)
+    with pytest.raises(UsageError, match="damaged"):
+        find_checkpoint(run_dir, 12)
+    assert main(["generate", str(newest), "--max-new-tokens", "2"]) == 2
 
 
 def test_summary_command_prints_the_same_summary(trained, capsys):

@@ -5,7 +5,9 @@ A run directory (`train.run_dir`) holds `config.yaml` and `checkpoints/step-N/`;
 `model.*` entries are the global (unsharded) tensors whatever layout saved them, so one process reads them with
 `dcp.load` into a plain model. Commands accept the run directory (newest checkpoint, or `--step N`) or a
 `step-N` folder itself. Weights-only checkpoints (written by `python -m moela import`) have no trainer files and
-are found the same way.
+are found the same way. A training checkpoint's files are checked against its manifest (sizes and sha256, as a
+resume checks them) before they are read: a damaged one named by the user is an error naming the damaged file; the
+newest checkpoint, chosen by default, falls back to the newest intact one and says so on stderr.
 
 Every mistake a user can make here raises `UsageError` with the fix; the CLI turns it into exit code 2.
 """
@@ -13,6 +15,7 @@ Every mistake a user can make here raises `UsageError` with the fix; the CLI tur
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moela.config import Config, ConfigError, load_config
 from moela.data.tokenizer import Tokenizer, load_tokenizer
 from moela.model import ModelConfig, Transformer, build_model
+from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -58,9 +62,9 @@ def list_model_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_checkpoint(target: str | Path, step: int | None = None) -> RunCheckpoint:
-    """The checkpoint to use: `target` is a run directory (its newest checkpoint, or step `step`) or a checkpoint
-    folder."""
+def _locate_checkpoint(target: str | Path, step: int | None) -> tuple[RunCheckpoint, list[tuple[int, Path]]]:
+    """The checkpoint `target` names (a run directory: its newest checkpoint, or step `step`; or a checkpoint
+    folder), and the run's other checkpoints to fall back on when it was chosen by default (oldest first)."""
     path = Path(target)
     if not path.exists():
         raise UsageError(f"{target}: no such directory; pass a run directory (the recipe's train.run_dir, e.g. "
@@ -71,7 +75,7 @@ def find_checkpoint(target: str | Path, step: int | None = None) -> RunCheckpoin
                              f"choose a step, or drop --step")
         run_dir = path.parent.parent if path.parent.name == CHECKPOINTS else path.parent
         match = _STEP_DIR.match(path.name)
-        return RunCheckpoint(run_dir, path, int(match.group(1)) if match else None)
+        return RunCheckpoint(run_dir, path, int(match.group(1)) if match else None), []
     found = list_model_checkpoints(path)
     if not found:
         if not (path / CONFIG_FILE).is_file():
@@ -84,14 +88,38 @@ def find_checkpoint(target: str | Path, step: int | None = None) -> RunCheckpoin
         if step not in steps:
             raise UsageError(f"--step {step}: {path / CHECKPOINTS} has no step-{step}; available steps: "
                              f"{', '.join(map(str, steps))}")
-        return RunCheckpoint(path, dict(found)[step], step)
+        return RunCheckpoint(path, dict(found)[step], step), []
     pointer = path / CHECKPOINTS / LATEST
     if pointer.is_file():
         match = _STEP_DIR.match(pointer.read_text().strip())
         if match and int(match.group(1)) in steps:
             latest = int(match.group(1))
-            return RunCheckpoint(path, dict(found)[latest], latest)
-    return RunCheckpoint(path, found[-1][1], found[-1][0])
+            return RunCheckpoint(path, dict(found)[latest], latest), [f for f in found if f[0] != latest]
+    return RunCheckpoint(path, found[-1][1], found[-1][0]), found[:-1]
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with a training checkpoint's files, or None (also for weights-only folders, which have no
+    manifest)."""
+    return verify_checkpoint(path) if (path / MANIFEST).is_file() else None
+
+
+def find_checkpoint(target: str | Path, step: int | None = None) -> RunCheckpoint:
+    """The checkpoint to use: `target` is a run directory (its newest intact checkpoint, or step `step`) or a
+    checkpoint folder; its files are verified against its manifest first."""
+    chosen, others = _locate_checkpoint(target, step)
+    problem = _damage(chosen.path)
+    if problem is None:
+        return chosen
+    if not others:
+        raise UsageError(f"{chosen.path} is damaged: {problem}; use another checkpoint (--step N) or retrain")
+    for older_step, older in reversed(others):
+        if _damage(older) is None:
+            print(f"warning: {chosen.path} is damaged ({problem}); using the newest intact checkpoint, {older}",
+                  file=sys.stderr)
+            return RunCheckpoint(chosen.run_dir, older, older_step)
+    raise UsageError(f"{chosen.path} is damaged ({problem}) and no other checkpoint of {chosen.run_dir} is "
+                     f"intact; retrain, or resume training to write a new one")
 
 
 def load_run_config(run_dir: str | Path) -> Config:
