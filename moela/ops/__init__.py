@@ -1,5 +1,7 @@
-"""Fast ops, one public function per op family; each module holds the pure-torch reference first, then kernels.
+"""Fast ops, one public function per op, its pure-torch reference first, then its kernels.
 
-`ops` imports nothing else from moela. Backend choice is per call (`backend="auto" | "reference" | ...`), see
-`moela.ops.dispatch`.
+Small ops are one module each (norm, rope, swiglu, loss, linear_cross_entropy); attention and the MoE expert path
+are packages (`moela.ops.attention`, `moela.ops.moe`) whose `__init__` exports the public function. `ops` imports
+nothing else from moela. Backend choice is per call (`backend="auto" | "reference" | ...`): the names are in
+`moela.ops.backends`, the choice in `moela.ops.dispatch`.
 """
