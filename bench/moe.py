@@ -107,7 +107,7 @@ def out_of_time():
 
 
 def e4m3(v, inv):
-    """The recipe's codes: v * inv (inv = (1 / amax) * 448), clamped, cast to e4m3 (moela.ops.quant)."""
+    """The recipe's codes: v * inv (inv = (1 / amax) * 448), clamped, cast to e4m3 (moela.ops.moe.quant)."""
     return (v * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
