@@ -14,13 +14,14 @@ from moela.ops.moe.layout import Layout
 @triton.jit
 def _combine_kernel(o_ptr, row_map_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
                     WEIGHTED: tl.constexpr):
-    """y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED)."""
+    """y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED); empty slots (row -1) add nothing."""
     t, pd = tl.program_id(0), tl.program_id(1)
     c = pd * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for kk in tl.static_range(K):
         row = tl.load(row_map_ptr + t * K + kk).to(tl.int64)
-        v = tl.load(o_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
+        v = tl.load(o_ptr + tl.maximum(row, 0) * D + c, mask=c < D, other=0.0).to(tl.float32)
+        v = tl.where(row >= 0, v, 0.0)
         if WEIGHTED:
             v = v * tl.load(w_ptr + t * K + kk).to(tl.float32)
         acc += v
@@ -86,5 +87,6 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
         _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
                                   **LAUNCH["combine_bwd"])
         rowwise, colwise = do, None
-    dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
+    rows = layout.row_map.long()  # [T*K], -1 on empty slots (their weight gets no gradient)
+    dw = torch.where(rows >= 0, part.sum(1)[rows.clamp_min(0)], 0.0).view(layout.num_tokens, layout.topk)  # [T, K]
     return rowwise, colwise, dw

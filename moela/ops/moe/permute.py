@@ -40,7 +40,8 @@ def _permute_kernel(x_ptr, ids_ptr, row_map_ptr, lrow_ptr, rank_ptr, prefix_ptr,
     rows; p in [T+E, T+2E+1): 128 rows each of the tail after the last expert; with DATA zero them.
     PLACE (the layout is being built): token p's rows come from the counting kernels (its expert's padded start +
     ids of that expert in earlier chunks + its rank in its chunk) and the c = 0 programs write row_map, m_indices
-    and src (-1 on padding rows), program (0, 0) the offsets; otherwise rows come from row_map (lrow_ptr)."""
+    and src (-1 on padding rows), program (0, 0) the offsets; otherwise rows come from row_map (lrow_ptr). A
+    negative expert id is an empty slot: it gets no row (row_map -1) and its data is not written."""
     pid = tl.program_id(0)
     first = tl.program_id(1) == 0
     c0 = tl.program_id(1) * BLOCK_D
@@ -57,14 +58,15 @@ def _permute_kernel(x_ptr, ids_ptr, row_map_ptr, lrow_ptr, rank_ptr, prefix_ptr,
     if pid < T:
         if PLACE:
             kk = tl.arange(0, K_PAD)
-            kok = kk < K
             i = pid * K + kk  # flat (token, k) indices
-            ids = tl.load(ids_ptr + i, mask=kok, other=0).to(tl.int32)
+            ids = tl.load(ids_ptr + i, mask=kk < K, other=-1).to(tl.int32)
+            kok = (kk < K) & (ids >= 0)  # a negative id is an empty slot: no row
             block = tl.sum(tl.where(ex[None, :] == ids[:, None], starts[None, :], 0), axis=1)  # [K]
             rows = block + tl.load(prefix_ptr + ids * C + i // CH, mask=kok, other=0) + \
                 tl.load(rank_ptr + i, mask=kok, other=0)
+            rows = tl.where(kok, rows, -1)
             if first:
-                tl.store(row_map_ptr + i, rows, mask=kok)
+                tl.store(row_map_ptr + i, rows, mask=kk < K)
                 tl.store(m_idx_ptr + rows, ids, mask=kok)
                 tl.store(src_ptr + rows, i, mask=kok)
         if DATA:
@@ -80,11 +82,12 @@ def _permute_kernel(x_ptr, ids_ptr, row_map_ptr, lrow_ptr, rank_ptr, prefix_ptr,
                     row = tl.sum(tl.where(kk == k_, rows, 0), axis=0).to(tl.int64)
                 else:
                     row = tl.load(lrow_ptr + pid * K + k_).to(tl.int64)
-                if QUANT:
-                    tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
-                    tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
-                else:
-                    tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
+                if row >= 0:  # not an empty slot
+                    if QUANT:
+                        tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
+                        tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
+                    else:
+                        tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
     else:
         p = pid - T
         if p < E:
