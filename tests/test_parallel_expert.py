@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moela.ops.moe import moe_experts_reference
 from moela.parallel.config import ParallelConfig
@@ -160,6 +161,75 @@ def _check_autocast_dispatch(rank: int, world_size: int) -> None:
         torch.testing.assert_close(y.float(), y32, rtol=3e-2, atol=3e-2)
 
 
+# ops whose result the host must read (a device-to-host copy and a wait on CUDA): scalar reads, data-dependent shapes
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+              "unique_consecutive", "bincount", "histc", "is_nonzero", "equal"}
+
+
+class _HostReads(TorchDispatchMode):
+    """Records every op that reads device values on the host; `allowed` marks the host-integer agreement."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.allowed = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        data_dependent = name in HOST_READS or (name == "repeat_interleave" and kwargs.get("output_size") is None) \
+            or (name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]))
+        if data_dependent and not self.allowed:
+            self.reads.append(name)
+        return func(*args, **kwargs)
+
+
+def dense_experts(x, ids, weights, w13, w2, *, recipe="bf16", backend="auto"):
+    """moe_experts without data-dependent shapes (empty slots masked), to isolate the EP module's own host reads."""
+    mine = ids >= 0
+    h = torch.einsum("tkfd,td->tkf", w13[ids.clamp_min(0)], x)  # [T, K, 2F]
+    f = w2.shape[2]
+    out = torch.einsum("tkdf,tkf->tkd", w2[ids.clamp_min(0)], F.silu(h[..., :f]) * h[..., f:])  # [T, K, D]
+    return (out * torch.where(mine, weights, 0.0)[..., None].to(out.dtype)).sum(1)  # [T, D]
+
+
+def _check_no_host_reads(rank: int, world_size: int) -> None:
+    """The gather dispatch reads no device value on the host in forward or backward (the token count agreement
+    exchanges host integers over gloo); the alltoall dispatch does (its split sizes), which shows the check bites."""
+    import moela.parallel.expert_parallel as epm
+
+    tokens, ids, weights, x, w13, w2, shared, grad_y = make_problem(world_size, "random")
+    lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
+    mesh = build_mesh(ParallelConfig(ep=world_size), world_size, "cpu")
+    plain_op, plain_agree, plain_tolist = epm.moe_experts, epm.agree_max, torch.Tensor.tolist
+    found = {}
+    for dispatch, chunks in DISPATCHES:
+        ep = ep_module(mesh, w13, w2, rank, dispatch=dispatch, chunks=chunks)
+        mode = _HostReads()
+
+        def agree(value, group, mode=mode):
+            mode.allowed = True
+            try:
+                return plain_agree(value, group)
+            finally:
+                mode.allowed = False
+
+        def tolist(t, mode=mode):
+            mode.reads.append("tolist")
+            return plain_tolist(t)
+
+        epm.moe_experts, epm.agree_max, torch.Tensor.tolist = dense_experts, agree, tolist
+        try:
+            xr = x[lo:hi].float().requires_grad_()
+            with mode:
+                y = ep(xr, ids[lo:hi], weights[lo:hi].float(), shared=lambda v: v @ shared.float())
+                y.backward(grad_y[lo:hi].float())
+        finally:
+            epm.moe_experts, epm.agree_max, torch.Tensor.tolist = plain_op, plain_agree, plain_tolist
+        found[(dispatch, chunks)] = mode.reads
+    assert found[("gather", 1)] == [] and found[("gather", 2)] == [], found
+    assert "tolist" in found[("alltoall", 1)], found
+
+
 def _run_all(rank: int, world_size: int) -> None:
     for routing in ROUTINGS:
         _check_routing(rank, world_size, routing)
@@ -167,6 +237,7 @@ def _run_all(rank: int, world_size: int) -> None:
     if world_size == 2:
         _check_fp8_and_load(rank, world_size)
         _check_autocast_dispatch(rank, world_size)
+        _check_no_host_reads(rank, world_size)
     dist.barrier()
 
 
