@@ -261,3 +261,39 @@ class _FakeMesh:
 
     def size(self):
         return self.n
+
+
+def _gpu_no_sync(rank: int, world_size: int) -> None:
+    """On CUDA with NCCL and the fast expert kernels (bf16): after a warm-up call, the gather dispatch's forward and
+    backward run under torch.cuda.set_sync_debug_mode("error") (any host sync raises), and match the reference
+    backend to bf16 precision."""
+    g = torch.Generator().manual_seed(7)
+    e, d, ff, k, t = 8, 256, 128, 4, 1000 + 24 * rank  # unequal token counts: the padding agreement runs
+    dev = torch.device("cuda", rank)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)  # [T, K]
+    weights = torch.rand(t, k, generator=g).to(dev)  # [T, K]
+    x = torch.randn(t, d, generator=g).to(dev, torch.bfloat16)  # [T, D]
+    mesh = build_mesh(ParallelConfig(ep=world_size), world_size, "cuda")
+    out = {}
+    for backend in ("reference", "auto"):
+        torch.manual_seed(0)
+        ep = ExpertParallelExperts(e, d, ff, mesh["ep"], backend=backend, dispatch="gather", chunks=2, device=dev)
+        ep.init_weights(0.05)
+        shared = torch.nn.Linear(d, d, device=dev, dtype=torch.bfloat16)
+        for i in range(2):  # the second call runs with sync checking on (the first may autotune and compile)
+            xr = x.clone().requires_grad_()
+            torch.cuda.set_sync_debug_mode("error" if i and backend == "auto" else "default")
+            try:
+                y = ep(xr, ids, weights, shared=shared)
+                y.float().square().sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        out[backend] = (y.float(), xr.grad.float(), ep.w13.grad.to_local().float())
+    for got, want in zip(out["auto"], out["reference"]):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gather_dispatch_has_no_host_sync_on_two_gpus():
+    spawn(_gpu_no_sync, 2, backend="nccl")

@@ -17,6 +17,8 @@ Decisions:
   host values only, so it never waits for the device; expert parallelism uses it to pad every rank's tokens to
   one count (collectives need equal sizes) without reading anything back from the GPU. `host_group` gives the
   gloo twin of a device group (the group itself when it is already gloo).
+- Each collective is launched inside a profiler range (`PROFILE_PREFIX` + kind), which a profile attributes its
+  NCCL kernels to.
 
 Shapes: T rows of this rank, ep ranks of the group, R rows received.
 """
@@ -25,6 +27,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
+
+# every expert-parallel collective is launched inside a profiler range named PROFILE_PREFIX + kind, so a profile
+# can tell its kernels from FSDP's (bench/scaling.py's `ep` share)
+PROFILE_PREFIX = "moela.ep."
 
 # torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -46,11 +53,12 @@ def _issue(kind: str, x: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     [T, ...]) of dim 0; returns (output buffer, work)."""
     ep = dist.get_world_size(group)
     x = x.contiguous()
-    if kind == "gather":
-        out = x.new_empty((ep * x.shape[0],) + tuple(x.shape[1:]))
-        return out, _all_gather_single(out, x, group=group, async_op=True)
-    out = x.new_empty((x.shape[0] // ep,) + tuple(x.shape[1:]))
-    return out, _reduce_scatter_single(out, x, group=group, async_op=True)
+    with record_function(f"{PROFILE_PREFIX}{kind}"):
+        if kind == "gather":
+            out = x.new_empty((ep * x.shape[0],) + tuple(x.shape[1:]))
+            return out, _all_gather_single(out, x, group=group, async_op=True)
+        out = x.new_empty((x.shape[0] // ep,) + tuple(x.shape[1:]))
+        return out, _reduce_scatter_single(out, x, group=group, async_op=True)
 
 
 _BACKWARD = {"gather": "scatter", "scatter": "gather"}
@@ -111,14 +119,16 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))  # [R, D]
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with record_function(f"{PROFILE_PREFIX}all_to_all"):
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        with record_function(f"{PROFILE_PREFIX}all_to_all"):
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 

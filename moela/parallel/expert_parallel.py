@@ -62,9 +62,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.profiler import record_function
 
 from moela.ops.moe import autocast_input, moe_experts, tokens_per_expert
-from moela.parallel.ep_comm import agree_max, all_to_all, finish, gather_start, host_group, scatter_start
+from moela.parallel.ep_comm import (
+    PROFILE_PREFIX,
+    agree_max,
+    all_to_all,
+    finish,
+    gather_start,
+    host_group,
+    scatter_start,
+)
 
 DISPATCHES = ("auto", "gather", "alltoall")
 PAD_TO = 256  # padded token counts are multiples of this: few distinct shapes, and two chunks of 128-row blocks
@@ -212,7 +221,8 @@ class ExpertParallelExperts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # [T*K] pair index, sorted by expert
         counts = tokens_per_expert(flat_ids, self.num_experts)  # [E] pairs per global expert
         recv_counts = torch.empty_like(counts)  # [ep * E_local] pairs from each source rank for each local expert
-        dist.all_to_all_single(recv_counts, counts, group=group)
+        with record_function(f"{PROFILE_PREFIX}counts"):
+            dist.all_to_all_single(recv_counts, counts, group=group)
         counts_host = torch.stack([counts, recv_counts]).view(2, ep, e_local).sum(2).tolist()  # the host sync
         in_splits, out_splits = counts_host[0], counts_host[1]
 
