@@ -56,9 +56,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.scaling_report import render, write_current  # noqa: E402
+from bench.scaling_report import write_outputs  # noqa: E402
 from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
@@ -134,7 +135,7 @@ def ep_collective_us(prof) -> float:
     total = 0.0
     for event in prof.events():
         if event.name.startswith(PROFILE_PREFIX):
-            total += getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+            total += event.device_time_total
     return total
 
 
@@ -212,7 +213,7 @@ def run_layout(args, layout: str, world: int, device) -> dict:
                mem_gib=float(stats[0]), loss1=float(loss1[0]), gnorm1=float(first_norm),
                **{f"share_{k}": float(summed[2 + j]) / world for j, k in enumerate(SHARES)},
                busy=float(summed[-1]) / world, ep_dispatch=cfg.parallel.ep_dispatch, ep_chunks=cfg.parallel.ep_chunks,
-               gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+               gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, triton=triton.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     del model, opt
     if cuda:
@@ -250,23 +251,17 @@ def main() -> None:
     link = link_bandwidth(world, device)
     if link and dist.get_rank() == 0:
         print("link (NCCL bus bandwidth, GB/s):", json.dumps(link), flush=True)
-    rows = []
+    path = Path(args.jsonl)
     for layout in args.layout or [""]:
         row = run_layout(args, layout, world, device)
         row["link"] = link
-        rows.append(row)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # appended at once: a run cut short by a time limit keeps its finished rows
             print(json.dumps(row), flush=True)
-    if dist.get_rank() == 0:
-        path = Path(args.jsonl)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for row in rows:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-        all_rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        Path(args.out).write_text(render(all_rows))
-        write_current(all_rows, Path(args.json))
-        print(render(all_rows), flush=True)
+    if dist.get_rank() == 0:
+        print(write_outputs(path, Path(args.out), Path(args.json)), flush=True)
     dist.destroy_process_group()
 
 

@@ -18,10 +18,14 @@ SHARES = ("a2a", "AG", "RS", "AR", "ep")
 
 
 def _name(row: dict) -> str:
-    """The layout name; rows written before names existed are named from their world size and overrides."""
+    """The layout name; rows written before names existed (FSDP2 with `ep=N` and other parallel overrides) are
+    named the same way from their overrides."""
     if "name" in row:
         return row["name"]
-    return "1gpu" if row["world"] == 1 else f"fsdp2 {row['layout']}"
+    items = [i for i in row["layout"].split(",") if i and i != "default"]
+    ep = next((int(i.split("=")[1]) for i in items if i.startswith("ep=")), 1)
+    name = "1gpu" if row["world"] == 1 else "fsdp2" + (f"+ep{ep}" if ep > 1 else "")
+    return " ".join([name] + [i for i in items if not i.startswith("ep=")])
 
 
 def _shape(row: dict) -> tuple:
@@ -29,7 +33,7 @@ def _shape(row: dict) -> tuple:
 
 
 def _is_baseline(row: dict) -> bool:
-    return row["world"] == 1 and _name(row) in ("1gpu", "1gpu ep=1")
+    return row["world"] == 1 and _name(row) == "1gpu"
 
 
 def current_rows(rows: list[dict]) -> list[dict]:
@@ -79,9 +83,14 @@ def json_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def write_current(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_rows(rows), indent=1) + "\n")
+def write_outputs(jsonl: Path, markdown: Path, current: Path) -> str:
+    """Rebuild the markdown table and the current-rows JSON from every row of `jsonl`; returns the markdown."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    text = render(rows)
+    for path, content in ((markdown, text), (current, json.dumps(json_rows(rows), indent=1) + "\n")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    return text
 
 
 def _pct(value) -> str:
@@ -89,14 +98,12 @@ def _pct(value) -> str:
 
 
 def render(rows: list[dict]) -> str:
-    import triton
-
     last = rows[-1]
     lines = [
         "# Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism",
         "",
-        f"Latest run: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {triton.__version__}. The latest "
-        "row per layout, GPU count and shape (all runs: scaling.jsonl; machine-readable: scaling.json). One "
+        f"Latest run: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {last.get('triton', '-')}. The "
+        "latest row per layout, GPU count and shape (all runs: scaling.jsonl; machine-readable: scaling.json). One "
         "micro-batch per data rank per step, synthetic documents of the doc column's length; bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
@@ -130,3 +137,11 @@ def render(rows: list[dict]) -> str:
     if checks:
         lines += [""] + checks
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4:
+        raise SystemExit("usage: python bench/scaling_report.py ROWS.jsonl TABLE.md CURRENT.json")
+    print(write_outputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])), end="")
