@@ -21,7 +21,8 @@ class ParallelConfig:
     ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
     # how tokens reach their experts (moela.parallel.expert_parallel): gather = all-gather + reduce-scatter, no host
     # sync, static shapes; alltoall = exact-size all-to-all, one host sync per MoE layer; auto = gather when
-    # ep <= top-k (it then moves no more bytes than the exact all-to-all), else alltoall
+    # ep <= top-k (it then moves no more bytes than the exact all-to-all) and its static expert layout fits the
+    # kernels' int32 offsets, else alltoall
     ep_dispatch: Literal["auto", "gather", "alltoall"] = "auto"
     ep_chunks: int = 1  # 2: pipeline the expert GEMMs of one half of the tokens with the other half's collectives
     # FSDP2 over dp_shard * cp. false is accepted only where there is nothing to shard (dp_shard * cp = 1), and

@@ -6,7 +6,8 @@ experts. Its params `w13 [E, 2F, D]` and `w2 [E, D, F]` are DTensors sharded on 
 `[E_local, 2F, D]` / `[E_local, D, F]`), so state dicts and DCP checkpoints see the global expert tensors and
 convert between layouts. Rank r owns experts [r*E_local, (r+1)*E_local).
 
-Two dispatches (`parallel.ep_dispatch`; `auto` takes `gather` when ep <= K, else `alltoall`):
+Two dispatches (`parallel.ep_dispatch`; `auto` takes `gather` when ep <= K and its static bound fits the expert
+kernels' int32 offsets, else `alltoall`):
 
 - `gather`: no host sync, static shapes, dropless by construction. A token needs at most one copy of its hidden
   state on each rank, so with a static bound per destination the tightest dropless buffer is all T tokens for
@@ -175,41 +176,46 @@ class ExpertParallelExperts(nn.Module):
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         return w13, w2
 
-    def uses_gather(self, topk: int) -> bool:
-        return self.dispatch == "gather" or (self.dispatch == "auto" and self.ep_mesh.size() <= topk)
+    def gather_fits(self, padded: int, topk: int) -> bool:
+        """Whether `auto` gathers P = `padded` tokens per rank: ep <= K (no more bytes than the exact exchange),
+        and the expert layout's static bound (ep*P*K rows, as moela.ops.moe bounds it) within its int32 offsets."""
+        ep = self.ep_mesh.size()
+        rows = ep * padded * topk + self.num_local * 128
+        return ep <= topk and rows * max(self.w13.shape[1], self.w13.shape[2]) < 2**31
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Routed experts' output for x [T, D] (in moe_experts' dtype), plus `shared(x)` when given."""
-        if self.uses_gather(topk_ids.shape[1]):
-            return self._forward_gather(x, topk_ids, topk_weights, shared)
+        if self.dispatch != "alltoall":
+            # P: the largest token count of the group rounded up, the same on every rank (host integers only)
+            padded = -(-agree_max(topk_ids.shape[0], self.cpu_group) // PAD_TO) * PAD_TO
+            if self.dispatch == "gather" or self.gather_fits(padded, topk_ids.shape[1]):
+                return self._forward_gather(x, topk_ids, topk_weights, shared, padded)
         y = self._forward_alltoall(x, topk_ids, topk_weights)
         return y if shared is None else y + shared(x)
 
-    def _forward_gather(self, x, topk_ids, topk_weights, shared):
+    def _forward_gather(self, x, topk_ids, topk_weights, shared, padded):
         t, k = topk_ids.shape
         group = self.ep_mesh.get_group()
-        padded = -(-agree_max(t, self.cpu_group) // PAD_TO) * PAD_TO  # P: the same on every rank of the group
         lo = self.ep_mesh.get_local_rank() * self.num_local
         w13, w2 = self._weights()
         rows = F.pad(autocast_input(x), (0, 0, 0, padded - t))  # [P, D] zero rows past T
         # ids ride in fp32 beside the weights (exact below 2^24): one gather; padding rows get id -1, weight 0
         meta = torch.cat([F.pad(topk_ids.float(), (0, 0, 0, padded - t), value=-1.0),
                           F.pad(topk_weights.float(), (0, 0, 0, padded - t))], 1)  # [P, 2K]
-        size = padded // self.chunks
-        started = [(gather_start(rows[c * size:(c + 1) * size], group), gather_start(meta[c * size:(c + 1) * size],
-                                                                                    group))
-                   for c in range(self.chunks)]
+        gathers = [(gather_start(x_c, group), gather_start(m_c, group))  # every chunk's gathers issued at once
+                   for x_c, m_c in zip(rows.chunk(self.chunks), meta.chunk(self.chunks))]
         extra = shared(x) if shared is not None else None  # runs while the gathers are in flight
-        partial = []
-        for (xg, hx), (mg, hm) in started:
-            xg, mg = finish(xg, hx), finish(mg, hm)  # [ep*P/chunks, D], [ep*P/chunks, 2K]
+        scatters = []
+        for (xg, hx), (mg, hm) in gathers:  # chunk c's experts run while chunk c+1 gathers and chunk c-1 scatters
+            xg, mg = finish(xg, hx), finish(mg, hm)  # [R, D], [R, 2K]: R = ep*P/chunks
             ids = mg[:, :k].long() - lo  # [R, K] local expert ids
             mine = (ids >= 0) & (ids < self.num_local)
             y_part = moe_experts(xg, torch.where(mine, ids, -1), torch.where(mine, mg[:, k:], 0.0), w13, w2,
                                  recipe=self.recipe, backend=self.backend)  # [R, D] this rank's experts' share
-            partial.append(scatter_start(_in_graph(y_part, xg, mg, w13, w2), group))
-        y = torch.cat([finish(out, handle) for out, handle in partial])[:t]  # [T, D]
+            scatters.append(scatter_start(_in_graph(y_part, xg, mg, w13, w2), group))
+        done = [finish(out, handle) for out, handle in scatters]  # [P/chunks, D] each
+        y = (done[0] if len(done) == 1 else torch.cat(done))[:t]  # [T, D]
         return y if extra is None else y + extra
 
     def _forward_alltoall(self, x, topk_ids, topk_weights):
