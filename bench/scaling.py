@@ -140,7 +140,7 @@ def ep_collective_us(prof) -> float:
 
 
 def run_layout(args, layout: str, world: int, device) -> dict:
-    overrides = parse_layout(layout) + list(args.set)
+    overrides = list(args.set) + parse_layout(layout)  # a layout's own overrides win over --set
     cfg = load_config(args.recipe, overrides)
     mesh = build_mesh(cfg.parallel, world, device.type)
     cuda = device.type == "cuda"
@@ -227,7 +227,8 @@ def main() -> None:
     parser.add_argument("--layout", action="append", default=None,
                         help="overrides, comma separated (repeatable); bare keys are parallel.*, e.g. "
                              "ep=2,activation_checkpointing=full or cp=2,train.tokens_per_microbatch=131072")
-    parser.add_argument("--set", action="append", default=[], help="recipe overrides for every layout")
+    parser.add_argument("--set", action="append", default=[],
+                        help="recipe overrides for every layout (a layout's own overrides take precedence)")
     parser.add_argument("--doc-len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
