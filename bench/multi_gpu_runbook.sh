@@ -2,15 +2,16 @@
 # The multi-GPU measurements in one unattended command (10 minutes at most), on a machine with 2 or 4 GPUs:
 #   1. bench/scaling.py on 1 GPU: the weak-scaling baseline at 64k tokens, and a 32k-token row that the CP=2
 #      check compares with (same data and weights);
-#   2. the sync-free expert-parallel GPU test (tests/test_parallel_expert.py, NCCL, sync debug mode "error");
-#   3. bench/scaling.py on 2 GPUs: FSDP2, FSDP2 + EP=2 (gather dispatch, and the all-to-all dispatch it replaces),
+#   2. bench/scaling.py on 2 GPUs: FSDP2, FSDP2 + EP=2 (gather dispatch, and the all-to-all dispatch it replaces),
 #      the CP=2 check, HSDP, EP=2 with two pipelined chunks, CP=2 at 64k tokens per GPU, two blocks per FSDP unit;
-#   4. with 4 GPUs: FSDP2, EP=4, EP=2, HSDP 2x2, EP=4 chunked, EP=4 all-to-all, CP=2 x DP=2, two blocks per unit;
-#   5. train.py recipes/multi_gpu.yaml for 200 steps on all GPUs (4, or 2), profiled at steps 150-152: its curve,
-#      evaluations and step-time line (bench/run_summary.py).
-# On a 4-GPU machine stage 1 (GPU 3) runs beside stage 3 (GPUs 0-1) and stage 2 (GPUs 2-3) after stage 1.
-# Every stage has a time limit inside the total budget; a stage cut short keeps what it finished (scaling rows are
-# appended as they are measured) and the next stage starts.
+#   3. with 4 GPUs: FSDP2, EP=4, EP=2, HSDP 2x2, EP=4 chunked, EP=4 all-to-all, CP=2 x DP=2, two blocks per unit;
+#   4. train.py recipes/multi_gpu.yaml for 200 steps on all GPUs (4, or 2), profiled at steps 150-152: its curve,
+#      evaluations and step-time line (bench/run_summary.py);
+#   5. with the time left (>= 40 s): the sync-free expert-parallel GPU test (tests/test_parallel_expert.py, NCCL,
+#      sync debug mode "error").
+# On a 4-GPU machine stage 1 (GPU 3) runs beside stage 2 (GPUs 0-1). Every stage has a time limit inside the total
+# budget; a stage cut short keeps what it finished (scaling rows are appended as they are measured) and the next
+# stage starts. RUNBOOK_STAGES=scaling (or train,tests) runs a subset, e.g. to split the set over two commands.
 #
 #   bench/multi_gpu_runbook.sh OUT_DIR          on the GPU machine; then copy OUT_DIR/scaling.{jsonl,md,json}
 #                                               into bench/results/ and OUT_DIR/multi_gpu_run.md beside them
@@ -71,7 +72,7 @@ stage() {
     local name=$1 limit=$(( $2 * SLOW )) reserve=$(( $3 * SLOW )) devices=$4; shift 4
     local t=$(( $(left) - reserve ))
     (( t > limit )) && t=$limit
-    if (( t < 20 )); then
+    if (( t < 40 )); then
         echo "$(date -u +%T) $name: skipped, ${t}s left" >> "$OUT/timeline.txt"
         return 0
     fi
@@ -96,25 +97,32 @@ FOUR=(ep=1 ep=4 ep=2 dp_replicate=2,ep=1 ep=4,ep_chunks=2 ep=4,ep_dispatch=allto
       "cp=2,ep=2,train.tokens_per_microbatch=$T_BIG" ep=4,fsdp_unit_blocks=2)
 GPU_TEST=(python -m pytest -q -p no:randomly -m gpu tests/test_parallel_expert.py -k two_gpus)
 
-if (( NGPU >= 4 )) && [[ $CPU == 0 ]]; then
-    ( scaling scaling_1gpu 170 380 3 1 "${ONE[@]}"; stage gpu_tests 120 380 2,3 "${GPU_TEST[@]}" ) &
-    scaling scaling_2gpu 210 360 0,1 2 "${TWO[@]}"
-    wait
-else
-    scaling scaling_1gpu 150 420 0 1 "${ONE[@]}"
-    [[ $CPU == 0 ]] && stage gpu_tests 90 400 0,1 "${GPU_TEST[@]}"
-    scaling scaling_2gpu 200 230 0,1 2 "${TWO[@]}"
+want() { [[ ",${RUNBOOK_STAGES:-scaling,train,tests}," == *",$1,"* ]]; }
+if want scaling; then
+    if (( NGPU >= 4 )) && [[ $CPU == 0 ]]; then  # the 1-GPU baseline on GPU 3 beside the 2-GPU rows
+        scaling scaling_1gpu 150 420 3 1 "${ONE[@]}" &
+        scaling scaling_2gpu 170 400 0,1 2 "${TWO[@]}"
+        wait
+    else
+        scaling scaling_1gpu 130 440 0 1 "${ONE[@]}"
+        scaling scaling_2gpu 170 270 0,1 2 "${TWO[@]}"
+    fi
+    if (( NGPU >= 4 )); then
+        scaling scaling_4gpu 160 240 0,1,2,3 4 "${FOUR[@]}"
+    fi
 fi
-if (( NGPU >= 4 )); then
-    scaling scaling_4gpu 180 200 0,1,2,3 4 "${FOUR[@]}"
-fi
-[[ $CPU == 0 ]] && cp "$OUT/logs/gpu_tests.log" "$OUT/gpu_tests.log" 2>/dev/null
 
 RUN=/tmp/moela_multi_gpu_run
 rm -rf "$RUN"
 DEVICES=$(seq -s, 0 $(( NGPU - 1 )))
-stage train_${NGPU}gpu 400 15 "$DEVICES" torchrun --standalone --nproc_per_node="$NGPU" train.py "${TRAIN[@]}" \
-    train.run_dir="$RUN"
+if want train; then
+    stage train_${NGPU}gpu 200 35 "$DEVICES" torchrun --standalone --nproc_per_node="$NGPU" train.py "${TRAIN[@]}" \
+        train.run_dir="$RUN"
+fi
+if want tests && [[ $CPU == 0 ]]; then  # last: whatever time is left, if at least 40 s
+    stage gpu_tests 150 0 0,1 "${GPU_TEST[@]}"
+    cp "$OUT/logs/gpu_tests.log" "$OUT/gpu_tests.log" 2>/dev/null
+fi
 mkdir -p "$OUT/multi_gpu_run"
 cp "$RUN"/metrics.jsonl "$RUN"/config.yaml "$RUN"/loss.png "$OUT/multi_gpu_run/" 2>/dev/null
 cp "$RUN"/profile/*.txt "$OUT/multi_gpu_run/" 2>/dev/null
