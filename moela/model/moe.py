@@ -17,8 +17,9 @@ Decisions:
   f_i = E / (K * L_n) * #{t in n : i in topk(t)},  P_i = mean_{t in n} s_i,t / sum_j s_j,t,  L_n = sum_i f_i P_i,
   then weighted by the document's share of labelled tokens (doc_weight), so micro-batch splitting and gradient
   accumulation give the same objective. f is a count (no gradient); P carries the gradient to the router.
-- `experts` is its own module (stacked `w13 [E, 2F, D]`, `w2 [E, D, F]`, forward(x, topk_ids, topk_weights)), so
-  expert parallelism can replace it while keeping that contract.
+- `experts` is its own module (stacked `w13 [E, 2F, D]`, `w2 [E, D, F]`, forward(x, topk_ids, topk_weights,
+  shared=None) -> routed output + shared(x)), so expert parallelism can replace it while keeping that contract;
+  the shared experts are handed to it so that a replacement can run them while its collectives are in flight.
 - The per-layer expert load (tokens per expert, float32, detached) is returned for logging and the bias update.
 
 Shapes: T tokens, D hidden, E routed experts, K experts per token, G groups, F expert width, N documents.
@@ -78,9 +79,11 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * f, d))  # rows [0, F): W1 (gate), [F, 2F): W3 (up)
         self.w2 = nn.Parameter(torch.empty(e, d, f))
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
-                           backend=self.backend)  # [T, D]
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: nn.Module | None = None) -> torch.Tensor:
+        y = moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
+                        backend=self.backend)  # [T, D]
+        return y if shared is None else y + shared(x)
 
 
 class MoE(nn.Module):
@@ -124,8 +127,6 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (y [T, D], balance loss [], expert load [E] float32 detached)."""
         topk_ids, topk_weights, scores = self.gate(x)  # [T, K], [T, K], [T, E]
-        y = self.experts(x, topk_ids, topk_weights)  # [T, D]
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        y = self.experts(x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D] routed + shared
         aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
         return y, aux, self.expert_load(topk_ids, ctx)

@@ -28,11 +28,11 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
     if mesh.size("cp") > 1:
         apply_context_parallel(model, mesh.group("cp"), cfg.cp_layout)
     if mesh.size("ep") > 1:
-        if apply_expert_parallel(model, mesh["ep"]) == 0:
+        if apply_expert_parallel(model, mesh["ep"], dispatch=cfg.ep_dispatch, chunks=cfg.ep_chunks) == 0:
             raise ValueError(f"parallel.ep={cfg.ep} but the model has no routed experts; set ep: 1 (a dense model "
                              f"has nothing to distribute)")
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if mesh.distributed and mesh.size("dp_cp") > 1:
         apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision,
-                   reduce_dtype=getattr(torch, cfg.reduce_dtype))
+                   reduce_dtype=getattr(torch, cfg.reduce_dtype), unit_blocks=cfg.fsdp_unit_blocks)
     return model

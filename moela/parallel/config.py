@@ -19,10 +19,19 @@ class ParallelConfig:
     cp_layout: Literal["dualchunk", "striped"] = "dualchunk"
     tp: int = 1  # tensor parallel group size (not available yet: must be 1)
     ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
+    # how tokens reach their experts (moela.parallel.expert_parallel): gather = all-gather + reduce-scatter, no host
+    # sync, static shapes; alltoall = exact-size all-to-all, one host sync per MoE layer; auto = gather when
+    # ep <= top-k (it then moves no more bytes than the exact all-to-all) and its static expert layout fits the
+    # kernels' int32 offsets, else alltoall
+    ep_dispatch: Literal["auto", "gather", "alltoall"] = "auto"
+    ep_chunks: int = 1  # 2: pipeline the expert GEMMs of one half of the tokens with the other half's collectives
     # FSDP2 over dp_shard * cp. false is accepted only where there is nothing to shard (dp_shard * cp = 1), and
     # then changes nothing: the model is replicated over dp_replicate through HSDP with one-rank shard groups
     fsdp: bool = True
     reshard_after_forward: bool = True
+    # consecutive blocks per FSDP2 unit: n > 1 runs FSDP's hooks and collectives once per n blocks (less host work
+    # per step) at the price of n blocks' parameters gathered at once
+    fsdp_unit_blocks: int = 1
     # dtype of FSDP2's gradient reduce-scatter on CUDA (parameters are gathered in bf16 either way): float32 sums
     # exactly; bfloat16 halves the reduce-scatter's bytes, for slow links
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -33,6 +42,10 @@ class ParallelConfig:
         for name in ("dp_replicate", "cp", "tp", "ep"):
             if getattr(self, name) < 1:
                 errors.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.ep_chunks not in (1, 2):
+            errors.append(f"ep_chunks: must be 1 or 2, got {self.ep_chunks}")
+        if self.fsdp_unit_blocks < 1:
+            errors.append(f"fsdp_unit_blocks: must be >= 1, got {self.fsdp_unit_blocks}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
         if self.tp > 1:

@@ -6,6 +6,10 @@ Decisions:
   root, gathered for the whole step). Routed experts under expert parallelism are their own unit, sharded over
   the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`.
   With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas).
+  `parallel.fsdp_unit_blocks: n` groups n consecutive blocks into one unit (and their routed experts into one
+  expert unit; FSDP2's list form of `fully_shard`): each unit costs FSDP2 a fixed amount of host work per step
+  (pre/post forward and backward hooks, parameter copy-in/out, one all-gather and one reduce-scatter launch), so
+  n blocks per unit divide that work by n, while n blocks' parameters are gathered at once.
 - Mixed precision on CUDA: parameters all-gathered in bf16, gradients reduced in fp32 (`parallel.reduce_dtype:
   bfloat16` halves the reduce-scatter's bytes for slow links), fp32 master weights and optimizer state. On CPU
   everything stays fp32. Forward inputs are not cast: a block's inputs include the packed-batch context (RoPE
@@ -23,7 +27,7 @@ Decisions:
   GPU; the host syncs of an MoE layer (the expert-parallel split sizes, the cuBLAS expert bounds) stop the CPU
   until the GPU catches up, so without explicit prefetching each block's all-gather would wait behind the
   previous block's tail (torchtitan sets explicit prefetching for expert parallelism for the same reason). It
-  keeps at most one more block's parameters unsharded.
+  keeps at most one more unit's parameters unsharded.
 - Activation checkpointing per block without changing parameter names: the block's `recompute` flag makes its
   forward run under a non-reentrant `torch.utils.checkpoint`. `full` recomputes every block; `selective`
   recomputes every second block (torchtitan's layer-selective mode: about half the activation memory of no
@@ -74,20 +78,29 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
-               reduce_dtype: torch.dtype = torch.float32) -> None:
-    """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units.
-    `reduce_dtype` applies under `mixed_precision` only."""
+               reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1) -> None:
+    """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units
+    (`unit_blocks` consecutive blocks per unit). `reduce_dtype` applies under `mixed_precision` only."""
+    if unit_blocks < 1:
+        raise ValueError(f"parallel.fsdp_unit_blocks: must be >= 1, got {unit_blocks}")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+    def unit(modules: list[nn.Module], unit_mesh) -> nn.Module:
+        """One FSDP unit of `modules`; the FSDPModule that names it (the first of a group)."""
+        return shard(modules[0], mesh=unit_mesh) if len(modules) == 1 else shard(modules, mesh=unit_mesh)[0]
+
     units = []
-    per_block = []  # forward order: [block, its expert unit (if any)]
-    for block in transformer_blocks(model):
-        experts_units = []
-        for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
-            experts.grad_scale = 1.0 / mesh.size("ep")
-            experts_units.append(shard(experts, mesh=mesh.expert_fsdp_mesh))
-        per_block.append([shard(block, mesh=mesh.fsdp_mesh)] + experts_units)
+    per_block = []  # forward order: [unit of blocks, their expert unit (if any)]
+    blocks = transformer_blocks(model)
+    for first in range(0, len(blocks), unit_blocks):
+        group = blocks[first:first + unit_blocks]
+        experts = [m for block in group for m in block.modules() if isinstance(m, ExpertParallelExperts)]
+        for e in experts:
+            e.grad_scale = 1.0 / mesh.size("ep")
+        experts_units = [unit(experts, mesh.expert_fsdp_mesh)] if experts else []
+        per_block.append([unit(group, mesh.fsdp_mesh)] + experts_units)
         units += per_block[-1]
     units.append(fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
     for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring)

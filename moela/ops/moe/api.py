@@ -2,6 +2,9 @@
 
 y[t] = sum_k topk_weights[t, k] * W2_e (silu(W1_e x[t]) * W3_e x[t]),  e = topk_ids[t, k]
 
+A negative id is an empty slot: it adds nothing, takes no row of the layout and its weight gets no gradient
+(expert parallelism passes the slots whose experts live on other ranks, and padding tokens, this way).
+
 Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate), rows [F, 2F) are W3 (up)) and
 `w2 [E, D, F]`. Backends: `reference` (moela.ops.moe.reference: pure torch, any device, the specification; the
 fp8 recipe simulated by quantize -> dequantize), and the fast backends of moela.ops.moe.providers (CUDA; on CPU only

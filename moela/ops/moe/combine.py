@@ -25,14 +25,15 @@ def _combine_kernel(
     D,
     K: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
-    """Program (token, channel block): y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED).
-    Grid: (T, cdiv(D, BLOCK_D))."""
+    """Program (token, channel block): y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED); empty
+    slots (row -1) add nothing. Grid: (T, cdiv(D, BLOCK_D))."""
     token, pid_d = tl.program_id(0), tl.program_id(1)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for k in tl.static_range(K):
-        row = tl.load(row_map_ptr + token * K + k).to(tl.int64)
-        value = tl.load(o_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        row = tl.load(row_map_ptr + token * K + k).to(tl.int64)  # -1: an empty slot, which adds nothing
+        value = tl.load(o_ptr + tl.maximum(row, 0) * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        value = tl.where(row >= 0, value, 0.0)
         if WEIGHTED:
             value = value * tl.load(w_ptr + token * K + k).to(tl.float32)
         acc += value
@@ -122,7 +123,8 @@ def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights:
         partial,
         m, d,
         K=layout.topk, QUANT=quant, **LAUNCH["combine_bwd"])
-    dw = partial.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
+    rows = layout.row_map.long()  # [T*K], -1 on empty slots (their weight gets no gradient)
+    dw = torch.where(rows >= 0, partial.sum(1)[rows.clamp_min(0)], 0.0).view(layout.num_tokens, layout.topk)  # [T, K]
     if quant:
         return (do, do_s), (dot, dot_s), dw
     return do, None, dw

@@ -33,15 +33,17 @@ def _expert_blocks(counts_ptr, E, E_PAD: tl.constexpr):
 def _place_token(token, ids_ptr, rank_ptr, prefix_ptr, experts, starts, C, K: tl.constexpr, K_PAD: tl.constexpr,
                  CH: tl.constexpr):
     """The rows of token's K (token, k) pairs: its expert's block start + the expert's ids in earlier chunks + its
-    rank in its chunk. Returns (ks [K_PAD], k_valid, flat indices, expert ids, rows), all [K_PAD]."""
+    rank in its chunk; -1 for an empty slot (a negative expert id). Returns (ks [K_PAD], k_in (k < K), routed
+    (k < K and not empty), flat indices, expert ids, rows), all [K_PAD]."""
     ks = tl.arange(0, K_PAD)
-    k_valid = ks < K
+    k_in = ks < K
     flat = token * K + ks
-    ids = tl.load(ids_ptr + flat, mask=k_valid, other=0).to(tl.int32)
+    ids = tl.load(ids_ptr + flat, mask=k_in, other=-1).to(tl.int32)
+    routed = k_in & (ids >= 0)
     block_start = tl.sum(tl.where(experts[None, :] == ids[:, None], starts[None, :], 0), axis=1)  # [K_PAD]
-    rows = block_start + tl.load(prefix_ptr + ids * C + flat // CH, mask=k_valid, other=0) + \
-        tl.load(rank_ptr + flat, mask=k_valid, other=0)
-    return ks, k_valid, flat, ids, rows
+    rows = block_start + tl.load(prefix_ptr + ids * C + flat // CH, mask=routed, other=0) + \
+        tl.load(rank_ptr + flat, mask=routed, other=0)
+    return ks, k_in, routed, flat, ids, tl.where(routed, rows, -1)
 
 
 @triton.jit
@@ -85,7 +87,8 @@ def _permute_kernel(
     (quantized,) written to each row. p in [T, T+E): expert p-T's padding rows; p in [T+E, T+2E+1): 128 rows each
     of the tail after the last expert; zeroed. PLACE (building the layout): the rows come from the counting kernels,
     the c = 0 programs write row_map, m_indices and src, program (0, 0) the offsets; otherwise rows come from
-    row_map. Grid: (T + 2E + 1, cdiv(D, BLOCK_D))."""
+    row_map. A negative expert id is an empty slot: no row (row_map -1), nothing written. Grid:
+    (T + 2E + 1, cdiv(D, BLOCK_D))."""
     pid = tl.program_id(0)
     first_channel_block = tl.program_id(1) == 0
     col0 = tl.program_id(1) * BLOCK_D
@@ -99,12 +102,12 @@ def _permute_kernel(
     if pid < T:
         # a token: find its rows, then copy (or quantize) its channels to each
         if PLACE:
-            ks, k_valid, flat, ids, rows = _place_token(pid, ids_ptr, rank_ptr, prefix_ptr, experts, starts, C, K,
-                                                        K_PAD, CH)
+            ks, k_in, routed, flat, ids, rows = _place_token(pid, ids_ptr, rank_ptr, prefix_ptr, experts, starts,
+                                                             C, K, K_PAD, CH)
             if first_channel_block:
-                tl.store(row_map_ptr + flat, rows, mask=k_valid)
-                tl.store(m_idx_ptr + rows, ids, mask=k_valid)
-                tl.store(src_ptr + rows, flat, mask=k_valid)
+                tl.store(row_map_ptr + flat, rows, mask=k_in)  # -1 for an empty slot
+                tl.store(m_idx_ptr + rows, ids, mask=routed)
+                tl.store(src_ptr + rows, flat, mask=routed)
         if DATA:
             if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
                 group_cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -119,11 +122,12 @@ def _permute_kernel(
                     row = tl.sum(tl.where(ks == k, rows, 0), axis=0).to(tl.int64)
                 else:
                     row = tl.load(row_map_ptr + pid * K + k).to(tl.int64)
-                if QUANT:
-                    tl.store(out_ptr + row * D + group_cols, codes, mask=group_cols < D)
-                    tl.store(scale_ptr + row * (D // 128) + groups, scale, mask=groups < D // 128)
-                else:
-                    tl.store(out_ptr + row * D + cols, values.to(out_ptr.dtype.element_ty), mask=cols < D)
+                if row >= 0:  # an empty slot has no row
+                    if QUANT:
+                        tl.store(out_ptr + row * D + group_cols, codes, mask=group_cols < D)
+                        tl.store(scale_ptr + row * (D // 128) + groups, scale, mask=groups < D // 128)
+                    else:
+                        tl.store(out_ptr + row * D + cols, values.to(out_ptr.dtype.element_ty), mask=cols < D)
     else:
         # padding: an expert block's rows past its tokens, or 128 rows of the tail past the last expert
         pad_program = pid - T
