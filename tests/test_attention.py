@@ -66,20 +66,30 @@ def run_with_grads(fn, q, k, v, dout, dlse):
 
 
 def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
-                          ulps=0.0, slope_scale=1.0):
+                          ulps=0.0, slope_scale=1.0, with_lse=True):
+    """`with_lse`: the lse is returned and gets a random gradient (the z-loss path); else out alone."""
     q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
     if slopes is not None:
         slopes = slopes * slope_scale
     scale = 1.0 / math.sqrt(d_qk)
-    got = run_with_grads(lambda a, b, c: mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k,
-                                                       max_seqlen_k=max(lens_k), causal=causal,
-                                                       alibi_slopes=slopes, return_lse=True, backend=backend),
-                         q, k, v, dout, dlse)
-    exact = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
-                           q.double(), k.double(), v.double(), dout.double(), dlse.double())
-    lowp = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
-                          q, k, v, dout, dlse)
-    for name, g, e, r in zip(("out", "lse", "dq", "dk", "dv"), got, exact, lowp):
+
+    def candidate(a, b, c):
+        res = mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k), causal=causal,
+                            alibi_slopes=slopes, return_lse=with_lse, backend=backend)
+        return res if with_lse else (res,)
+
+    def naive(a, b, c):
+        res = naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes)
+        return res if with_lse else res[:1]
+
+    if not with_lse:
+        dlse = None
+    got = run_with_grads(candidate, q, k, v, dout, dlse)
+    exact = run_with_grads(naive, q.double(), k.double(), v.double(), dout.double(),
+                           None if dlse is None else dlse.double())
+    lowp = run_with_grads(naive, q, k, v, dout, dlse)
+    names = ("out", "lse", "dq", "dk", "dv") if with_lse else ("out", "dq", "dk", "dv")
+    for name, g, e, r in zip(names, got, exact, lowp):
         assert g.shape == e.shape, name
         assert torch.isfinite(g).all(), f"{name}: non-finite values (unwritten output?)"
         err = (g.double() - e).abs().max().item()
@@ -211,8 +221,10 @@ def test_explicit_backend_errors(monkeypatch):
     monkeypatch.setattr(triton_mod, "INTERPRET", False)
     with pytest.raises(ValueError, match="triton"):
         mla_attention(q, q, q, cu, 10, backend="triton")
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(RuntimeError, match="flash-attn-4 runs on CUDA tensors"):
         mla_attention(q, q, q, cu, 10, backend="flash")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mla_attention(q, q, q, cu, 10, backend="flash3")
 
 
 def test_triton_rejects_what_its_launch_cannot_address():
@@ -247,10 +259,19 @@ def test_triton_gpu_heads_times_documents_above_grid_y_limit():
     (192, 128, [1000, 3000], [3000, 4096], True, False, torch.bfloat16),
     (256, 256, [700, 1300], [700, 1300], True, True, torch.bfloat16),
     (112, 72, [333, 1200], [333, 1200], True, False, torch.bfloat16),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True, torch.bfloat16),
 ])
 def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),
                           backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens_q,lens_k", [([777, 1, 0, 1300], [777, 1, 0, 1300]), ([5, 400], [9, 1031])])
+def test_triton_gpu_without_lse(poisoned_empty, lens_q, lens_k):
+    """Out alone (no lse returned, so no lse gradient): the backward without a dlse."""
+    check_against_float64(lens_q, lens_k, 16, 192, 128, torch.bfloat16, "cuda", True, False, seed=sum(lens_k),
+                          backend="triton", with_lse=False)
 
 
 @pytest.mark.gpu
