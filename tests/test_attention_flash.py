@@ -13,13 +13,13 @@ import logging
 
 import pytest
 import torch
-from test_attention import check_against_float64, make_case, run_with_grads
 
 from moela.ops.attention import api as attn_api
 from moela.ops.attention import attention_reference, auto, mla_attention
 from moela.ops.attention.flash import flash_problem
 from moela.ops.backends import ATTENTION_BACKENDS
 from moela.ops.dispatch import Dispatch
+from test_attention import check_against_float64, make_case, run_with_grads
 
 
 def call(head_dims=(192, 128), layout="packed", tokens_per_doc=1500.0, feature="plain") -> auto.CallClass:
