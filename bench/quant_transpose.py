@@ -1,9 +1,8 @@
 """Column (128x1, along tokens) quantization with a transposed output, kernel designs side by side on one GPU.
 
 The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
-the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16. In bench/results/moe.md (runs
-5-8) the row-only quantizing kernels run at 75-95% of the copy bandwidth, those with a transposed output at 25%.
-This script times the library kernel (`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at
+the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16, which makes it the slowest of the
+quantizing stores (bench/notes/quant_transpose.md, bench/notes/moe.md). This script times the library kernel (`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at
 transposed addresses) against candidate designs, each checked byte for byte against it first:
 
   store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
@@ -17,8 +16,8 @@ BC (columns per tile) and warps are swept. Rows and columns from one read (both 
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
 `--gluon` times the library's Triton and Gluon (moela.ops.moe.gluon: the tile staged in shared memory) kernels and
-the Gluon kernel at other register chunks and warp counts (at commit 680e623 it also timed other ways for the
-column codes to reach qT and a persistent kernel; quant_transpose.md).
+the Gluon kernel at other register chunks and warp counts (the other Gluon designs measured once, and their
+numbers: bench/notes/quant_transpose.md).
 Usage:
   python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon]
                                   [--out bench/results/quant_transpose.md]
