@@ -2,8 +2,9 @@
 
 The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
 the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16, which makes it the slowest of the
-quantizing stores (bench/notes/quant_transpose.md, bench/notes/moe.md). This script times the library kernel (`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at
-transposed addresses) against candidate designs, each checked byte for byte against it first:
+quantizing stores (bench/notes/quant_transpose.md, bench/notes/moe.md). This script times the library kernel
+(`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at transposed addresses) against candidate designs,
+each checked byte for byte against it first:
 
   store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
             addresses (uint8 stores; Triton moves them through shared memory)

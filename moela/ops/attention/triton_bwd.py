@@ -14,9 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.attention.triton_common import (LOG2E, _alibi_setup, _alibi_term, _doc_span, _key_range, _load_rows,
-                                               _load_split_rows, _scores, _store_rows, head_dim_blocks,
-                                               launch_config)
+from moela.ops.attention.triton_common import (
+    LOG2E,
+    _alibi_setup,
+    _alibi_term,
+    _doc_span,
+    _key_range,
+    _load_rows,
+    _load_split_rows,
+    _scores,
+    _store_rows,
+    head_dim_blocks,
+    launch_config,
+)
 from moela.ops.triton_env import INTERPRET
 
 
