@@ -41,7 +41,7 @@ from moela.ops.moe.combine import combine_bwd, unpermute_combine
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
 from moela.ops.moe.gemm_triton import _kgrouped_kernel, _mgrouped_kernel, kgrouped_gemm, mgrouped_gemm
 from moela.ops.moe.kernel_common import ALIGN, LAUNCH
-from moela.ops.moe.layout import _count_and_scan
+from moela.ops.moe.layout import count_and_scan
 from moela.ops.moe.permute import build_layout, permute_align
 from moela.ops.moe.quant import AMAX_EPS, FP8_MAX, inv_scale, quant_128x128
 from moela.ops.moe.quantize import quant_rows_cols, quant_weights
@@ -223,7 +223,7 @@ def section_layout(copy_gbs, quick):
         data = bench(lambda: permute_align(x, ids, e, layout=lay))  # the data pass alone, layout built before
         row("layout", case, "  its data pass (layout given)", data, nbytes / data / 1e6, "GB/s",
             pct_copy=100 * nbytes / data / 1e6 / copy_gbs)
-        lms = bench(lambda: _count_and_scan(ids, e, ALIGN))
+        lms = bench(lambda: count_and_scan(ids, e, ALIGN))
         row("layout", case, "  its count + scan launches", lms, 0.0, "-")
         lms = bench(lambda: build_layout(ids, e))
         row("layout", case, "  build_layout alone (3 launches)", lms, 0.0, "-")

@@ -1,10 +1,10 @@
 """Column (128x1, along tokens) quantization with a transposed output, kernel designs side by side on one GPU.
 
 The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
-the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16. In bench/results/moe.md (runs
-5-8) the row-only quantizing kernels run at 75-95% of the copy bandwidth, those with a transposed output at 25%.
-This script times the library kernel (`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at
-transposed addresses) against candidate designs, each checked byte for byte against it first:
+the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16, which makes it the slowest of the
+quantizing stores (bench/notes/quant_transpose.md, bench/notes/moe.md). This script times the library kernel
+(`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at transposed addresses) against candidate designs,
+each checked byte for byte against it first:
 
   store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
             addresses (uint8 stores; Triton moves them through shared memory)
@@ -17,8 +17,8 @@ BC (columns per tile) and warps are swept. Rows and columns from one read (both 
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
 `--gluon` times the library's Triton and Gluon (moela.ops.moe.gluon: the tile staged in shared memory) kernels and
-the Gluon kernel at other register chunks and warp counts (at commit 680e623 it also timed other ways for the
-column codes to reach qT and a persistent kernel; quant_transpose.md).
+the Gluon kernel at other register chunks and warp counts (the other Gluon designs measured once, and their
+numbers: bench/notes/quant_transpose.md).
 Usage:
   python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon]
                                   [--out bench/results/quant_transpose.md]
@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from moela.ops.moe import gluon as moe_gluon
-from moela.ops.moe.kernel_common import FP8, LAUNCH, _quant, _scale_inv, _store_codes
+from moela.ops.moe.kernel_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_e4m3_bytes
 from moela.ops.moe.quantize import quant_rows_cols
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,10 +51,10 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
     cols = pid_n * BC + tl.arange(0, BC)
     if MODE == 0 or MODE == 3:
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)  # [128, BC]
-        sc, inv = _scale_inv(tl.max(tl.abs(tile), axis=0))
-        q = _quant(tile, inv[None, :])
+        sc, inv = fp8_scale_inverse(tl.max(tl.abs(tile), axis=0))
+        q = e4m3_codes(tile, inv[None, :])
         if MODE == 0:
-            _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, (rows < M)[:, None])
+            store_e4m3_bytes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, (rows < M)[:, None])
         else:  # 4 codes of consecutive rows packed into one int32 (a reduction over 4 lanes), stored as words
             b = tl.reshape(q.to(tl.uint8, bitcast=True).to(tl.int32), (32, 4, BC))
             packed = tl.sum(b << (tl.arange(0, 4) * 8)[None, :, None], axis=1)  # [32, BC]
@@ -67,12 +67,12 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
             t = tl.trans(raw).to(tl.float32)  # [BC, 128]
         else:
             t = tl.load(x_ptr + rows[None, :].to(tl.int64) * N + cols[:, None]).to(tl.float32)  # [BC, 128]
-        sc, inv = _scale_inv(tl.max(tl.abs(t), axis=1))
-        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], _quant(t, inv[:, None]))
+        sc, inv = fp8_scale_inverse(tl.max(tl.abs(t), axis=1))
+        tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], e4m3_codes(t, inv[:, None]))
         if ROWS:
             tile = raw.to(tl.float32)
-            rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
-            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _quant(tile, ri[:, None]))
+            rs, ri = fp8_scale_inverse(tl.max(tl.abs(tile), axis=1))
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], e4m3_codes(tile, ri[:, None]))
             tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
     tl.store(st_ptr + cols * (M // 128) + pid_m, sc)
 
@@ -80,17 +80,17 @@ def _colq_kernel(x_ptr, qt_ptr, st_ptr, q_ptr, s_ptr, M, N, BC: tl.constexpr, MO
 @triton.jit
 def _cols_out(tile, rows, cols, qt_ptr, st_ptr, M, pid_m):
     """Column (128x1) quantization of tile [128, BC] at (rows, cols): codes transposed into qT, scales into sT."""
-    cs, ci = _scale_inv(tl.max(tl.abs(tile), axis=0))
-    _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], _quant(tile, ci[None, :]),
-                   (rows < M)[:, None])
+    cs, ci = fp8_scale_inverse(tl.max(tl.abs(tile), axis=0))
+    store_e4m3_bytes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], e4m3_codes(tile, ci[None, :]),
+                     (rows < M)[:, None])
     tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
 
 
 @triton.jit
 def _rows_out(tile, rows, cols, q_ptr, s_ptr, N, pid_n):
     """Row (1x128) quantization of tile [128, 128] at (rows, cols)."""
-    rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
-    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], _quant(tile, ri[:, None]))
+    rs, ri = fp8_scale_inverse(tl.max(tl.abs(tile), axis=1))
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], e4m3_codes(tile, ri[:, None]))
     tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
 
 
@@ -131,9 +131,9 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
         b = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cb[None, :]).to(tl.float32)
         _cols_out(a, rows, ca, qt_ptr, st_ptr, M, pid_m)
         _cols_out(b, rows, cb, qt_ptr, st_ptr, M, pid_m)
-        rs, ri = _scale_inv(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], _quant(a, ri[:, None]))
-        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], _quant(b, ri[:, None]))
+        rs, ri = fp8_scale_inverse(tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1)))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + ca[None, :], e4m3_codes(a, ri[:, None]))
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cb[None, :], e4m3_codes(b, ri[:, None]))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
     elif MODE == 6:
         cols = pid_n * 128 + tl.arange(0, 128)
@@ -145,12 +145,12 @@ def _rowcol_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, M, N, MODE: tl.constexpr
     elif MODE == 5:
         cols = pid_n * 128 + tl.arange(0, 128)
         tile = tl.load(x_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]).to(tl.float32)
-        rs, ri = _scale_inv(tl.max(tl.abs(tile), axis=1))
+        rs, ri = fp8_scale_inverse(tl.max(tl.abs(tile), axis=1))
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (tile * ri[:, None]).to(tl.float8e4nv))
         tl.store(s_ptr + rows * (N // 128) + pid_n, rs)
-        cs, ci = _scale_inv(tl.max(tl.abs(tile), axis=0))
-        _store_codes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], (tile * ci[None, :]).to(tl.float8e4nv),
-                       (rows < M)[:, None])
+        cs, ci = fp8_scale_inverse(tl.max(tl.abs(tile), axis=0))
+        store_e4m3_bytes(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None],
+                         (tile * ci[None, :]).to(tl.float8e4nv), (rows < M)[:, None])
         tl.store(st_ptr + cols * (M // 128) + pid_m, cs)
     else:  # 7, 9: the library's algorithm in another program order
         cols = pid_n * 128 + tl.arange(0, 128)

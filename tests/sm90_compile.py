@@ -86,20 +86,21 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a"):
 
 
 def attention_kernels():
-    from moela.ops.attention import triton_bwd, triton_common, triton_fwd
+    from moela.ops.attention import triton_bwd, triton_fwd
+    from moela.ops.attention.triton_common import CONFIGS, head_dim_blocks
 
     d_qk, d_v = 192, 128
-    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, **triton_common._dims(d_qk, d_v))
+    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, **head_dim_blocks(d_qk, d_v))
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", SLOPES="*fp32")
     strides = {f"stride_{t}{d}": s for t in ("q", "k", "dq", "dk") for d, s in (("t", 16 * d_qk), ("h", d_qk))}
     strides.update({f"stride_{t}{d}": s for t in ("v", "o", "do", "dv") for d, s in (("t", 16 * d_v), ("h", d_v))})
     strides["stride_lh"] = 4096
-    grads = dict(DO="*bf16", DELTA="*fp32", sm_scale=0.07)
+    grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
-    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(O="*bf16")),
+    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
                                 ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
                                 ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
-        bm, bn, warps, stages = triton_common.CONFIGS[name.split()[1]]["wide"]
+        bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}
         out[name] = compile_sm90(kernel, args, num_warps=warps, num_stages=stages)
@@ -109,18 +110,19 @@ def attention_kernels():
 def moe_kernels():
     from moela.ops.moe import gemm_triton
 
-    largest = max(gemm_triton._configs(), key=lambda c: (c.kwargs["BN"], c.num_stages))
+    largest = max(gemm_triton.configs(), key=lambda c: (c.kwargs["BN"], c.num_stages))
     tile = dict(BN=largest.kwargs["BN"], GROUP_M=largest.kwargs["GROUP_M"])
     opts = dict(num_warps=largest.num_warps, num_stages=largest.num_stages)
     n, k = 4096, 7168
-    fp8 = dict(as_ptr="*fp32", bs_ptr="*fp32", c_ptr="*bf16", N=n, K=k, FP8=True, UPCAST=False, INTERP=False, BK=128)
+    fp8 = dict(a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr="*bf16", N=n, K=k, FP8=True, UPCAST=False, BK=128)
     out = {"moe mgrouped fp8": compile_sm90(gemm_triton._mgrouped_kernel, dict(
-        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", m_idx_ptr="*i32", M=16384, s_am=k, s_ak=1, s_asm=k // 128, s_ask=1,
-        s_be=n * k, s_bn=k, s_bk=1, s_bse=n * k // 2 ** 14, s_bsn=k // 128, s_bsk=1, s_cm=n, BM=128, **fp8,
-        **tile), **opts)}
+        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", m_idx_ptr="*i32", M=16384, stride_am=k, stride_ak=1,
+        stride_asm=k // 128, stride_ask=1, stride_be=n * k, stride_bn=k, stride_bk=1, stride_bse=n * k // 2 ** 14,
+        stride_bsn=k // 128, stride_bsk=1, stride_cm=n, BM=128, **fp8, **tile), **opts)}
     out["moe kgrouped fp8"] = compile_sm90(gemm_triton._kgrouped_kernel, dict(
-        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", off_ptr="*i64", s_an=16384, s_at=1, s_bk=16384, s_bt=1, s_asn=128,
-        s_ast=1, s_bsk=128, s_bst=1, s_ce=n * k, s_cn=k, BT=128, **fp8, **tile), **opts)
+        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", offsets_ptr="*i64", stride_an=16384, stride_at=1, stride_bk=16384,
+        stride_bt=1, stride_asn=128, stride_ast=1, stride_bsk=128, stride_bst=1, stride_ce=n * k, stride_cn=k, BT=128,
+        **fp8, **tile), **opts)
     return out
 
 
@@ -139,19 +141,19 @@ def moe_triton_kernels():
     def add(name, kernel, args, num_warps):
         out["moe_triton " + name] = compile_sm90(kernel, args, num_warps=num_warps)
 
-    chunks = t * k // layout._CHUNK
-    add("layout count", layout._layout_count_kernel, dict(ids_ptr="*i64", rank_ptr=i32, hist_ptr=i32, n=t * k,
-                                                          C=chunks, E=e, CH=layout._CHUNK, E_BLOCK=e, E_BLOCKS=1),
+    chunks = t * k // layout.CHUNK
+    add("layout count", layout._layout_count_kernel, dict(ids_ptr="*i64", rank_ptr=i32, hist_ptr=i32, n_ids=t * k,
+                                                          C=chunks, E=e, CH=layout.CHUNK, E_BLOCK=e, E_BLOCKS=1),
         **LAUNCH["layout"])
     add("layout scan", layout._layout_scan_kernel, dict(hist_ptr=i32, prefix_ptr=i32, counts_ptr="*i64", C=chunks,
                                                         BLOCK_C=chunks), **LAUNCH["layout"])
     for quant, place, data in ((True, True, True), (True, False, True), (False, True, True), (False, True, False)):
         tag = ("fp8" if quant else "bf16") + (" placing" if place else "") + ("" if data else " (no data)")
         add(f"permute {tag}", permute._permute_kernel, dict(
-            x_ptr=bf16, ids_ptr="*i64", row_map_ptr=i32, lrow_ptr=i32, rank_ptr=i32, prefix_ptr=i32,
-            counts_ptr="*i64", offsets_ptr="*i64", m_idx_ptr=i32, src_ptr=i32, out_ptr=fp8 if quant else bf16,
-            s_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k,
-            BLOCK_D=permute.PERMUTE_BLOCK_D, CH=layout._CHUNK, E_PAD=e, QUANT=quant, PLACE=place, DATA=data),
+            x_ptr=bf16, ids_ptr="*i64", row_map_ptr=i32, rank_ptr=i32, prefix_ptr=i32, counts_ptr="*i64",
+            offsets_ptr="*i64", m_idx_ptr=i32, src_ptr=i32, out_ptr=fp8 if quant else bf16,
+            scale_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k,
+            BLOCK_D=permute.PERMUTE_BLOCK_D, CH=layout.CHUNK, E_PAD=e, QUANT=quant, PLACE=place, DATA=data),
             **LAUNCH["permute"])
     add("rowcol_quant gather colwise", quantize._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,
@@ -160,20 +162,21 @@ def moe_triton_kernels():
         x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
         GATHER=False, ROWWISE=True, COLWISE=True), **LAUNCH["quant_rows_cols"])
     add("weight_quant", quantize._weight_quant_kernel, dict(  # w13 [E, 2F, D]
-        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, s_we=2 * f * d, s_wn=d, s_wk=1, N=2 * f, K=d), **LAUNCH["weight_quant"])
+        w_ptr=bf16, q_ptr=fp8, s_ptr=f32, stride_we=2 * f * d, stride_wn=d, stride_wk=1, N=2 * f, K=d),
+        **LAUNCH["weight_quant"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
         add(f"swiglu_fwd {tag}", activation._swiglu_fwd_kernel, dict(
             h_ptr=bf16, m_idx_ptr=i32, out_ptr=fp8 if quant else bf16, s_ptr=f32 if quant else bf16, M=m, F=f,
             QUANT=quant), **LAUNCH["swiglu_fwd"])
         add(f"swiglu_bwd {tag}", activation._swiglu_bwd_kernel, dict(
-            h_ptr=bf16, da_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dhs_ptr=f32 if quant else bf16,
-            dht_ptr=fp8 if quant else bf16, dhst_ptr=f32 if quant else bf16, at_ptr=fp8 if quant else bf16,
-            ast_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **LAUNCH["swiglu_bwd"])
+            h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dh_s_ptr=f32 if quant else bf16,
+            dht_ptr=fp8 if quant else bf16, dht_s_ptr=f32 if quant else bf16, actt_ptr=fp8 if quant else bf16,
+            actt_s_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **LAUNCH["swiglu_bwd"])
         add(f"combine_bwd {tag}", combine._combine_bwd_kernel, dict(
             dy_ptr=bf16, o_ptr=bf16, src_ptr=i32, w_ptr=f32, do_ptr=fp8 if quant else bf16,
-            dos_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dost_ptr=f32 if quant else bf16,
-            part_ptr=f32, M=m, D=d, K=k, QUANT=quant), **LAUNCH["combine_bwd"])
+            do_s_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dot_s_ptr=f32 if quant else bf16,
+            partial_ptr=f32, M=m, D=d, K=k, QUANT=quant), **LAUNCH["combine_bwd"])
     add("combine", combine._combine_kernel, dict(o_ptr=bf16, row_map_ptr=i32, w_ptr=f32, y_ptr=bf16, D=d, K=k,
                                            BLOCK_D=block_d, WEIGHTED=True), **LAUNCH["combine"])
     return out
@@ -200,9 +203,9 @@ def moe_gluon_kernels():
             N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, **chunks),
             num_warps=moe_gluon.NUM_WARPS),
         "moe_gluon swiglu_bwd": compile_sm90(moe_gluon._swiglu_bwd_kernel, dict(
-            h_desc=desc, da_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dhs_ptr="*fp32", dht_ptr="*fp8e4nv",
-            dhst_ptr="*fp32", at_ptr="*fp8e4nv", ast_ptr="*fp32", M=m, F=2048, RC=moe_gluon.ROW_CHUNK,
-            CC=moe_gluon.SWIGLU_COL_CHUNK), num_warps=moe_gluon.SWIGLU_WARPS),
+            h_desc=desc, dact_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dh_s_ptr="*fp32",
+            dht_ptr="*fp8e4nv", dht_s_ptr="*fp32", actt_ptr="*fp8e4nv", actt_s_ptr="*fp32", M=m, F=2048,
+            RC=moe_gluon.ROW_CHUNK, CC=moe_gluon.SWIGLU_COL_CHUNK), num_warps=moe_gluon.SWIGLU_WARPS),
         "moe_gluon weight_quant": compile_sm90(moe_gluon._weight_quant_kernel, dict(  # w13 [E, 2F, D]
             w_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", N=4096, K=d, RC=moe_gluon.ROW_CHUNK,
             CC=moe_gluon.COL_CHUNK, TRANSPOSED=True), num_warps=moe_gluon.NUM_WARPS)}

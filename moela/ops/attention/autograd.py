@@ -1,5 +1,8 @@
-"""The `triton` backend of `mla_attention`: input checks, the autograd
-Function around the forward and backward launchers.
+"""The `triton` backend of `mla_attention`: its preconditions, and the autograd Function around the forward and
+backward launchers (triton_fwd.py, triton_bwd.py).
+
+The entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around attention
+and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
 """
 
 from __future__ import annotations
@@ -9,11 +12,13 @@ import math
 import torch
 
 from moela.ops.attention.triton_bwd import attention_backward
-from moela.ops.attention.triton_common import INTERPRET, MAX_GRID_YZ
+from moela.ops.attention.triton_common import MAX_GRID_YZ
 from moela.ops.attention.triton_fwd import attention_forward
+from moela.ops.triton_env import INTERPRET
 
 
-def _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+           alibi_slopes: torch.Tensor | None) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"triton mla_attention wants q, k, v of one dtype among float16/bfloat16/float32; got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
@@ -64,8 +69,10 @@ class _FlashMLA(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def flash_mla_attention(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, causal=True,
-                        softmax_scale=None, alibi_slopes=None, return_lse=False):
+def flash_mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        max_seqlen_q: int, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool = True,
+                        softmax_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                        return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
     Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)

@@ -1,62 +1,55 @@
-"""Triton flash attention for MLA over packed documents: Dqk != Dv, bottom-right causal, ALiBi, differentiable lse.
+"""What the Triton flash-attention kernels share: launch table, head-dim split, and the @triton.jit helpers for tile
+loads, scores, masks, ALiBi terms and the per-program prologue.
 
-Forward: one program per (query block, head, document); online softmax in base 2 with fp32 accumulation; writes
-out [Tq, H, Dv] and lse [H, Tq] (natural log, -inf for a query that sees no key). Backward: a preprocess kernel
-computes `D = rowsum(dO * O) - dlse` (the lse gradient enters here and nowhere else), then one kernel per key
-block accumulates dk and dv over query blocks and one kernel per query block accumulates dq over key blocks.
-Recomputing the scores in both kernels costs one extra QK^T and dO V^T but needs no atomics: gradients are
-deterministic.
+Kernels (triton_fwd.py, triton_bwd.py): the forward runs one program per (query block, head, document), an online
+softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural log, -inf for a query
+that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the only place the lse
+gradient enters); then one program per key block accumulates dk and dv over query blocks and one per query block
+accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but needs no
+atomics: gradients are deterministic.
 
 Decisions:
-- Dqk is split into a power-of-two part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
+- Dqk is split into a power-of-two main part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
   padding in QK^T; Dv (a power of two in practice) is padded to the next power of two with masked loads only.
-- Each loop over blocks runs in two phases: blocks that need no mask (fully inside the document and below the
-  causal diagonal) and the few that do; the mask costs nothing on the former.
-- Causal alignment is bottom-right: query i of a document sees key j when j <= i + (Lk - Lq).
-- ALiBi bias `-slope * |i' - j|`, i' = i + Lk - Lq the query's position on the k side, is computed from indices in
-  the kernel, never materialized. Causal: every visible key has j <= i', so the bias splits, for any r0, into a
-  column and a row term, `slope * (j - r0) - slope * (i' - r0)`. The row term moves all scores of a row by one
-  constant, which softmax ignores: the scores get only the column term, folded into the scale multiply (an FMA
-  instead of a multiply, so no extra op per score in the forward; one add per score in the backward kernels, whose
-  bias and lse are then two terms), and the row term is applied once per row: the forward subtracts it from the lse
-  it writes (still the true log-sum-exp of the biased scores), the backward adds it to the lse it loads. r0 is the
-  middle of the program's query block (key block in dk/dv); a key block's column terms are the program's
-  `slope * n` (n < BLOCK_N) plus one scalar that goes onto the row maxima / lse (two adds a row). Masked elements
-  of diagonal blocks get the linear value and are masked as before. Position differences are exact (int32, then
-  float below 2^24) and rounded once; scores near the diagonal carry an offset of up to `slope * BLOCK / 2`
-  (log2), about 2^-24 of which is added error (~5e-6 at slope 1: fp32 softmax rounding, far below bf16).
-  Full attention keeps the exact `|i' - j|` per score (not linear across the diagonal): positions are converted to
-  float per row / column, then one subtract and one FMA per score (an int -> float conversion per score ran the
-  forward at a third of its speed).
-- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage), small
-  blocks are used, and the block loops, whose bounds are loaded from cu_seqlens, run as `while` loops (Triton 3.6's
-  interpreter converts `range()` bounds with `int(array)`, which numpy >= 2.3 rejects); the compiled GPU code
-  keeps `range()` loops, which Triton software-pipelines (tests/test_kernels_sm90.py checks for the async copies).
-  On GPU the block shapes are a fixed table (`CONFIGS`) chosen by the benchmark's sweep, not
-  autotuned at run time: no first-step stall, and every rank runs the same kernels.
-- The public entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around
-  attention and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
+- Each block loop runs in two phases: blocks that need no mask (inside the document and below the causal diagonal)
+  and the few that do; the mask costs nothing on the former.
+- Causal alignment is bottom-right: query i of a document sits at key position i + q_shift, q_shift = Lk - Lq, and
+  sees key j when j <= i + q_shift.
+- ALiBi bias `-slope * |i' - j|` (i' = i + q_shift) is computed from indices, never materialized. Causal: every
+  visible key has j <= i', so for any pivot the bias splits into a column and a row term,
+  `slope * (j - pivot) - slope * (i' - pivot)`. Softmax ignores a constant per row: the scores get only the column
+  term, folded into the scale multiply (an FMA, no extra op per score in the forward; one add per score in the
+  backward), and the row term is applied once per row: the forward subtracts it from the lse it writes (still the
+  true log-sum-exp of the biased scores), the backward adds it to the lse it loads. The pivot is the middle of the
+  program's query block (key block in dk/dv); a key block's column terms are the program's `slope * n` (n < BLOCK_N)
+  plus one scalar that goes onto the row maxima / lse. Position differences are exact (int32, then float below
+  2^24) and rounded once; scores near the diagonal carry an offset of at most `slope * BLOCK / 2` (log2), i.e. ~2^-24
+  relative error, far below bf16. Full attention keeps the exact `|i' - j|` per score, positions converted to float
+  per row / column (an int -> float conversion per score costs the forward two thirds of its speed).
+- Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and small
+  blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) from bench/attention.py's sweep, not
+  autotuned at run time: no first-step stall, and every rank runs the same kernels. Measurements:
+  bench/notes/attention.md.
 
 Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents; BM / BN block rows.
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from moela.ops.triton_env import INTERPRET, require_interpreter_support
+
+require_interpreter_support()
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_INTERP = tl.constexpr(INTERPRET)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z: heads go on y, documents on z
-
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
-# tiles so the shared memory fits). Chosen by bench/attention.py's sweep on the H200 (see bench/results/).
+# tiles so the shared memory fits).
 CONFIGS = {
     "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
     "dkdv": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
@@ -75,9 +68,18 @@ def launch_config(kernel: str, d_qk: int, d_v: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
+def head_dim_blocks(d_qk: int, d_v: int) -> dict:
+    """Dqk as a power-of-two main block plus a remainder block (HAS_D_REST), and Dv padded to a power of two."""
+    block_d_main = 1 << (d_qk.bit_length() - 1)  # largest power of two <= Dqk
+    rest = d_qk - block_d_main
+    block_d_rest = triton.next_power_of_2(rest) if rest else 16
+    return dict(BLOCK_D_MAIN=block_d_main, BLOCK_D_REST=block_d_rest, HAS_D_REST=rest > 0,
+                BLOCK_DV=triton.next_power_of_2(d_v))
+
+
 @triton.jit
 def _load_rows(ptr, offs_t, n_rows, stride_t, offs_d, n_cols, UPCAST: tl.constexpr):
-    """Loads a [rows, cols] tile of a [T, H, D] tensor (ptr already offset to the head); zero outside."""
+    """A [rows, cols] tile of a [T, H, D] tensor (ptr already offset to the document and head); zero outside."""
     x = tl.load(ptr + offs_t[:, None] * stride_t + offs_d[None, :],
                 mask=(offs_t[:, None] < n_rows) & (offs_d[None, :] < n_cols), other=0.0)
     if UPCAST:
@@ -86,56 +88,84 @@ def _load_rows(ptr, offs_t, n_rows, stride_t, offs_d, n_cols, UPCAST: tl.constex
 
 
 @triton.jit
+def _load_split_rows(ptr, offs_t, n_rows, stride_t, D_QK, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr):
+    """A q or k tile as (main [rows, D_MAIN], rest [rows, D_REST]); rest is main when Dqk has no remainder."""
+    main = _load_rows(ptr, offs_t, n_rows, stride_t, tl.arange(0, BLOCK_D_MAIN), D_QK, UPCAST)
+    rest = main
+    if HAS_D_REST:
+        rest = _load_rows(ptr, offs_t, n_rows, stride_t, BLOCK_D_MAIN + tl.arange(0, BLOCK_D_REST), D_QK, UPCAST)
+    return main, rest
+
+
+@triton.jit
 def _store_rows(ptr, x, offs_t, n_rows, stride_t, offs_d, n_cols):
-    """Stores a [rows, cols] fp32 tile into a [T, H, D] tensor (ptr offset to the head) in its dtype; the inverse
-    of _load_rows."""
+    """Stores a [rows, cols] fp32 tile into a [T, H, D] tensor (ptr offset to the document and head) in its dtype."""
     tl.store(ptr + offs_t[:, None] * stride_t + offs_d[None, :], x.to(ptr.dtype.element_ty),
              mask=(offs_t[:, None] < n_rows) & (offs_d[None, :] < n_cols))
 
 
 @triton.jit
-def _doc_span(CU_Q, CU_K, b):
-    """Document b's first row and length on the q side and on the k side."""
-    q0 = tl.load(CU_Q + b).to(tl.int64)
-    lq = tl.load(CU_Q + b + 1) - q0
-    k0 = tl.load(CU_K + b).to(tl.int64)
-    lk = tl.load(CU_K + b + 1) - k0
-    return q0, lq, k0, lk
+def _doc_span(CU_Q, CU_K, doc):
+    """Document doc's first row and length on the q side and on the k side."""
+    q_start = tl.load(CU_Q + doc).to(tl.int64)
+    q_len = tl.load(CU_Q + doc + 1) - q_start
+    k_start = tl.load(CU_K + doc).to(tl.int64)
+    k_len = tl.load(CU_K + doc + 1) - k_start
+    return q_start, q_len, k_start, k_len
 
 
 @triton.jit
-def _scores(a1, a2, b1, b2, HAS_D2: tl.constexpr):
-    """a [R, Dqk] @ b [C, Dqk]^T with Dqk split into two dots."""
-    s = tl.dot(a1, tl.trans(b1))
-    if HAS_D2:
-        s = tl.dot(a2, tl.trans(b2), s)
-    return s
+def _scores(a_main, a_rest, b_main, b_rest, HAS_D_REST: tl.constexpr):
+    """a [R, Dqk] @ b [C, Dqk]^T, Dqk split into two dots."""
+    scores = tl.dot(a_main, tl.trans(b_main))
+    if HAS_D_REST:
+        scores = tl.dot(a_rest, tl.trans(b_rest), scores)
+    return scores
 
 
 @triton.jit
-def _mask_and_bias(s, qpos, kpos, lk, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
+def _mask_and_bias(scores, q_pos, k_pos, k_len, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    MASK: tl.constexpr):
-    """s [R, C] log2-domain scores; qpos [R, 1] query positions on the k side, kpos [1, C] key positions."""
+    """scores [R, C] in the log2 domain; q_pos [R, 1] query positions on the k side, k_pos [1, C] key positions."""
     if HAS_ALIBI:
-        s = s - slope * tl.abs(qpos.to(tl.float32) - kpos.to(tl.float32))
+        scores = scores - slope * tl.abs(q_pos.to(tl.float32) - k_pos.to(tl.float32))
     if MASK:
-        keep = kpos < lk
+        keep = k_pos < k_len
         if CAUSAL:
-            keep = keep & (kpos <= qpos)
-        s = tl.where(keep, s, float("-inf"))
-    return s
+            keep = keep & (k_pos <= q_pos)
+        scores = tl.where(keep, scores, float("-inf"))
+    return scores
 
 
 @triton.jit
-def _alibi_term(pos, r0, slope):
-    """slope * (pos - r0) for integer positions pos (< 2^31): a column or row term of causal ALiBi's bias, split at
-    the program's r0 (module docstring). The difference is exact in int32 and in float (below 2^24), rounded once
-    by the multiply."""
-    return slope * (pos.to(tl.int32) - r0.to(tl.int32)).to(tl.float32)
+def _alibi_term(pos, pivot, slope):
+    """slope * (pos - pivot) for integer positions pos (< 2^31): a column or row term of causal ALiBi's bias (module
+    docstring). The difference is exact in int32 and in float (below 2^24), rounded once by the multiply."""
+    return slope * (tl.cast(pos, tl.int32) - tl.cast(pivot, tl.int32)).to(tl.float32)
 
 
-def _dims(d_qk, d_v):
-    block_d1 = 1 << (d_qk.bit_length() - 1)  # largest power of two <= Dqk
-    rest = d_qk - block_d1
-    block_d2 = triton.next_power_of_2(rest) if rest else 16
-    return dict(BLOCK_D1=block_d1, BLOCK_D2=block_d2, HAS_D2=rest > 0, BLOCK_DV=triton.next_power_of_2(d_v))
+@triton.jit
+def _alibi_setup(SLOPES, head, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(slope in log2 units, alibi_cols [BN]): causal ALiBi's column terms `slope * n` of a key block's n-th key
+    relative to the block's first key; zeros without causal ALiBi."""
+    slope = 0.0
+    alibi_cols = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + head) * LOG2E
+        if CAUSAL:
+            alibi_cols = slope * tl.arange(0, BLOCK_N).to(tl.float32)
+    return slope, alibi_cols
+
+
+@triton.jit
+def _key_range(start_m, q_shift, k_len, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys a query block [start_m, start_m + BM) sees: [0, n_full) in whole blocks that need no mask, then
+    [n_full, end) the blocks that do (the causal diagonal and the document's last partial block)."""
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(k_len, start_m + BLOCK_M + q_shift), 0)
+        n_full = tl.maximum(tl.minimum(k_len, start_m + q_shift + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = k_len
+        n_full = k_len // BLOCK_N * BLOCK_N
+    return n_full, end

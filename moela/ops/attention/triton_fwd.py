@@ -1,5 +1,8 @@
-"""Forward kernel of the Triton flash attention: online softmax over key blocks,
-one program per (query block, head, document).
+"""Forward kernel of the Triton flash attention (decisions in triton_common.py) and its launcher.
+
+Math, per document and head, with s_ij = scale * q_i . k_j (+ ALiBi, masked by causality):
+  out_i = sum_j softmax_j(s_ij) v_j,   lse_i = log sum_j exp(s_ij)
+computed block by block over keys with the online softmax in base 2 (scores pre-multiplied by log2(e)).
 """
 
 from __future__ import annotations
@@ -9,132 +12,120 @@ import triton
 import triton.language as tl
 
 from moela.ops.attention.triton_common import (
-    _INTERP,
-    INTERPRET,
     LN2,
     LOG2E,
+    _alibi_setup,
     _alibi_term,
-    _dims,
     _doc_span,
+    _key_range,
     _load_rows,
+    _load_split_rows,
     _mask_and_bias,
     _scores,
     _store_rows,
+    head_dim_blocks,
     launch_config,
 )
+from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_m, diag, lk, slope,
-               r0, ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-               HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
-               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    if _INTERP:
-        start_n = lo
-        while start_n < hi:
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
-                                      diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
-                                      UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m,
-                                      diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, MASK, HAS_D2,
-                                      UPCAST, BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _fwd_step(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, start_n, offs_m, diag, lk, slope, r0,
-              ar, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-              HAS_D2: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr,
-              BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One key block [start_n, start_n + BN) of the online softmax. Causal ALiBi: the column term of key
-    start_n + n is ar[n] + g; ar [BN] is the program's, the block's g is moved onto the row maximum (two adds a row).
-    m_i then holds the row maxima of the scores plus their row terms."""
-    offs_d1 = tl.arange(0, BLOCK_D1)
-    offs_d2 = BLOCK_D1 + tl.arange(0, BLOCK_D2)
+def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
+                    q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
+    column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
+    adds a row), so row_max holds the row maxima of the scores plus their row terms."""
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    k1 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d1, D_QK, UPCAST)  # [BN, D1]
-    k2 = k1
-    if HAS_D2:
-        k2 = _load_rows(k_base, offs_n, lk, stride_kt, offs_d2, D_QK, UPCAST)  # [BN, D2]
-    if HAS_ALIBI and CAUSAL:
-        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale + ar[None, :]  # [BM, BN]
-        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, False, MASK)
-        g = _alibi_term(start_n, r0, slope)
-        m_new = tl.maximum(m_i, tl.max(s, 1) + g)
-        p = tl.exp2(s - (m_new - g)[:, None])  # [BM, BN]
-    else:
-        s = _scores(q1, q2, k1, k2, HAS_D2) * qk_scale  # [BM, BN]
-        s = _mask_and_bias(s, (offs_m + diag)[:, None], offs_n[None, :], lk, slope, CAUSAL, HAS_ALIBI, MASK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])  # [BM, BN]
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_base, offs_n, lk, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # scores of this key block, [BM, BN], log2 domain
+        k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN,
+                                          BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
+        q_pos = (offs_m + q_shift)[:, None]
+        if HAS_ALIBI and CAUSAL:
+            scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale + alibi_cols[None, :]
+            scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, False, MASK)
+            block_term = _alibi_term(start_n, alibi_pivot, slope)
+            # new row maxima, then the probabilities relative to them
+            max_new = tl.maximum(row_max, tl.max(scores, 1) + block_term)
+            probs = tl.exp2(scores - (max_new - block_term)[:, None])  # [BM, BN]
+        else:
+            scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale
+            scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, HAS_ALIBI, MASK)
+            max_new = tl.maximum(row_max, tl.max(scores, 1))
+            probs = tl.exp2(scores - max_new[:, None])  # [BM, BN]
+        # rescale what was accumulated under the old maxima, add this block
+        alpha = tl.exp2(row_max - max_new)
+        row_sum = row_sum * alpha + tl.sum(probs, 1)
+        v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        acc = tl.dot(probs.to(v.dtype), v, acc * alpha[:, None])
+        row_max = max_new
+    return acc, row_sum, row_max
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, SLOPES, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                stride_vh, stride_ot, stride_oh, stride_lh, qk_scale, D_QK: tl.constexpr, D_V: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D2: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D1: tl.constexpr, BLOCK_D2: tl.constexpr,
-                BLOCK_DV: tl.constexpr):
+def _fwd_kernel(
+    Q, stride_qt, stride_qh,  # [Tq, H, Dqk]
+    K, stride_kt, stride_kh,  # [Tk, H, Dqk]
+    V, stride_vt, stride_vh,  # [Tk, H, Dv]
+    Out, stride_ot, stride_oh,  # [Tq, H, Dv], written
+    LSE, stride_lh,  # [H, Tq] fp32, written (natural log)
+    CU_Q,  # [N + 1] int32, document starts on the q side
+    CU_K,  # [N + 1] int32, document starts on the k side
+    SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
+    qk_scale,  # softmax scale * log2(e)
+    D_QK: tl.constexpr, D_V: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Program (query block, head, document): out and lse of BM query rows. Grid: (cdiv(max Lq, BM), H, N)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q0, lq, k0, lk = _doc_span(CU_Q, CU_K, b)
+    head = tl.program_id(1)
+    doc = tl.program_id(2)
+    q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
     start_m = pid_m * BLOCK_M
-    if start_m >= lq:
+    if start_m >= q_len:
         return
-    diag = lk - lq
+    q_shift = k_len - q_len  # query i sits at key position i + q_shift
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q_base = Q + q0 * stride_qt + h * stride_qh
-    q1 = _load_rows(q_base, offs_m, lq, stride_qt, tl.arange(0, BLOCK_D1), D_QK, UPCAST)  # [BM, D1]
-    q2 = q1
-    if HAS_D2:
-        q2 = _load_rows(q_base, offs_m, lq, stride_qt, BLOCK_D1 + tl.arange(0, BLOCK_D2), D_QK, UPCAST)
-    slope = 0.0
-    r0 = start_m + diag + BLOCK_M // 2  # ALiBi's split point (_alibi_term): the middle of the query block
-    ar = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + h) * LOG2E
-        if CAUSAL:
-            ar = slope * tl.arange(0, BLOCK_N).to(tl.float32)
-    k_base = K + k0 * stride_kt + h * stride_kh
-    v_base = V + k0 * stride_vt + h * stride_vh
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(lk, start_m + BLOCK_M + diag), 0)
-        n_full = tl.maximum(tl.minimum(lk, start_m + diag + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = lk
-        n_full = lk // BLOCK_N * BLOCK_N
+    # this block's queries, the ALiBi terms, the key range
+    q_main, q_rest = _load_split_rows(Q + q_start * stride_qt + head * stride_qh, offs_m, q_len, stride_qt, D_QK,
+                                      HAS_D_REST, UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)  # [BM, D_MAIN], [BM, D_REST]
+    alibi_pivot = start_m + q_shift + BLOCK_M // 2  # the middle of the query block
+    slope, alibi_cols = _alibi_setup(SLOPES, head, HAS_ALIBI, CAUSAL, BLOCK_N)
+    n_full, end = _key_range(start_m, q_shift, k_len, CAUSAL, BLOCK_M, BLOCK_N)
+    k_base = K + k_start * stride_kt + head * stride_kh
+    v_base = V + k_start * stride_vt + head * stride_vh
+    # online softmax: the unmasked key blocks, then the masked ones
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # finite: a fully masked row keeps exp2(-inf - m) = 0
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, 0, n_full, offs_m,
-                               diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, False, HAS_D2, UPCAST,
-                               BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q1, q2, k_base, v_base, stride_kt, stride_vt, n_full, hi, offs_m,
-                               diag, lk, slope, r0, ar, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, True, HAS_D2, UPCAST,
-                               BLOCK_N, BLOCK_D1, BLOCK_D2, BLOCK_DV)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]  # [BM, Dv]
-    lse2 = m_i + tl.log2(tl.where(empty, 1.0, l_i))  # [BM]
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # finite: a fully masked row keeps exp2(-inf - m) = 0
+    for phase in tl.static_range(2):
+        lo = 0 if phase == 0 else n_full
+        hi = n_full if phase == 0 else end
+        acc, row_sum, row_max = _fwd_key_blocks(
+            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m, q_shift,
+            k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST,
+            UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+    # normalize; lse in natural log, the causal ALiBi row term taken out once per row
+    empty = row_sum == 0.0
+    out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
+    lse_log2 = row_max + tl.log2(tl.where(empty, 1.0, row_sum))  # [BM]
     if HAS_ALIBI and CAUSAL:
-        lse2 -= _alibi_term(offs_m + diag, r0, slope)  # the row term, once per row
-    lse = tl.where(empty, float("-inf"), lse2 * LN2)  # [BM]
-    offs_dv = tl.arange(0, BLOCK_DV)
-    _store_rows(O + q0 * stride_ot + h * stride_oh, out, offs_m, lq, stride_ot, offs_dv, D_V)
-    tl.store(LSE + h * stride_lh + q0 + offs_m, lse, mask=offs_m < lq)
+        lse_log2 -= _alibi_term(offs_m + q_shift, alibi_pivot, slope)
+    lse = tl.where(empty, float("-inf"), lse_log2 * LN2)  # [BM]
+    _store_rows(Out + q_start * stride_ot + head * stride_oh, out, offs_m, q_len, stride_ot, tl.arange(0, BLOCK_DV),
+                D_V)
+    tl.store(LSE + head * stride_lh + q_start + offs_m, lse, mask=offs_m < q_len)
 
 
-def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, causal, softmax_scale,
-                      alibi_slopes):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, causal: bool, softmax_scale: float,
+                      alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the forward kernel. Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
@@ -143,11 +134,18 @@ def attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, caus
     lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
     if tq == 0 or n_docs == 0:
         return out, lse
-    slopes = alibi_slopes if alibi_slopes is not None else lse  # placeholder pointer when no ALiBi
     cfg = launch_config("fwd", d_qk, d_v)
     _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, n_docs)](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, slopes, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0), softmax_scale * LOG2E.value,
-        d_qk, d_v, CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None,
-        UPCAST=INTERPRET and q.dtype == torch.bfloat16, **_dims(d_qk, d_v), **cfg)
+        q, q.stride(0), q.stride(1),
+        k, k.stride(0), k.stride(1),
+        v, v.stride(0), v.stride(1),
+        out, out.stride(0), out.stride(1),
+        lse, lse.stride(0),
+        cu_seqlens_q,
+        cu_seqlens_k,
+        alibi_slopes if alibi_slopes is not None else lse,  # any pointer when there is no ALiBi
+        softmax_scale * LOG2E.value,
+        d_qk, d_v,
+        CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse

@@ -1,4 +1,9 @@
-"""SwiGLU between the MoE GEMMs: forward fused with rowwise quantization, backward fused with both quantizations.
+"""SwiGLU between the MoE GEMMs: the forward fused with the rowwise quantization GEMM2 reads, the backward fused
+with the row and column quantizations the two backward GEMMs read.
+
+Math, per padded row (h = [g | u], g and u [F] each; padding rows give zeros):
+  act = silu(g) * u,   dg = dact * u * sigma(g) * (1 + g * (1 - sigma(g))),   du = dact * silu(g)
+Shapes: M_pad padded rows, F expert FFN width.
 """
 
 from __future__ import annotations
@@ -8,28 +13,38 @@ import triton
 import triton.language as tl
 
 from moela.ops.moe import gluon as moe_gluon
-from moela.ops.moe.kernel_common import FP8, LAUNCH, _store_rows_cols
-from moela.ops.moe.quantize import _use_gluon
+from moela.ops.moe.kernel_common import FP8, LAUNCH, store_tile_quantized
+from moela.ops.moe.quantize import use_gluon
 
 
 @triton.jit
-def _swiglu_fwd_kernel(h_ptr, m_idx_ptr, out_ptr, s_ptr, M, F, QUANT: tl.constexpr):
+def _swiglu_fwd_kernel(
+    h_ptr,  # [M_pad, 2F] GEMM1 output: g in columns [0, F), u in [F, 2F)
+    m_idx_ptr,  # [M_pad] int32 expert of each row, -1 on padding
+    out_ptr,  # [M_pad, F] act, written (e4m3 codes when QUANT, else h's dtype)
+    s_ptr,  # [M_pad, F/128] fp32 scales, written (QUANT)
+    M, F,
+    QUANT: tl.constexpr,
+):
+    """Program (f block, m block): act over one 128x128 tile. Grid: (F/128, M_pad/128)."""
     pid_f, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
-    r64 = rows.to(tl.int64)
-    g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    act = g * tl.sigmoid(g) * u  # [128, 128]
+    rows64 = rows.to(tl.int64)
+    gate = tl.load(h_ptr + rows64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + rows64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None],
+                 other=0.0).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up  # [128, 128]
     if QUANT:
-        _store_rows_cols(act, rows, cols, rows < M, cols < F, out_ptr, s_ptr, out_ptr, s_ptr, F, F // 128, 0, 0,
-                         True, False)
+        store_tile_quantized(act, rows, cols, rows < M, cols < F, out_ptr, F, s_ptr, F // 128, out_ptr, 0, s_ptr, 0,
+                             True, False)
     else:
-        tl.store(out_ptr + r64[:, None] * F + cols[None, :], act.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + rows64[:, None] * F + cols[None, :], act.to(out_ptr.dtype.element_ty))
 
 
-def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
+def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M_pad, 2F] -> act [M_pad, F] (e4m3 + 1x128 scales when quant, else h's dtype); padding rows -> 0."""
     m, two_f = h.shape
     f = two_f // 2
@@ -38,68 +53,89 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool):
         s = torch.empty(m, f // 128, device=h.device, dtype=torch.float32)
     else:
         out, s = torch.empty(m, f, device=h.device, dtype=h.dtype), None
-    _swiglu_fwd_kernel[(f // 128, m // 128)](h, m_indices, out, s if quant else out, m, f, QUANT=quant,
-                                             **LAUNCH["swiglu_fwd"])
+    _swiglu_fwd_kernel[(f // 128, m // 128)](
+        h,
+        m_indices,
+        out,
+        s if quant else out,
+        m, f,
+        QUANT=quant, **LAUNCH["swiglu_fwd"])
     return out, s
 
 
 @triton.jit
-def _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                     pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
-    """Output PART of tile (pid_m, pid_f): 0 dg, 1 du (both into dh), 2 act."""
+def _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
+                     pid_m, pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
+    """Output PART of tile (pid_m, pid_f): 0 dg and 1 du (into dh's columns [0, F) and [F, 2F)), 2 act."""
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
-    r64 = rows.to(tl.int64)
-    g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
+    rows64 = rows.to(tl.int64)
+    # the inputs this output needs
+    gate = tl.load(h_ptr + rows64[:, None] * (2 * F) + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
     if PART != 1:
-        u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0)
-        u = u.to(tl.float32)
+        up = tl.load(h_ptr + rows64[:, None] * (2 * F) + F + cols[None, :], mask=valid[:, None], other=0.0)
+        up = up.to(tl.float32)
     if PART != 2:
-        da = tl.load(da_ptr + r64[:, None] * F + cols[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        dact = tl.load(dact_ptr + rows64[:, None] * F + cols[None, :], mask=valid[:, None],
+                       other=0.0).to(tl.float32)
+    # the output tile
     if PART == 0:
-        out = da * u * (sig + silu * (1.0 - sig))
+        out = dact * up * (sig + silu * (1.0 - sig))
     elif PART == 1:
-        out = da * silu
+        out = dact * silu
     else:
-        out = silu * u
+        out = silu * up
+    # stored plain, or quantized: act by columns only, dh by rows and by columns
     if PART == 2:
         if QUANT:
-            _store_rows_cols(out, rows, cols, rows < M, cols < F, at_ptr, ast_ptr, at_ptr, ast_ptr, 0, 0, M,
-                             M // 128, False, True)
+            store_tile_quantized(out, rows, cols, rows < M, cols < F, actt_ptr, 0, actt_s_ptr, 0, actt_ptr, M,
+                                 actt_s_ptr, M // 128, False, True)
         else:
-            tl.store(at_ptr + r64[:, None] * F + cols[None, :], out.to(at_ptr.dtype.element_ty))
+            tl.store(actt_ptr + rows64[:, None] * F + cols[None, :], out.to(actt_ptr.dtype.element_ty))
     else:
-        c_out = cols + PART * F
+        dh_cols = cols + PART * F
         if QUANT:
-            _store_rows_cols(out, rows, c_out, rows < M, cols < F, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, 2 * F,
-                             2 * F // 128, M, M // 128, True, True)
+            store_tile_quantized(out, rows, dh_cols, rows < M, cols < F, dh_ptr, 2 * F, dh_s_ptr, 2 * F // 128,
+                                 dht_ptr, M, dht_s_ptr, M // 128, True, True)
         else:
-            tl.store(dh_ptr + r64[:, None] * (2 * F) + c_out[None, :], out.to(dh_ptr.dtype.element_ty))
+            tl.store(dh_ptr + rows64[:, None] * (2 * F) + dh_cols[None, :], out.to(dh_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _swiglu_bwd_kernel(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F,
-                       QUANT: tl.constexpr):
-    """dact [M, F], h [M, 2F] -> dh [M, 2F] (+ its row and column quantization) and act's column quantization.
-    Program (part, f, m) writes one output of the 128x128 tile (m, f): part 0 dg, 1 du, 2 act, each branch its own
-    code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
-    registers). The three programs of a tile are neighbours in launch order: the inputs they share come from L2."""
+def _swiglu_bwd_kernel(
+    h_ptr,  # [M_pad, 2F] GEMM1 output
+    dact_ptr,  # [M_pad, F] gradient of act
+    m_idx_ptr,  # [M_pad] int32 expert of each row, -1 on padding
+    dh_ptr,  # [M_pad, 2F] dh, written (rowwise e4m3 codes when QUANT, else h's dtype)
+    dh_s_ptr,  # [M_pad, 2F/128] fp32 rowwise scales, written (QUANT)
+    dht_ptr,  # [2F, M_pad] e4m3 dh's columnwise codes, transposed, written (QUANT)
+    dht_s_ptr,  # [2F, M_pad/128] fp32, written (QUANT)
+    actt_ptr,  # [F, M_pad] e4m3 act's columnwise codes, transposed (QUANT); else act [M_pad, F] in h's dtype
+    actt_s_ptr,  # [F, M_pad/128] fp32, written (QUANT)
+    M, F,
+    QUANT: tl.constexpr,
+):
+    """Program (part, f block, m block) writes one output of the 128x128 tile: part 0 dg, 1 du, 2 act, each its
+    own code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
+    registers). The three programs of a tile are neighbours in launch order: their shared inputs come from L2.
+    Grid: (3, F/128, M_pad/128)."""
     part, pid_f, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if part == 0:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 0)
+        _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
+                         pid_m, pid_f, QUANT, 0)
     elif part == 1:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 1)
+        _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
+                         pid_m, pid_f, QUANT, 1)
     else:
-        _swiglu_bwd_part(h_ptr, da_ptr, m_idx_ptr, dh_ptr, dhs_ptr, dht_ptr, dhst_ptr, at_ptr, ast_ptr, M, F, pid_m,
-                         pid_f, QUANT, 2)
+        _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
+                         pid_m, pid_f, QUANT, 2)
 
 
-def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool, impl: str = "auto"):
+def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool, impl: str = "auto"
+               ) -> tuple:
     """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
     with act recomputed (the bf16 weight gradient reads it row-major). impl (quant only): "triton" (one program per
     output tile, the inputs in registers), "gluon" (moela.ops.moe.gluon: the three input tiles staged in shared
@@ -107,24 +143,34 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    grid = (3, f // 128, m // 128)  # (part, f, m): the parts of a tile run side by side
-    if not quant:
+    if quant:
+        h, dact = h.contiguous(), dact.contiguous()
+        dh = torch.empty(m, two_f, device=dev, dtype=FP8)
+        dh_s = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
+        dht = torch.empty(two_f, m, device=dev, dtype=FP8)
+        dht_s = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
+        actt = torch.empty(f, m, device=dev, dtype=FP8)
+        actt_s = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
+        if use_gluon("swiglu_bwd", impl, h, dact):
+            moe_gluon.swiglu_bwd(h, dact, m_indices, dh, dh_s, dht, dht_s, actt, actt_s)
+            return (dh, dh_s), (dht, dht_s), (actt, actt_s)
+    else:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
-        _swiglu_bwd_kernel[grid](h, dact, m_indices, dh, dh, dh, dh, act, act, m, f, QUANT=False,
-                                 **LAUNCH["swiglu_bwd"])
-        return dh, None, act
-    h, dact = h.contiguous(), dact.contiguous()
-    use_gluon = _use_gluon("swiglu_bwd", impl, h, dact)
-    dhq = torch.empty(m, two_f, device=dev, dtype=FP8)
-    dhs = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
-    dhqt = torch.empty(two_f, m, device=dev, dtype=FP8)
-    dhst = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
-    aqt = torch.empty(f, m, device=dev, dtype=FP8)
-    ast = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-    if use_gluon:
-        moe_gluon.swiglu_bwd(h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast)
-    else:
-        _swiglu_bwd_kernel[grid](h, dact, m_indices, dhq, dhs, dhqt, dhst, aqt, ast, m, f, QUANT=True,
-                                 **LAUNCH["swiglu_bwd"])
-    return (dhq, dhs), (dhqt, dhst), (aqt, ast)
+        dh_s = dht = dht_s = dh  # not written
+        actt, actt_s = act, act
+    _swiglu_bwd_kernel[(3, f // 128, m // 128)](  # (part, f, m): the parts of a tile run side by side
+        h,
+        dact,
+        m_indices,
+        dh,
+        dh_s,
+        dht,
+        dht_s,
+        actt,
+        actt_s,
+        m, f,
+        QUANT=quant, **LAUNCH["swiglu_bwd"])
+    if quant:
+        return (dh, dh_s), (dht, dht_s), (actt, actt_s)
+    return dh, None, act

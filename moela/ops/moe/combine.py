@@ -1,4 +1,9 @@
-"""unpermute + combine (each token's K rows gathered and summed, weighted), and its backward.
+"""unpermute + combine: each token's K expert outputs gathered from the layout and summed with the routing weights,
+and its backward fused with the row and column quantizations of do that GEMM2's backward reads.
+
+Math: y[t] = sum_k w[t, k] o[row_map[t, k]];  do[r] = w[t, k] dy[t] and dw[t, k] = <dy[t], o[r]> for the row
+r = row_map[t, k] (do = 0 on padding rows).
+Shapes: T tokens, D hidden, K top-k, M_pad padded rows.
 """
 
 from __future__ import annotations
@@ -7,84 +12,117 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe.kernel_common import FP8, LAUNCH, _store_rows_cols
+from moela.ops.moe.kernel_common import FP8, LAUNCH, store_tile_quantized
 from moela.ops.moe.layout import Layout
 
 
 @triton.jit
-def _combine_kernel(o_ptr, row_map_ptr, w_ptr, y_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
-                    WEIGHTED: tl.constexpr):
-    """y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED)."""
-    t, pd = tl.program_id(0), tl.program_id(1)
-    c = pd * BLOCK_D + tl.arange(0, BLOCK_D)
+def _combine_kernel(
+    o_ptr,  # [M_pad, D] expert outputs in the layout
+    row_map_ptr,  # [T*K] int32 row of each (token, k)
+    w_ptr,  # [T, K] routing weights (read when WEIGHTED)
+    y_ptr,  # [T, D], written
+    D,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr,
+):
+    """Program (token, channel block): y[t] = sum_k w[t, k] * o[row_map[t, k]] (w = 1 when not WEIGHTED).
+    Grid: (T, cdiv(D, BLOCK_D))."""
+    token, pid_d = tl.program_id(0), tl.program_id(1)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for kk in tl.static_range(K):
-        row = tl.load(row_map_ptr + t * K + kk).to(tl.int64)
-        v = tl.load(o_ptr + row * D + c, mask=c < D, other=0.0).to(tl.float32)
+    for k in tl.static_range(K):
+        row = tl.load(row_map_ptr + token * K + k).to(tl.int64)
+        value = tl.load(o_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
         if WEIGHTED:
-            v = v * tl.load(w_ptr + t * K + kk).to(tl.float32)
-        acc += v
-    tl.store(y_ptr + t.to(tl.int64) * D + c, acc.to(y_ptr.dtype.element_ty), mask=c < D)
+            value = value * tl.load(w_ptr + token * K + k).to(tl.float32)
+        acc += value
+    tl.store(y_ptr + token.to(tl.int64) * D + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
-def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor | None, out_dtype: torch.dtype):
+def unpermute_combine(o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
     """o [M_pad, D] -> y [T, D]: gather each token's K rows and sum them, weighted by topk_weights [T, K] if given."""
     d = o.shape[1]
     t, k = layout.num_tokens, layout.topk
     y = torch.empty(t, d, device=o.device, dtype=out_dtype)
     block_d = min(1024, triton.next_power_of_2(d))
-    w = topk_weights.contiguous() if topk_weights is not None else o
-    _combine_kernel[(t, triton.cdiv(d, block_d))](o, layout.row_map, w, y, d, K=k, BLOCK_D=block_d,
-                                                  WEIGHTED=topk_weights is not None, **LAUNCH["combine"])
+    _combine_kernel[(t, triton.cdiv(d, block_d))](
+        o,
+        layout.row_map,
+        topk_weights.contiguous() if topk_weights is not None else o,
+        y,
+        d,
+        K=k, BLOCK_D=block_d, WEIGHTED=topk_weights is not None, **LAUNCH["combine"])
     return y
 
 
 @triton.jit
-def _combine_bwd_kernel(dy_ptr, o_ptr, src_ptr, w_ptr, do_ptr, dos_ptr, dot_ptr, dost_ptr, part_ptr, M, D,
-                        K: tl.constexpr, QUANT: tl.constexpr):
-    """Per 128x128 tile of padded rows: do = dy[t] * w[t,k] (0 on padding), its row/column quantization, and the
-    partial dot <dy[t], o[row]> over these 128 channels (summed on the host side into d topk_weights)."""
+def _combine_bwd_kernel(
+    dy_ptr,  # [T, D] gradient of y
+    o_ptr,  # [M_pad, D] expert outputs in the layout
+    src_ptr,  # [M_pad] int32 flat (token, k) index of each row, -1 on padding
+    w_ptr,  # [T*K] fp32 routing weights
+    do_ptr,  # [M_pad, D] do, written (rowwise e4m3 codes when QUANT, else dy's dtype)
+    do_s_ptr,  # [M_pad, D/128] fp32 rowwise scales, written (QUANT)
+    dot_ptr,  # [D, M_pad] e4m3 columnwise codes, transposed, written (QUANT)
+    dot_s_ptr,  # [D, M_pad/128] fp32, written (QUANT)
+    partial_ptr,  # [M_pad, D/128] fp32, written: <dy[t], o[row]> over each 128 channels
+    M, D,
+    K: tl.constexpr, QUANT: tl.constexpr,
+):
+    """Program (d block, m block), one 128x128 tile of padded rows: do = dy[t] * w[t, k] (0 on padding), its row and
+    column quantization, and the partial dots that the launcher sums into d topk_weights. Grid: (D/128, M_pad/128)."""
     pid_d, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_d * 128 + tl.arange(0, 128)
-    s = tl.load(src_ptr + rows)
-    ok = s >= 0
-    sf = tl.where(ok, s, 0)
-    tok = (sf // K).to(tl.int64)
-    r64 = rows.to(tl.int64)
-    dy = tl.load(dy_ptr + tok[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + r64[:, None] * D + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + sf, mask=ok, other=0.0).to(tl.float32)
-    tl.store(part_ptr + r64 * (D // 128) + pid_d, tl.sum(dy * o, axis=1))
-    do = dy * w[:, None]
+    # each row's (token, k)
+    src = tl.load(src_ptr + rows)
+    real = src >= 0
+    flat = tl.where(real, src, 0)
+    token = (flat // K).to(tl.int64)
+    rows64 = rows.to(tl.int64)
+    dy = tl.load(dy_ptr + token[:, None] * D + cols[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + rows64[:, None] * D + cols[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    weight = tl.load(w_ptr + flat, mask=real, other=0.0).to(tl.float32)
+    # the routing weights' gradient, partial over this tile's channels; then do
+    tl.store(partial_ptr + rows64 * (D // 128) + pid_d, tl.sum(dy * o, axis=1))
+    do = dy * weight[:, None]
     if QUANT:
-        _store_rows_cols(do, rows, cols, rows < M, cols < D, do_ptr, dos_ptr, dot_ptr, dost_ptr, D, D // 128, M,
-                         M // 128, True, True)
+        store_tile_quantized(do, rows, cols, rows < M, cols < D, do_ptr, D, do_s_ptr, D // 128, dot_ptr, M,
+                             dot_s_ptr, M // 128, True, True)
     else:
-        tl.store(do_ptr + r64[:, None] * D + cols[None, :], do.to(do_ptr.dtype.element_ty))
+        tl.store(do_ptr + rows64[:, None] * D + cols[None, :], do.to(do_ptr.dtype.element_ty))
 
 
-def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor, *, quant: bool):
+def combine_bwd(dy: torch.Tensor, o: torch.Tensor, layout: Layout, topk_weights: torch.Tensor, *, quant: bool
+                ) -> tuple:
     """Backward of unpermute_combine: returns (do rowwise, do colwise, d topk_weights [T, K] fp32); with quant the
     first two are (q, s) pairs, else do [M_pad, D] in dy's dtype and None."""
     m, d = o.shape
     dev = o.device
-    part = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
-    grid = (d // 128, m // 128)
+    partial = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
     dy = dy.contiguous()
-    w = topk_weights.contiguous()
     if quant:
-        doq = torch.empty(m, d, device=dev, dtype=FP8)
-        dos = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
-        doqt = torch.empty(d, m, device=dev, dtype=FP8)
-        dost = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, doq, dos, doqt, dost, part, m, d, K=layout.topk, QUANT=True,
-                                  **LAUNCH["combine_bwd"])
-        rowwise, colwise = (doq, dos), (doqt, dost)
+        do = torch.empty(m, d, device=dev, dtype=FP8)
+        do_s = torch.empty(m, d // 128, device=dev, dtype=torch.float32)
+        dot = torch.empty(d, m, device=dev, dtype=FP8)
+        dot_s = torch.empty(d, m // 128, device=dev, dtype=torch.float32)
     else:
         do = torch.empty(m, d, device=dev, dtype=dy.dtype)
-        _combine_bwd_kernel[grid](dy, o, layout.src, w, do, do, do, do, part, m, d, K=layout.topk, QUANT=False,
-                                  **LAUNCH["combine_bwd"])
-        rowwise, colwise = do, None
-    dw = part.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
-    return rowwise, colwise, dw
+        do_s = dot = dot_s = do  # not written
+    _combine_bwd_kernel[(d // 128, m // 128)](
+        dy,
+        o,
+        layout.src,
+        topk_weights.contiguous(),
+        do,
+        do_s,
+        dot,
+        dot_s,
+        partial,
+        m, d,
+        K=layout.topk, QUANT=quant, **LAUNCH["combine_bwd"])
+    dw = partial.sum(1)[layout.row_map.long()].view(layout.num_tokens, layout.topk)  # [T, K]
+    if quant:
+        return (do, do_s), (dot, dot_s), dw
+    return do, None, dw

@@ -1,7 +1,16 @@
-"""Grouped GEMMs from libraries: torch._grouped_mm (bf16), DeepGEMM (FP8), cuBLAS blockwise
-FP8 through torch._scaled_mm.
-"""
+"""The MoE path's grouped GEMMs from libraries, over the same m-grouped layout as gemm_triton.py: torch._grouped_mm
+(bf16), DeepGEMM's m-grouped FP8 GEMM (when `deep_gemm` imports), cuBLAS blockwise FP8 through torch._scaled_mm.
 
+cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp32 scales in its own layouts (with
+`torch._scaled_mm(a [M, K] row-major, b [K, N] column-major)`): 1x128 scales of a as [M, K/128] with strides
+(1, M) (M-major); 1x128 scales of b as [K/128, N] row-major (N-major); 128x128 scales of b as [K/128, N/128] with
+strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4: K a multiple of 512). The
+wrappers reorder the (small) scale tensors (once per call, except a's 1x128 scales in the m-grouped GEMM: once per
+expert, since cuBLAS wants their M-stride to equal the expert's row count) and launch one `torch._scaled_mm` per
+non-empty expert over its padded block (the expert bounds come from the host, one sync per layer, made by the
+caller). `torch._grouped_mm` exists on torch 2.11 CUDA and on torch 2.13 CPU (the CPU tests), including the
+2-D x 2-D form with `offs` for the weight gradient.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,12 +18,13 @@ import functools
 import torch
 
 
-def torch_mgrouped(a, b, offsets):
+def torch_mgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """bf16 m-grouped GEMM by torch._grouped_mm: rows past offsets[-1] are left unwritten (consumers mask them)."""
     return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
 
 
-def torch_kgrouped(a, b, offsets, counts, out_dtype):
+def torch_kgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
     """bf16 k-grouped GEMM by torch._grouped_mm; experts with no rows get zeros."""
     out = torch._grouped_mm(a, b.t(), offs=offsets[1:].to(torch.int32))  # [E, N, K]
     return torch.where((counts > 0)[:, None, None], out, 0).to(out_dtype)
@@ -29,7 +39,8 @@ def deep_gemm_available() -> bool:  # cached: a failed import is retried on ever
     return torch.cuda.is_available()
 
 
-def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
+def deep_gemm_mgrouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                       m_indices: torch.Tensor) -> torch.Tensor:
     """DeepGEMM's m-grouped contiguous FP8 GEMM; same layout and fp32 scales, its scales TMA-aligned MN-major."""
     import deep_gemm
 
@@ -45,7 +56,7 @@ def deep_gemm_mgrouped(a, a_scale, b, b_scale, m_indices):
 
 
 @functools.lru_cache(maxsize=None)
-def cublas_blockwise_available(device=None) -> bool:
+def cublas_blockwise_available(device: torch.device | None = None) -> bool:
     """cuBLAS's DeepSeek-style blockwise FP8 GEMM: Hopper (sm_9x) with torch >= 2.10 (whose `_scaled_mm` checks
     and passes 1x128 / 128x128 scales to cuBLASLt; measured with torch 2.11 + CUDA 13.0 on the H200)."""
     if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
@@ -65,7 +76,8 @@ def _mn_major(s: torch.Tensor) -> torch.Tensor:
     return s.t().contiguous().t()
 
 
-def cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.bfloat16):
+def cublas_mgrouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    bounds: list[tuple[int, int]], out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 m-grouped GEMM: out [M_pad, N] with out[s:t] = a[s:t] @ b[e]^T for expert e's padded rows [s, t) =
     bounds[e], b [E, N, K] (expert slices K-contiguous, e.g. the transposed weight copy for the data gradient),
     a_scale [M_pad, K/128], b_scale [E, N/128, K/128] (any strides). Rows past the last expert are zeros."""
@@ -93,7 +105,8 @@ def cublas_mgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.bfloat16):
 _FP32_OUT = [True]  # cleared if this torch/cuBLAS refuses fp32 output for blockwise FP8 (then bf16, upcast)
 
 
-def cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype=torch.float32):
+def cublas_kgrouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    bounds: list[tuple[int, int]], out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """FP8 k-grouped GEMM (weight gradient): out [E, N, K], out[e] = a[:, s:t] @ b[:, s:t]^T over expert e's padded
     rows [s, t) = bounds[e]; a [N, M_pad], b [K, M_pad] token-contiguous e4m3 with 128x1 (along tokens) scales
     [N, M_pad/128], [K, M_pad/128]. Empty experts get zeros."""

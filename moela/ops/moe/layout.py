@@ -1,4 +1,15 @@
-"""The m-grouped contiguous layout of the MoE path: the Layout record, its row bound, and the counting kernels.
+"""The m-grouped contiguous layout of the MoE path (DeepGEMM's): the `Layout` record, its row bound, and the two
+counting kernels of the stable counting sort that builds it.
+
+The T*K (token, k) rows are grouped by expert; expert e's rows start at a multiple of 128 and its block is padded
+with zero rows up to the next multiple. `m_indices [M_pad]` holds each row's expert (-1 on padding rows), `row_map
+[T*K]` the row of (t, k), `src [M_pad]` the flat index t*K+k of each row (-1 on padding). M_pad is an upper bound
+computed on the host from T, K and E (round_up(T*K, 128) + E*128), so building the layout needs no host sync; rows
+past the last expert are padding. The sort: ranks and expert histograms per 128-id chunk (`_layout_count_kernel`),
+their prefix sums over chunks (`_layout_scan_kernel`), then each row's placement, which the permute kernel
+(permute.py) does inside its data pass: three launches for the whole permute, no torch index ops, no sort.
+
+Shapes: T tokens, K top-k, E experts, C chunks of 128 expert ids, M_pad padded rows.
 """
 
 from __future__ import annotations
@@ -29,9 +40,9 @@ class Layout:
         return self.m_indices.numel()
 
     def expert_bounds(self) -> list[tuple[int, int]]:
-        """Each expert's padded row range [s, t) as host integers (reads the offsets: one device sync)."""
-        off = self.offsets.tolist()
-        return list(zip(off[:-1], off[1:]))
+        """Each expert's padded row range [start, end) as host integers (reads the offsets: one device sync)."""
+        offsets = self.offsets.tolist()
+        return list(zip(offsets[:-1], offsets[1:]))
 
 
 def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int = ALIGN) -> int:
@@ -39,43 +50,58 @@ def build_layout_rows(num_tokens: int, topk: int, num_experts: int, align: int =
     return triton.cdiv(num_tokens * topk, align) * align + num_experts * align
 
 
-_CHUNK = 128  # expert ids per program of the layout's counting kernel (a [128, 128] comparison ranks them)
+CHUNK = 128  # expert ids per program of the counting kernel (a [128, 128] comparison ranks them)
 
 
 @triton.jit
-def _layout_count_kernel(ids_ptr, rank_ptr, hist_ptr, n, C, E, CH: tl.constexpr, E_BLOCK: tl.constexpr,
-                         E_BLOCKS: tl.constexpr):
-    """Chunk c of the flat expert ids [c * CH, (c + 1) * CH): rank[i] = how many earlier ids of the chunk equal
-    id_i; hist[e, c] = how many ids of the chunk are e."""
-    c = tl.program_id(0)
-    j = tl.arange(0, CH)
-    i = c * CH + j
-    ok = i < n
-    ids = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32)
-    before = (ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None])  # [CH (i), CH (earlier)]
-    tl.store(rank_ptr + i, tl.sum(before.to(tl.int32), axis=1), mask=ok)
-    for b in tl.static_range(E_BLOCKS):
-        ex = b * E_BLOCK + tl.arange(0, E_BLOCK)
-        hist = tl.sum((ids[:, None] == ex[None, :]).to(tl.int32), axis=0)  # [E_BLOCK]
-        tl.store(hist_ptr + ex * C + c, hist, mask=ex < E)
+def _layout_count_kernel(
+    ids_ptr,  # [T*K] expert ids, int32 or int64
+    rank_ptr,  # [T*K] int32, written: earlier ids of the same expert in the id's chunk
+    hist_ptr,  # [E, C] int32, written: ids of each expert per chunk
+    n_ids,  # T*K
+    C,  # chunks
+    E,
+    CH: tl.constexpr, E_BLOCK: tl.constexpr, E_BLOCKS: tl.constexpr,
+):
+    """Program c, chunk [c * CH, (c + 1) * CH) of the flat ids: rank[i] = #{j < i in the chunk: id_j = id_i},
+    hist[e, c] = #{i in the chunk: id_i = e}."""
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CH)
+    flat = chunk * CH + lane
+    valid = flat < n_ids
+    ids = tl.load(ids_ptr + flat, mask=valid, other=-1).to(tl.int32)
+    # rank within the chunk: count equal ids at earlier lanes
+    before = (ids[None, :] == ids[:, None]) & (lane[None, :] < lane[:, None])  # [CH (i), CH (earlier)]
+    tl.store(rank_ptr + flat, tl.sum(before.to(tl.int32), axis=1), mask=valid)
+    # histogram, E_BLOCK experts at a time
+    for e_block in tl.static_range(E_BLOCKS):
+        experts = e_block * E_BLOCK + tl.arange(0, E_BLOCK)
+        hist = tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [E_BLOCK]
+        tl.store(hist_ptr + experts * C + chunk, hist, mask=experts < E)
 
 
 @triton.jit
-def _layout_scan_kernel(hist_ptr, prefix_ptr, counts_ptr, C, BLOCK_C: tl.constexpr):
-    """Expert e: prefix[e, c] = its ids in chunks before c (exclusive scan of hist[e, :]); counts[e] = all of them.
-    BLOCK_C >= C (one vector: 32 values per thread at 4096 chunks, i.e. T*K = 512k)."""
-    e = tl.program_id(0)
-    cc = tl.arange(0, BLOCK_C)
-    h = tl.load(hist_ptr + e * C + cc, mask=cc < C, other=0)
-    tl.store(prefix_ptr + e * C + cc, tl.cumsum(h, axis=0) - h, mask=cc < C)
-    tl.store(counts_ptr + e, tl.sum(h, axis=0).to(tl.int64))
+def _layout_scan_kernel(
+    hist_ptr,  # [E, C] int32
+    prefix_ptr,  # [E, C] int32, written: the expert's ids in earlier chunks
+    counts_ptr,  # [E] int64, written: the expert's ids in all chunks
+    C,  # chunks
+    BLOCK_C: tl.constexpr,
+):
+    """Program e: prefix[e, c] = sum_{c' < c} hist[e, c'] (exclusive scan), counts[e] = sum_c hist[e, c].
+    BLOCK_C >= C: one vector (32 values per thread at 4096 chunks, i.e. T*K = 512k)."""
+    expert = tl.program_id(0)
+    chunks = tl.arange(0, BLOCK_C)
+    hist = tl.load(hist_ptr + expert * C + chunks, mask=chunks < C, other=0)
+    tl.store(prefix_ptr + expert * C + chunks, tl.cumsum(hist, axis=0) - hist, mask=chunks < C)
+    tl.store(counts_ptr + expert, tl.sum(hist, axis=0).to(tl.int64))
 
 
-def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
-    """The layout's first two launches (ranks and histograms per chunk; counts and per-chunk prefix sums per expert)
-    and every index buffer of it, in one int32 and one int64 allocation. Returns (flat ids, rank, prefix, chunks,
-    row_map, m_indices, src, counts, offsets); the permute kernel in PLACE mode then writes row_map, m_indices, src
-    and offsets."""
+def count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Layout]:
+    """The layout's first two launches and every index buffer of it (one int32 and one int64 allocation). Returns
+    (flat ids [T*K], rank [T*K], prefix [E, C], C, layout); the layout's counts are filled, its row_map, m_indices,
+    src and offsets are written by the permute kernel placing the rows (permute.py)."""
     if align != ALIGN:
         raise ValueError(f"build_layout: align={align} is not supported; the kernels use {ALIGN}-row blocks")
     if topk_ids.dim() != 2:
@@ -84,14 +110,22 @@ def _count_and_scan(topk_ids: torch.Tensor, num_experts: int, align: int):
     e, tk, dev = num_experts, topk_ids.numel(), topk_ids.device
     flat = topk_ids.reshape(-1).contiguous()  # [T*K], int32 or int64
     m_pad = build_layout_rows(t, k, e, align)
-    chunks = max(1, triton.cdiv(tk, _CHUNK))
+    chunks = max(1, triton.cdiv(tk, CHUNK))
     ints = torch.empty(2 * tk + 2 * e * chunks + 2 * m_pad, dtype=torch.int32, device=dev)
     rank, row_map, hist, prefix, m_indices, src = ints.split([tk, tk, e * chunks, e * chunks, m_pad, m_pad])
     longs = torch.empty(2 * e + 1, dtype=torch.int64, device=dev)
     counts, offsets = longs[:e], longs[e:]
     e_block = min(64, triton.next_power_of_2(e))
-    _layout_count_kernel[(chunks,)](flat, rank, hist, tk, chunks, e, CH=_CHUNK, E_BLOCK=e_block,
-                                    E_BLOCKS=triton.cdiv(e, e_block), **LAUNCH["layout"])
-    _layout_scan_kernel[(e,)](hist, prefix, counts, chunks, BLOCK_C=triton.next_power_of_2(chunks),
-                              **LAUNCH["layout"])
-    return flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets
+    _layout_count_kernel[(chunks,)](
+        flat,
+        rank,
+        hist,
+        tk, chunks, e,
+        CH=CHUNK, E_BLOCK=e_block, E_BLOCKS=triton.cdiv(e, e_block), **LAUNCH["layout"])
+    _layout_scan_kernel[(e,)](
+        hist,
+        prefix,
+        counts,
+        chunks,
+        BLOCK_C=triton.next_power_of_2(chunks), **LAUNCH["layout"])
+    return flat, rank, prefix, chunks, Layout(m_indices, row_map, src, counts, offsets, t, k)

@@ -1,4 +1,8 @@
-"""permute + align (+ 1x128 quantize): the data pass that also places the rows when the layout is being built.
+"""permute + align (+ 1x128 quantize): the data pass that scatters each token's row to its K expert blocks, and that
+also places the rows (the counting sort's last step, layout.py) when the layout is being built.
+
+Math: out[row_map[t, k]] = x[t] (or its e4m3 codes with one fp32 scale per 1x128 group), zero on padding rows.
+Shapes: T tokens, D hidden, K top-k, E experts, C chunks of 128 expert ids, M_pad padded rows.
 """
 
 from __future__ import annotations
@@ -7,12 +11,164 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe.kernel_common import _ZERO_ROWS, ALIGN, FP8, GROUP, LAUNCH, _quant, _scale_inv
-from moela.ops.moe.layout import _CHUNK, Layout, _count_and_scan
+from moela.ops.moe.kernel_common import ALIGN, FP8, GROUP, LAUNCH, e4m3_codes, fp8_scale_inverse
+from moela.ops.moe.layout import CHUNK, Layout, count_and_scan
 
-# channels per permute program (a (token, channel chunk) grid): 2048 moved the V3 permute+align+quant from 70% to
-# 74% of the copy bandwidth on the H200, 512 ran at 50% (bench/moe.py --sections permute_cfg, moe_notes.md run 13)
+# channels per program of the (token, channel block) grid; the bench notes (bench/notes/moe.md) have the sweep
 PERMUTE_BLOCK_D = 2048
+ZERO_ROWS = tl.constexpr(8)  # rows per zero-fill tile of the padding programs
+
+
+@triton.jit
+def _expert_blocks(counts_ptr, E, E_PAD: tl.constexpr):
+    """(experts [E_PAD], padded [E_PAD], starts [E_PAD]): each expert block's rows rounded up to 128 and its first
+    row, the exclusive prefix sum of the padded sizes."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+    padded = (counts + 127) // 128 * 128
+    return experts, padded, tl.cumsum(padded, axis=0) - padded
+
+
+@triton.jit
+def _place_token(token, ids_ptr, rank_ptr, prefix_ptr, experts, starts, C, K: tl.constexpr, K_PAD: tl.constexpr,
+                 CH: tl.constexpr):
+    """The rows of token's K (token, k) pairs: its expert's block start + the expert's ids in earlier chunks + its
+    rank in its chunk. Returns (ks [K_PAD], k_valid, flat indices, expert ids, rows), all [K_PAD]."""
+    ks = tl.arange(0, K_PAD)
+    k_valid = ks < K
+    flat = token * K + ks
+    ids = tl.load(ids_ptr + flat, mask=k_valid, other=0).to(tl.int32)
+    block_start = tl.sum(tl.where(experts[None, :] == ids[:, None], starts[None, :], 0), axis=1)  # [K_PAD]
+    rows = block_start + tl.load(prefix_ptr + ids * C + flat // CH, mask=k_valid, other=0) + \
+        tl.load(rank_ptr + flat, mask=k_valid, other=0)
+    return ks, k_valid, flat, ids, rows
+
+
+@triton.jit
+def _zero_rows(out_ptr, scale_ptr, start, end, cols, groups, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               QUANT: tl.constexpr):
+    """Zeros (and, when QUANT, the scales of all-zero groups) on rows [start, min(end, start + 128)), in
+    [ZERO_ROWS, BLOCK_D] tiles ([128, BLOCK_D] took 254 registers)."""
+    for first_row in range(0, 128, ZERO_ROWS):
+        rows = start + first_row + tl.arange(0, ZERO_ROWS)
+        row_ok = rows < end
+        mask = row_ok[:, None] & (cols[None, :] < D)
+        if QUANT:
+            tl.store(out_ptr + rows[:, None] * D + cols[None, :], tl.zeros((ZERO_ROWS, BLOCK_D), tl.float8e4nv),
+                     mask=mask)
+            zero_scale = fp8_scale_inverse(tl.zeros((ZERO_ROWS, BLOCK_D // 128), tl.float32))[0]
+            tl.store(scale_ptr + rows[:, None] * (D // 128) + groups[None, :], zero_scale,
+                     mask=row_ok[:, None] & (groups[None, :] < D // 128))
+        else:
+            tl.store(out_ptr + rows[:, None] * D + cols[None, :],
+                     tl.zeros((ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _permute_kernel(
+    x_ptr,  # [T, D] activations (read when DATA)
+    ids_ptr,  # [T*K] expert ids (read when PLACE)
+    rank_ptr,  # [T*K] int32 from the count kernel (read when PLACE)
+    prefix_ptr,  # [E, C] int32 from the scan kernel (read when PLACE)
+    counts_ptr,  # [E] int64 rows per expert
+    offsets_ptr,  # [E + 1] int64 expert block starts: written when PLACE, else read
+    row_map_ptr,  # [T*K] int32 row of each (token, k): written when PLACE, else read
+    m_idx_ptr,  # [M_pad] int32 expert of each row, -1 on padding: written when PLACE
+    src_ptr,  # [M_pad] int32 flat (token, k) index of each row, -1 on padding: written when PLACE
+    out_ptr,  # [M_pad, D] written when DATA: x's rows (e4m3 codes when QUANT), zeros on padding
+    scale_ptr,  # [M_pad, D/128] fp32 written when DATA and QUANT
+    T, M_pad, E, C,
+    D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
+    E_PAD: tl.constexpr, QUANT: tl.constexpr, PLACE: tl.constexpr, DATA: tl.constexpr,
+):
+    """Program (p, c) covers channels [c * BLOCK_D, (c + 1) * BLOCK_D). p in [0, T): token p's K rows, read once,
+    (quantized,) written to each row. p in [T, T+E): expert p-T's padding rows; p in [T+E, T+2E+1): 128 rows each
+    of the tail after the last expert; zeroed. PLACE (building the layout): the rows come from the counting kernels,
+    the c = 0 programs write row_map, m_indices and src, program (0, 0) the offsets; otherwise rows come from
+    row_map. Grid: (T + 2E + 1, cdiv(D, BLOCK_D))."""
+    pid = tl.program_id(0)
+    first_channel_block = tl.program_id(1) == 0
+    col0 = tl.program_id(1) * BLOCK_D
+    cols = col0 + tl.arange(0, BLOCK_D)
+    groups = col0 // 128 + tl.arange(0, BLOCK_D // 128)  # 1x128 scale groups of this channel block
+    if PLACE:
+        experts, padded, starts = _expert_blocks(counts_ptr, E, E_PAD)
+        if (pid == 0) & first_channel_block:
+            tl.store(offsets_ptr + experts, starts.to(tl.int64), mask=experts < E)
+            tl.store(offsets_ptr + E, tl.sum(padded, axis=0).to(tl.int64))
+    if pid < T:
+        # a token: find its rows, then copy (or quantize) its channels to each
+        if PLACE:
+            ks, k_valid, flat, ids, rows = _place_token(pid, ids_ptr, rank_ptr, prefix_ptr, experts, starts, C, K,
+                                                        K_PAD, CH)
+            if first_channel_block:
+                tl.store(row_map_ptr + flat, rows, mask=k_valid)
+                tl.store(m_idx_ptr + rows, ids, mask=k_valid)
+                tl.store(src_ptr + rows, flat, mask=k_valid)
+        if DATA:
+            if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
+                group_cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+                values = tl.load(x_ptr + pid.to(tl.int64) * D + group_cols, mask=group_cols < D,
+                                 other=0.0).to(tl.float32)
+                scale, inverse = fp8_scale_inverse(tl.max(tl.abs(values), axis=1))  # [G]
+                codes = e4m3_codes(values, inverse[:, None])
+            else:
+                values = tl.load(x_ptr + pid.to(tl.int64) * D + cols, mask=cols < D, other=0.0)
+            for k in tl.static_range(K):
+                if PLACE:
+                    row = tl.sum(tl.where(ks == k, rows, 0), axis=0).to(tl.int64)
+                else:
+                    row = tl.load(row_map_ptr + pid * K + k).to(tl.int64)
+                if QUANT:
+                    tl.store(out_ptr + row * D + group_cols, codes, mask=group_cols < D)
+                    tl.store(scale_ptr + row * (D // 128) + groups, scale, mask=groups < D // 128)
+                else:
+                    tl.store(out_ptr + row * D + cols, values.to(out_ptr.dtype.element_ty), mask=cols < D)
+    else:
+        # padding: an expert block's rows past its tokens, or 128 rows of the tail past the last expert
+        pad_program = pid - T
+        if pad_program < E:
+            if PLACE:
+                block_start = tl.sum(tl.where(experts < pad_program, padded, 0), axis=0)
+                start = block_start + tl.load(counts_ptr + pad_program).to(tl.int32)
+                end = block_start + tl.sum(tl.where(experts == pad_program, padded, 0), axis=0)
+            else:
+                start = tl.load(offsets_ptr + pad_program) + tl.load(counts_ptr + pad_program)
+                end = tl.load(offsets_ptr + pad_program + 1)
+        else:
+            if PLACE:
+                start = tl.sum(padded, axis=0) + (pad_program - E) * 128
+            else:
+                start = tl.load(offsets_ptr + E) + (pad_program - E) * 128
+            end = start * 0 + M_pad
+        if PLACE:
+            if first_channel_block:
+                pad_rows = start + tl.arange(0, 128)
+                tl.store(m_idx_ptr + pad_rows, tl.full((128,), -1, tl.int32), mask=pad_rows < end)
+                tl.store(src_ptr + pad_rows, tl.full((128,), -1, tl.int32), mask=pad_rows < end)
+        if DATA:
+            _zero_rows(out_ptr, scale_ptr, start, end, cols, groups, D, BLOCK_D, QUANT)
+
+
+def _launch_permute(x: torch.Tensor, flat_ids: torch.Tensor, rank: torch.Tensor, prefix: torch.Tensor, chunks: int,
+                    layout: Layout, out: torch.Tensor, scales: torch.Tensor, *, d: int, block_d: int, quant: bool,
+                    place: bool, data: bool) -> None:
+    num_experts = layout.counts.numel()
+    _permute_kernel[(layout.num_tokens + 2 * num_experts + 1, triton.cdiv(d, block_d))](
+        x,
+        flat_ids,
+        rank,
+        prefix,
+        layout.counts,
+        layout.offsets,
+        layout.row_map,
+        layout.m_indices,
+        layout.src,
+        out,
+        scales,
+        layout.num_tokens, layout.m_pad, num_experts, chunks,
+        D=d, K=layout.topk, K_PAD=triton.next_power_of_2(layout.topk), BLOCK_D=block_d, CH=CHUNK,
+        E_PAD=triton.next_power_of_2(num_experts), QUANT=quant, PLACE=place, DATA=data, **LAUNCH["permute"])
 
 
 def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -> Layout:
@@ -20,135 +176,34 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, align: int = ALIGN) -
     launches and no host sync (M_pad is the upper bound): per-chunk ranks and expert histograms, their prefix sums
     over chunks, and the placement (the permute kernel without data; `permute_align` without a given layout places
     and moves the data in one launch). Rows keep token order inside each expert."""
-    t, k = topk_ids.shape
-    flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets = _count_and_scan(topk_ids, num_experts,
-                                                                                          align)
-    _permute_kernel[(t + 2 * num_experts + 1, 1)](
-        flat, flat, row_map, flat, rank, prefix, counts, offsets, m_indices, src, flat, flat, t, m_indices.numel(),
-        num_experts, chunks, D=128, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_D=128, CH=_CHUNK,
-        E_PAD=triton.next_power_of_2(num_experts), QUANT=False, PLACE=True, DATA=False, **LAUNCH["permute"])
-    return Layout(m_indices, row_map, src, counts, offsets, t, k)
-
-
-@triton.jit
-def _permute_kernel(x_ptr, ids_ptr, row_map_ptr, lrow_ptr, rank_ptr, prefix_ptr, counts_ptr, offsets_ptr, m_idx_ptr,
-                    src_ptr, out_ptr, s_ptr, T, M_pad, E, C, D: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
-                    BLOCK_D: tl.constexpr, CH: tl.constexpr, E_PAD: tl.constexpr, QUANT: tl.constexpr,
-                    PLACE: tl.constexpr, DATA: tl.constexpr):
-    """Program (p, c) covers channels [c * BLOCK_D, (c + 1) * BLOCK_D). p in [0, T): token p's K rows; with DATA
-    read that chunk of token p once, (quantize,) and write it to those rows. p in [T, T+E): expert p-T's padding
-    rows; p in [T+E, T+2E+1): 128 rows each of the tail after the last expert; with DATA zero them.
-    PLACE (the layout is being built): token p's rows come from the counting kernels (its expert's padded start +
-    ids of that expert in earlier chunks + its rank in its chunk) and the c = 0 programs write row_map, m_indices
-    and src (-1 on padding rows), program (0, 0) the offsets; otherwise rows come from row_map (lrow_ptr)."""
-    pid = tl.program_id(0)
-    first = tl.program_id(1) == 0
-    c0 = tl.program_id(1) * BLOCK_D
-    cols = c0 + tl.arange(0, BLOCK_D)
-    groups = c0 // 128 + tl.arange(0, BLOCK_D // 128)
-    if PLACE:  # each expert block's first row: the exclusive prefix sum of the counts rounded up to 128
-        ex = tl.arange(0, E_PAD)
-        cnt = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
-        padded = (cnt + 127) // 128 * 128
-        starts = tl.cumsum(padded, axis=0) - padded  # [E_PAD]
-        if (pid == 0) & first:
-            tl.store(offsets_ptr + ex, starts.to(tl.int64), mask=ex < E)
-            tl.store(offsets_ptr + E, tl.sum(padded, axis=0).to(tl.int64))
-    if pid < T:
-        if PLACE:
-            kk = tl.arange(0, K_PAD)
-            kok = kk < K
-            i = pid * K + kk  # flat (token, k) indices
-            ids = tl.load(ids_ptr + i, mask=kok, other=0).to(tl.int32)
-            block = tl.sum(tl.where(ex[None, :] == ids[:, None], starts[None, :], 0), axis=1)  # [K]
-            rows = block + tl.load(prefix_ptr + ids * C + i // CH, mask=kok, other=0) + \
-                tl.load(rank_ptr + i, mask=kok, other=0)
-            if first:
-                tl.store(row_map_ptr + i, rows, mask=kok)
-                tl.store(m_idx_ptr + rows, ids, mask=kok)
-                tl.store(src_ptr + rows, i, mask=kok)
-        if DATA:
-            if QUANT:  # [G, 128] tile: one row per 1x128 group (explicit 2-D addressing, no reshape)
-                c2 = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
-                xv = tl.load(x_ptr + pid.to(tl.int64) * D + c2, mask=c2 < D, other=0.0).to(tl.float32)
-                sc, inv = _scale_inv(tl.max(tl.abs(xv), axis=1))  # [G]
-                q = _quant(xv, inv[:, None])
-            else:
-                xv = tl.load(x_ptr + pid.to(tl.int64) * D + cols, mask=cols < D, other=0.0)
-            for k_ in tl.static_range(K):
-                if PLACE:
-                    row = tl.sum(tl.where(kk == k_, rows, 0), axis=0).to(tl.int64)
-                else:
-                    row = tl.load(lrow_ptr + pid * K + k_).to(tl.int64)
-                if QUANT:
-                    tl.store(out_ptr + row * D + c2, q, mask=c2 < D)
-                    tl.store(s_ptr + row * (D // 128) + groups, sc, mask=groups < D // 128)
-                else:
-                    tl.store(out_ptr + row * D + cols, xv.to(out_ptr.dtype.element_ty), mask=cols < D)
-    else:
-        p = pid - T
-        if p < E:
-            if PLACE:
-                begin = tl.sum(tl.where(ex < p, padded, 0), axis=0)
-                start = begin + tl.load(counts_ptr + p).to(tl.int32)
-                end = begin + tl.sum(tl.where(ex == p, padded, 0), axis=0)
-            else:
-                start = tl.load(offsets_ptr + p) + tl.load(counts_ptr + p)
-                end = tl.load(offsets_ptr + p + 1)
-        else:
-            if PLACE:
-                start = tl.sum(padded, axis=0) + (p - E) * 128
-            else:
-                start = tl.load(offsets_ptr + E) + (p - E) * 128
-            end = start * 0 + M_pad
-        if PLACE:
-            if first:
-                pad = start + tl.arange(0, 128)
-                tl.store(m_idx_ptr + pad, tl.full((128,), -1, tl.int32), mask=pad < end)
-                tl.store(src_ptr + pad, tl.full((128,), -1, tl.int32), mask=pad < end)
-        if DATA:
-            for r0 in range(0, 128, _ZERO_ROWS):  # [_ZERO_ROWS, BLOCK_D] tiles: [128, BLOCK_D] took 254 registers
-                r = start + r0 + tl.arange(0, _ZERO_ROWS)
-                ok = r < end
-                m = ok[:, None] & (cols[None, :] < D)
-                if QUANT:
-                    tl.store(out_ptr + r[:, None] * D + cols[None, :],
-                             tl.zeros((_ZERO_ROWS, BLOCK_D), tl.float8e4nv), mask=m)
-                    sz = _scale_inv(tl.zeros((_ZERO_ROWS, BLOCK_D // 128), tl.float32))[0]
-                    tl.store(s_ptr + r[:, None] * (D // 128) + groups[None, :], sz,
-                             mask=ok[:, None] & (groups[None, :] < D // 128))
-                else:
-                    tl.store(out_ptr + r[:, None] * D + cols[None, :],
-                             tl.zeros((_ZERO_ROWS, BLOCK_D), out_ptr.dtype.element_ty), mask=m)
+    flat, rank, prefix, chunks, layout = count_and_scan(topk_ids, num_experts, align)
+    _launch_permute(flat, flat, rank, prefix, chunks, layout, flat, flat, d=128, block_d=128, quant=False, place=True,
+                    data=False)
+    return layout
 
 
 def permute_align(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = ALIGN,
-                  quant: str | None = "fp8_1x128", layout: Layout | None = None):
+                  quant: str | None = "fp8_1x128", layout: Layout | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, Layout]:
     """Scatter each (token, k) row of x [T, D] into its expert's 128-aligned block, optionally quantized to e4m3
-    with 1x128 scales. Returns (data [M_pad, D], scales [M_pad, D/128] fp32 or None, layout)."""
+    with 1x128 scales. Returns (data [M_pad, D], scales [M_pad, D/128] fp32 or None, layout); without a `layout`
+    the same launch builds it."""
     if align != ALIGN:
         raise ValueError(f"permute_align: align={align} is not supported; the kernels use {ALIGN}-row blocks")
     if quant not in (None, "fp8_1x128"):
         raise ValueError(f"permute_align: quant={quant!r}; use 'fp8_1x128' or None")
-    t, d = x.shape
+    d = x.shape[1]
     if quant and d % GROUP:
         raise ValueError(f"permute_align: hidden size {d} must be a multiple of {GROUP} for 1x128 quantization")
     x = x.contiguous()
-    k = topk_ids.shape[1]
-    if layout is None:  # build the layout: two counting launches, then placement fused into the data pass
-        flat, rank, prefix, chunks, row_map, m_indices, src, counts, offsets = _count_and_scan(topk_ids, num_experts,
-                                                                                              align)
-        lay = Layout(m_indices, row_map, src, counts, offsets, t, k)
-    else:
+    if layout is None:  # two counting launches, then the placement fused into the data pass
+        flat, rank, prefix, chunks, lay = count_and_scan(topk_ids, num_experts, align)
+    else:  # the counting buffers are not read: any int32 tensor
         flat = rank = prefix = layout.row_map
         chunks, lay = 1, layout
     out = torch.empty(lay.m_pad, d, device=x.device, dtype=FP8 if quant else x.dtype)  # [M_pad, D]
     scales = torch.empty(lay.m_pad, d // GROUP, device=x.device, dtype=torch.float32) if quant else None
-    block_d = min(PERMUTE_BLOCK_D, triton.next_power_of_2(max(d, 128)))
-    grid = (t + 2 * num_experts + 1, triton.cdiv(d, block_d))
-    _permute_kernel[grid](x, flat, lay.row_map, lay.row_map, rank, prefix, lay.counts, lay.offsets, lay.m_indices,
-                          lay.src, out, scales if quant else out, t, lay.m_pad, num_experts, chunks, D=d, K=k,
-                          K_PAD=triton.next_power_of_2(k), BLOCK_D=block_d, CH=_CHUNK,
-                          E_PAD=triton.next_power_of_2(num_experts), QUANT=quant is not None, PLACE=layout is None,
-                          DATA=True, **LAUNCH["permute"])
+    _launch_permute(x, flat, rank, prefix, chunks, lay, out, scales if quant else out, d=d,
+                    block_d=min(PERMUTE_BLOCK_D, triton.next_power_of_2(max(d, 128))), quant=quant is not None,
+                    place=layout is None, data=True)
     return out, scales, lay
