@@ -227,11 +227,13 @@ def test_explicit_backend_errors(monkeypatch):
         mla_attention(q, q, q, cu, 10, backend="flash3")
 
 
-def test_triton_rejects_what_its_launch_cannot_address():
+def test_triton_rejects_what_its_launch_cannot_address(monkeypatch):
     q = torch.zeros(65536, 1, 16, dtype=torch.float16)
     cu = torch.arange(65537, dtype=torch.int32)  # 65536 one-token documents: one more than CUDA's grid z limit
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "documents")  # the work list has no such limit
     with pytest.raises(ValueError, match="65535"):
         triton_mod.flash_mla_attention(q, q, q, cu, 1, cu, 1)
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "worklist")
     strided = torch.tensor([0, 9, 5, 9, 10, 9], dtype=torch.int32)[::2]  # [0, 5, 10], read as [0, 9, 5] by a kernel
     with pytest.raises(TypeError, match="strided"):
         triton_mod.flash_mla_attention(q[:10], q[:10], q[:10], strided, 5, strided, 5)

@@ -114,22 +114,22 @@ def _flash_or_skip():
         pytest.skip(problem)
 
 
+# bf16 and four kernel sets (192/128 causal, causal ALiBi, full ALiBi; 128/128 causal): flash-attn-4 compiles one
+# set per head dims, dtype and mask, a few seconds each
 @pytest.mark.gpu
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi,dtype", [
-    (192, 128, [2048, 2048], [2048, 2048], True, False, torch.bfloat16),  # equal lengths: the batched entry
-    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, False, torch.bfloat16),
-    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True, torch.bfloat16),
-    (192, 128, [5, 333, 1025], [5, 333, 1025], False, True, torch.float16),
-    (192, 128, [1000, 3000], [3000, 4096], True, False, torch.bfloat16),  # a longer k side: bottom-right
-    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True, torch.bfloat16),  # empty, single-token docs
-    (128, 128, [1024, 513], [1024, 513], False, False, torch.bfloat16),
-    (128, 128, [1024, 1024], [1024, 1024], True, True, torch.float16),
-    (64, 64, [777, 1, 129], [777, 1, 129], True, False, torch.bfloat16),
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi", [
+    (192, 128, [2048, 2048], [2048, 2048], True, False),  # equal lengths
+    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, False),
+    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True),
+    (192, 128, [5, 333, 1025], [5, 333, 1025], False, True),
+    (192, 128, [1000, 3000], [3000, 4096], True, False),  # a longer k side: bottom-right
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True),  # empty and single-token documents
+    (128, 128, [1024, 513, 7], [1024, 513, 7], True, False),
 ])
-def test_flash_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
+def test_flash_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi):
     _flash_or_skip()
-    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q) + d_qk,
-                          backend="flash")
+    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, alibi,
+                          seed=sum(lens_q) + d_qk, backend="flash")
 
 
 @pytest.mark.gpu
@@ -147,8 +147,8 @@ def test_flash_gpu_queries_that_see_no_key(alibi):
     """q side longer than k side, causal: the first Lq - Lk queries of a document see nothing -> out 0, lse -inf,
     no NaN in any gradient."""
     _flash_or_skip()
-    q, k, v, cu_q, cu_k, slopes, dout, _ = make_case([100, 400], [40, 400], 4, 64, 64, torch.bfloat16, "cuda", alibi,
-                                                     seed=9)
+    q, k, v, cu_q, cu_k, slopes, dout, _ = make_case([100, 400], [40, 400], 4, 192, 128, torch.bfloat16, "cuda",
+                                                     alibi, seed=9)
     kw = dict(alibi_slopes=slopes)
     got = run_with_grads(lambda a, b, c: (mla_attention(a, b, c, cu_q, 400, cu_seqlens_k=cu_k, max_seqlen_k=400,
                                                         backend="flash", **kw),), q, k, v, dout, None)

@@ -1,5 +1,6 @@
-"""The optional extras (wandb, datasets, matplotlib, flash-attn-4): a recipe that needs a missing one fails at load time with the
-pip command that installs it; without matplotlib the loss plot is skipped with a message, and training goes on."""
+"""The optional extras (wandb, datasets, matplotlib, flash-attn-4): a recipe that needs a missing one fails at load
+time with the pip command that installs it; without matplotlib the loss plot is skipped with a message, and training
+goes on."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 CuTe DSL kernels for Hopper (sm90) and Blackwell (sm100), compiled on first use.
 
 What it covers, and how it meets moela's contract:
-- Packed documents through `flash_attn_varlen_func` (cu_seqlens_q / cu_seqlens_k, max_seqlen), Dqk != Dv (MLA's
-  192/128), causal or full attention; a batch of equal-length documents (T == N * max_seqlen on both sides, checked
-  without a device sync) goes through `flash_attn_func` on a [N, L, H, D] view instead.
+- Every call goes through `flash_attn_varlen_func` (cu_seqlens_q / cu_seqlens_k, max_seqlen), equal-length batches
+  included: one set of compiled kernels per head dims and mask serves them all. Dqk != Dv (MLA's 192/128), causal
+  or full attention.
 - Causal alignment: flash-attn-4 lets query i see key j when j <= i + Lk - Lq, moela's bottom-right rule, so a q
   chunk that is the tail of a longer k side (context parallelism) needs nothing extra. A query that sees no key gets
   out 0 and lse -inf, as in the reference.
@@ -108,7 +108,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         if t.dtype != torch.int32 or t.device != q.device:
             raise TypeError(f"{name} must be an int32 tensor on {q.device}; got {t.dtype} on {t.device}")
     module, _ = _flash_module()
-    tq, heads, _ = q.shape
+    tq = q.shape[0]
     n_docs = cu_seqlens_q.numel() - 1
     if tq == 0 or k.shape[0] == 0 or n_docs == 0:  # nothing to launch; the reference's loop is empty or trivial
         from moela.ops.attention.reference import attention_reference
@@ -120,15 +120,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
     if alibi_slopes is not None:
         score_mod, score_mod_bwd = _score_mods(causal)
         options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd, aux_tensors=[alibi_slopes.contiguous()])
-    equal = tq == n_docs * max_seqlen_q and k.shape[0] == n_docs * max_seqlen_k
-    if equal:
-        out, lse = module.flash_attn_func(q.reshape(n_docs, max_seqlen_q, heads, -1),
-                                          k.reshape(n_docs, max_seqlen_k, heads, -1),
-                                          v.reshape(n_docs, max_seqlen_k, heads, -1), **options)
-        out = out.view(tq, heads, -1)  # [Tq, H, Dv]
-        lse = lse.transpose(0, 1).reshape(heads, tq) if return_lse else None  # [N, H, L] -> [H, Tq]
-    else:
-        out, lse = module.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-                                                 **options)
+    out, lse = module.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                             max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+                                             **options)  # [Tq, H, Dv], [H, Tq]
     return out, (lse if return_lse else None)
