@@ -164,6 +164,51 @@ def test_triton_bf16_upcast_in_interpreter(poisoned_empty):
                           backend="triton", ulps=3.0)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("causal,alibi,with_lse", [(True, True, True), (False, True, False), (True, False, False)])
+def test_triton_fused_backward_matches_float64(poisoned_empty, monkeypatch, causal, alibi, with_lse):
+    """The fused backward (dq through fp32 atomics): odd lengths, an empty and a single-token document, a longer k
+    side, a partial last key block (which full attention must mask), with and without the lse gradient."""
+    monkeypatch.setitem(triton_mod.SCHEDULE, "backward", "fused")
+    check_against_float64([1, 0, 70, 45], [1, 0, 131, 45], 2, 48, 40, torch.float32, "cpu", causal, alibi,
+                          seed=13 + causal, backend="triton", with_lse=with_lse)
+
+
+@needs_interpreter
+def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
+    """The per-document grid (kept for comparison in bench/attention.py) still computes the same attention."""
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "documents")
+    check_against_float64([1, 0, 70, 45], [1, 0, 131, 45], 2, 48, 40, torch.float32, "cpu", True, True, seed=19,
+                          backend="triton")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("key_blocks", [True, False])
+def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):
+    from moela.ops.attention.triton_worklist import build_worklist
+
+    lens_q, lens_k, block = [5, 0, 130, 64, 1, 300], [9, 0, 200, 64, 1, 300], 32
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)
+    n_tokens = sum(lens_k if key_blocks else lens_q)
+    items = build_worklist(cu_q, cu_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+    side = lens_k if key_blocks else lens_q
+    expected = {(d, b) for d, length in enumerate(side) for b in range(-(-length // block))}
+    real = items[0] >= 0
+    assert items.shape == (2, -(-n_tokens // block) + len(side)) and items.dtype == torch.int32
+    assert real.sum() == len(expected) and real[:len(expected)].all()  # the unused entries come last
+    assert {tuple(x) for x in items[:, real].T.tolist()} == expected
+
+    def cost(d, b):  # (query, key) pairs of the block, from the definition of the mask
+        lq, lk = lens_q[d], lens_k[d]
+        pairs = [(i, j) for i in range(lq) for j in range(lk) if not causal or j <= i + lk - lq]
+        return sum(1 for i, j in pairs if (j if key_blocks else i) // block == b)
+
+    costs = [cost(d, b) for d, b in items[:, real].T.tolist()]
+    big, small = max(costs), min(costs)
+    assert costs[0] == big and costs[-1] == small  # the costliest block starts first, the cheapest ends the list
+
+
 @pytest.mark.parametrize("causal,alibi", [(True, False), (False, True)])
 def test_reference_matches_float64(causal, alibi):
     check_against_float64([2, 31, 90], [2, 45, 90], 2, 48, 40, torch.float32, "cpu", causal, alibi, seed=7,
