@@ -1,12 +1,17 @@
 """What the Triton flash-attention kernels share: launch table, head-dim split, and the @triton.jit helpers for tile
 loads, scores, masks, ALiBi terms and the per-program prologue.
 
-Kernels (triton_fwd.py, triton_bwd.py): the forward runs one program per (query block, head, document), an online
-softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural log, -inf for a query
-that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the only place the lse
-gradient enters); then one program per key block accumulates dk and dv over query blocks and one per query block
-accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but needs no
-atomics: gradients are deterministic.
+Kernels (triton_fwd.py, triton_bwd.py, triton_bwd_fused.py): the forward runs one program per (query block, head,
+document), an online softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural
+log, -inf for a query that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the
+only place the lse gradient enters); then, by default ("split"), one program per key block accumulates dk and dv
+over query blocks and one per query block accumulates dq over key blocks. Recomputing the scores in both costs one
+extra QK^T and dO V^T but needs no atomics: gradients are deterministic. The "fused" backward computes the scores
+once and adds dq through fp32 atomics instead (`SCHEDULE`).
+
+Programs are launched over a work list (triton_worklist.py): every document's blocks, costliest first, heads
+fastest, so packed batches of short documents launch no empty programs and the longest blocks start first; the
+per-document grid the kernels used before stays selectable for comparison (`SCHEDULE`).
 
 Decisions:
 - Dqk is split into a power-of-two main part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
