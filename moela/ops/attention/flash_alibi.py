@@ -12,10 +12,17 @@ absolute value. Positions are converted to float per row and per column (the com
 equal indices across a tile) and the difference is exact below 2^24, so the bias is rounded once, by the multiply.
 The bias does not depend on q or k: its backward passes the gradient through unchanged.
 
+flash-attn-4 keys its compiled kernels (in memory and in its optional disk cache) by a hash of the score modifier's
+source; the modifiers here call a helper, so each carries a hash of this whole file instead (`__cute_hash__`), and
+an edit anywhere in it compiles anew.
+
 This module imports the CuTe DSL (`cutlass`): `moela.ops.attention.flash` imports it only when ALiBi runs there.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import cutlass
 import cutlass.cute as cute
@@ -54,3 +61,8 @@ def alibi_full(scores, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tens
 def alibi_backward(grad, scores, batch_idx, head_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
     """d(score + bias) / d(score) = 1."""
     return grad
+
+
+_SOURCE = Path(__file__).read_bytes()
+for _modifier in (alibi_causal, alibi_full, alibi_backward):
+    _modifier.__cute_hash__ = hashlib.sha256(_SOURCE + _modifier.__name__.encode()).hexdigest()
