@@ -298,6 +298,7 @@ HEADER = ("| impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | first 
 
 
 def table_row(impl: str, r) -> str:
+    """One markdown row; r is a result dict or the reason there is none."""
     if isinstance(r, str):
         return f"| {impl} | {r} | | | | | | |"
     diff = "-" if r["max_rel_diff"] is None else f"{r['max_rel_diff'][0]} {r['max_rel_diff'][1]:.2g}"
@@ -338,17 +339,16 @@ def main() -> None:
     else:
         say(f"flash-attn-4: {problem}")
     say(f"Triton schedule: {SCHEDULE}; launch configs: {CONFIGS}\n")
-    rows, measured = [], []
-    for case in cases:
+    rows, measured, references = [], [], {}
+
+    def run_case(case: Case, names: list[str], title: str) -> None:
         x = make_inputs(case)
         docs = f"{len(case.lens)} documents, {sum(case.lens)} tokens, longest {max(case.lens)}"
-        say(f"### {case.name} ({case.d_qk}/{case.d_v}, {case.feature}; {docs})\n")
-        say(f"auto picks: {auto_choice(case, x)}\n")
+        say(f"### {title}{case.name} ({case.d_qk}/{case.d_v}, {case.feature}; {docs})\n")
+        if not title:
+            say(f"auto picks: {auto_choice(case, x)}\n")
         say(HEADER)
-        names = [i for i in ("triton", "flash", "cudnn") if i in impls]
-        if "variants" in impls and case.variants:
-            names += list(VARIANTS)
-        reference, speeds = None, {}
+        speeds = {}
         for impl in names:
             if time.time() - t0 > args.budget:
                 say(table_row(impl, f"skipped (past the {args.budget:.0f} s budget)"))
@@ -359,13 +359,13 @@ def main() -> None:
                 continue
             schedule, configs = VARIANTS.get(impl, ({}, {}))
             with variant(schedule, configs, case.d_qk, case.d_v):
-                result = guarded(150, run_row, case, impl, x, reference, warmup, rep)
+                result = guarded(150, run_row, case, impl, x, references.get(case.name), warmup, rep)
             if isinstance(result, str):
                 say(table_row(impl, result))
                 continue
             r, got = result
             if impl == "triton":
-                reference = got
+                references[case.name] = got
             say(table_row(impl, r))
             rows.append(dict(case=case.name, impl=impl, **{k: v for k, v in r.items() if k != "max_rel_diff"},
                              max_rel_diff=None if r["max_rel_diff"] is None else r["max_rel_diff"][1]))
@@ -373,9 +373,18 @@ def main() -> None:
                 speeds[impl] = round(r["fwd_bwd_tflops"])
         if speeds:
             measured.append((case, speeds))
+        if not case.variants or title:
+            references.pop(case.name, None)  # kept on the GPU only for the variant rows to come
         say()
         del x
         torch.cuda.empty_cache()
+
+    # every case's backends first, then the Triton variants: a spent budget drops variant rows, not cases
+    for case in cases:
+        run_case(case, [i for i in ("triton", "flash", "cudnn") if i in impls], "")
+    if "variants" in impls:
+        for case in (c for c in cases if c.variants):
+            run_case(case, [name for name in VARIANTS], "Triton schedule variants: ")
     say(f"total {time.time() - t0:.0f} s\n")
     say("Rows for moela/ops/attention/auto.py MEASURED (fwd+bwd TFLOP/s of this run):\n\n```python")
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
