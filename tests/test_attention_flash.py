@@ -62,6 +62,8 @@ def test_rank_fallbacks_are_explicit():
     assert order == ["flash", "triton"] and "128/128 not measured" in why
     order, why = auto.rank(call(feature="alibi", layout="packed"), runs("flash", "triton"), TABLE)
     assert order == ["flash", "triton"] and "no packed row" in why
+    order, why = auto.rank(call(feature="alibi", layout="equal", tokens_per_doc=8192), runs("flash", "triton"), TABLE)
+    assert "alibi over plain on 'eq 8k': flash +32%, triton +0%" in why  # 500 / 380, 350 / 350
     no_alibi = tuple(r for r in TABLE if r.feature != "alibi")
     order, why = auto.rank(call(feature="alibi"), runs("flash", "triton"), no_alibi)
     assert order == ["triton"] and "no measurement of alibi" in why

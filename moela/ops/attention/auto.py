@@ -21,6 +21,7 @@ flash-attn-4 4.0.0b36). Backends: "flash" flash-attn-4, "sdpa" cuDNN through PyT
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -116,6 +117,12 @@ def rank(call: CallClass, problems: Mapping[str, Callable[[], str | None]],
             skipped.append(f"{name} ({row.tflops[name]:.0f}) cannot run it: {problem}")
     speeds = " > ".join(f"{name} {row.tflops[name]:.0f}" for name in ranked)
     why = f"{what}: measured fwd+bwd TFLOP/s {speeds} on '{row.case}' ({row.source})"
+    if row.feature != "plain":  # what the feature costs each backend (targets: <= 5% over its plain speed)
+        plain, _ = nearest_row(dataclasses.replace(call, feature="plain"), table)
+        costs = [f"{name} +{plain.tflops[name] / row.tflops[name] - 1:.0%}" for name in ranked
+                 if plain is not None and name in plain.tflops]
+        if costs:
+            why += f"; {row.feature} over plain on '{plain.case}': {', '.join(costs)}"
     if notes:
         why += "; " + "; ".join(notes)
     if skipped:
