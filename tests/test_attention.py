@@ -209,6 +209,20 @@ def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):
     assert costs[0] == big and costs[-1] == small  # the costliest block starts first, the cheapest ends the list
 
 
+def test_worklist_cache_reuses_only_the_same_unmodified_tensors():
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    cu = torch.tensor([0, 5, 70, 71], dtype=torch.int32)
+    first = cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True)
+    assert cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True) is first  # the next layer's call
+    assert cached_worklist(cu, cu, 71, 32, key_blocks=True, causal=True) is not first
+    twin = cu.clone()  # equal values, another tensor: built anew (identity, not contents, is the key)
+    assert cached_worklist(twin, twin, 71, 32, key_blocks=False, causal=True) is not first
+    cu[1:] = torch.tensor([30, 70, 71], dtype=torch.int32)  # modified in place: its version moved
+    rebuilt = cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True)
+    assert rebuilt is not first and (rebuilt[0] >= 0).sum() == 1 + 2 + 1
+
+
 @pytest.mark.parametrize("causal,alibi", [(True, False), (False, True)])
 def test_reference_matches_float64(causal, alibi):
     check_against_float64([2, 31, 90], [2, 45, 90], 2, 48, 40, torch.float32, "cpu", causal, alibi, seed=7,

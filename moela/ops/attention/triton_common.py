@@ -87,10 +87,10 @@ def launch_grid(cu_seqlens_q, cu_seqlens_k, n_tokens: int, max_seqlen: int, head
                 key_blocks: bool, causal: bool) -> tuple[tuple[int, ...], dict]:
     """(grid, the kernel's schedule arguments ITEMS, n_items, n_heads, WORKLIST) under SCHEDULE["grid"]; the
     work list covers the k side's blocks when `key_blocks`, else the q side's (n_tokens, max_seqlen of that side)."""
-    from moela.ops.attention.triton_worklist import build_worklist
+    from moela.ops.attention.triton_worklist import cached_worklist
 
     if SCHEDULE["grid"] == "worklist":
-        items = build_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+        items = cached_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
         n_items = items.shape[1]
         return (n_items * heads,), dict(ITEMS=items, n_items=n_items, n_heads=heads, WORKLIST=True)
     n_docs = cu_seqlens_q.numel() - 1

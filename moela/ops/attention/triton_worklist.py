@@ -12,11 +12,22 @@ Order: longest-processing-time first. A block's cost is the number of (query, ke
 query block near the start of its document sees few keys; a causal key block near the end is seen by few queries),
 so the longest blocks start first and the launch's tail holds short ones. The sort is stable: equal costs keep
 document order, and the list is the same on every rank for the same batch.
+
+Every layer of a model attends over the same cu_seqlens tensors, so `cached_worklist` keeps the last lists it built,
+keyed by those tensors' identity and version (a weak reference proves it is the same live tensor, the version
+counter that it was not modified in place): a micro-batch builds its lists once (~15 small kernels each), not once
+per layer and pass.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
+
 import torch
+
+_CACHE: OrderedDict = OrderedDict()  # key -> (weakref to cu_seqlens_q, weakref to cu_seqlens_k, items)
+_CACHE_SIZE = 16
 
 
 def build_worklist(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tokens: int, block: int, *,
@@ -47,3 +58,19 @@ def build_worklist(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tok
     order = torch.argsort(cost, descending=True, stable=True)
     items = torch.stack((torch.where(real, doc, -1), index))[:, order]  # [2, W]
     return items.to(torch.int32)
+
+
+def cached_worklist(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tokens: int, block: int, *,
+                    key_blocks: bool, causal: bool) -> torch.Tensor:
+    """build_worklist's list, reused while cu_seqlens_q and cu_seqlens_k are the same unmodified tensors."""
+    key = (id(cu_seqlens_q), id(cu_seqlens_k), cu_seqlens_q._version, cu_seqlens_k._version, n_tokens, block,
+           key_blocks, causal)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is cu_seqlens_q and hit[1]() is cu_seqlens_k:
+        _CACHE.move_to_end(key)
+        return hit[2]
+    items = build_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+    _CACHE[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), items)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return items
