@@ -154,7 +154,7 @@ def test_every_moela_kernel_has_a_family():
     import re
 
     names = set()
-    for path in (ROOT / "moela" / "ops").rglob("*.py"):  # the op packages (attention/, moe/) included
+    for path in (ROOT / "moela" / "ops").rglob("*.py"):
         names |= set(re.findall(r"@(?:triton|gluon)\.jit[^\n]*\n\s*def (\w+_kernel)\(", path.read_text()))
     assert {"_fwd_kernel", "_mgrouped_kernel", "_permute_kernel"} <= names
     assert {n: classify(n) for n in names if classify(n) == "other"} == {}
