@@ -333,9 +333,9 @@ def main() -> None:
     probe = torch.empty(1, 1, 64, device=DEV, dtype=DT)
     problem = flash_problem(probe, probe, probe)
     if problem is None:
-        import flash_attn
+        from importlib.metadata import version
 
-        say(f"flash-attn-4 {getattr(flash_attn, '__version__', '?')} (import {time.perf_counter() - start:.1f} s)")
+        say(f"flash-attn-4 {version('flash-attn-4')} (import {time.perf_counter() - start:.1f} s)")
     else:
         say(f"flash-attn-4: {problem}")
     say(f"Triton schedule: {SCHEDULE}; launch configs: {CONFIGS}\n")
