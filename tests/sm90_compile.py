@@ -86,12 +86,14 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a"):
 
 
 def attention_kernels():
-    from moela.ops.attention import triton_bwd, triton_fwd
+    from moela.ops.attention import triton_bwd, triton_bwd_fused, triton_fwd
     from moela.ops.attention.triton_common import CONFIGS, head_dim_blocks
 
     d_qk, d_v = 192, 128
-    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, **head_dim_blocks(d_qk, d_v))
-    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", SLOPES="*fp32")
+    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, WORKLIST=True,
+                  **head_dim_blocks(d_qk, d_v))
+    ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", SLOPES="*fp32",
+                ITEMS="*i32", n_items=1000, n_heads=16)
     strides = {f"stride_{t}{d}": s for t in ("q", "k", "dq", "dk") for d, s in (("t", 16 * d_qk), ("h", d_qk))}
     strides.update({f"stride_{t}{d}": s for t in ("v", "o", "do", "dv") for d, s in (("t", 16 * d_v), ("h", d_v))})
     strides["stride_lh"] = 4096
@@ -99,7 +101,9 @@ def attention_kernels():
     out = {}
     for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
                                 ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
-                                ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
+                                ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads)),
+                                ("attention fused", triton_bwd_fused._bwd_fused_kernel,
+                                 dict(DK="*bf16", DV="*bf16", DQACC="*fp32", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}

@@ -66,20 +66,30 @@ def run_with_grads(fn, q, k, v, dout, dlse):
 
 
 def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
-                          ulps=0.0, slope_scale=1.0):
+                          ulps=0.0, slope_scale=1.0, with_lse=True):
+    """`with_lse`: the lse is returned and gets a random gradient (the z-loss path); else out alone."""
     q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
     if slopes is not None:
         slopes = slopes * slope_scale
     scale = 1.0 / math.sqrt(d_qk)
-    got = run_with_grads(lambda a, b, c: mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k,
-                                                       max_seqlen_k=max(lens_k), causal=causal,
-                                                       alibi_slopes=slopes, return_lse=True, backend=backend),
-                         q, k, v, dout, dlse)
-    exact = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
-                           q.double(), k.double(), v.double(), dout.double(), dlse.double())
-    lowp = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes),
-                          q, k, v, dout, dlse)
-    for name, g, e, r in zip(("out", "lse", "dq", "dk", "dv"), got, exact, lowp):
+
+    def candidate(a, b, c):
+        res = mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k), causal=causal,
+                            alibi_slopes=slopes, return_lse=with_lse, backend=backend)
+        return res if with_lse else (res,)
+
+    def naive(a, b, c):
+        res = naive_attention(a, b, c, cu_q, cu_k, causal, scale, slopes)
+        return res if with_lse else res[:1]
+
+    if not with_lse:
+        dlse = None
+    got = run_with_grads(candidate, q, k, v, dout, dlse)
+    exact = run_with_grads(naive, q.double(), k.double(), v.double(), dout.double(),
+                           None if dlse is None else dlse.double())
+    lowp = run_with_grads(naive, q, k, v, dout, dlse)
+    names = ("out", "lse", "dq", "dk", "dv") if with_lse else ("out", "dq", "dk", "dv")
+    for name, g, e, r in zip(names, got, exact, lowp):
         assert g.shape == e.shape, name
         assert torch.isfinite(g).all(), f"{name}: non-finite values (unwritten output?)"
         err = (g.double() - e).abs().max().item()
@@ -154,6 +164,65 @@ def test_triton_bf16_upcast_in_interpreter(poisoned_empty):
                           backend="triton", ulps=3.0)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("causal,alibi,with_lse", [(True, True, True), (False, True, False), (True, False, False)])
+def test_triton_fused_backward_matches_float64(poisoned_empty, monkeypatch, causal, alibi, with_lse):
+    """The fused backward (dq through fp32 atomics): odd lengths, an empty and a single-token document, a longer k
+    side, a partial last key block (which full attention must mask), with and without the lse gradient."""
+    monkeypatch.setitem(triton_mod.SCHEDULE, "backward", "fused")
+    check_against_float64([1, 0, 70, 45], [1, 0, 131, 45], 2, 48, 40, torch.float32, "cpu", causal, alibi,
+                          seed=13 + causal, backend="triton", with_lse=with_lse)
+
+
+@needs_interpreter
+def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
+    """The per-document grid (kept for comparison in bench/attention.py) still computes the same attention."""
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "documents")
+    check_against_float64([1, 0, 70, 45], [1, 0, 131, 45], 2, 48, 40, torch.float32, "cpu", True, True, seed=19,
+                          backend="triton")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("key_blocks", [True, False])
+def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):
+    from moela.ops.attention.triton_worklist import build_worklist
+
+    lens_q, lens_k, block = [5, 0, 130, 64, 1, 300], [9, 0, 200, 64, 1, 300], 32
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)
+    n_tokens = sum(lens_k if key_blocks else lens_q)
+    items = build_worklist(cu_q, cu_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+    side = lens_k if key_blocks else lens_q
+    expected = {(d, b) for d, length in enumerate(side) for b in range(-(-length // block))}
+    real = items[0] >= 0
+    assert items.shape == (2, -(-n_tokens // block) + len(side)) and items.dtype == torch.int32
+    assert real.sum() == len(expected) and real[:len(expected)].all()  # the unused entries come last
+    assert {tuple(x) for x in items[:, real].T.tolist()} == expected
+
+    def cost(d, b):  # (query, key) pairs of the block, from the definition of the mask
+        lq, lk = lens_q[d], lens_k[d]
+        pairs = [(i, j) for i in range(lq) for j in range(lk) if not causal or j <= i + lk - lq]
+        return sum(1 for i, j in pairs if (j if key_blocks else i) // block == b)
+
+    costs = [cost(d, b) for d, b in items[:, real].T.tolist()]
+    big, small = max(costs), min(costs)
+    assert costs[0] == big and costs[-1] == small  # the costliest block starts first, the cheapest ends the list
+
+
+def test_worklist_cache_reuses_only_the_same_unmodified_tensors():
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    cu = torch.tensor([0, 5, 70, 71], dtype=torch.int32)
+    first = cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True)
+    assert cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True) is first  # the next layer's call
+    assert cached_worklist(cu, cu, 71, 32, key_blocks=True, causal=True) is not first
+    twin = cu.clone()  # equal values, another tensor: built anew (identity, not contents, is the key)
+    assert cached_worklist(twin, twin, 71, 32, key_blocks=False, causal=True) is not first
+    cu[1:] = torch.tensor([30, 70, 71], dtype=torch.int32)  # modified in place: its version moved
+    rebuilt = cached_worklist(cu, cu, 71, 32, key_blocks=False, causal=True)
+    assert rebuilt is not first and (rebuilt[0] >= 0).sum() == 1 + 2 + 1
+
+
 @pytest.mark.parametrize("causal,alibi", [(True, False), (False, True)])
 def test_reference_matches_float64(causal, alibi):
     check_against_float64([2, 31, 90], [2, 45, 90], 2, 48, 40, torch.float32, "cpu", causal, alibi, seed=7,
@@ -211,15 +280,19 @@ def test_explicit_backend_errors(monkeypatch):
     monkeypatch.setattr(triton_mod, "INTERPRET", False)
     with pytest.raises(ValueError, match="triton"):
         mla_attention(q, q, q, cu, 10, backend="triton")
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(RuntimeError, match="flash-attn-4 runs on CUDA tensors"):
         mla_attention(q, q, q, cu, 10, backend="flash")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mla_attention(q, q, q, cu, 10, backend="flash3")
 
 
-def test_triton_rejects_what_its_launch_cannot_address():
+def test_triton_rejects_what_its_launch_cannot_address(monkeypatch):
     q = torch.zeros(65536, 1, 16, dtype=torch.float16)
     cu = torch.arange(65537, dtype=torch.int32)  # 65536 one-token documents: one more than CUDA's grid z limit
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "documents")  # the work list has no such limit
     with pytest.raises(ValueError, match="65535"):
         triton_mod.flash_mla_attention(q, q, q, cu, 1, cu, 1)
+    monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "worklist")
     strided = torch.tensor([0, 9, 5, 9, 10, 9], dtype=torch.int32)[::2]  # [0, 5, 10], read as [0, 9, 5] by a kernel
     with pytest.raises(TypeError, match="strided"):
         triton_mod.flash_mla_attention(q[:10], q[:10], q[:10], strided, 5, strided, 5)
@@ -247,10 +320,19 @@ def test_triton_gpu_heads_times_documents_above_grid_y_limit():
     (192, 128, [1000, 3000], [3000, 4096], True, False, torch.bfloat16),
     (256, 256, [700, 1300], [700, 1300], True, True, torch.bfloat16),
     (112, 72, [333, 1200], [333, 1200], True, False, torch.bfloat16),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True, torch.bfloat16),
 ])
 def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),
                           backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens_q,lens_k", [([777, 1, 0, 1300], [777, 1, 0, 1300]), ([5, 400], [9, 1031])])
+def test_triton_gpu_without_lse(poisoned_empty, lens_q, lens_k):
+    """Out alone (no lse returned, so no lse gradient): the backward without a dlse."""
+    check_against_float64(lens_q, lens_k, 16, 192, 128, torch.bfloat16, "cuda", True, False, seed=sum(lens_k),
+                          backend="triton", with_lse=False)
 
 
 @pytest.mark.gpu

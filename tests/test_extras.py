@@ -1,5 +1,6 @@
-"""The optional extras (wandb, datasets, matplotlib): a recipe that needs a missing one fails at load time with the
-pip command that installs it; without matplotlib the loss plot is skipped with a message, and training goes on."""
+"""The optional extras (wandb, datasets, matplotlib, flash-attn-4): a recipe that needs a missing one fails at load
+time with the pip command that installs it; without matplotlib the loss plot is skipped with a message, and training
+goes on."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def test_a_recipe_needing_a_missing_extra_names_the_install(without):
     assert "data.source: 'hf' reads through the Hugging Face datasets package" in joined
     assert "moela[datasets]" in joined and len(info.value.errors) == 2
     assert load_config(None).logging.wandb.mode == "disabled"  # the defaults need neither
+
+
+def test_the_flash_attention_backend_names_its_install(without):
+    without("flash_attn")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.attention_backend=flash"])
+    assert "model.attention_backend: 'flash' needs flash-attn-4" in "\n".join(info.value.errors)
+    assert "moela[flash]" in "\n".join(info.value.errors)
 
 
 def test_plot_is_skipped_without_matplotlib(tmp_path, without, capsys):

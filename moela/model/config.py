@@ -19,6 +19,7 @@ Decisions:
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -173,6 +174,9 @@ class ModelConfig:
         for name, known in BACKEND_NAMES.items():
             if getattr(self, name) not in known:
                 errors.append(f"{name}: unknown backend {getattr(self, name)!r}; choose one of {', '.join(known)}")
+        if self.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
+            errors.append("attention_backend: 'flash' needs flash-attn-4, which is not installed; pip install "
+                          "'moela[flash]' (Hopper / Blackwell GPUs), or use auto")
         if self.size not in PRESETS:
             errors.append(f"size: unknown preset {self.size!r}; choose one of {', '.join(PRESETS)}")
         return errors

@@ -6,7 +6,7 @@ them. "auto" picks the fastest backend that supports the call; "reference" is th
 everywhere.
 """
 
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "sdpa")
+ATTENTION_BACKENDS = ("auto", "reference", "triton", "sdpa", "flash")
 MOE_BACKENDS = ("auto", "reference", "triton", "torch", "cublas", "deep_gemm")
 MOE_RECIPES = ("bf16", "fp8_blockwise")
 RMS_NORM_BACKENDS = ("auto", "reference", "compiled")

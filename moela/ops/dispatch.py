@@ -3,8 +3,10 @@
 Each fast backend registers an implementation and an `auto` predicate (may `backend="auto"` pick it for this
 call?), optionally an `accepts` predicate (may a caller who names it run this call?; without one a named backend
 always runs and its implementation raises its own errors). `auto` resolves to the first registered backend, in
-registration order, whose `auto` predicate accepts the call; the reference is last and always supported. The
-choice is logged once per (op, backend, reason), so a run's log says which implementation actually ran and why.
+registration order, whose `auto` predicate accepts the call; the reference is last and always supported. An op whose
+fastest backend depends on the call passes `rank`: it orders the candidates per call (from measurements) and says
+why, and `auto` takes the first of that order whose predicate holds. The choice is logged once per (op, backend,
+reason), so a run's log says which implementation actually ran and why.
 Backend names come from `moela.ops.backends`, which imports nothing.
 """
 
@@ -29,14 +31,17 @@ class FastBackend:
 class Dispatch:
     """The backends of one op. `names` is the op's tuple from `moela.ops.backends`; `needs` says what a backend that
     is not registered here requires (for the error); `describe(*args, **kwargs)` sums a call up for the error a
-    named backend that does not accept it raises."""
+    named backend that does not accept it raises; `rank(*args, **kwargs) -> (names, reason)` orders auto's
+    candidates for this call (default: registration order)."""
 
     def __init__(self, op: str, names: tuple[str, ...], *, needs: str = "",
-                 describe: Callable[..., str] | None = None) -> None:
+                 describe: Callable[..., str] | None = None,
+                 rank: Callable[..., tuple[list[str], str]] | None = None) -> None:
         self.op = op
         self.names = names
         self.needs = needs
         self.describe = describe
+        self.rank = rank
         self.fast: dict[str, FastBackend] = {}
         self.logged: set[tuple[str, str]] = set()
 
@@ -51,11 +56,16 @@ class Dispatch:
             raise ValueError(f"{self.op}: unknown backend {backend!r}; choose one of {', '.join(self.names)}")
 
     def choose(self, backend: str, *args, reason: str = "", **kwargs) -> str:
-        """The backend that runs this call: for "auto" the first registered one whose `auto(*args, **kwargs)` holds,
-        else "reference"; a named one if it is registered here and accepts the call."""
+        """The backend that runs this call: for "auto" the first candidate (registration order, or `rank`'s) whose
+        `auto(*args, **kwargs)` holds, else "reference"; a named one if it is registered here and accepts the call."""
         self.check(backend)
         if backend == "auto":
-            chosen = next((name for name, fast in self.fast.items() if fast.auto(*args, **kwargs)), "reference")
+            order = list(self.fast)
+            if self.rank is not None:
+                order, why = self.rank(*args, **kwargs)
+                reason = ", ".join(part for part in (reason, why) if part)
+            chosen = next((name for name in order if name in self.fast and self.fast[name].auto(*args, **kwargs)),
+                          "reference")
             self._log(chosen, f"auto, {reason}" if reason else "auto")
             return chosen
         if backend != "reference":

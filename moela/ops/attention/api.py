@@ -6,11 +6,13 @@ Public function: `mla_attention`. Backends:
 - `triton`: our flash kernels (`moela.ops.attention.autograd`): Dqk != Dv without padding, varlen, ALiBi, and an
   lse whose gradient is fused into the backward. CUDA tensors; on CPU only under TRITON_INTERPRET=1 and only when
   asked for by name (tests).
+- `flash`: FlashAttention-4 (`moela.ops.attention.flash`, the optional extra `[flash]`) on Hopper / Blackwell:
+  varlen, Dqk != Dv, a differentiable lse, ALiBi through its score hooks.
 - `sdpa`: PyTorch SDPA (cuDNN first) for the plain case only: every document of the same length on both sides,
   no ALiBi, no lse requested. Documents are reshaped to a batch, so no mask is materialized.
-`auto` tries the fast backends in registration order (sdpa, then triton) and falls back to
-`reference`; on CPU it always resolves to `reference`. sdpa comes first because cuDNN is faster where it applies
-(bench/notes/attention.md); everything else (packed documents, lse / z-loss, ALiBi, a longer k side) goes to triton.
+`auto` ranks the backends by the benchmark's measurements for the call's kind (`moela.ops.attention.auto`: head
+dims, equal-length or packed documents, z-loss, ALiBi), takes the fastest one that can run the call and logs the
+choice with the numbers and whatever faster backend it had to skip and why; on CPU it resolves to `reference`.
 
 Masking: with `causal=True`, query i of a document (0-based within the q side) may see key j when
 `j <= i + (Lk - Lq)`: causal alignment is bottom-right, as FlashAttention >= 2.1, so a q chunk that is the tail of
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from moela.ops.attention import auto
+from moela.ops.attention.flash import flash_attention, flash_auto, flash_problem
 from moela.ops.attention.reference import attention_reference
 from moela.ops.attention.sdpa import sdpa_attention, sdpa_supported
 from moela.ops.backends import ATTENTION_BACKENDS
@@ -35,10 +39,33 @@ def _describe(q, k, v, cu_seqlens_q, cu_seqlens_k, *, return_lse, alibi_slopes, 
             f"alibi={alibi_slopes is not None}")
 
 
+def _rank(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal, softmax_scale,
+          alibi_slopes) -> tuple[list[str], str]:
+    """auto's candidates for this call, fastest first by `auto.MEASURED`, and why (none on CPU: the reference)."""
+    if not q.is_cuda:
+        return [], ""
+    call = auto.classify(q, k, v, cu_seqlens_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         return_lse=return_lse, alibi_slopes=alibi_slopes)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    kwargs = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse, causal=causal,
+                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+    problems = {
+        "flash": lambda: flash_problem(q, k, v, alibi_slopes),
+        "sdpa": lambda: None if sdpa_supported(*args, **kwargs) else (
+            "SDPA takes equal-length documents on both sides, without lse or ALiBi"),
+    }
+    if "triton" in DISPATCH.fast:
+        problems["triton"] = lambda: None if DISPATCH.fast["triton"].auto(*args, **kwargs) else (
+            "the Triton kernels take CUDA fp16 / bf16 tensors with head dims up to 256")
+    else:
+        problems["triton"] = lambda: "Triton is not importable here"
+    return auto.rank(call, problems)
+
+
 # fast backends: impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
 # softmax_scale, alibi_slopes) -> (out, lse or None); predicates(q, k, v, cu_seqlens_q, cu_seqlens_k, *,
 # max_seqlen_q, max_seqlen_k, return_lse, causal, softmax_scale, alibi_slopes) -> bool
-DISPATCH = Dispatch("mla_attention", ATTENTION_BACKENDS, needs="triton", describe=_describe)
+DISPATCH = Dispatch("mla_attention", ATTENTION_BACKENDS, needs="triton", describe=_describe, rank=_rank)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -80,6 +107,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
 
 
 DISPATCH.register("sdpa", sdpa_attention, auto=sdpa_supported, accepts=sdpa_supported)
+DISPATCH.register("flash", flash_attention, auto=flash_auto)
 try:
     from moela.ops.attention.autograd import flash_mla_attention, triton_accepts, triton_auto
 except ImportError:  # no triton on this platform: reference and sdpa remain

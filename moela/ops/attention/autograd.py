@@ -12,7 +12,7 @@ import math
 import torch
 
 from moela.ops.attention.triton_bwd import attention_backward
-from moela.ops.attention.triton_common import MAX_GRID_YZ
+from moela.ops.attention.triton_common import MAX_GRID_YZ, SCHEDULE
 from moela.ops.attention.triton_fwd import attention_forward
 from moela.ops.triton_env import INTERPRET
 
@@ -31,10 +31,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
         if t.device != q.device:
             raise ValueError(f"triton mla_attention wants q, k, v on one device; got {name} on {t.device}, q on "
                              f"{q.device}")
-    if cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ:
-        raise ValueError(f"triton mla_attention launches one program row per head and document, at most "
-                         f"{MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents (split the "
-                         f"micro-batch)")
+    if SCHEDULE["grid"] == "documents" and (cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ):
+        raise ValueError(f"triton mla_attention's per-document grid launches one program row per head and document, "
+                         f"at most {MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents "
+                         f"(use the work-list grid, or split the micro-batch)")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous int32 tensor on {q.device}; got {t.dtype} on {t.device}"

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from moela.ops.attention.triton_common import (
     LOG2E,
+    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -24,8 +25,10 @@ from moela.ops.attention.triton_common import (
     _load_split_rows,
     _scores,
     _store_rows,
+    _work_item,
     head_dim_blocks,
     launch_config,
+    launch_grid,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -109,17 +112,20 @@ def _bwd_dkdv_kernel(
     CU_Q,  # [N + 1] int32
     CU_K,  # [N + 1] int32
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
     qk_scale,  # softmax scale * log2(e)
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (key block, head, document): dk and dv of BN keys. Grid: (cdiv(max Lk, BN), H, N)."""
-    pid_n = tl.program_id(0)
-    head = tl.program_id(1)
-    doc = tl.program_id(2)
+    """Program (key block, head, document): dk and dv of BN keys. Grid: the work list's key blocks x H, or
+    (cdiv(max Lk, BN), H, N)."""
+    doc, pid_n, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, False)
+    if doc < 0:
+        return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
     start_n = pid_n * BLOCK_N
     if start_n >= k_len:
@@ -226,17 +232,20 @@ def _bwd_dq_kernel(
     CU_Q,  # [N + 1] int32
     CU_K,  # [N + 1] int32
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
     qk_scale,  # softmax scale * log2(e)
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (query block, head, document): dq of BM queries. Grid: (cdiv(max Lq, BM), H, N)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    doc = tl.program_id(2)
+    """Program (query block, head, document): dq of BM queries. Grid: the work list's query blocks x H, or
+    (cdiv(max Lq, BM), H, N)."""
+    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, True)
+    if doc < 0:
+        return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
@@ -280,7 +289,8 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
                        softmax_scale: float, alibi_slopes: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches preprocess, dk/dv and dq kernels. dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
+    """Launches the preprocess, then the dk/dv and dq kernels (SCHEDULE["backward"] "split") or the fused kernel.
+    dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
     n_docs = cu_seqlens_q.numel() - 1
@@ -310,23 +320,31 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
               lse,
               delta,
               lse.stride(0))
-    documents = (cu_seqlens_q,
-                 cu_seqlens_k,
-                 alibi_slopes if alibi_slopes is not None else delta,  # any pointer when there is no ALiBi
-                 softmax_scale * LOG2E.value,
-                 softmax_scale,
-                 d_qk, d_v)
+    slopes = alibi_slopes if alibi_slopes is not None else delta  # any pointer when there is no ALiBi
+    scales = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                  **blocks)
+    if SCHEDULE["backward"] == "fused":
+        from moela.ops.attention.triton_bwd_fused import fused_backward
+
+        dq = fused_backward(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, max_seqlen_k,
+                            k.shape[0], h, causal)
+        return dq, dk, dv
     cfg = launch_config("dkdv", d_qk, d_v)
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg["BLOCK_N"]), h, n_docs)](
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, k.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
+                                 key_blocks=True, causal=causal)
+    _bwd_dkdv_kernel[grid](
         *inputs,
         dk, dk.stride(0), dk.stride(1),
         dv, dv.stride(0), dv.stride(1),
-        *documents, **flags, **cfg)
+        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
     cfg = launch_config("dq", d_qk, d_v)
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, n_docs)](
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
+                                 causal=causal)
+    _bwd_dq_kernel[grid](
         *inputs,
         dq, dq.stride(0), dq.stride(1),
-        *documents, **flags, **cfg)
+        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
     return dq, dk, dv

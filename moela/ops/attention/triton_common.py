@@ -1,12 +1,17 @@
 """What the Triton flash-attention kernels share: launch table, head-dim split, and the @triton.jit helpers for tile
 loads, scores, masks, ALiBi terms and the per-program prologue.
 
-Kernels (triton_fwd.py, triton_bwd.py): the forward runs one program per (query block, head, document), an online
-softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural log, -inf for a query
-that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the only place the lse
-gradient enters); then one program per key block accumulates dk and dv over query blocks and one per query block
-accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but needs no
-atomics: gradients are deterministic.
+Kernels (triton_fwd.py, triton_bwd.py, triton_bwd_fused.py): the forward runs one program per (query block, head,
+document), an online softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural
+log, -inf for a query that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the
+only place the lse gradient enters); then, by default ("split"), one program per key block accumulates dk and dv
+over query blocks and one per query block accumulates dq over key blocks. Recomputing the scores in both costs one
+extra QK^T and dO V^T but needs no atomics: gradients are deterministic. The "fused" backward computes the scores
+once and adds dq through fp32 atomics instead (`SCHEDULE`).
+
+Programs are launched over a work list (triton_worklist.py): every document's blocks, costliest first, heads
+fastest, so packed batches of short documents launch no empty programs and the longest blocks start first; the
+per-document grid the kernels used before stays selectable for comparison (`SCHEDULE`).
 
 Decisions:
 - Dqk is split into a power-of-two main part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
@@ -45,7 +50,16 @@ require_interpreter_support()
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z: heads go on y, documents on z
+MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid: heads on y, documents on z)
+
+# How the kernels are scheduled; the launchers read it at each call (bench/attention.py sets it to time every
+# variant in one process):
+#   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
+#             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
+#   backward  "split": a dk/dv kernel and a dq kernel, each recomputing the scores (deterministic);
+#             "fused": one kernel per key block computes dk, dv and adds its share of dq to an fp32 buffer with
+#             atomics (triton_bwd_fused.py): 6 Dqk + 4 Dv FLOPs per (query, key) pair instead of 8 Dqk + 6 Dv
+SCHEDULE = {"grid": "worklist", "backward": "split"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -54,9 +68,10 @@ CONFIGS = {
     "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
     "dkdv": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
     "dq": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
+    "fused": {"narrow": (64, 64, 8, 2), "wide": (64, 64, 8, 2), "xwide": (64, 32, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
-INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
+INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1), "fused": (32, 64, 4, 1)}
 
 
 def head_class(d_qk: int, d_v: int) -> str:
@@ -66,6 +81,21 @@ def head_class(d_qk: int, d_v: int) -> str:
 def launch_config(kernel: str, d_qk: int, d_v: int) -> dict:
     bm, bn, warps, stages = INTERPRET_CONFIGS[kernel] if INTERPRET else CONFIGS[kernel][head_class(d_qk, d_v)]
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+
+def launch_grid(cu_seqlens_q, cu_seqlens_k, n_tokens: int, max_seqlen: int, heads: int, block: int, *,
+                key_blocks: bool, causal: bool) -> tuple[tuple[int, ...], dict]:
+    """(grid, the kernel's schedule arguments ITEMS, n_items, n_heads, WORKLIST) under SCHEDULE["grid"]; the
+    work list covers the k side's blocks when `key_blocks`, else the q side's (n_tokens, max_seqlen of that side)."""
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    if SCHEDULE["grid"] == "worklist":
+        items = cached_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+        n_items = items.shape[1]
+        return (n_items * heads,), dict(ITEMS=items, n_items=n_items, n_heads=heads, WORKLIST=True)
+    n_docs = cu_seqlens_q.numel() - 1
+    return (triton.cdiv(max_seqlen, block), heads, n_docs), dict(ITEMS=cu_seqlens_q, n_items=0, n_heads=heads,
+                                                                  WORKLIST=False)
 
 
 def head_dim_blocks(d_qk: int, d_v: int) -> dict:
@@ -103,6 +133,27 @@ def _store_rows(ptr, x, offs_t, n_rows, stride_t, offs_d, n_cols):
     """Stores a [rows, cols] fp32 tile into a [T, H, D] tensor (ptr offset to the document and head) in its dtype."""
     tl.store(ptr + offs_t[:, None] * stride_t + offs_d[None, :], x.to(ptr.dtype.element_ty),
              mask=(offs_t[:, None] < n_rows) & (offs_d[None, :] < n_cols))
+
+
+@triton.jit
+def _work_item(ITEMS, n_items, n_heads, WORKLIST: tl.constexpr, REVERSE: tl.constexpr):
+    """(document, block index, head) of this program; document -1: nothing to do. WORKLIST: a flat grid of
+    n_items * H programs over the work list ITEMS [2, n_items] (triton_worklist.py), heads fastest, so the costliest
+    block starts on every head first. Else the per-document grid (blocks of the longest document, H, N); REVERSE
+    runs a document's last block first (a causal query block at the end of its document sees the most keys)."""
+    if WORKLIST:
+        pid = tl.program_id(0)
+        head = pid % n_heads
+        item = pid // n_heads
+        doc = tl.load(ITEMS + item)
+        block = tl.load(ITEMS + n_items + item)
+    else:
+        block = tl.program_id(0)
+        if REVERSE:
+            block = tl.num_programs(0) - 1 - block
+        head = tl.program_id(1)
+        doc = tl.program_id(2)
+    return doc, block, head
 
 
 @triton.jit

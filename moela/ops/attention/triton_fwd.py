@@ -23,8 +23,10 @@ from moela.ops.attention.triton_common import (
     _mask_and_bias,
     _scores,
     _store_rows,
+    _work_item,
     head_dim_blocks,
     launch_config,
+    launch_grid,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -76,16 +78,19 @@ def _fwd_kernel(
     CU_Q,  # [N + 1] int32, document starts on the q side
     CU_K,  # [N + 1] int32, document starts on the k side
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (query block, head, document): out and lse of BM query rows. Grid: (cdiv(max Lq, BM), H, N)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
-    head = tl.program_id(1)
-    doc = tl.program_id(2)
+    """Program (query block, head, document): out and lse of BM query rows. Grid: the work list's query blocks x H,
+    or (cdiv(max Lq, BM), H, N) (triton_common._work_item)."""
+    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, True)
+    if doc < 0:
+        return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
     start_m = pid_m * BLOCK_M
     if start_m >= q_len:
@@ -135,7 +140,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if tq == 0 or n_docs == 0:
         return out, lse
     cfg = launch_config("fwd", d_qk, d_v)
-    _fwd_kernel[(triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), h, n_docs)](
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
+                                 causal=causal)
+    _fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1),
         v, v.stride(0), v.stride(1),
@@ -144,8 +151,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         cu_seqlens_q,
         cu_seqlens_k,
         alibi_slopes if alibi_slopes is not None else lse,  # any pointer when there is no ALiBi
+        schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        **head_dim_blocks(d_qk, d_v), **cfg)
+        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse
