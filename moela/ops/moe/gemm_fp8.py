@@ -28,6 +28,11 @@ first call would run inside CUDA graph capture or a compiled step); `bench/fp8.p
 interpreter (CPU tests) loops whose bounds come from device memory are `while` loops (the interpreter cannot
 range over a loaded value).
 
+The m-grouped product has a second implementation on Hopper: moela.ops.moe.gemm_fp8_gluon, warp-specialized
+(a TMA producer warp, two consumer warpgroups promoting while the other's wgmma runs), same arguments and
+results. `impl` picks it ("gluon"), the Triton kernel ("triton") or, with "auto", AUTO_MGROUPED_IMPL where the
+Gluon kernel can run; a config name of the Gluon table ("ws_...") implies it.
+
 Shapes: M rows (padded layout or tokens), N output features, K reduction, E experts (groups).
 """
 
@@ -40,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from moela.ops.moe import gemm_fp8_gluon
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
@@ -77,6 +84,9 @@ KGROUPED_CONFIGS: dict[str, GemmConfig] = {
 }
 DEFAULT_MGROUPED = "128x128_s4"
 DEFAULT_KGROUPED = "128x64_s4"
+# What impl="auto" runs for the m-grouped product on Hopper (sm_90), where the Gluon kernel can run: "gluon" or
+# "triton" (elsewhere, and under the interpreter, always "triton").
+AUTO_MGROUPED_IMPL = "triton"
 
 
 def _config(name: str | None, table: dict[str, GemmConfig], default: str) -> GemmConfig:
@@ -190,14 +200,34 @@ def _mgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, off_ptr
             c_desc.store([m0, n0], acc.to(c_desc.dtype))
 
 
+def _mgrouped_impl(impl: str, config: str | None, out_dtype: torch.dtype, *tensors: torch.Tensor) -> str:
+    """The implementation of one m-grouped call: "gluon" or "triton" (see the module docstring)."""
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"mgrouped_fp8: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
+    if impl == "auto" and config is not None:
+        impl = "gluon" if config in gemm_fp8_gluon.MGROUPED_CONFIGS else "triton"
+    dev = tensors[0].device
+    runs = (not INTERPRET and gemm_fp8_gluon.available(dev) and out_dtype in (torch.bfloat16, torch.float32)
+            and all(t.data_ptr() % 16 == 0 for t in tensors))
+    if impl == "gluon" and not runs:
+        raise ValueError(f"mgrouped_fp8: impl='gluon' needs a Hopper (sm_90) GPU, a Triton with Gluon, no "
+                         f"TRITON_INTERPRET, 16-byte aligned operands and a bf16 or fp32 output (got {dev}, "
+                         f"{out_dtype}); use impl='triton'")
+    if impl == "auto":
+        impl = AUTO_MGROUPED_IMPL if runs else "triton"
+    return impl
+
+
 def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  m_indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None,
+                 impl: str = "auto") -> torch.Tensor:
     """out [M, N] = a [M, K] @ b[e] [N, K]^T per row block, e from m_indices (grouped) or 0 (b [1, N, K] or
     [N, K]: a dense GEMM with any M). a, b e4m3 and K-contiguous (b's experts stacked contiguously); scales fp32
     with any strides: a_scale [M, ceil(K/128)], b_scale [E, ceil(N/128), ceil(K/128)] (or 2-D for one group).
     Grouped (m_indices [M] and offsets [E+1] of the 128-aligned layout): rows at or past offsets[E] are left
-    unwritten."""
+    unwritten. impl: "triton", "gluon" (sm_90, moela.ops.moe.gemm_fp8_gluon) or "auto"; config: a name of the
+    chosen implementation's table (MGROUPED_CONFIGS or gemm_fp8_gluon.MGROUPED_CONFIGS)."""
     if b.dim() == 2:
         b, b_scale = b[None], b_scale[None]
     m, k = a.shape
@@ -213,8 +243,11 @@ def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     if a.stride(1) != 1 or a.stride(0) != k or not b.is_contiguous() or k % 16 or n % 8:
         raise ValueError("mgrouped_fp8: a and b must be row-major and contiguous, K a multiple of 16 and N of 8 "
                          "(TMA: 16-byte aligned rows)")
-    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if _mgrouped_impl(impl, config, out_dtype, a, b) == "gluon":
+        return gemm_fp8_gluon.mgrouped_fp8_ws(a, a_scale, b, b_scale, m_indices, offsets, out,
+                                              _num_sms(a.device.index or 0), config)
+    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     grid = _grid_size(a.device, tiles)
     _set_allocator(a.device)
