@@ -272,6 +272,8 @@ def mgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     cfg = MGROUPED_CONFIGS[name]
     m, k = a.shape
     e, n, _ = b.shape
+    if m == 0:  # no rows: nothing to compute (a TMA descriptor needs a non-empty tensor)
+        return out
     grouped = m_indices is not None
     a_desc, b_desc, c_desc = descriptors(a, b, out)
     grid = max(1, min(num_programs, -(-m // BM) * -(-n // BN)))
