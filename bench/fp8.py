@@ -3,11 +3,11 @@ process. Writes bench/results/fp8.json (rows: case, impl, tflops, ratio_vs_bf16,
 
 Grouped (8 experts, balanced routing; the V3 expert shapes D 7168, F 2048 and the V2-Lite ones D 2048, F 1408) at
 4096, 1024 and 256 rows per expert: fwd (A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per
-expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels ("fp8 triton <config>") and, for
-fwd and dgrad on Hopper, the warp-specialized Gluon kernel ("fp8 gluon <config>"), every named config with --sweep,
-else the defaults; the cuBLAS per-expert provider (host bounds) as a reference row. Each FP8 row's relative error
+expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels ("fp8 triton <config>") and, on
+Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named config with --sweep, else the
+defaults; the cuBLAS per-expert provider (host bounds) as a reference row. Each FP8 row's relative error
 is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
-V2-Lite's dense shapes (64k tokens), with the m-grouped GEMMs of either implementation.
+V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
 
   python bench/fp8.py [--quick] [--sweep] [--budget-s 170]
 --quick: the V3 shapes at 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the
@@ -28,7 +28,7 @@ import triton
 from triton.testing import do_bench
 
 from moela.ops.fp8_linear import fp8_linear
-from moela.ops.moe import gemm_fp8, gemm_fp8_gluon
+from moela.ops.moe import gemm_fp8, gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
 from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
@@ -71,14 +71,19 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
     (hq, hs), (hqt, hst) = quant_rows_cols(h)
     gluon = gemm_fp8_gluon.available(x.device)
 
-    def impls(triton_configs, triton_default, run):
+    def impls(triton_configs, triton_default, gluon_configs, gluon_default, run):
         """(row label, call) of each implementation and config to time."""
         rows = [(f"fp8 triton {c}", lambda c=c: run(c, "triton")) for c in (triton_configs if sweep else
                                                                              [triton_default])]
-        if gluon and run is not wgrad:
-            rows += [(f"fp8 gluon {c}", lambda c=c: run(c, "gluon")) for c in (
-                gemm_fp8_gluon.MGROUPED_CONFIGS if sweep else [gemm_fp8_gluon.DEFAULT_MGROUPED])]
+        if gluon:
+            rows += [(f"fp8 gluon {c}", lambda c=c: run(c, "gluon")) for c in (gluon_configs if sweep else
+                                                                               [gluon_default])]
         return rows
+
+    mgrouped = (gemm_fp8.MGROUPED_CONFIGS, gemm_fp8.DEFAULT_MGROUPED, gemm_fp8_gluon.MGROUPED_CONFIGS,
+                gemm_fp8_gluon.DEFAULT_MGROUPED)
+    kgrouped = (gemm_fp8.KGROUPED_CONFIGS, gemm_fp8.DEFAULT_KGROUPED, gemm_fp8_gluon_kgrouped.KGROUPED_CONFIGS,
+                gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED)
 
     def fwd(cfg, impl):
         return gemm_fp8.mgrouped_fp8(xq, xs, wq, ws, m_idx, offsets, config=cfg, impl=impl)
@@ -87,17 +92,17 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
         return gemm_fp8.mgrouped_fp8(hq, hs, wqt, ws.transpose(1, 2), m_idx, offsets, config=cfg, impl=impl)
 
     def wgrad(cfg, impl):
-        return gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16, config=cfg)
+        return gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16, config=cfg, impl=impl)
 
     cases = {
         "fwd": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32),
-                impls(gemm_fp8.MGROUPED_CONFIGS, gemm_fp8.DEFAULT_MGROUPED, fwd),
+                impls(*mgrouped, fwd),
                 lambda: cublas_mgrouped(xq, xs, wq, ws, bounds)),
         "dgrad": (lambda: torch._grouped_mm(h, w, offs=offs32),
-                  impls(gemm_fp8.MGROUPED_CONFIGS, gemm_fp8.DEFAULT_MGROUPED, dgrad),
+                  impls(*mgrouped, dgrad),
                   lambda: cublas_mgrouped(hq, hs, wqt, ws.transpose(1, 2), bounds)),
         "wgrad": (lambda: torch._grouped_mm(h.t(), x, offs=offs32),
-                  impls(gemm_fp8.KGROUPED_CONFIGS, gemm_fp8.DEFAULT_KGROUPED, wgrad),
+                  impls(*kgrouped, wgrad),
                   lambda: cublas_kgrouped(hqt, hst, xqt, xst, bounds, torch.bfloat16)),
     }
     for name, (bf16_fn, rows, cublas) in cases.items():
@@ -118,14 +123,14 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
 
 
 @contextlib.contextmanager
-def auto_mgrouped(impl: str):
-    """impl="auto" of the m-grouped GEMM (what fp8_linear runs) set to `impl` for the duration."""
-    saved = gemm_fp8.AUTO_MGROUPED_IMPL
-    gemm_fp8.AUTO_MGROUPED_IMPL = impl
+def auto_impl(impl: str):
+    """impl="auto" of both grouped GEMMs (what fp8_linear runs) set to `impl` for the duration."""
+    saved = gemm_fp8.AUTO_MGROUPED_IMPL, gemm_fp8.AUTO_KGROUPED_IMPL
+    gemm_fp8.AUTO_MGROUPED_IMPL = gemm_fp8.AUTO_KGROUPED_IMPL = impl
     try:
         yield
     finally:
-        gemm_fp8.AUTO_MGROUPED_IMPL = saved
+        gemm_fp8.AUTO_MGROUPED_IMPL, gemm_fp8.AUTO_KGROUPED_IMPL = saved
 
 
 def dense(name: str, t: int, k: int, n: int):
@@ -146,9 +151,9 @@ def dense(name: str, t: int, k: int, n: int):
     t_bf = bench(bf16)
     add(case, "bf16 F.linear", t_bf, flops)
     for impl in ("triton", "gluon") if gemm_fp8_gluon.available(x.device) else ("triton",):
-        with auto_mgrouped(impl), torch.autocast("cuda", torch.bfloat16):
+        with auto_impl(impl), torch.autocast("cuda", torch.bfloat16):
             err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
-            add(case, f"fp8_linear (weights cached, {impl} m-grouped)", bench(fp8), flops, t_bf, err)
+            add(case, f"fp8_linear (weights cached, {impl} GEMMs)", bench(fp8), flops, t_bf, err)
 
 
 def run(quick: bool, sweep: bool, budget_s: float) -> None:
