@@ -56,7 +56,7 @@ KGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
 DEFAULT_KGROUPED = "ws_128x128_s5"
 
 
-def _scale_slots(stages: int) -> int:
+def scale_slots(stages: int) -> int:
     """Slots of the scale buffers: the ring's stages rounded up to a power of two (a plain shared-memory layout's
     dims must be powers of two); slots past `stages` stay unused."""
     return 1 << (stages - 1).bit_length()
@@ -65,7 +65,7 @@ def _scale_slots(stages: int) -> int:
 def shared_bytes(stages: int, out_bytes: int) -> int:
     """Shared memory of one CTA: per stage the A and B tiles, 2 x 128 fp32 scales per scale slot, the output tiles
     and the barriers."""
-    return stages * (BM + BN) * BK + _scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes + 2 * stages * 8
+    return stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes + 2 * stages * 8
 
 
 def fit_stages(stages: int, out_bytes: int) -> int:
@@ -76,7 +76,7 @@ def fit_stages(stages: int, out_bytes: int) -> int:
 
 
 if ws.gluon is not None:
-    _scale_slots = gluon.constexpr_function(_scale_slots)
+    _scale_slots = gluon.constexpr_function(scale_slots)
     _BM = gl.constexpr(BM)
     _BN = gl.constexpr(BN)
     _BK = gl.constexpr(BK)
@@ -178,9 +178,9 @@ if ws.gluon is not None:
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK], a_desc.layout)
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per slot: 128 plain fp32
-        scale_slots: gl.constexpr = _scale_slots(STAGES)
-        sa_ring = gl.allocate_shared_memory(gl.float32, [scale_slots, _BM], flat)
-        sb_ring = gl.allocate_shared_memory(gl.float32, [scale_slots, _BN], flat)
+        slots: gl.constexpr = _scale_slots(STAGES)
+        sa_ring = gl.allocate_shared_memory(gl.float32, [slots, _BM], flat)
+        sb_ring = gl.allocate_shared_memory(gl.float32, [slots, _BN], flat)
         c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, 64, _BN], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
