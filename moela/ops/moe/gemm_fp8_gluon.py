@@ -28,9 +28,10 @@ refills overlap the tensor cores. Here the CTA runs three partitions that meet o
   TMA store, and waits for that store only at its next tile's epilogue.
 
 Tile 128 x 128: per consumer thread 64 fp32 accumulators + the 64 of one partial, no spills. Wider tiles lose to
-registers: two independent 128-column products per step let ptxas issue the second before promoting the first,
-which needs 64 x 256 / 128 + 2 x 64 = 256 registers and spills at 232. The ring takes 32 KB per stage: 6 stages +
-the two output tiles (32 KB in bf16) fill 224 of the 227 KB (fp32 output: 5 stages).
+registers: a 128 x 256 tile takes two independent 128-column products per step (one per weight scale block), and
+ptxas issues the second before promoting the first, which needs 64 x 256 / 128 + 2 x 64 = 256 registers and spills
+at 232 (Gluon's shapes are powers of two: DeepGEMM's 192-wide tile would also be two products). The ring takes 32 KB
+per stage: 6 stages + the two output tiles (32 KB in bf16) fill 224 of the 227 KB (fp32 output: 5 stages).
 
 The schedule is persistent (one CTA per SM) over the tiles of the rows the routing filled (offsets[E], read on the
 device by every partition: no host sync, capturable in a CUDA graph; empty experts own no row block), in grouped
