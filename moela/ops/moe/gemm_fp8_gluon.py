@@ -134,30 +134,39 @@ if gluon is not None:
         return num_m * num_n, num_m, num_n
 
     @gluon.jit
-    def _tile_origin(tile, num_m, num_n, m_idx_ptr, GROUPED: gl.constexpr, GROUP: gl.constexpr):
-        """Tile index -> (first row, first column, expert); GROUP row blocks per column block, so consecutive tiles
-        share a B tile. A block inside the filled rows has an expert (m_indices >= 0 on its first row)."""
+    def _tile_origin(tile, num_m, num_n, GROUP: gl.constexpr):
+        """Tile index -> (first row, first column); GROUP row blocks per column block, so consecutive tiles share a
+        B tile (an index past the last tile gives some in-range origin: its uses are masked)."""
         width = GROUP * num_n
         first_m = (tile // width) * GROUP
-        size_m = gl.minimum(num_m - first_m, GROUP)
-        m0 = (first_m + (tile % width) % size_m) * _BM
-        n0 = ((tile % width) // size_m) * _BN
+        size_m = gl.maximum(gl.minimum(num_m - first_m, GROUP), 1)
+        return (first_m + (tile % width) % size_m) * _BM, ((tile % width) // size_m) * _BN
+
+    @gluon.jit
+    def _expert(m_idx_ptr, m0, valid, GROUPED: gl.constexpr):
+        """The expert of the row block at m0 (0 with one group or where not valid): a block inside the filled rows
+        has one (m_indices >= 0 on its first row)."""
         if GROUPED:
-            e = gl.maximum(gl.load(m_idx_ptr + m0), 0)
+            e = gl.maximum(gl.load(m_idx_ptr + m0, mask=valid, other=0), 0)
         else:
             e = 0
-        return m0, n0, e
+        return e
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS,
                   GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):
-        """One warp: for every step of every tile of this CTA, claim the next ring slot and load A and B into it."""
+        """One warp: for every step of every tile of this CTA, claim the next ring slot and load A and B into it.
+        The next tile's expert is read while this tile's loads are issued."""
         num_tiles, num_m, num_n = _tiles(m_idx_ptr, off_ptr, M, N, E, GROUPED)
         k_steps = gl.cdiv(K, _BK)
         step_bytes: gl.constexpr = (_BM + _BN) * _BK
+        first = gl.program_id(0)
+        e = _expert(m_idx_ptr, _tile_origin(first, num_m, num_n, GROUP)[0], first < num_tiles, GROUPED)
         it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-            m0, n0, e = _tile_origin(tile, num_m, num_n, m_idx_ptr, GROUPED, GROUP)
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            m0, n0 = _tile_origin(tile, num_m, num_n, GROUP)
+            nxt = tile + NUM_PROGRAMS
+            e_next = _expert(m_idx_ptr, _tile_origin(nxt, num_m, num_n, GROUP)[0], nxt < num_tiles, GROUPED)
             b_row = e * N + n0  # B's experts stacked: [E * N, K]
             for kb in range(k_steps):
                 slot = it % STAGES
@@ -169,37 +178,55 @@ if gluon is not None:
                 _tma_load(a_desc, [m0, kb * _BK], ready.index(slot), a_ring.index(slot))
                 _tma_load(b_desc, [b_row, kb * _BK], ready.index(slot), b_ring.index(slot))
                 it += 1
+            e = e_next
 
     @gluon.jit
-    def _step_scales(sa_rows, sb_tile, row_ok, kb, k_steps, s_ask, s_bsk):
-        """Step kb's scales: a's for this warpgroup's 64 rows and the weight block's (zeros at or past the last step,
-        where they are not used)."""
-        ok = kb < k_steps
-        return (gl.load(sa_rows + kb * s_ask, mask=row_ok & ok, other=0.0),
-                gl.load(sb_tile + kb * s_bsk, mask=ok, other=0.0))
+    def _row_scales(as_ptr, m0, M, s_asm, valid, WG: gl.constexpr, layout: gl.constexpr):
+        """(pointers to step 0's scales of this warpgroup's 64 rows of the block at m0, which of them to read)."""
+        rows = m0 + WG * 64 + gl.arange(0, 64, layout=layout)
+        return as_ptr + rows * s_asm, (rows < M) & valid
 
     @gluon.jit
     def _consumer(a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
                   s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
                   STAGES: gl.constexpr, WG: gl.constexpr):
-        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each tile; promotion in registers, TMA store."""
+        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each tile; promotion in registers, TMA store. Scales
+        come one step ahead, the next tile's expert during this tile and its first scales during this tile's last
+        step, so no tile starts waiting on a global load."""
         acc_layout: gl.constexpr = _acc_layout()
+        row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
         num_tiles, num_m, num_n = _tiles(m_idx_ptr, off_ptr, M, N, E, GROUPED)
         k_steps = gl.cdiv(K, _BK)
         partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
+        # the first tile's expert and step-0 scales
+        first = gl.program_id(0)
+        m0, n0 = _tile_origin(first, num_m, num_n, GROUP)
+        e = _expert(m_idx_ptr, m0, first < num_tiles, GROUPED)
+        sa_rows, sa_ok = _row_scales(as_ptr, m0, M, s_asm, first < num_tiles, WG, row_layout)
+        sa = gl.load(sa_rows, mask=sa_ok, other=0.0)
+        sb = gl.load(bs_ptr + e * s_bse + (n0 // _BN) * s_bsn, mask=first < num_tiles, other=0.0)
         it = 0  # steps consumed: the producer's count, step for step
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-            m0, n0, e = _tile_origin(tile, num_m, num_n, m_idx_ptr, GROUPED, GROUP)
-            rows = m0 + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-            row_ok = rows < M
-            sa_rows = as_ptr + rows * s_asm  # [64] pointers to step 0's row scales
-            sb_tile = bs_ptr + e * s_bse + (n0 // _BN) * s_bsn  # the weight block column's scale of step 0
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            m0, n0 = _tile_origin(tile, num_m, num_n, GROUP)
+            sa_rows, sa_ok = _row_scales(as_ptr, m0, M, s_asm, True, WG, row_layout)
+            sb_col = bs_ptr + e * s_bse + (n0 // _BN) * s_bsn  # the weight block column's step-0 scale
+            # the next tile: its expert now (the load has the whole tile to land), its scales' addresses
+            nxt = tile + NUM_PROGRAMS
+            has_next = nxt < num_tiles
+            m0_next, n0_next = _tile_origin(nxt, num_m, num_n, GROUP)
+            e_next = _expert(m_idx_ptr, m0_next, has_next, GROUPED)
+            sa_rows_next, sa_ok_next = _row_scales(as_ptr, m0_next, M, s_asm, has_next, WG, row_layout)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
-            sa, sb = _step_scales(sa_rows, sb_tile, row_ok, 0, k_steps, s_ask, s_bsk)
             for kb in range(k_steps):
                 slot = it % STAGES
-                # step 1: the next step's scales, in flight (from L2) while this step runs
-                sa_next, sb_next = _step_scales(sa_rows, sb_tile, row_ok, kb + 1, k_steps, s_ask, s_bsk)
+                # step 1: the next step's scales (this tile's, or after its last step the next tile's first), in
+                # flight from L2 while this step runs
+                more = kb + 1 < k_steps
+                sa_next = gl.load(gl.where(more, sa_rows + (kb + 1) * s_ask, sa_rows_next),
+                                  mask=gl.where(more, sa_ok, sa_ok_next), other=0.0)
+                sb_next = gl.load(gl.where(more, sb_col + (kb + 1) * s_bsk,
+                                           bs_ptr + e_next * s_bse + (n0_next // _BN) * s_bsn),
+                                  mask=more | has_next, other=0.0)
                 # step 2: wait for the slot's tiles; the fp8 product of this warpgroup's 64 rows on the tensor cores
                 # (four m64n128k32 wgmmas, at most 128 products accumulated in their adder); wait for it and release
                 # the slot to the producer
@@ -218,6 +245,7 @@ if gluon is not None:
             c_tiles.index(WG).store(acc.to(c_desc.dtype))
             fence_async_shared()
             _tma_store(c_desc, [m0 + WG * 64, n0], c_tiles.index(WG))
+            e = e_next
         tma.store_wait(0)
 
     @gluon.jit

@@ -84,39 +84,49 @@ if ws.gluon is not None:
     _PRODUCER_REGS = gl.constexpr(ws.PRODUCER_REGS)
 
     @gluon.jit
-    def _tile_origin(tile, num_n, num_k, off_ptr, M, GROUPED: gl.constexpr, GROUP: gl.constexpr):
-        """Tile index -> (expert, first row of N, first column of K, first and end token block); expert-major, GROUP
-        row blocks per column block inside an expert."""
+    def _tile_origin(tile, num_n, num_k, GROUP: gl.constexpr):
+        """Tile index -> (expert, first row of N, first column of K); expert-major, GROUP row blocks per column
+        block inside an expert."""
         per_e = num_n * num_k
-        e = tile // per_e
         t = tile % per_e
         width = GROUP * num_n
         first_n = (t // width) * GROUP
         size_n = gl.minimum(num_n - first_n, GROUP)
-        n0 = (first_n + (t % width) % size_n) * _BM
-        k0 = ((t % width) // size_n) * _BN
-        if GROUPED:  # expert blocks are 128-aligned
-            start = (gl.load(off_ptr + e) // _BK).to(gl.int32)
-            end = (gl.load(off_ptr + e + 1) // _BK).to(gl.int32)
+        return tile // per_e, (first_n + (t % width) % size_n) * _BM, ((t % width) // size_n) * _BN
+
+    @gluon.jit
+    def _token_blocks(off_ptr, tile, per_e, valid, M, GROUPED: gl.constexpr):
+        """[first, end) token blocks of the tile's expert (offsets are 128-aligned; an empty range where not
+        valid), or all of M with one group."""
+        if GROUPED:
+            e = tile // per_e
+            start = (gl.load(off_ptr + e, mask=valid, other=0) // _BK).to(gl.int32)
+            end = (gl.load(off_ptr + e + 1, mask=valid, other=0) // _BK).to(gl.int32)
         else:
             start = 0
             end = gl.cdiv(M, _BK)
-        return e, n0, k0, start, end
+        return start, end
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N, K, M,
                   E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
                   STAGES: gl.constexpr):
         """One warp: per token block of every tile of this CTA, claim the next slot; copy the block's row and column
-        scales (cp.async) and load the A and B tiles (TMA) into it."""
+        scales (cp.async) and load the A and B tiles (TMA) into it. The next tile's token range is read while this
+        tile's loads are issued."""
         vec: gl.constexpr = gl.BlockedLayout([_BM // 32], [32], [1], [0])
         idx = gl.arange(0, _BM, layout=vec)
         num_n = gl.cdiv(N, _BM)
         num_k = gl.cdiv(K, _BN)
+        num_tiles = E * num_n * num_k
         step_bytes: gl.constexpr = (_BM + _BN) * _BK
+        first = gl.program_id(0)
+        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
         it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
-        for tile in range(gl.program_id(0), E * num_n * num_k, NUM_PROGRAMS):
-            e, n0, k0, start, end = _tile_origin(tile, num_n, num_k, off_ptr, M, GROUPED, GROUP)
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
+            nxt = tile + NUM_PROGRAMS
+            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
             rows_ok = n0 + idx < N
             cols_ok = k0 + idx < K
             for tb in range(start, end):
@@ -132,19 +142,26 @@ if ws.gluon is not None:
                 ws._tma_load(a_desc, [n0, tb * _BK], ready.index(slot), a_ring.index(slot))
                 ws._tma_load(b_desc, [k0, tb * _BK], ready.index(slot), b_ring.index(slot))
                 it += 1
+            start, end = start_next, end_next
 
     @gluon.jit
     def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
                   NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                   WG: gl.constexpr):
-        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store."""
+        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store.
+        The next tile's token range is read during this tile, so no tile starts waiting on a global load."""
         acc_layout: gl.constexpr = ws._acc_layout()
         num_n = gl.cdiv(N, _BM)
         num_k = gl.cdiv(K, _BN)
+        num_tiles = E * num_n * num_k
         partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
+        first = gl.program_id(0)
+        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
         it = 0  # steps consumed: the producer's count, step for step
-        for tile in range(gl.program_id(0), E * num_n * num_k, NUM_PROGRAMS):
-            e, n0, k0, start, end = _tile_origin(tile, num_n, num_k, off_ptr, M, GROUPED, GROUP)
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
+            nxt = tile + NUM_PROGRAMS
+            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
             for _ in range(start, end):
                 slot = it % STAGES
@@ -167,6 +184,7 @@ if ws.gluon is not None:
             c_tiles.index(WG).store(acc.to(c_desc.dtype))
             fence_async_shared()
             ws._tma_store(c_desc, [e * N + n0 + WG * 64, k0], c_tiles.index(WG))
+            start, end = start_next, end_next
         tma.store_wait(0)
 
     @gluon.jit
