@@ -23,9 +23,10 @@ refills overlap the tensor cores. Here the CTA runs three partitions that meet o
   owns rows [64g, 64g + 64) of the tile. Per step it waits on `ready`, issues the asynchronous wgmma of its 64 rows
   into an fp32 partial, waits for it, releases the slot (`empty` counts one arrival per warpgroup) and promotes
   the partial with its row scales and the block scale. While one warpgroup promotes, the other's wgmma keeps the
-  tensor cores busy (DeepGEMM's schedule). Scales are read from global memory (L2) one step ahead, so their
-  latency hides behind a step. Each warpgroup stores its 64 x 128 result through its own shared-memory tile and a
-  TMA store, and waits for that store only at its next tile's epilogue.
+  tensor cores busy (DeepGEMM's schedule). Scales are read from global memory (L2) one step ahead, across tiles
+  too (the next tile's expert is read during the current tile), so no load latency sits between two steps. Each
+  warpgroup stores its 64 x 128 result through its own shared-memory tile and a TMA store, and waits for that
+  store only at its next tile's epilogue.
 
 Tile 128 x 128: per consumer thread 64 fp32 accumulators + the 64 of one partial, no spills. Wider tiles lose to
 registers: a 128 x 256 tile takes two independent 128-column products per step (one per weight scale block), and
