@@ -1,20 +1,23 @@
 """FP8 GEMM benchmark on one GPU: the persistent grouped FP8 GEMMs and the FP8 linear vs bf16, same inputs, one
 process. Writes bench/results/fp8.json (rows: case, impl, tflops, ratio_vs_bf16, ms, rel_err) and fp8.md.
 
-Grouped (V3 expert shapes D 7168, F 2048; 8 experts, balanced routing) at 4096, 1024 and 256 rows per expert: fwd
-(A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per expert) of ours (every named config with
---sweep, else the default) vs bf16 torch._grouped_mm on the same shapes; the cuBLAS per-expert provider (host
-bounds) as a reference row. Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear
-forward+backward vs the bf16 linear at the small model's and V2-Lite's dense shapes (64k tokens).
+Grouped (8 experts, balanced routing; the V3 expert shapes D 7168, F 2048 and the V2-Lite ones D 2048, F 1408) at
+4096, 1024 and 256 rows per expert: fwd (A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per
+expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels ("fp8 triton <config>") and, on
+Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named config with --sweep, else the
+defaults; the cuBLAS per-expert provider (host bounds) as a reference row. Each FP8 row's relative error
+is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
+V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
 
   python bench/fp8.py [--quick] [--sweep] [--budget-s 170]
---quick: 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the full run with
---sweep fits ~3 minutes on one H200.
+--quick: the V3 shapes at 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the
+full run with --sweep fits ~4 minutes on one H200.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import time
@@ -25,7 +28,7 @@ import triton
 from triton.testing import do_bench
 
 from moela.ops.fp8_linear import fp8_linear
-from moela.ops.moe import gemm_fp8
+from moela.ops.moe import gemm_fp8, gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
 from moela.ops.moe.quantize import quant_rows_cols, quant_weights
 
@@ -48,7 +51,11 @@ def add(case, impl, ms, flops, bf16_ms=None, err=None):
           + (f"  err {err:.2e}" if err is not None else ""), flush=True)
 
 
-def grouped(per: int, sweep: bool, e: int = 8, d: int = 7168, f: int = 2048):
+EXPERT_SHAPES = {"V3": (7168, 2048), "v2-lite": (2048, 1408)}  # (D, F)
+
+
+def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
+    d, f = EXPERT_SHAPES[shape]
     m, n, k = e * per, 2 * f, d
     dev = "cuda"
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -62,34 +69,68 @@ def grouped(per: int, sweep: bool, e: int = 8, d: int = 7168, f: int = 2048):
     flops = 2 * m * n * k
     h = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32)  # [M, N]
     (hq, hs), (hqt, hst) = quant_rows_cols(h)
+    gluon = gemm_fp8_gluon.available(x.device)
+
+    def impls(triton_configs, triton_default, gluon_configs, gluon_default, run):
+        """(row label, call) of each implementation and config to time."""
+        rows = [(f"fp8 triton {c}", lambda c=c: run(c, "triton")) for c in (triton_configs if sweep else
+                                                                             [triton_default])]
+        if gluon:
+            rows += [(f"fp8 gluon {c}", lambda c=c: run(c, "gluon")) for c in (gluon_configs if sweep else
+                                                                               [gluon_default])]
+        return rows
+
+    mgrouped = (gemm_fp8.MGROUPED_CONFIGS, gemm_fp8.DEFAULT_MGROUPED, gemm_fp8_gluon.MGROUPED_CONFIGS,
+                gemm_fp8_gluon.DEFAULT_MGROUPED)
+    kgrouped = (gemm_fp8.KGROUPED_CONFIGS, gemm_fp8.DEFAULT_KGROUPED, gemm_fp8_gluon_kgrouped.KGROUPED_CONFIGS,
+                gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED)
+
+    def fwd(cfg, impl):
+        return gemm_fp8.mgrouped_fp8(xq, xs, wq, ws, m_idx, offsets, config=cfg, impl=impl)
+
+    def dgrad(cfg, impl):
+        return gemm_fp8.mgrouped_fp8(hq, hs, wqt, ws.transpose(1, 2), m_idx, offsets, config=cfg, impl=impl)
+
+    def wgrad(cfg, impl):
+        return gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16, config=cfg, impl=impl)
+
     cases = {
         "fwd": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32),
-                lambda cfg: gemm_fp8.mgrouped_fp8(xq, xs, wq, ws, m_idx, offsets, config=cfg),
-                lambda: cublas_mgrouped(xq, xs, wq, ws, bounds), gemm_fp8.MGROUPED_CONFIGS),
+                impls(*mgrouped, fwd),
+                lambda: cublas_mgrouped(xq, xs, wq, ws, bounds)),
         "dgrad": (lambda: torch._grouped_mm(h, w, offs=offs32),
-                  lambda cfg: gemm_fp8.mgrouped_fp8(hq, hs, wqt, ws.transpose(1, 2), m_idx, offsets, config=cfg),
-                  lambda: cublas_mgrouped(hq, hs, wqt, ws.transpose(1, 2), bounds), gemm_fp8.MGROUPED_CONFIGS),
+                  impls(*mgrouped, dgrad),
+                  lambda: cublas_mgrouped(hq, hs, wqt, ws.transpose(1, 2), bounds)),
         "wgrad": (lambda: torch._grouped_mm(h.t(), x, offs=offs32),
-                  lambda cfg: gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16,
-                                                    config=cfg),
-                  lambda: cublas_kgrouped(hqt, hst, xqt, xst, bounds, torch.bfloat16), gemm_fp8.KGROUPED_CONFIGS),
+                  impls(*kgrouped, wgrad),
+                  lambda: cublas_kgrouped(hqt, hst, xqt, xst, bounds, torch.bfloat16)),
     }
-    default = {"fwd": gemm_fp8.DEFAULT_MGROUPED, "dgrad": gemm_fp8.DEFAULT_MGROUPED,
-               "wgrad": gemm_fp8.DEFAULT_KGROUPED}
-    for name, (bf16_fn, ours, cublas, configs) in cases.items():
-        case = f"grouped {name} {e}x{per} N{n if name != 'dgrad' else k}"
+    for name, (bf16_fn, rows, cublas) in cases.items():
+        case = f"grouped {name} {shape} {e}x{per} N{n if name != 'dgrad' else k}"
         ref = bf16_fn()
         t_bf = bench(bf16_fn)
         add(case, "bf16 torch._grouped_mm", t_bf, flops)
-        for cfg in configs if sweep else [default[name]]:
+        for label, fn in rows:
             try:
-                err = rel(ours(cfg), ref)
-                add(case, f"fp8 ours {cfg}", bench(lambda: ours(cfg)), flops, t_bf, err)
+                err = rel(fn(), ref)
+                add(case, label, bench(fn), flops, t_bf, err)
             except Exception as exc:  # one failing config must not hide the others
-                print(f"{case} {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}")
-        if cublas_blockwise_available() and (name == "wgrad" or k % 512 == 0):
+                print(f"{case} {label} failed: {type(exc).__name__}: {str(exc)[:200]}")
+        k_blocks = (k if name != "dgrad" else n) // 128
+        if cublas_blockwise_available() and (name == "wgrad" or k_blocks % 4 == 0):
             add(case, "fp8 cublas per expert (host bounds)", bench(cublas), flops, t_bf, rel(cublas(), ref))
     del x, w, h, xq, xqt, wq, wqt, hq, hqt
+
+
+@contextlib.contextmanager
+def auto_impl(impl: str):
+    """impl="auto" of both grouped GEMMs (what fp8_linear runs) set to `impl` for the duration."""
+    saved = gemm_fp8.AUTO_MGROUPED_IMPL, gemm_fp8.AUTO_KGROUPED_IMPL
+    gemm_fp8.AUTO_MGROUPED_IMPL = gemm_fp8.AUTO_KGROUPED_IMPL = impl
+    try:
+        yield
+    finally:
+        gemm_fp8.AUTO_MGROUPED_IMPL, gemm_fp8.AUTO_KGROUPED_IMPL = saved
 
 
 def dense(name: str, t: int, k: int, n: int):
@@ -107,20 +148,22 @@ def dense(name: str, t: int, k: int, n: int):
         with torch.autocast("cuda", torch.bfloat16):
             fp8_linear(x, w).backward(dy)
 
-    with torch.autocast("cuda", torch.bfloat16):
-        err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
     t_bf = bench(bf16)
     add(case, "bf16 F.linear", t_bf, flops)
-    add(case, "fp8_linear (weights cached)", bench(fp8), flops, t_bf, err)
+    for impl in ("triton", "gluon") if gemm_fp8_gluon.available(x.device) else ("triton",):
+        with auto_impl(impl), torch.autocast("cuda", torch.bfloat16):
+            err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
+            add(case, f"fp8_linear (weights cached, {impl} GEMMs)", bench(fp8), flops, t_bf, err)
 
 
 def run(quick: bool, sweep: bool, budget_s: float) -> None:
     """Every case (the FP8 section of bench/moe.py calls this too)."""
     deadline = time.time() + budget_s
     torch.manual_seed(0)
-    for per in (4096, 256) if quick else (4096, 1024, 256):
-        if time.time() < deadline:
-            grouped(per, sweep)
+    for shape in ("V3",) if quick else tuple(EXPERT_SHAPES):
+        for per in (4096, 256) if quick else (4096, 1024, 256):
+            if time.time() < deadline:
+                grouped(per, sweep, shape)
     shapes = [("small dense FFN", 65536, 1024, 2816), ("small wq_b", 65536, 384, 1536),
               ("v2-lite dense FFN", 65536, 2048, 10944), ("v2-lite wkv_b", 65536, 512, 4096)]
     for shape in shapes[:1] if quick else shapes:

@@ -27,12 +27,12 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
+def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3, require: tuple[str, ...] = ()):
     """args: every parameter by name: a constexpr's value; for the others a pointer type string ("*bf16",
     16-byte aligned like a torch allocation), a tensor descriptor type string (Gluon kernels' TMA descriptors),
     an int (i32, specialized as the launcher does: 1 becomes a constant, a multiple of 16 gets the divisibility
-    hint) or a float (fp32). Returns (shared bytes, async copies in the TTGIR, registers per thread, spill
-    bytes)."""
+    hint) or a float (fp32). require: PTX instructions the kernel must contain (a RuntimeError names the missing
+    ones). Returns (shared bytes, async copies in the TTGIR, registers per thread, spill bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -61,9 +61,12 @@ def compile_sm90(kernel, args: dict, *, num_warps: int, num_stages: int = 3):
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", 90, 128),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
+    missing = [instr for instr in require if instr not in compiled.asm["ptx"]]
+    if missing:
+        raise RuntimeError(f"{fn.__name__}: the sm_90 PTX lacks {missing}")
     regs, spills = ptxas_usage(compiled.asm["ptx"])
-    return (compiled.metadata.shared, len(re.findall("async_copy_global_to_local", compiled.asm["ttgir"])), regs,
-            spills)
+    copies = len(re.findall("async(?:_tma)?_copy_global_to_local", compiled.asm["ttgir"]))  # cp.async or TMA
+    return compiled.metadata.shared, copies, regs, spills
 
 
 def ptxas_usage(ptx: str, arch: str = "sm_90a"):
@@ -215,5 +218,43 @@ def moe_gluon_kernels():
             CC=moe_gluon.COL_CHUNK, TRANSPOSED=True), num_warps=moe_gluon.NUM_WARPS)}
 
 
+def moe_gluon_gemm_kernels():
+    """The warp-specialized FP8 GEMMs (moela.ops.moe.gemm_fp8_gluon, gemm_fp8_gluon_kgrouped) at the V3 layer's
+    shapes (M_pad 69632, 2F 4096, D 7168, E 32: GEMM1's forward and weight gradient) with bf16 and fp32 outputs and
+    the launchers' ring depths. Their PTX must hold the fp8 wgmma of the consumer warpgroups, the register
+    reallocation of the partitions (setmaxnreg) and the TMA loads (the weight gradient also the cp.async scale copies
+    tracked by the ring's barriers); ptxas reports the launch budget (registers per thread over the 3 warpgroups),
+    the consumers run at CONSUMER_REGS."""
+    from moela.ops.moe import gemm_fp8_gluon as ws
+    from moela.ops.moe import gemm_fp8_gluon_kgrouped as kg
+
+    if ws.gluon is None:
+        return {}
+    gl = ws.gl
+    tile = gl.NVMMASharedLayout.get_default_for([ws.BM, ws.BK], gl.float8e4nv)
+    fp8_desc = f"tensordesc<fp8e4nv[{ws.BM}, {ws.BK}],{tile}>"
+    m, n, k, e = 69632, 4096, 7168, 32
+    require = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "setmaxnreg.inc.sync.aligned.u32",
+               "setmaxnreg.dec.sync.aligned.u32", "cp.async.bulk.tensor")
+    out = {}
+    for dtype, nbytes in (("bf16", 2), ("fp32", 4)):
+        out_tile = gl.NVMMASharedLayout.get_default_for([64, ws.BN], gl.bfloat16 if nbytes == 2 else gl.float32)
+        c_desc = f"tensordesc<{dtype}[64, {ws.BN}],{out_tile}>"
+        cfg = ws.MGROUPED_CONFIGS[ws.DEFAULT_MGROUPED]
+        out[f"moe_gluon fp8 gemm ws {dtype}"] = compile_sm90(ws._mgrouped_ws_kernel, dict(
+            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", m_idx_ptr="*i32",
+            off_ptr="*i64", M=m, N=n, K=k, E=e, s_asm=k // 128, s_ask=1, s_bse=n * k // 2 ** 14, s_bsn=k // 128,
+            s_bsk=1, NUM_PROGRAMS=132, GROUPED=True, GROUP=cfg.group, STAGES=ws.fit_stages(cfg.stages, nbytes)),
+            num_warps=ws.NUM_WARPS, require=require)
+        cfg = kg.KGROUPED_CONFIGS[kg.DEFAULT_KGROUPED]
+        out[f"moe_gluon fp8 wgrad ws {dtype}"] = compile_sm90(kg._kgrouped_ws_kernel, dict(
+            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", off_ptr="*i64", N=n,
+            K=k, M=m, E=e, s_asn=m // 128, s_ast=1, s_bsk=m // 128, s_bst=1, NUM_PROGRAMS=132, GROUPED=True,
+            GROUP=cfg.group, STAGES=kg.fit_stages(cfg.stages, nbytes)), num_warps=ws.NUM_WARPS,
+            require=require + ("cp.async.mbarrier.arrive",))
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels()}))
+    print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels(),
+                      **moe_gluon_gemm_kernels()}))

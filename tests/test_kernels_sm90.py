@@ -1,7 +1,8 @@
 """The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200)
 with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The block
 loops of the attention and grouped-GEMM kernels must be pipelined; the MoE path's non-GEMM kernels (moe_triton ...)
-must not spill registers, nor must the Gluon kernels (moela.ops.moe.gluon)."""
+must not spill registers, nor must the Gluon kernels (moe_gluon: moela.ops.moe.gluon and the warp-specialized FP8
+GEMMs of moela.ops.moe.gemm_fp8_gluon*, whose PTX must also hold fp8 wgmma, setmaxnreg and TMA copies)."""
 
 import json
 import os

@@ -28,6 +28,12 @@ first call would run inside CUDA graph capture or a compiled step); `bench/fp8.p
 interpreter (CPU tests) loops whose bounds come from device memory are `while` loops (the interpreter cannot
 range over a loaded value).
 
+Both products have a second implementation on Hopper, warp-specialized in Gluon (a TMA producer warp, two
+consumer warpgroups promoting while the other's wgmma runs): moela.ops.moe.gemm_fp8_gluon (m-grouped) and
+gemm_fp8_gluon_kgrouped, same arguments and results. `impl` picks it ("gluon"), the Triton kernel ("triton") or,
+with "auto", AUTO_MGROUPED_IMPL / AUTO_KGROUPED_IMPL where the Gluon kernel can run; a config name of a Gluon table
+("ws_...") implies it.
+
 Shapes: M rows (padded layout or tokens), N output features, K reduction, E experts (groups).
 """
 
@@ -40,6 +46,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from moela.ops.moe import gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
@@ -77,6 +85,10 @@ KGROUPED_CONFIGS: dict[str, GemmConfig] = {
 }
 DEFAULT_MGROUPED = "128x128_s4"
 DEFAULT_KGROUPED = "128x64_s4"
+# What impl="auto" runs on Hopper (sm_90), where the Gluon kernels can run: "gluon" or "triton" (elsewhere, and
+# under the interpreter, always "triton"); m-grouped: forward and data gradient, k-grouped: weight gradient.
+AUTO_MGROUPED_IMPL = "triton"
+AUTO_KGROUPED_IMPL = "triton"
 
 
 def _config(name: str | None, table: dict[str, GemmConfig], default: str) -> GemmConfig:
@@ -190,14 +202,35 @@ def _mgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, off_ptr
             c_desc.store([m0, n0], acc.to(c_desc.dtype))
 
 
+def _pick_impl(op: str, impl: str, config: str | None, gluon_configs: dict, auto: str, out_dtype: torch.dtype,
+               *tensors: torch.Tensor) -> str:
+    """The implementation of one call of `op`: "gluon" or "triton" (see the module docstring)."""
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"{op}: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
+    if impl == "auto" and config is not None:
+        impl = "gluon" if config in gluon_configs else "triton"
+    dev = tensors[0].device
+    runs = (not INTERPRET and gemm_fp8_gluon.available(dev) and out_dtype in (torch.bfloat16, torch.float32)
+            and all(t.data_ptr() % 16 == 0 for t in tensors))
+    if impl == "gluon" and not runs:
+        raise ValueError(f"{op}: impl='gluon' needs a Hopper (sm_90) GPU, a Triton with Gluon, no "
+                         f"TRITON_INTERPRET, 16-byte aligned operands and a bf16 or fp32 output (got {dev}, "
+                         f"{out_dtype}); use impl='triton'")
+    if impl == "auto":
+        impl = auto if runs else "triton"
+    return impl
+
+
 def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  m_indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None,
+                 impl: str = "auto") -> torch.Tensor:
     """out [M, N] = a [M, K] @ b[e] [N, K]^T per row block, e from m_indices (grouped) or 0 (b [1, N, K] or
     [N, K]: a dense GEMM with any M). a, b e4m3 and K-contiguous (b's experts stacked contiguously); scales fp32
     with any strides: a_scale [M, ceil(K/128)], b_scale [E, ceil(N/128), ceil(K/128)] (or 2-D for one group).
     Grouped (m_indices [M] and offsets [E+1] of the 128-aligned layout): rows at or past offsets[E] are left
-    unwritten."""
+    unwritten. impl: "triton", "gluon" (sm_90, moela.ops.moe.gemm_fp8_gluon) or "auto"; config: a name of the
+    chosen implementation's table (MGROUPED_CONFIGS or gemm_fp8_gluon.MGROUPED_CONFIGS)."""
     if b.dim() == 2:
         b, b_scale = b[None], b_scale[None]
     m, k = a.shape
@@ -213,8 +246,12 @@ def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     if a.stride(1) != 1 or a.stride(0) != k or not b.is_contiguous() or k % 16 or n % 8:
         raise ValueError("mgrouped_fp8: a and b must be row-major and contiguous, K a multiple of 16 and N of 8 "
                          "(TMA: 16-byte aligned rows)")
-    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if _pick_impl("mgrouped_fp8", impl, config, gemm_fp8_gluon.MGROUPED_CONFIGS, AUTO_MGROUPED_IMPL, out_dtype,
+                  a, b) == "gluon":
+        return gemm_fp8_gluon.mgrouped_fp8_ws(a, a_scale, b, b_scale, m_indices, offsets, out,
+                                              _num_sms(a.device.index or 0), config)
+    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     grid = _grid_size(a.device, tiles)
     _set_allocator(a.device)
@@ -287,12 +324,13 @@ def _kgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, N, K, M, 
 
 def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32,
-                 config: str | None = None) -> torch.Tensor:
+                 config: str | None = None, impl: str = "auto") -> torch.Tensor:
     """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned, on the device);
     without offsets one group over all M columns (out [1, N, K]). a [N, M], b [K, M] e4m3, token-contiguous rows
     (M a multiple of 16: TMA rows are 16-byte aligned; columns past the real tokens must hold zero codes or lie past
     M); scales fp32 along tokens a_scale [N, ceil(M/128)], b_scale [K, ceil(M/128)] (any strides). Grouped: N a
-    multiple of 128 (a tile never spans two experts' outputs)."""
+    multiple of 128 (a tile never spans two experts' outputs). impl: "triton", "gluon" (sm_90,
+    moela.ops.moe.gemm_fp8_gluon_kgrouped) or "auto"; config: a name of the chosen implementation's table."""
     n, m = a.shape
     k, m2 = b.shape
     if m2 != m or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -302,6 +340,13 @@ def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         raise ValueError("kgrouped_fp8: a and b must be contiguous, the token count and K multiples of 16")
     grouped = offsets is not None
     e = offsets.numel() - 1 if grouped else 1
+    if _pick_impl("kgrouped_fp8", impl, config, gemm_fp8_gluon_kgrouped.KGROUPED_CONFIGS, AUTO_KGROUPED_IMPL,
+                  out_dtype, a, b) == "gluon":
+        if grouped and n % gemm_fp8_gluon_kgrouped.BM:
+            raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of 128 for the grouped weight gradient")
+        out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
+        return gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(a, a_scale, b, b_scale, offsets, out,
+                                                       _num_sms(a.device.index or 0), config)
     cfg = _config(config, KGROUPED_CONFIGS, DEFAULT_KGROUPED)
     if grouped and n % cfg.bm:
         raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of {cfg.bm} for the grouped weight gradient")

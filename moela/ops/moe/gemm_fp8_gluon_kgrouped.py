@@ -1,0 +1,249 @@
+"""Warp-specialized blockwise FP8 k-grouped GEMM (the weight gradient) for Hopper (sm_90) in Gluon: the product of
+moela.ops.moe.gemm_fp8.kgrouped_fp8, same arguments and results, built like the m-grouped kernel of
+moela.ops.moe.gemm_fp8_gluon (read its docstring first).
+
+Shapes: M tokens (the padded expert layout, experts 128-aligned), N and K the weight's dims, E experts.
+out[e] [N, K] = A[:, s:t] @ B[:, s:t]^T, [s, t) = offsets[e:e+2] (read on the device; an empty expert gets zeros);
+without offsets one group over all M. A [N, M] and B [K, M] token-contiguous e4m3 (the column quantization of
+the activations), with scales along the tokens: sa [N, M/128], sb [K, M/128].
+
+Math (DeepSeek-V3's promotion): for each 128-token block tb the tensor cores form P = A[:, tb] @ B[:, tb]^T in fp32
+and the consumer adds P[n, k] * sa[n, tb] * sb[k, tb] to the fp32 accumulator. Here both scales vary across the
+tile (a row vector and a column vector per step): each consumer thread holds 2 rows x 32 columns of its 64 x 128
+partial, so a step's scales are 2 + 32 values per thread.
+
+Partitions (as in the m-grouped kernel): the producer warp, per 128-token step, copies the step's 128 row scales
+and 128 column scales into the slot's shared-memory scale buffers (cp.async, 4 bytes each, tracked by the slot's
+`ready` barrier: each lane's copies count before the barrier completes) and issues the TMA loads of the A tile
+[128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
+64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
+releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element), while the
+other warpgroup's wgmma runs. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
+Output tiles are written by TMA in out's dtype (fp32 for the weight gradient: 64 KB of output tiles, 4 ring
+stages of 33 KB; bf16: 5 stages).
+
+Tiles are scheduled persistently, expert-major (the CTAs in flight share one expert's token slices in L2), in
+grouped order inside an expert (GROUP row blocks of N per column block of K). A tile's length is its expert's
+token count, read on the device by every partition; no host sync, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moela.ops.moe import gemm_fp8_gluon as ws
+from moela.ops.moe.gemm_fp8_gluon import BK, BM, BN, NUM_WARPS, SHARED_BYTES, GluonGemmConfig
+
+if ws.gluon is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+KGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
+    "ws_128x128_s5": GluonGemmConfig(8, 5),
+    "ws_128x128_s3": GluonGemmConfig(8, 3),
+    "ws_128x128_s5_g16": GluonGemmConfig(16, 5),
+}
+DEFAULT_KGROUPED = "ws_128x128_s5"
+
+
+def scale_slots(stages: int) -> int:
+    """Slots of the scale buffers: the ring's stages rounded up to a power of two (a plain shared-memory layout's
+    dims must be powers of two); slots past `stages` stay unused."""
+    return 1 << (stages - 1).bit_length()
+
+
+def shared_bytes(stages: int, out_bytes: int) -> int:
+    """Shared memory of one CTA: per stage the A and B tiles, 2 x 128 fp32 scales per scale slot, the output tiles
+    and the barriers."""
+    return stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes + 2 * stages * 8
+
+
+def fit_stages(stages: int, out_bytes: int) -> int:
+    """The deepest ring up to `stages` that fits the shared memory next to output tiles of out_bytes per element."""
+    while stages > 2 and shared_bytes(stages, out_bytes) > SHARED_BYTES:
+        stages -= 1
+    return stages
+
+
+if ws.gluon is not None:
+    _scale_slots = gluon.constexpr_function(scale_slots)
+    _BM = gl.constexpr(BM)
+    _BN = gl.constexpr(BN)
+    _BK = gl.constexpr(BK)
+    _CONSUMER_REGS = gl.constexpr(ws.CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(ws.PRODUCER_REGS)
+
+    @gluon.jit
+    def _tile_origin(tile, num_n, num_k, GROUP: gl.constexpr):
+        """Tile index -> (expert, first row of N, first column of K); expert-major, GROUP row blocks per column
+        block inside an expert."""
+        per_e = num_n * num_k
+        t = tile % per_e
+        width = GROUP * num_n
+        first_n = (t // width) * GROUP
+        size_n = gl.minimum(num_n - first_n, GROUP)
+        return tile // per_e, (first_n + (t % width) % size_n) * _BM, ((t % width) // size_n) * _BN
+
+    @gluon.jit
+    def _token_blocks(off_ptr, tile, per_e, valid, M, GROUPED: gl.constexpr):
+        """[first, end) token blocks of the tile's expert (offsets are 128-aligned; an empty range where not
+        valid), or all of M with one group."""
+        if GROUPED:
+            e = tile // per_e
+            start = (gl.load(off_ptr + e, mask=valid, other=0) // _BK).to(gl.int32)
+            end = (gl.load(off_ptr + e + 1, mask=valid, other=0) // _BK).to(gl.int32)
+        else:
+            start = 0
+            end = gl.cdiv(M, _BK)
+        return start, end
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N, K, M,
+                  E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """One warp: per token block of every tile of this CTA, claim the next slot; copy the block's row and column
+        scales (cp.async) and load the A and B tiles (TMA) into it. The next tile's token range is read while this
+        tile's loads are issued."""
+        vec: gl.constexpr = gl.BlockedLayout([_BM // 32], [32], [1], [0])
+        idx = gl.arange(0, _BM, layout=vec)
+        num_n = gl.cdiv(N, _BM)
+        num_k = gl.cdiv(K, _BN)
+        num_tiles = E * num_n * num_k
+        step_bytes: gl.constexpr = (_BM + _BN) * _BK
+        first = gl.program_id(0)
+        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
+        it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
+            nxt = tile + NUM_PROGRAMS
+            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
+            rows_ok = n0 + idx < N
+            cols_ok = k0 + idx < K
+            for tb in range(start, end):
+                slot = it % STAGES
+                # step 1: wait until both consumer warpgroups released the slot
+                mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                # step 2: the step's scales; each lane's copies join the slot's ready barrier before it can complete
+                _cp_async(sa_ring.index(slot), as_ptr + (n0 + idx) * s_asn + tb * s_ast, mask=rows_ok)
+                _cp_async(sb_ring.index(slot), bs_ptr + (k0 + idx) * s_bsk + tb * s_bst, mask=cols_ok)
+                async_copy.mbarrier_arrive(ready.index(slot))
+                # step 3: the operand tiles; their bytes and the expect arrival complete the barrier
+                mbarrier.expect(ready.index(slot), step_bytes)
+                ws._tma_load(a_desc, [n0, tb * _BK], ready.index(slot), a_ring.index(slot))
+                ws._tma_load(b_desc, [k0, tb * _BK], ready.index(slot), b_ring.index(slot))
+                it += 1
+            start, end = start_next, end_next
+
+    @gluon.jit
+    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
+                  NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                  WG: gl.constexpr):
+        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store.
+        The next tile's token range is read during this tile, so no tile starts waiting on a global load."""
+        acc_layout: gl.constexpr = ws._acc_layout()
+        num_n = gl.cdiv(N, _BM)
+        num_k = gl.cdiv(K, _BN)
+        num_tiles = E * num_n * num_k
+        partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
+        first = gl.program_id(0)
+        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
+        it = 0  # steps consumed: the producer's count, step for step
+        for tile in range(first, num_tiles, NUM_PROGRAMS):
+            e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
+            nxt = tile + NUM_PROGRAMS
+            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
+            acc = gl.zeros([64, _BN], gl.float32, acc_layout)
+            for _ in range(start, end):
+                slot = it % STAGES
+                # step 1: wait for the slot; read this warpgroup's 64 row scales and the 128 column scales from
+                # shared memory (before the slot can be released)
+                mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                sa = sa_ring.index(slot).slice(WG * 64, 64).load(gl.SliceLayout(1, acc_layout))
+                sb = sb_ring.index(slot).load(gl.SliceLayout(0, acc_layout))
+                # step 2: the fp8 product over the 128 tokens; wait for it and release the slot
+                a_tile = a_ring.index(slot).slice(WG * 64, 64)  # [64 rows of N, 128 tokens]
+                b_tile = b_ring.index(slot).permute((1, 0))  # [128 tokens, 128 columns of K], token-major
+                partial = warpgroup_mma(a_tile, b_tile, partial, use_acc=False, is_async=True)
+                partial = warpgroup_mma_wait(0, deps=(partial, ))
+                mbarrier.arrive(empty.index(slot), count=1)
+                # step 3: promotion by the outer product of the scales, while the other warpgroup's product runs
+                acc += partial * (sa[:, None] * sb[None, :])
+                it += 1
+            # step 4: epilogue (an empty expert's tile stores zeros); the previous store had a tile's time
+            tma.store_wait(0)
+            c_tiles.index(WG).store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            ws._tma_store(c_desc, [e * N + n0 + WG * 64, k0], c_tiles.index(WG))
+            start, end = start_next, end_next
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, off_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst,
+                            NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):
+        """Persistent: CTA p computes tiles p, p + NUM_PROGRAMS, ... of the E x (N / 128) x (K / 128) output tiles.
+        a_desc [N, M] and b_desc [K, M] with [128, 128] blocks, c_desc [E * N, K] with [64, 128] blocks; scales by
+        pointer and strides."""
+        a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK], a_desc.layout)
+        b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per slot: 128 plain fp32
+        slots: gl.constexpr = _scale_slots(STAGES)
+        sa_ring = gl.allocate_shared_memory(gl.float32, [slots, _BM], flat)
+        sb_ring = gl.allocate_shared_memory(gl.float32, [slots, _BN], flat)
+        c_tiles = gl.allocate_shared_memory(c_desc.dtype, [2, 64, _BN], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)  # the producer's expect; the TMA bytes and cp.async complete it
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()  # the initialized barriers visible to the TMA engine
+        gl.warp_specialize([
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
+                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
+                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N,
+                         K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                    offsets: torch.Tensor | None, out: torch.Tensor, num_programs: int,
+                    config: str | None = None) -> torch.Tensor:
+    """Fill out [E, N, K] (bf16 or fp32) as moela.ops.moe.gemm_fp8.kgrouped_fp8 does; that function checks the
+    operands (a [N, M] and b [K, M] e4m3 contiguous, scales fp32 with any strides, N a multiple of 128 when
+    grouped). num_programs: the persistent grid's size (the SM count)."""
+    name = config or DEFAULT_KGROUPED
+    if name not in KGROUPED_CONFIGS:
+        raise ValueError(f"unknown Gluon FP8 GEMM config {name!r}; choose one of {', '.join(KGROUPED_CONFIGS)}")
+    if out.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"kgrouped_fp8 (gluon): out_dtype {out.dtype} must be bf16 or fp32")
+    cfg = KGROUPED_CONFIGS[name]
+    n, m = a.shape
+    k = b.shape[0]
+    e = out.shape[0]
+    if m == 0:  # no tokens: every expert's gradient is zero (a TMA descriptor needs a non-empty tensor)
+        return out.zero_()
+    gl_ = ws.gl
+    tile = gl_.NVMMASharedLayout.get_default_for([BM, BK], gl_.float8e4nv)
+    out_gl = gl_.bfloat16 if out.dtype == torch.bfloat16 else gl_.float32
+    a_desc = ws.TensorDescriptor.from_tensor(a, [BM, BK], tile)
+    b_desc = ws.TensorDescriptor.from_tensor(b, [BN, BK], tile)
+    c_desc = ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN],
+                                             gl_.NVMMASharedLayout.get_default_for([64, BN], out_gl))
+    grid = max(1, min(num_programs, e * -(-n // BM) * -(-k // BN)))
+    _kgrouped_ws_kernel[(grid, )](
+        a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale, n, k, m, e,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid,
+        GROUPED=offsets is not None, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
+        num_warps=NUM_WARPS)
+    return out
