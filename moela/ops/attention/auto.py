@@ -40,18 +40,20 @@ class Measured:
     source: str  # where the numbers were measured
 
 
-_PEERS = "BENCHMARKS.md, 'Peers a user can install' (issue 16)"
-_ALIBI = "bench/results/attention.md, ALiBi B=2 S=8192 (Triton only)"
+_RUN = "bench/results/attention.json (2026-12-01, H200)"
 MEASURED: tuple[Measured, ...] = (
-    Measured("B=2 S=8192", (192, 128), "equal", 8192, "plain",
-             {"flash": 492, "sdpa": 456, "triton": 352}, _PEERS),
-    Measured("B=8 S=2048", (192, 128), "equal", 2048, "plain",
-             {"flash": 367, "sdpa": 358, "triton": 267}, _PEERS),
+    Measured("B=2 S=8192", (192, 128), "equal", 8192, "plain", {"flash": 508, "sdpa": 465, "triton": 372}, _RUN),
+    Measured("B=8 S=2048", (192, 128), "equal", 2048, "plain", {"flash": 412, "sdpa": 393, "triton": 285}, _RUN),
     Measured("packed, 185 Zipf-like documents, 55k tokens", (192, 128), "packed", 297, "plain",
-             {"flash": 344, "triton": 235}, _PEERS),
+             {"flash": 387, "triton": 286}, _RUN),
     Measured("packed, 40 lognormal documents, 65k tokens", (192, 128), "packed", 1638, "plain",
-             {"flash": 424, "triton": 312}, _PEERS),
-    Measured("ALiBi B=2 S=8192", (192, 128), "equal", 8192, "alibi", {"triton": 354}, _ALIBI),
+             {"flash": 439, "triton": 307}, _RUN),
+    Measured("B=2 S=8192", (128, 128), "equal", 8192, "plain", {"flash": 568, "sdpa": 504, "triton": 336}, _RUN),
+    Measured("packed, 40 lognormal documents, 65k tokens", (128, 128), "packed", 1638, "plain",
+             {"flash": 483, "triton": 283}, _RUN),
+    Measured("packed, 40 lognormal documents, 65k tokens", (192, 128), "packed", 1638, "zloss",
+             {"flash": 391, "triton": 307}, _RUN),
+    Measured("B=2 S=8192", (192, 128), "equal", 8192, "alibi", {"flash": 477, "triton": 356}, _RUN),
 )
 DEFAULT_HEAD_DIMS = (192, 128)
 
