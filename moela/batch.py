@@ -42,8 +42,11 @@ class PackedBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PackedBatch":
+        """The batch on `device`. A non-blocking copy from the CPU to a GPU goes through pinned memory, so that the
+        host never waits for the device (a copy from pageable memory is staged synchronously)."""
+        pin = non_blocking and torch.device(device).type == "cuda"
         moved = {
-            f.name: (v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
+            f.name: (_copy(v, device, non_blocking, pin) if isinstance(v, torch.Tensor) else v)
             for f in fields(self)
             for v in [getattr(self, f.name)]
         }
@@ -67,3 +70,9 @@ class PackedBatch:
             raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
         if int(lens.max()) != self.max_seqlen:
             raise ValueError(f"max_seqlen={self.max_seqlen} but the longest document has {int(lens.max())} tokens")
+
+
+def _copy(t: torch.Tensor, device: torch.device | str, non_blocking: bool, pin: bool) -> torch.Tensor:
+    if pin and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)

@@ -100,7 +100,8 @@ def test_micro_batches_are_weighted_by_their_targets(tmp_path, cache_dir, monkey
     captured = {}
     monkeypatch.setattr(trainer.optimizer, "step", lambda: captured.update(
         {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
-    monkeypatch.setattr(trainer.model, "update_router_bias", lambda load: captured.update(load=load.clone()))
+    monkeypatch.setattr(trainer.model, "update_router_bias",
+                        lambda load, enabled=None: captured.update(load=load.clone(), enabled=enabled))
     record = trainer.train_step()
 
     assert math.isclose(record["loss"], float(objective.detach()), rel_tol=1e-5)

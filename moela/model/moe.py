@@ -63,10 +63,14 @@ class Gate(nn.Module):
         return topk_ids, weights * self.scaling, scores
 
     @torch.no_grad()
-    def update_bias(self, load: torch.Tensor, rate: float) -> None:
-        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+    def update_bias(self, load: torch.Tensor, rate: float, enabled: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower it for over-loaded ones;
+        a no-op where the 0-d tensor `enabled` is false (decided on the device)."""
         load = load.float().to(self.e_score_correction_bias.device)  # [E]
-        self.e_score_correction_bias.add_(torch.sign(load.mean() - load) * rate)
+        step = torch.sign(load.mean() - load) * rate  # [E]
+        if enabled is not None:
+            step = step * enabled.to(step.device, step.dtype)
+        self.e_score_correction_bias.add_(step)
 
 
 class RoutedExperts(nn.Module):

@@ -137,8 +137,9 @@ class Transformer(nn.Module):
         return [b.ffn for b in blocks if isinstance(b.ffn, MoE)]
 
     @torch.no_grad()
-    def update_router_bias(self, expert_load: torch.Tensor | None) -> None:
-        """Sign-based aux-loss-free bias update from expert_load [L_moe, E] (already summed over ranks)."""
+    def update_router_bias(self, expert_load: torch.Tensor | None, enabled: torch.Tensor | None = None) -> None:
+        """Sign-based aux-loss-free bias update from expert_load [L_moe, E] (already summed over ranks); `enabled`
+        (a 0-d bool device tensor, e.g. the step's finite flag) applies it or not without a host read."""
         moes = self.moe_layers()
         if not moes:
             return
@@ -148,7 +149,7 @@ class Transformer(nn.Module):
                              f"[{len(moes)}, {self.cfg.n_routed_experts}], got {got}; pass ModelOutput.expert_load "
                              f"summed over the step's micro-batches")
         for moe, load in zip(moes, expert_load):
-            moe.gate.update_bias(load, self.cfg.bias_update_rate)
+            moe.gate.update_bias(load, self.cfg.bias_update_rate, enabled)
 
     # ----- forward -----
     def _context(self, batch: PackedBatch, num_targets: int, part: BatchPart | None = None) -> PackedContext:

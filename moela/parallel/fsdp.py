@@ -111,9 +111,10 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
             unit.set_force_sum_reduction_for_comms(True)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0
+                    ) -> torch.Tensor:
     """Like `torch.nn.utils.clip_grad_norm_`, for gradients spread over several device meshes; returns the total
-    norm (a plain tensor, the same on every rank)."""
+    norm (a plain tensor, the same on every rank; nothing is read on the host). `max_norm=None` only measures."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -126,6 +127,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     stacked = torch.stack(norms)  # [meshes]
     total = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm is not None:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

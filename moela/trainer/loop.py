@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moela.batch import PackedBatch
 from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
@@ -52,7 +53,6 @@ from moela.trainer.metrics import (
     MetricsWriter,
     check_wandb_login,
     device_peak_flops,
-    expert_imbalance,
     loss_legend,
     memory_gib,
     plot_losses,
@@ -61,6 +61,14 @@ from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_sc
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
+from moela.trainer.step_metrics import (
+    TAIL_KEYS,
+    NonfiniteCounters,
+    PendingRecords,
+    StepSums,
+    expert_imbalance_device,
+    skips_on_device,
+)
 from moela.trainer.summary import run_summary
 
 FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
@@ -133,6 +141,10 @@ class Trainer:
         self.skipped_total = 0
         self.tokens_seen = 0
         self.window = LogWindow()
+        self.pending = PendingRecords()
+        self.counters = NonfiniteCounters(self.device)
+        self.skips_on_device = skips_on_device(self.optimizer)
+        self._last_end = time.perf_counter()
         self._stop_signal: int | None = None
 
     def _build_model(self) -> torch.nn.Module:
@@ -193,12 +205,13 @@ class Trainer:
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
                 record = self.train_step()
+                if profiler.active:  # its window's wall time must include the device work
+                    self._settle()
                 window = profiler.after_step(self.step, record["step_time_s"])
                 if window is not None:
                     writer.log(self._profile_record(window))
                 writer.advance(self.step)
-                self.window.add(record)
-                if self.step == 1 or self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
+                if self.logs_at(self.step):
                     writer.log(self.window.summarize(record))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._evaluate_and_log()
@@ -228,7 +241,10 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """One optimizer step over this rank's micro-batches; returns the step's metrics record."""
+        """One optimizer step over this rank's micro-batches; returns the step's metrics record. On a logging step
+        (`logs_at`) every value is a host number; on the other steps the values computed on the device (losses,
+        `grad_norm`, `expert_imbalance`, `skipped`) are 0-d device tensors, read at the next logging step
+        (`moela.trainer.step_metrics`): nothing in a non-logging step waits for the device."""
         t0 = time.perf_counter()
         batches = self.train_loader.next_step()
         # the step's totals over all data-parallel ranks: the loader plans every rank's micro-batches (no
@@ -238,59 +254,109 @@ class Trainer:
         grad_scale = self.mesh.size("dp_cp")
         lr = self.scheduler.get_last_lr()[0]
 
-        sums: dict[str, torch.Tensor] = {}
+        sums = StepSums()
         load = None
         self.model.train()
         for i, batch in enumerate(batches):
             _set_gradient_sync(self.model, i == len(batches) - 1)
-            batch = batch.to(self.device, non_blocking=True)
+            batch = self._to_device(batch)
             with self._autocast():
                 out = self.model(batch)
             (out.loss * (out.num_targets * grad_scale / total_targets)).backward()
-            n = float(out.num_targets)
-            _accumulate(sums, "loss", out.loss.detach().double() * n)
-            for key, value in out.metrics.items():
-                _accumulate(sums, key, value.detach().double() * n)
+            sums.add(out.loss, out.metrics, out.num_targets)
             if out.expert_load is not None:
                 load = out.expert_load.detach().float() if load is None else load + out.expert_load.detach()
-        means = self._reduce_means(sums, total_targets)
+        self._all_reduce(sums.sums, "dp_cp")
+        means = sums.sums / total_targets  # [M] float64
         grad_norm = self._clip_grad_norm()
-        finite = math.isfinite(means["loss"]) and math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-            self.nonfinite_in_row = 0
-            if load is not None:
-                reduce_expert_load(load, self.mesh)
-                self.model.update_router_bias(load)
-        else:
-            self.nonfinite_in_row += 1
-            self.skipped_total += 1
+        finite = torch.isfinite(means[0]) & torch.isfinite(grad_norm)  # [] bool
+        self._optimizer_step(finite)
+        if load is not None:
+            reduce_expert_load(load, self.mesh)
+            self.model.update_router_bias(load, enabled=finite)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite_steps:
-            raise TrainingError(
-                f"stopped at step {self.step}: {self.nonfinite_in_row} consecutive steps had a non-finite loss "
-                f"({means['loss']}) or gradient norm ({grad_norm}) and were skipped. Lower optim.lr, tighten "
-                f"optim.grad_clip or check the data; rerun to resume from the last checkpoint, or raise "
-                f"train.max_nonfinite_steps to tolerate longer streaks")
+        self.counters.update(finite)
 
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
+        c = self.counters
+        tail = torch.stack([grad_norm.double(), expert_imbalance_device(load, self.device), finite.double(),
+                            c.skipped.double(), c.in_row.double(), c.worst.double()])  # [len(TAIL_KEYS)]
         tokens = float(global_tokens)
         self.tokens_seen += int(tokens)
-        record = {"kind": "train", "step": self.step, **means, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, "tokens_seen": self.tokens_seen,
-                  "mem_gib": memory_gib(self.device), "skipped": self.skipped_total,
-                  "epoch": self.train_loader.epoch}
-        record["mfu"] = self._mfu(tokens, global_sum_sq, dt)
-        record["expert_imbalance"] = expert_imbalance(load)
+        record = {"kind": "train", "step": self.step, "lr": lr, "tokens_seen": self.tokens_seen,
+                  "mem_gib": memory_gib(self.device), "epoch": self.train_loader.epoch,
+                  "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0}
         imbalance = getattr(self.train_loader, "last_imbalance", None)
         if imbalance and self.mesh.size("dp") > 1:
             record["dp_imbalance"] = float(imbalance["after"])
             record["dp_imbalance_unbalanced"] = float(imbalance["before"])
+        self.pending.add(record, torch.cat([means, tail]), sums.keys + list(TAIL_KEYS))
+        if self.logs_at(self.step):
+            self._read_pending()
+        else:
+            self._last_end = time.perf_counter()
+            self._set_time(record, self._last_end - t0)
         return record
+
+    def logs_at(self, step: int) -> bool:
+        """Whether optimizer step `step` writes a step line (and so reads the device's numbers)."""
+        cfg = self.cfg
+        return step == 1 or step % cfg.logging.log_every == 0 or step == cfg.train.steps
+
+    def _optimizer_step(self, finite: torch.Tensor) -> None:
+        """AdamW step unless `finite` is false: on the device where the optimizer allows it, else by a host read."""
+        if self.skips_on_device:
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+        elif bool(finite):  # the one host read of a step without device skipping (step_metrics docstring)
+            self.optimizer.step()
+
+    def _read_pending(self) -> None:
+        """Bring the pending steps' numbers to the host (one read), add them to the log window, update the host
+        counters, and stop if a non-finite streak reached `train.max_nonfinite_steps`."""
+        records = self.pending.resolve()
+        if not records:
+            return
+        self._last_end = time.perf_counter()
+        if "step_time_s" not in records[-1]:  # the current step, timed to the end of its device work
+            self._set_time(records[-1], self._last_end - records[-1]["_t0"])
+        worst, last_bad = 0, None
+        for rec in records:
+            for key in ("_tokens", "_sum_sq", "_t0"):
+                rec.pop(key)
+            if not rec.pop("finite"):
+                last_bad = rec
+            worst = max(worst, int(rec.pop("worst_streak")))
+            self.nonfinite_in_row = int(rec.pop("nonfinite_in_row"))
+            rec["skipped"] = self.skipped_total = int(rec["skipped"])
+            if math.isnan(rec["expert_imbalance"]):
+                rec["expert_imbalance"] = None
+            self.window.add(rec)
+        self.counters.reset_worst(self.nonfinite_in_row)
+        if worst >= self.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"stopped at step {self.step}: {worst} consecutive steps had a non-finite loss "
+                f"({last_bad['loss']}) or gradient norm ({last_bad['grad_norm']}) and were skipped. Lower optim.lr, "
+                f"tighten optim.grad_clip or check the data; rerun to resume from the last checkpoint, or raise "
+                f"train.max_nonfinite_steps to tolerate longer streaks")
+
+    def _settle(self) -> None:
+        """Wait for the steps already queued on the device and charge that time to the last one, before the loop
+        does something that is not training (evaluation, checkpoint, a profiled step's timing)."""
+        if not self.pending.records:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        last = self.pending.records[-1]
+        self._set_time(last, last["step_time_s"] + now - self._last_end)
+        self._last_end = now
+
+    def _set_time(self, record: dict, dt: float) -> None:
+        record["step_time_s"] = dt
+        record["tokens_per_s"] = record["_tokens"] / dt
+        record["mfu"] = self._mfu(record["_tokens"], record["_sum_sq"], dt)
 
     def _profile_record(self, window: dict) -> dict:
         """The profiling window's metrics record: wall time (slowest rank), compute-busy and collective shares (rank
@@ -316,7 +382,7 @@ class Trainer:
             if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
                 break
             with self._autocast():
-                out = self.model(batch.to(self.device, non_blocking=True))
+                out = self.model(self._to_device(batch))
             lm = out.metrics.get("lm_loss", out.loss)
             sums[0] += lm.double() * out.num_targets
             sums[1] += out.num_targets
@@ -330,6 +396,7 @@ class Trainer:
         """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0): a
         non-finite result stops the run. Then print the samples `logging.samples` asks for."""
         if len(self.val_loader):  # the same on every rank
+            self._settle()
             record = self.evaluate()
             self.writer.log(record)
             if not math.isfinite(record["val_loss"]):
@@ -351,6 +418,8 @@ class Trainer:
         self.writer.echo(format_samples(texts, self.step, self.cfg.logging))
 
     def save(self) -> Path:
+        self._settle()
+        self._read_pending()  # the log window and the counters are part of the checkpoint
         return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
                                           self._trainer_state(), self.cfg.checkpoint.keep_last_k,
                                           checkpoint.fixed_settings(self.cfg))
@@ -392,8 +461,13 @@ class Trainer:
         set_rng_state(state["rng"], self.device)
         self.nonfinite_in_row = state["nonfinite_in_row"]
         self.skipped_total = state["skipped_total"]
+        self.counters = NonfiniteCounters(self.device, self.skipped_total, self.nonfinite_in_row)
         self.tokens_seen = state["tokens_seen"]
         self.window.load_state_dict(state["log_window"])
+
+    def _to_device(self, batch: PackedBatch) -> PackedBatch:
+        """A micro-batch on the training device, copied without waiting for the device (pinned host memory)."""
+        return batch.to(self.device, non_blocking=True)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -409,15 +483,10 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
 
-    def _reduce_means(self, sums: dict[str, torch.Tensor], total_targets: float) -> dict[str, float]:
-        keys = sorted(sums)
-        stacked = torch.stack([sums[k].reshape(()) for k in keys]).to(self.device)  # [metrics]
-        self._all_reduce(stacked, "dp_cp")
-        return {k: float(v) / total_targets for k, v in zip(keys, stacked.tolist())}
-
-    def _clip_grad_norm(self) -> float:
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        return float(clip_grad_norm_(self.model.parameters(), max_norm))
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (a 0-d device tensor), after clipping to `optim.grad_clip` when it is > 0."""
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else None
+        return clip_grad_norm_(self.model.parameters(), max_norm).to(self.device)
 
     def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
         if self.peak_flops is None or tokens == 0:
@@ -427,12 +496,18 @@ class Trainer:
         return achieved / self.peak_flops
 
     def _agree_to_stop(self) -> bool:
+        """Whether to stop after this step. One process decides alone; several ranks agree on logging steps only
+        (an all-reduce read on the host), so a signal stops a multi-rank run at most `logging.log_every - 1` steps
+        after it arrived."""
+        if not dist.is_initialized():
+            return self._stop_signal is not None
+        if not self.logs_at(self.step):
+            return False
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() and self._stop_signal is None:
-                self._stop_signal = signal.SIGTERM
-        return bool(flag.item())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self._stop_signal is None:
+            self._stop_signal = signal.SIGTERM
+        return self._stop_signal is not None
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -455,10 +530,6 @@ class Trainer:
 def _restore_signal_handlers(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-
-
-def _accumulate(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    sums[key] = sums[key] + value if key in sums else value
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:

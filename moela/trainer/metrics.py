@@ -8,7 +8,8 @@ Decisions:
 - MFU = achieved model FLOP/s per device / the device's dense bf16 peak. Achieved FLOPs come from the model's
   `flops_per_token` estimate (training FLOPs incl. attention), the peak from a table of GPU names (datasheet
   dense numbers) or `logging.peak_tflops`; on CPU or an unknown GPU without that key MFU is not reported.
-- Expert-load imbalance = max / mean tokens per expert, averaged over MoE layers (1.0 is perfectly balanced);
+- Expert-load imbalance = max / mean tokens per expert, averaged over MoE layers (1.0 is perfectly balanced;
+  computed on the device, `moela.trainer.step_metrics`);
   DP imbalance = max / mean micro-batch cost over data-parallel ranks, as the loader reports it.
 - Like Megatron-LM, a logged line averages the loss terms (keys ending in `loss`) over the steps since the
   previous line, skipped non-finite steps excluded, and reports throughput and MFU over that window; `loss_step`
@@ -69,15 +70,6 @@ def memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def expert_imbalance(expert_load: torch.Tensor | None) -> float | None:
-    """Mean over MoE layers of max/mean tokens per expert; `expert_load` is [L_moe, E]."""
-    if expert_load is None or expert_load.numel() == 0:
-        return None
-    load = expert_load.double()
-    mean = load.mean(dim=1).clamp_min(1e-12)  # [L_moe]
-    return float((load.max(dim=1).values / mean).mean())
 
 
 class LogWindow:

@@ -60,6 +60,11 @@ class StepProfiler:
         self.prof = None
         self.steps, self.wall_s = 0, 0.0
 
+    @property
+    def active(self) -> bool:
+        """Whether a window is open (its steps are being profiled)."""
+        return self.prof is not None
+
     def before_step(self, step: int) -> None:
         """`step`: the number the coming optimizer step will have. Starts the window where it begins (or where a
         resumed run enters it)."""
