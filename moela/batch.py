@@ -1,7 +1,16 @@
-"""`PackedBatch`, the one batch type: documents concatenated into a flat token stream, no padding, no batch dim.
+"""`PackedBatch`, the one batch type: documents concatenated into a flat token stream, no batch dim; and `pad_batch`,
+which gives every micro-batch one fixed shape for compiled training.
 
 Lives at the package top level because both `moela.data` (which builds it) and `moela.model` (which consumes
 it) need it, and the model must not import `data`.
+
+Padding (`pad_batch`): a compiled model specializes on tensor shapes, so a token count that changes every
+micro-batch would recompile or run slower dynamic-shape code. `pad_batch` appends filler tokens up to a fixed T:
+token id 0, label IGNORE_INDEX, cut into filler documents of at most `FILLER_DOC` tokens each (attention inside a
+filler document costs at most FILLER_DOC^2 / 2 per document, and nothing real ever attends to it), and sets
+`max_seqlen` to a fixed upper bound. The model leaves filler tokens out of every statistic (`filler_tokens`), so
+padding changes no loss, gradient, balance loss or expert load. The document count still varies (cu_seqlens [N+1]):
+the model marks that dimension dynamic.
 
 Shapes: T tokens, N documents.
 """
@@ -26,6 +35,10 @@ class PackedBatch:
     # from a CPU batch, and carried to the device, so that the model reading it on the GPU does not synchronize
     # with the device once per micro-batch (a context-parallel shard counts its own on the device)
     targets_on_host: int | None = field(default=None, repr=False, compare=False)
+    # None: every token is a document's. An int (possibly 0): the batch was padded to a fixed shape by `pad_batch`
+    # and its last `filler_tokens` tokens are filler (no labels, outside every statistic); max_seqlen is then an
+    # upper bound of the longest document
+    filler_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +81,7 @@ class PackedBatch:
         lens = cu[1:] - cu[:-1]
         if bool((lens <= 0).any()):
             raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
-        if int(lens.max()) != self.max_seqlen:
+        if int(lens.max()) > self.max_seqlen or (self.filler_tokens is None and int(lens.max()) != self.max_seqlen):
             raise ValueError(f"max_seqlen={self.max_seqlen} but the longest document has {int(lens.max())} tokens")
 
 
@@ -76,3 +89,33 @@ def _copy(t: torch.Tensor, device: torch.device | str, non_blocking: bool, pin: 
     if pin and t.device.type == "cpu":
         t = t.pin_memory()
     return t.to(device, non_blocking=non_blocking)
+
+
+FILLER_DOC = 128  # tokens per filler document at most
+
+
+def pad_batch(batch: PackedBatch, num_tokens: int, max_seqlen: int) -> PackedBatch:
+    """`batch` (on the CPU) padded with filler documents to exactly `num_tokens` tokens, with `max_seqlen` as its
+    length bound (see the module docstring)."""
+    t = batch.num_tokens
+    if batch.filler_tokens is not None:
+        raise ValueError("pad_batch: the batch is already padded")
+    if t > num_tokens or batch.max_seqlen > max_seqlen:
+        raise ValueError(f"pad_batch: a batch of {t} tokens (longest document {batch.max_seqlen}) does not fit "
+                         f"{num_tokens} tokens with documents of at most {max_seqlen}")
+    if batch.input_ids.device.type != "cpu":
+        raise ValueError("pad_batch pads on the CPU, before the copy to the device (its sizes are host numbers)")
+    fill = num_tokens - t
+    piece = min(FILLER_DOC, max_seqlen)
+    lens = [piece] * (fill // piece) + ([fill % piece] if fill % piece else [])
+    ends = torch.tensor(lens, dtype=torch.int64).cumsum(0) + t  # [filler docs]
+    positions = torch.arange(fill, dtype=torch.int64)
+    if lens:
+        positions -= torch.repeat_interleave(ends - t - torch.tensor(lens), torch.tensor(lens))
+    targets = batch.targets_on_host if batch.targets_on_host is not None else batch.num_targets()
+    return PackedBatch(
+        input_ids=torch.cat((batch.input_ids, batch.input_ids.new_zeros(fill))),  # [T_pad]
+        labels=torch.cat((batch.labels, batch.labels.new_full((fill,), IGNORE_INDEX))),  # [T_pad]
+        position_ids=torch.cat((batch.position_ids, positions.to(batch.position_ids.dtype))),  # [T_pad]
+        cu_seqlens=torch.cat((batch.cu_seqlens, ends.to(batch.cu_seqlens.dtype))),  # [N + filler docs + 1]
+        max_seqlen=max_seqlen, targets_on_host=targets, filler_tokens=fill)

@@ -18,13 +18,16 @@ MLP_l is the dense SwiGLU MLP for the first `first_k_dense_replace` layers and t
 z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense). Returning
 values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
 whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
-non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward.
+non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend`
+names a torch.compile backend (set by `moela.trainer.compile.compile_blocks`) runs `_forward` compiled.
 
 Shapes: T tokens, D hidden, E experts.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -52,9 +55,10 @@ class Block(nn.Module):
         if kind != "standard":
             self.a1_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.recompute = False  # activation checkpointing: recompute this block's activations in backward
+        self.compile_backend: str | None = None  # a torch.compile backend: run `_forward` compiled
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind}, recompute={self.recompute}"
+        return f"kind={self.kind}, recompute={self.recompute}, compile_backend={self.compile_backend}"
 
     def _ffn(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if isinstance(self.ffn, MoE):
@@ -63,9 +67,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None) -> BlockOutput:
         """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load)."""
+        fn = Block._forward if self.compile_backend is None else _compiled_forward(self.compile_backend)
         if self.recompute:
-            return checkpoint(self._forward, x, ctx, a1, use_reentrant=False)
-        return self._forward(x, ctx, a1)
+            return checkpoint(fn, self, x, ctx, a1, use_reentrant=False)
+        return fn(self, x, ctx, a1)
 
     def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None) -> BlockOutput:
         a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
@@ -82,3 +87,10 @@ class Block(nn.Module):
         h = x + a  # [T, D]
         m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
         return h + m, a1, z, aux, load
+
+
+@functools.cache
+def _compiled_forward(backend: str) -> Callable[..., BlockOutput]:
+    """`Block._forward` compiled once per process: one code object, so Dynamo reuses its graphs for every block of
+    the same kind (the block is an input, its parameters graph inputs) instead of compiling each layer."""
+    return torch.compile(Block._forward, backend=backend)

@@ -73,6 +73,20 @@ class MLP(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]
 
 
+def eager_off_cuda(op: Callable[..., Any]) -> Callable[..., Any]:
+    """`op` (a `moela.ops` public function whose first argument is a tensor) as a model that torch.compile may
+    trace calls it: on CUDA the op itself (its backends say what a graph may contain, `moela.ops.dispatch`); on any
+    other device outside the graph, since there the op runs its pure-torch reference, which loops over documents
+    or experts with host reads and, traced, would be specialized to every batch."""
+    eager = torch.compiler.disable(op)
+
+    def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (op if x.is_cuda else eager)(x, *args, **kwargs)
+
+    call.__name__ = getattr(op, "__name__", "op")
+    return call
+
+
 def attend_locally(attention: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    cu_seqlens: torch.Tensor, max_seqlen: int, **kwargs: Any) -> Any:
     """`PackedContext.attend` of a rank holding whole documents: the layer's attention op on its own tokens."""

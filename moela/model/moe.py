@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import MLP, PackedContext, linear_fp32, segment_sum
+from moela.model.layers import MLP, PackedContext, eager_off_cuda, linear_fp32, segment_sum
 from moela.ops.moe import moe_experts
 
 
@@ -73,6 +73,14 @@ class Gate(nn.Module):
         self.e_score_correction_bias.add_(step)
 
 
+_moe_experts = eager_off_cuda(moe_experts)
+
+
+@torch.compiler.disable
+def _call_outside_graph(module: nn.Module, *args, **kwargs) -> torch.Tensor:
+    return module(*args, **kwargs)
+
+
 class RoutedExperts(nn.Module):
     """The routed experts' stacked weights; forward is `moe_experts` (the contract expert parallelism keeps)."""
 
@@ -85,8 +93,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: nn.Module | None = None) -> torch.Tensor:
-        y = moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
-                        backend=self.backend)  # [T, D]
+        y = _moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
+                         backend=self.backend)  # [T, D]
         return y if shared is None else y + shared(x)
 
 
@@ -114,7 +122,7 @@ class MoE(nn.Module):
         stats = torch.cat([segment_sum(v, ctx.doc_ids, n) for v in (hits, probs, count)], dim=1)  # [N, 2E + 1]
         if ctx.reduce_doc_stats is not None:
             stats = ctx.reduce_doc_stats(stats)  # whole documents
-        lengths = stats[:, 2 * e:]  # [N, 1]
+        lengths = stats[:, 2 * e:].clamp_min(1.0)  # [N, 1]; a document without real tokens (filler) weighs 0
         f = stats[:, :e] * (e / self.topk) / lengths  # [N, E]
         p = stats[:, e:2 * e] / lengths  # [N, E]
         return ((f * p).sum(-1) * ctx.doc_weight).sum()
@@ -131,6 +139,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (y [T, D], balance loss [], expert load [E] float32 detached)."""
         topk_ids, topk_weights, scores = self.gate(x)  # [T, K], [T, K], [T, E]
-        y = self.experts(x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D] routed + shared
+        if isinstance(self.experts, RoutedExperts):
+            y = self.experts(x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D] routed + shared
+        else:  # a replacement (expert parallelism: collectives) runs outside compiled graphs
+            y = _call_outside_graph(self.experts, x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D]
         aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
         return y, aux, self.expert_load(topk_ids, ctx)

@@ -152,19 +152,29 @@ class Transformer(nn.Module):
             moe.gate.update_bias(load, self.cfg.bias_update_rate, enabled)
 
     # ----- forward -----
-    def _context(self, batch: PackedBatch, num_targets: int, part: BatchPart | None = None) -> PackedContext:
-        """The batch's context; with `part` (this rank's share of a split batch), its seams too."""
+    def _context(self, batch: PackedBatch, num_targets: int | torch.Tensor, part: BatchPart | None = None
+                 ) -> PackedContext:
+        """The batch's context; with `part` (this rank's share of a split batch), its seams too. The document
+        dimension (cu_seqlens, doc_weight) is marked dynamic for torch.compile: it changes every micro-batch, the
+        token count of a padded batch does not (`moela.batch.pad_batch`)."""
         t, cu = batch.num_tokens, batch.cu_seqlens
         lengths = (cu[1:] - cu[:-1]).long()  # [N]
         doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths,
                                           output_size=t)  # [T]
-        token_weight = (batch.labels != IGNORE_INDEX).float() / max(num_targets, 1)  # [T]
+        token_weight = (batch.labels != IGNORE_INDEX).float() / _at_least_one(num_targets)  # [T]
+        doc_weight = segment_sum(token_weight, doc_ids, lengths.numel())  # [N]
+        for x in (cu, doc_weight):
+            torch._dynamo.maybe_mark_dynamic(x, 0)
         seams = {} if part is None else dict(attend=part.attend, real_tokens=part.real_tokens,
                                              reduce_doc_stats=part.reduce_doc_stats)
+        if batch.filler_tokens is not None:
+            if part is not None:
+                raise ValueError("a padded batch (pad_batch) cannot be split by context parallelism; pad after "
+                                 "splitting or not at all")
+            seams["real_tokens"] = torch.arange(t, device=cu.device) < t - batch.filler_tokens  # [T]
         return PackedContext(position_ids=batch.position_ids, cu_seqlens=cu, max_seqlen=batch.max_seqlen,
-                             doc_ids=doc_ids, token_weight=token_weight,
-                             doc_weight=segment_sum(token_weight, doc_ids, lengths.numel()), inv_freq=self.inv_freq,
-                             **seams)
+                             doc_ids=doc_ids, token_weight=token_weight, doc_weight=doc_weight,
+                             inv_freq=self.inv_freq, **seams)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [T, D] -> logits [T, V]."""
@@ -189,8 +199,11 @@ class Transformer(nn.Module):
         if self.context_parallel is not None:
             part = self.context_parallel.split(batch, targets)
             batch, targets = part.batch, part.mtp_targets
-        num_targets = batch.num_targets()
-        denom = max(num_targets, 1)
+        # known on the host unless a context-parallel shard counts its own (then a device count: no host read)
+        num_targets = batch.targets_on_host
+        if num_targets is None:
+            num_targets = (batch.labels != IGNORE_INDEX).sum()
+        denom = _at_least_one(num_targets)
         ctx = self._context(batch, num_targets, part)
         h = self.embed(batch.input_ids)  # [T, D]
         a1 = None
@@ -230,6 +243,10 @@ class Transformer(nn.Module):
         return ModelOutput(loss=loss, num_targets=num_targets, metrics=metrics,
                            expert_load=torch.stack(loads).detach() if loads else None,
                            logits=logits)
+
+
+def _at_least_one(n: int | torch.Tensor) -> int | torch.Tensor:
+    return n.clamp_min(1) if isinstance(n, torch.Tensor) else max(n, 1)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,

@@ -9,6 +9,8 @@ kernel would do; the reference stays the single source of truth. Decisions:
   weights, 2-D or 3-D input, training or no-grad evaluation), more than dynamo's default limit of 8 graphs per
   function, past which it silently runs the op eagerly; the limit is raised to `RECOMPILE_LIMIT` on first use;
 - offered only for CUDA tensors (`on_cuda`); on CPU `auto` keeps the plain reference;
+- called inside a region that torch.compile is already tracing (e.g. a compiled transformer block), the reference
+  is traced into that region, where Inductor fuses it with its neighbours;
 - if compilation itself fails (e.g. no working C compiler or Triton on the machine), the reference runs instead
   and a warning names the op and the error, once.
 """
@@ -25,7 +27,8 @@ log = logging.getLogger("moela.ops")
 RECOMPILE_LIMIT = 64
 
 
-def _raise_recompile_limit() -> None:
+def raise_recompile_limit() -> None:
+    """Let Dynamo keep up to `RECOMPILE_LIMIT` graphs per function (see the module docstring)."""
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
         if hasattr(config, name):
@@ -41,9 +44,11 @@ def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     holder: list[Callable[..., torch.Tensor]] = []
 
     def run(*args, **kwargs):
+        if torch.compiler.is_compiling():  # already inside a compiled region: Inductor fuses the reference there
+            return fn(*args, **kwargs)
         if holder:
             return holder[0](*args, **kwargs)
-        _raise_recompile_limit()
+        raise_recompile_limit()
         fast = torch.compile(fn, dynamic=True)
         try:
             out = fast(*args, **kwargs)

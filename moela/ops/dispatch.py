@@ -6,7 +6,11 @@ always runs and its implementation raises its own errors). `auto` resolves to th
 registration order, whose `auto` predicate accepts the call; the reference is last and always supported. An op whose
 fastest backend depends on the call passes `rank`: it orders the candidates per call (from measurements) and says
 why, and `auto` takes the first of that order whose predicate holds. The choice is logged once per (op, backend,
-reason), so a run's log says which implementation actually ran and why.
+reason), so a run's log says which implementation actually ran and why; inside a region torch.compile traces it
+is not logged (the same choice is made, and logged, where the op runs eagerly). A backend is opaque to
+torch.compile (a graph break; it runs eagerly between the compiled pieces) unless it registers as `traceable`: the
+owner of a kernel states that Dynamo can trace it (a `torch.library` custom op with a fake implementation, or an
+autograd.Function Dynamo traces).
 Backend names come from `moela.ops.backends`, which imports nothing.
 """
 
@@ -26,6 +30,7 @@ class FastBackend:
     impl: Callable[..., object]
     auto: Callable[..., bool]
     accepts: Callable[..., bool] | None = None
+    traceable: bool = False
 
 
 class Dispatch:
@@ -46,10 +51,15 @@ class Dispatch:
         self.logged: set[tuple[str, str]] = set()
 
     def register(self, name: str, impl: Callable[..., object], *, auto: Callable[..., bool],
-                 accepts: Callable[..., bool] | None = None) -> None:
+                 accepts: Callable[..., bool] | None = None, traceable: bool = False) -> None:
+        """`traceable`: torch.compile may trace `impl` into its graph (pure torch ops, or kernels wrapped as
+        `torch.library` custom ops with fake implementations, or an autograd.Function Dynamo can trace); otherwise
+        the call is a graph break and `impl` runs eagerly between the compiled pieces."""
         if name not in self.names or name in ("auto", "reference"):
             raise ValueError(f"{self.op}: cannot register backend {name!r}; its names are {', '.join(self.names)}")
-        self.fast[name] = FastBackend(impl, auto, accepts)
+        if not traceable:
+            impl = torch.compiler.disable(impl)
+        self.fast[name] = FastBackend(impl, auto, accepts, traceable)
 
     def check(self, backend: str) -> None:
         if backend not in self.names:
@@ -85,7 +95,7 @@ class Dispatch:
         return self.fast[name].impl
 
     def _log(self, backend: str, reason: str) -> None:
-        if torch.compiler.is_compiling():  # logging inside a traced region would break the graph
+        if torch.compiler.is_compiling():  # traced, logging would break the graph and the check guard on the set
             return
         if (backend, reason) not in self.logged:
             self.logged.add((backend, reason))

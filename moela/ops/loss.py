@@ -32,7 +32,7 @@ def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return torch.where(valid, nll, torch.zeros_like(nll))
 
 
-DISPATCH.register("compiled", compiled(cross_entropy_reference), auto=on_cuda)
+DISPATCH.register("compiled", compiled(cross_entropy_reference), auto=on_cuda, traceable=True)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Literal["sum", "none"] = "sum",

@@ -23,7 +23,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * weight.float()).to(x.dtype)
 
 
-DISPATCH.register("compiled", compiled(rms_norm_reference), auto=on_cuda)
+DISPATCH.register("compiled", compiled(rms_norm_reference), auto=on_cuda, traceable=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:

@@ -66,7 +66,7 @@ def rope_reference(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.
     return out.reshape(t, h, r).to(x.dtype)
 
 
-DISPATCH.register("compiled", compiled(rope_reference), auto=on_cuda)
+DISPATCH.register("compiled", compiled(rope_reference), auto=on_cuda, traceable=True)
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, *, attention_factor: float = 1.0,

@@ -20,7 +20,7 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-DISPATCH.register("compiled", compiled(swiglu_reference), auto=on_cuda)
+DISPATCH.register("compiled", compiled(swiglu_reference), auto=on_cuda, traceable=True)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -71,6 +71,9 @@ class TrainConfig:
     eval_every: int = 100  # run the validation loop every N steps (0: only at the end)
     eval_batches: int = 0  # validation micro-batches per evaluation (0: the whole held-out split)
     max_nonfinite_steps: int = 5  # stop after this many consecutive skipped (non-finite loss or grad) steps
+    # torch.compile each transformer block (attention + FFN + norms) and pad every micro-batch to
+    # tokens_per_microbatch tokens, so the compiled blocks see one shape (moela.trainer.compile)
+    compile: bool = False
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 
     def validate(self) -> list[str]:

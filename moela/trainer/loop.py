@@ -45,6 +45,7 @@ from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
+from moela.trainer.compile import StaticShapes, compile_blocks
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
@@ -133,6 +134,11 @@ class Trainer:
                              f"{self.tokenizer.vocab_size}")
         seed_everything(cfg.train.seed)
         self.model = self._build_model()
+        self.static_shapes = None
+        if cfg.train.compile:
+            compile_blocks(self.model)
+            if self.mesh.size("cp") == 1:  # context parallelism splits batches itself
+                self.static_shapes = StaticShapes(cfg.train.tokens_per_microbatch, cfg.data.max_doc_len)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.peak_flops = device_peak_flops(self.device, cfg.logging)
@@ -466,7 +472,10 @@ class Trainer:
         self.window.load_state_dict(state["log_window"])
 
     def _to_device(self, batch: PackedBatch) -> PackedBatch:
-        """A micro-batch on the training device, copied without waiting for the device (pinned host memory)."""
+        """A micro-batch on the training device, copied without waiting for the device (pinned host memory); padded
+        to the run's one shape first when the blocks are compiled."""
+        if self.static_shapes is not None:
+            batch = self.static_shapes(batch)
         return batch.to(self.device, non_blocking=True)
 
     def _autocast(self):

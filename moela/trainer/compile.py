@@ -1,0 +1,61 @@
+"""The compile strategy of a training run (`train.compile: true`): every transformer block compiled by
+torch.compile, every micro-batch padded to one shape, and the on-disk caches that make the second start fast.
+
+Decisions:
+- The unit is the whole block (attention + FFN + norms + residuals), torchtitan's choice: the glue between the
+  big kernels (RMSNorm, the q/k assembly with RoPE, SwiGLU, the router's sigmoid and weights, residual adds, dtype
+  casts) is fused by Inductor into a few memory-bound kernels per block, and the host runs one compiled graph per
+  block piece instead of a Python call per op. The embedding, the output head with its loss and the MTP glue run
+  eagerly around the blocks: a handful of ops per micro-batch.
+- One compiled function for all blocks (`Block._forward` compiled once per process, the block an input): layers
+  of one kind share their graphs, so a 12-layer model compiles one dense and one MoE block, not twelve.
+- Kernels that torch.compile cannot trace yet (an op backend not registered `traceable` in `moela.ops.dispatch`,
+  expert parallelism's all-to-all) are graph breaks: they run eagerly between the compiled pieces of the block.
+- Shapes: a micro-batch is padded with filler documents to `train.tokens_per_microbatch` tokens and its
+  `max_seqlen` set to the longest piece the loader can cut (`moela.batch.pad_batch`), so the token count and the
+  length bound never change; only the document count does, and the model marks it dynamic. Training compiles
+  during the first micro-batch and never again; evaluation (no autograd) compiles its own graphs at its first
+  batch, padded to the same shape, and reuses them.
+- Caches: Triton's autotuning results are kept on disk (TRITON_CACHE_AUTOTUNING, set in `moela.ops`), Inductor's
+  FX graph and autograd caches live in `~/.cache/moela/inductor` (TORCHINDUCTOR_CACHE_DIR unless set), so a
+  second start on the same machine skips compilation and autotuning.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from moela.batch import PackedBatch, pad_batch
+from moela.ops.compiled import raise_recompile_limit
+from moela.parallel.fsdp import transformer_blocks
+
+INDUCTOR_CACHE = Path("~/.cache/moela/inductor")
+
+
+def use_compile_caches() -> None:
+    """Point Inductor's on-disk caches at a directory that outlives /tmp (unless the user chose one)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE.expanduser()))
+
+
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """Run every transformer block of `model` (main stack and MTP) through torch.compile with `backend`."""
+    use_compile_caches()
+    raise_recompile_limit()
+    for block in transformer_blocks(model):
+        if not hasattr(block, "compile_backend"):
+            raise TypeError(f"{type(block).__name__} has no `compile_backend`; compile_blocks compiles moela Blocks")
+        block.compile_backend = backend
+
+
+class StaticShapes:
+    """Pads every micro-batch of a run to `num_tokens` tokens with documents of at most `max_seqlen` tokens."""
+
+    def __init__(self, num_tokens: int, max_doc_len: int | None):
+        self.num_tokens = num_tokens
+        self.max_seqlen = min(max_doc_len or num_tokens, num_tokens)  # the loader's piece limit
+
+    def __call__(self, batch: PackedBatch) -> PackedBatch:
+        return pad_batch(batch, self.num_tokens, self.max_seqlen)

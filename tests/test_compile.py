@@ -1,0 +1,118 @@
+"""Compiled training (`train.compile`): padding to one shape changes nothing the model computes, compiled blocks
+train like eager ones with no recompilation after the first step, and the only graph breaks in a block are the op
+boundaries declared opaque (`moela.ops.dispatch`). CPU tests use Dynamo with the `eager` backend (the graphs
+Dynamo captures, run by PyTorch): what they check - graph structure, guards, numerics of the traced code - does
+not depend on Inductor, which the GPU test runs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from factories import packed_batch, tiny_config, tiny_overrides
+from moela.batch import FILLER_DOC, pad_batch
+from moela.config import load_config
+from moela.model import build_model
+from moela.trainer import Trainer
+from moela.trainer import loop as trainer_loop
+from moela.trainer.compile import compile_blocks
+
+TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_pad_batch_adds_filler_documents_and_keeps_the_targets():
+    b = packed_batch(97, [5, 9, 3], seed=1)
+    p = pad_batch(b, 300, 200)
+    p.validate()
+    assert p.num_tokens == 300 and p.filler_tokens == 283 and p.max_seqlen == 200
+    assert p.targets_on_host == b.num_targets() == 14
+    assert (p.cu_seqlens[1:] - p.cu_seqlens[:-1]).tolist() == [5, 9, 3] + [FILLER_DOC] * 2 + [27]
+    assert torch.equal(p.labels[17:], torch.full((283,), -100)) and torch.equal(p.input_ids[:17], b.input_ids)
+    assert p.position_ids[17:].tolist() == list(range(128)) * 2 + list(range(27))
+    exact = pad_batch(b, 17, 9)
+    assert exact.filler_tokens == 0 and exact.num_docs == 3
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_batch(b, 16, 200)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_batch(b, 300, 8)
+
+
+def test_a_padded_batch_gives_the_same_objective_gradients_and_statistics():
+    cfg = tiny_config(aux_loss_coef=1e-2, z_loss_coef=1e-3, attention_backend="reference",
+                      moe_backend="reference")
+    model = build_model(cfg)  # float32: the references compute their losses in float32 whatever the model dtype
+    b = packed_batch(cfg.vocab_size, [5, 9, 3, 12], seed=3)
+    outs, grads = [], []
+    for batch in (b, pad_batch(b, 301, 40)):
+        model.zero_grad()
+        out = model(batch)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    plain, padded = outs
+    # the same sums over more (zero) terms: equal up to float32 summation order
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-6, atol=0)
+    for key in plain.metrics:
+        torch.testing.assert_close(padded.metrics[key], plain.metrics[key], rtol=1e-6, atol=1e-9, msg=key)
+    assert torch.equal(padded.expert_load, plain.expert_load)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
+    """On the CPU the ops run their references outside the graph: attention and the routed experts, one break each
+    in a MoE block; everything else in the block (norms, projections, q/k assembly, RoPE, router, balance loss,
+    shared expert, residuals) is traced."""
+    cfg = tiny_config(attention_backend="reference", moe_backend="reference")
+    model = build_model(cfg)
+    batch = pad_batch(packed_batch(cfg.vocab_size, [5, 9, 3], seed=1), 64, 32)
+    ctx = model._context(batch, batch.targets_on_host)
+    x = model.embed(batch.input_ids)
+    moe_block = model.layers[1]
+    explained = torch._dynamo.explain(type(moe_block)._forward)(moe_block, x, ctx, None)
+    reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
+    assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
+    # where the opaque op was called from: MLA's attention (through the batch's attend seam) and the MoE's experts
+    sites = {(b.user_stack[-2].filename.rsplit("/", 1)[-1], b.user_stack[-2].name) for b in explained.break_reasons}
+    assert sites == {("layers.py", "attend_locally"), ("moe.py", "forward")}, sites
+
+
+def make_cfg(run_dir, *extra):
+    return load_config(None, TINY_MODEL + [
+        f"train.run_dir={run_dir}", "data.max_doc_len=64", "data.val_max_tokens=256", "train.steps=4",
+        "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.cpu_threads=1", "train.eval_every=0",
+        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
+        "logging.progress_bar=never", "checkpoint.every=0", *extra])
+
+
+def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer_loop, "compile_blocks", functools.partial(compile_blocks, backend="eager"))
+    eager = Trainer(make_cfg(tmp_path / "a"))
+    compiled = Trainer(make_cfg(tmp_path / "b", "train.compile=true"))
+    assert compiled.static_shapes is not None and all(b.compile_backend == "eager" for b in compiled.model.layers)
+    first = compiled.train_step()
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    records = [first] + [compiled.train_step() for _ in range(3)]
+    assert counters["stats"]["unique_graphs"] == graphs  # steps 2-4: no compilation
+    for rec in records:
+        ref = eager.train_step()
+        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "expert_imbalance"):
+            assert rec[key] == pytest.approx(ref[key], rel=2e-5), (rec["step"], key)
+    before_eval = counters["stats"]["unique_graphs"]
+    compiled.evaluate()
+    after_first = counters["stats"]["unique_graphs"]
+    compiled.evaluate()
+    compiled.train_step()
+    assert counters["stats"]["unique_graphs"] == after_first >= before_eval
