@@ -4,11 +4,12 @@ CE(h @ weight^T, label), without ever holding the [T, V] logits.
 Backends:
 - `reference`: logits = h @ weight^T, then `cross_entropy_reference` (float32 softmax); the specification.
 - `chunked`: an autograd Function that walks the tokens in chunks of about 2^26 / V rows. For each chunk it forms
-  the logits (in the matmul's dtype, as the unfused head would: h's, or autocast's), their float32 log-sum-exp,
-  the loss, and right away the gradients d h = (softmax - onehot) W and d W += (softmax - onehot)^T h (float32
+  the logits (in the matmul's dtype, as the unfused head would: h's, or autocast's), and from them in one fused
+  pass (`chunk_loss_and_grad`, through Inductor on CUDA) the loss and the logit gradient softmax - onehot in the
+  logits' dtype, without ever writing float32 logits; right away it forms d h = G W and d W += G^T h (float32
   accumulator, kept in the weight's dtype afterwards); backward only scales them by the incoming scalar gradient.
-  Peak extra memory is one chunk of logits instead of T x V, and no logits are recomputed in backward
-  (Liger-Kernel's scheme).
+  Peak extra memory is one chunk of logits and one of their gradient instead of T x V, and no logits are
+  recomputed in backward (Liger-Kernel's scheme).
   Runs on any device; `auto` picks it on CUDA.
 
 The result is a float32 scalar SUM (the model divides by the step's labelled-token count).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from moela.ops.backends import LINEAR_CROSS_ENTROPY_BACKENDS
+from moela.ops.compiled import compiled
 from moela.ops.dispatch import Dispatch
 from moela.ops.loss import IGNORE_INDEX, cross_entropy_reference
 
@@ -33,6 +35,35 @@ def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels
 DISPATCH = Dispatch("linear_cross_entropy", LINEAR_CROSS_ENTROPY_BACKENDS)
 
 
+def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed CE and its logit gradient (softmax - onehot, 0 on unlabelled rows) in the logits' dtype.
+    logits [C, V] (the matmul's dtype), labels [C] -> (loss [] float32, grad [C, V]). The float32 math is written
+    once here; on CUDA it runs through Inductor (`chunk_loss_and_grad_fused`), which reads the logits twice and
+    writes the gradient once, never holding float32 logits."""
+    lf = logits.float()  # [C, V]
+    valid = labels != IGNORE_INDEX  # [C]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [C]
+    lse = torch.logsumexp(lf, dim=-1)  # [C]
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == safe[:, None]  # [C, V]
+    target = (lf * onehot).sum(-1)  # [C]
+    loss = torch.where(valid, lse - target, torch.zeros_like(lse)).sum()
+    grad = (torch.exp(lf - lse[:, None]) - onehot.float()) * valid[:, None].float()  # [C, V]
+    return loss, grad.to(logits.dtype)
+
+
+def chunk_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """`chunk_loss_and_grad`'s loss alone (no gradient wanted: evaluation)."""
+    lf = logits.float()  # [C, V]
+    valid = labels != IGNORE_INDEX  # [C]
+    safe = torch.where(valid, labels, torch.zeros_like(labels))  # [C]
+    nll = torch.logsumexp(lf, dim=-1) - lf.gather(1, safe[:, None]).squeeze(1)  # [C]
+    return torch.where(valid, nll, torch.zeros_like(nll)).sum()
+
+
+chunk_loss_and_grad_fused = compiled(chunk_loss_and_grad)
+chunk_loss_fused = compiled(chunk_loss)
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk_rows, want_grad):
@@ -40,22 +71,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_grad else None  # [T, D]
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_grad else None
         total = torch.zeros((), device=h.device, dtype=torch.float32)
+        fused = h.is_cuda
         for a in range(0, t, chunk_rows):
             hc, lab = h[a:a + chunk_rows], labels[a:a + chunk_rows]  # [C, D], [C]
             mm = hc @ weight.t()  # [C, V] in the matmul's dtype (the autocast dtype under autocast)
-            logits = mm.float()  # [C, V]
-            valid = lab != IGNORE_INDEX  # [C]
-            safe = torch.where(valid, lab, torch.zeros_like(lab))  # [C]
-            lse = torch.logsumexp(logits, dim=-1)  # [C]
-            nll = lse - logits.gather(1, safe[:, None]).squeeze(1)  # [C]
-            total += torch.where(valid, nll, torch.zeros_like(nll)).sum()
-            if want_grad:
-                g = torch.exp(logits.sub_(lse[:, None]))  # [C, V] softmax, in place of the logits
-                g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
-                g.mul_(valid[:, None].float())
-                g = g.to(mm.dtype)  # [C, V], so that the two GEMMs below need no further cast under autocast
-                grad_h[a:a + chunk_rows] = g @ weight  # [C, D]
-                grad_w += g.t() @ hc  # [V, D], accumulated in float32
+            if not want_grad:
+                total += (chunk_loss_fused if fused else chunk_loss)(mm, lab)
+                continue
+            loss, g = (chunk_loss_and_grad_fused if fused else chunk_loss_and_grad)(mm, lab)  # [], [C, V]
+            total += loss
+            grad_h[a:a + chunk_rows] = g @ weight.to(g.dtype)  # [C, D]
+            grad_w += g.t() @ hc.to(g.dtype)  # [V, D], accumulated in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 
