@@ -7,7 +7,8 @@ Routing (per token, float32):
   group score = sum of the 2 largest c in each of n_group groups; keep the topk_group best groups
   topk_ids = top-K of c inside the kept groups
   topk_weights = s[topk_ids] (normalized to sum 1 if norm_topk_prob) * routed_scaling_factor
-This is HF `DeepseekV3TopkRouter` / DeepSeek's `Gate` exactly (tested against transformers).
+This is HF `DeepseekV3TopkRouter` / DeepSeek's `Gate` exactly (tested against transformers); everything after the
+gate GEMM is one op, `moela.ops.router.router_topk` (one fused kernel on CUDA).
 
 Decisions:
 - `e_score_correction_bias` is an fp32 buffer (not a parameter: no gradient, no optimizer state). It changes only
@@ -33,6 +34,7 @@ import torch.nn as nn
 from moela.model.config import ModelConfig
 from moela.model.layers import MLP, PackedContext, eager_off_cuda, linear_fp32, segment_sum
 from moela.ops.moe import moe_experts
+from moela.ops.router import router_topk
 
 
 class Gate(nn.Module):
@@ -46,21 +48,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, K] int64, topk_weights [T, K] float32, scores [T, E] float32)."""
-        scores = linear_fp32(x, self.weight).sigmoid()  # [T, E]
-        choice = scores.detach() + self.e_score_correction_bias.float()  # [T, E]
-        if self.n_group > 1:
-            t = choice.shape[0]
-            grouped = choice.view(t, self.n_group, -1)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-            keep = group_scores.topk(self.topk_group, dim=-1).indices  # [T, topk_group]
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
-            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, -1)  # [T, E]
-            choice = choice.masked_fill(~expert_mask, float("-inf"))  # [T, E]
-        topk_ids = choice.topk(self.topk, dim=-1).indices  # [T, K]
-        weights = scores.gather(1, topk_ids)  # [T, K]
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return topk_ids, weights * self.scaling, scores
+        logits = linear_fp32(x, self.weight)  # [T, E]
+        return router_topk(logits, self.e_score_correction_bias, n_group=self.n_group, topk_group=self.topk_group,
+                           topk=self.topk, norm_topk_prob=self.norm_topk_prob, scaling=self.scaling)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float, enabled: torch.Tensor | None = None) -> None:
