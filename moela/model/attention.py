@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import Linear, PackedContext, RMSNorm, eager_off_cuda
+from moela.model.layers import Linear, PackedContext, RMSNorm, compile_boundary
 from moela.ops.attention import mla_attention
+from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
 from moela.ops.rope import rope, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6
@@ -87,7 +88,8 @@ class MLA(nn.Module):
         self.softmax_scale = softmax_scale(cfg)
         self.attention_factor = rope_attention_factor(cfg)
         self.z_loss = cfg.z_loss_coef > 0
-        self.core_attention = eager_off_cuda(functools.partial(mla_attention, backend=cfg.attention_backend))
+        self.core_attention = compile_boundary(functools.partial(mla_attention, backend=cfg.attention_backend),
+                                               ATTENTION_DISPATCH)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, h = q.shape[:2]

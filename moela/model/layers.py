@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moela.batch import PackedBatch
+from moela.ops.dispatch import Dispatch
 from moela.ops.fp8_linear import fp8_linear
 from moela.ops.norm import rms_norm
 from moela.ops.swiglu import swiglu
@@ -73,15 +74,17 @@ class MLP(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]
 
 
-def eager_off_cuda(op: Callable[..., Any]) -> Callable[..., Any]:
-    """`op` (a `moela.ops` public function whose first argument is a tensor) as a model that torch.compile may
-    trace calls it: on CUDA the op itself (its backends say what a graph may contain, `moela.ops.dispatch`); on any
-    other device outside the graph, since there the op runs its pure-torch reference, which loops over documents
-    or experts with host reads and, traced, would be specialized to every batch."""
+def compile_boundary(op: Callable[..., Any], dispatch: Dispatch) -> Callable[..., Any]:
+    """`op` (a `moela.ops` public function whose first argument is a tensor, `dispatch` its backends) as a block
+    that torch.compile may trace calls it: traced into the graph on CUDA once every fast backend of the op is
+    registered `traceable` (`moela.ops.dispatch`); otherwise the whole call runs outside the graph, one graph
+    break, so that neither its backend choice nor a reference that loops over documents or experts with host
+    reads (the CPU path) is traced and specialized to the batch."""
     eager = torch.compiler.disable(op)
 
     def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return (op if x.is_cuda else eager)(x, *args, **kwargs)
+        traced = x.is_cuda and all(b.traceable for b in dispatch.fast.values())
+        return (op if traced else eager)(x, *args, **kwargs)
 
     call.__name__ = getattr(op, "__name__", "op")
     return call

@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import MLP, PackedContext, eager_off_cuda, linear_fp32, segment_sum
+from moela.model.layers import MLP, PackedContext, compile_boundary, linear_fp32, segment_sum
 from moela.ops.moe import moe_experts
+from moela.ops.moe.api import DISPATCH as MOE_DISPATCH
 from moela.ops.router import router_topk
 
 
@@ -63,7 +64,7 @@ class Gate(nn.Module):
         self.e_score_correction_bias.add_(step)
 
 
-_moe_experts = eager_off_cuda(moe_experts)
+_moe_experts = compile_boundary(moe_experts, MOE_DISPATCH)
 
 
 @torch.compiler.disable
