@@ -126,7 +126,8 @@ def cuda_cfg(run_dir, *extra):
 @pytest.mark.gpu
 def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     """With the CUDA backends, every graph break in a MoE block is an op registered opaque (today: the attention
-    and routed-expert kernels) - none in the glue; printed so the log shows which."""
+    kernels; the routed experts are custom ops inside the graph) - none in the glue; printed so the log shows
+    which."""
     cfg = tiny_config()
     model = build_model(cfg, "cuda")
     batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")

@@ -39,7 +39,7 @@ _MOELA_FP8_GEMM = ("_mgrouped_fp8_kernel", "_kgrouped_fp8_kernel", "_mgrouped_ws
 _MOELA_COPIES = ("_permute_kernel", "_combine_kernel", "_combine_bwd_kernel", "_rowcol_quant_kernel",
                  "_weight_quant_kernel", "_rowcol_tma_kernel", "_rowcol_gather_kernel")
 _MOELA_ACTIVATION = ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel")
-_MOELA_ROUTER = ("_layout_count_kernel", "_layout_scan_kernel")
+_MOELA_ROUTER = ("_layout_count_kernel", "_layout_scan_kernel", "_router_fwd_kernel")
 
 _GEMM = re.compile(r"gemm|nvjet|xmma|gemv|splitkreduce|cutlass|matmul|"
                    r"^triton_tem_fused_(?:.*_)?(?:mm|addmm|bmm)(?:_|$)")

@@ -75,5 +75,5 @@ try:
 except ImportError:  # no Triton on this platform: the reference backend stays available
     pass
 else:
-    for _name, _auto, _impl in FAST_BACKENDS:
-        DISPATCH.register(_name, _impl, auto=_auto)
+    for _name, _auto, _impl in FAST_BACKENDS:  # torch.library custom ops with fake implementations: traceable
+        DISPATCH.register(_name, _impl, auto=_auto, traceable=True)
