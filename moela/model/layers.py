@@ -44,6 +44,11 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+# fp8_linear's Triton path is an autograd.Function with a Python weight cache: a compiled block calls it outside the
+# graph (a graph break per FP8 linear) rather than let Dynamo trace the cache's state into guards
+_fp8_linear_outside_graph = torch.compiler.disable(fp8_linear)
+
+
 class Linear(nn.Linear):
     """Bias-free linear layer (y = x W^T), weight [out, in]; with `fp8` in DeepSeek-V3's FP8 recipe
     (moela.ops.fp8_linear: every GEMM of forward and backward in e4m3 with blockwise scales)."""
@@ -54,7 +59,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            return fp8_linear(x, self.weight)
+            return _fp8_linear_outside_graph(x, self.weight)
         return super().forward(x)
 
     def reset_parameters(self) -> None:
