@@ -24,6 +24,10 @@ from moela.trainer.optim import build_scheduler, param_groups
 from moela.trainer.step_metrics import skips_on_device
 
 TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
+# a model whose every CUDA kernel path applies (the expert GEMMs need D and F multiples of 128)
+GPU_MODEL = tiny_overrides(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                           num_hidden_layers=2, n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64,
+                           qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4)
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")
 ALLOWED = ("/moela/ops/attention/reference.py", "/moela/ops/moe/reference.py")
 
@@ -166,8 +170,8 @@ def test_a_streak_that_ends_between_two_reads_still_stops_the_run(tmp_path, cach
 
 @pytest.mark.gpu
 def test_a_non_logging_cuda_step_does_not_synchronize(tmp_path, cache_dir):
-    cfg = make_cfg(tmp_path, cache_dir, "logging.log_every=100", "train.device=cuda", "train.tokens_per_microbatch=512",
-                   "data.max_doc_len=128")
+    cfg = make_cfg(tmp_path, cache_dir, *GPU_MODEL, "logging.log_every=100", "train.device=cuda",
+                   "train.tokens_per_microbatch=512", "data.max_doc_len=128")
     trainer = Trainer(cfg)
     assert trainer.skips_on_device
     for _ in range(3):  # step 1 logs; kernels compile and autotune during the first steps

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import Linear, PackedContext, RMSNorm, compile_boundary
+from moela.model.layers import Linear, PackedContext, RMSNorm, call_op
 from moela.ops.attention import mla_attention
 from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
 from moela.ops.rope import rope, yarn_mscale
@@ -88,8 +88,7 @@ class MLA(nn.Module):
         self.softmax_scale = softmax_scale(cfg)
         self.attention_factor = rope_attention_factor(cfg)
         self.z_loss = cfg.z_loss_coef > 0
-        self.core_attention = compile_boundary(functools.partial(mla_attention, backend=cfg.attention_backend),
-                                               ATTENTION_DISPATCH)
+        self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend)
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, h = q.shape[:2]
@@ -98,6 +97,10 @@ class MLA(nn.Module):
         q = self.q_qk_norm(q.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
         k = self.k_qk_norm(k.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
         return q, k
+
+    def _attention(self, q: torch.Tensor, *args, **kwargs):
+        """`core_attention` as a compiled block calls it (`call_op`)."""
+        return call_op(self.core_attention, ATTENTION_DISPATCH, q, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (out [T, D], z [] = token-weighted mean_h lse**2, zero when the z-loss is off)."""
@@ -123,7 +126,7 @@ class MLA(nn.Module):
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
-        res = ctx.attend(self.core_attention, q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
+        res = ctx.attend(self._attention, q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
                          softmax_scale=self.softmax_scale, return_lse=self.z_loss)
         if self.z_loss:
             out, lse = res  # [T, H, Dv], [H, T]

@@ -44,11 +44,6 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-# fp8_linear's Triton path is an autograd.Function with a Python weight cache: a compiled block calls it outside the
-# graph (a graph break per FP8 linear) rather than let Dynamo trace the cache's state into guards
-_fp8_linear_outside_graph = torch.compiler.disable(fp8_linear)
-
-
 class Linear(nn.Linear):
     """Bias-free linear layer (y = x W^T), weight [out, in]; with `fp8` in DeepSeek-V3's FP8 recipe
     (moela.ops.fp8_linear: every GEMM of forward and backward in e4m3 with blockwise scales)."""
@@ -58,8 +53,8 @@ class Linear(nn.Linear):
         self.fp8 = fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8:
-            return _fp8_linear_outside_graph(x, self.weight)
+        if self.fp8:  # its Triton path keeps a Python weight cache: outside compiled graphs (not traced into guards)
+            return call_outside_graph(fp8_linear, x, self.weight)
         return super().forward(x)
 
     def reset_parameters(self) -> None:
@@ -79,20 +74,21 @@ class MLP(nn.Module):
         return self.w2(swiglu(self.w1(x), self.w3(x)))  # [T, F] -> [T, D]
 
 
-def compile_boundary(op: Callable[..., Any], dispatch: Dispatch) -> Callable[..., Any]:
-    """`op` (a `moela.ops` public function whose first argument is a tensor, `dispatch` its backends) as a block
-    that torch.compile may trace calls it: traced into the graph on CUDA once every fast backend of the op is
-    registered `traceable` (`moela.ops.dispatch`); otherwise the whole call runs outside the graph, one graph
-    break, so that neither its backend choice nor a reference that loops over documents or experts with host
-    reads (the CPU path) is traced and specialized to the batch."""
-    eager = torch.compiler.disable(op)
+@torch.compiler.disable
+def call_outside_graph(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) run eagerly, outside any graph torch.compile is tracing (one graph break)."""
+    return fn(*args, **kwargs)
 
-    def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        traced = x.is_cuda and all(b.traceable for b in dispatch.fast.values())
-        return (op if traced else eager)(x, *args, **kwargs)
 
-    call.__name__ = getattr(op, "__name__", "op")
-    return call
+def call_op(op: Callable[..., Any], dispatch: Dispatch, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """op(x, *args, **kwargs) for a `moela.ops` public function `op` with backends `dispatch`, as a block that
+    torch.compile may trace calls it: traced into the graph on CUDA once every fast backend of the op is registered
+    `traceable` (`moela.ops.dispatch`); otherwise the whole call runs outside the graph, so that neither its
+    backend choice nor a reference that loops over documents or experts with host reads (the CPU path) is traced
+    and specialized to the batch."""
+    if x.is_cuda and all(b.traceable for b in dispatch.fast.values()):
+        return op(x, *args, **kwargs)
+    return call_outside_graph(op, x, *args, **kwargs)
 
 
 def attend_locally(attention: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

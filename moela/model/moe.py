@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import MLP, PackedContext, compile_boundary, linear_fp32, segment_sum
+from moela.model.layers import MLP, PackedContext, call_op, call_outside_graph, linear_fp32, segment_sum
 from moela.ops.moe import moe_experts
 from moela.ops.moe.api import DISPATCH as MOE_DISPATCH
 from moela.ops.router import router_topk
@@ -64,14 +64,6 @@ class Gate(nn.Module):
         self.e_score_correction_bias.add_(step)
 
 
-_moe_experts = compile_boundary(moe_experts, MOE_DISPATCH)
-
-
-@torch.compiler.disable
-def _call_outside_graph(module: nn.Module, *args, **kwargs) -> torch.Tensor:
-    return module(*args, **kwargs)
-
-
 class RoutedExperts(nn.Module):
     """The routed experts' stacked weights; forward is `moe_experts` (the contract expert parallelism keeps)."""
 
@@ -84,8 +76,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: nn.Module | None = None) -> torch.Tensor:
-        y = _moe_experts(x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
-                         backend=self.backend)  # [T, D]
+        y = call_op(moe_experts, MOE_DISPATCH, x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
+                    backend=self.backend)  # [T, D]
         return y if shared is None else y + shared(x)
 
 
@@ -133,6 +125,6 @@ class MoE(nn.Module):
         if isinstance(self.experts, RoutedExperts):
             y = self.experts(x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D] routed + shared
         else:  # a replacement (expert parallelism: collectives) runs outside compiled graphs
-            y = _call_outside_graph(self.experts, x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D]
+            y = call_outside_graph(self.experts, x, topk_ids, topk_weights, shared=self.shared_experts)  # [T, D]
         aux = self.balance_loss(topk_ids, scores, ctx) if self.balance else scores.new_zeros(())
         return y, aux, self.expert_load(topk_ids, ctx)
