@@ -78,7 +78,7 @@ def mtp_targets(batch: PackedBatch, depth: int) -> list[tuple[torch.Tensor, torc
     """Per MTP depth d = 1..depth, (input token [T], label [T]) of every position: the batch's tokens and labels
     shifted d steps within their document (a filler token 0 and IGNORE_INDEX past the document's end)."""
     doc_last = torch.zeros(batch.num_tokens, dtype=torch.bool, device=batch.input_ids.device)
-    doc_last[(batch.cu_seqlens[1:] - 1).long()] = True  # [T]
+    doc_last.index_fill_(0, (batch.cu_seqlens[1:] - 1).long(), True)  # [T]; a scalar fill, no host-to-device copy
     tokens, labels, out = batch.input_ids, batch.labels, []
     for _ in range(depth):
         tokens = shift_within_docs(tokens, doc_last, 0)  # [T]
