@@ -514,9 +514,10 @@ class Trainer:
             return False
         flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self._stop_signal is None:
+        stop = bool(flag.item())  # the agreed value: a signal landing after the all-reduce waits for the next one
+        if stop and self._stop_signal is None:
             self._stop_signal = signal.SIGTERM
-        return self._stop_signal is not None
+        return stop
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
