@@ -57,7 +57,7 @@ from moela.model.layers import BatchPart, attend_locally
 from moela.model.moe import MoE
 from moela.ops.loss import cross_entropy
 from moela.ops.qk_norm import qk_rms_norm
-from moela.parallel.context_parallel import gather_tokens
+from moela.parallel.context_parallel import _reduce_scatter_single, gather_tokens
 from moela.parallel.fsdp import transformer_blocks
 from moela.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -100,18 +100,34 @@ class GatherLatents:
         return q_in, c_kv, k_pe.to_local(grad_placements=[Partial()])
 
 
+class _ReduceScatterRows(torch.autograd.Function):
+    """Partial sums [T, ...] -> the total's rows of this rank [T / tp, ...] (reduce-scatter); backward: all-gather
+    of the rows' gradients (every rank's partial sum receives the whole gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.new_empty((x.shape[0] // dist.get_world_size(group),) + tuple(x.shape[1:]))
+        _reduce_scatter_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_tokens(grad, ctx.group), None
+
+
 class SumPartials:
     """`Block.sum_partials`: the sublayers' partial sums [T, D] (DTensors, Partial) -> their total on this rank's
     rows [T / tp, D]: one reduce-scatter however many sublayers are summed."""
 
     def __init__(self, mesh: DeviceMesh):
-        self.mesh = mesh
+        self.group = mesh.get_group()
 
     def __call__(self, *outputs: DTensor) -> torch.Tensor:
-        total = outputs[0]
+        total = outputs[0].to_local(grad_placements=[Replicate()])  # [T, D]
         for out in outputs[1:]:
-            total = total + out
-        return total.redistribute(self.mesh, [Shard(0)]).to_local()
+            total = total + out.to_local(grad_placements=[Replicate()])
+        return _ReduceScatterRows.apply(total, self.group)  # [T / tp, D]
 
 
 class GroupQKNorm:
