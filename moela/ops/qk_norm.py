@@ -35,6 +35,9 @@ from moela.ops.backends import QK_NORM_BACKENDS
 from moela.ops.dispatch import Dispatch
 
 DISPATCH = Dispatch("qk_rms_norm", QK_NORM_BACKENDS, needs="triton")
+# torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _world(group) -> int:
@@ -76,18 +79,17 @@ class _GatherColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        world = dist.get_world_size(group)
-        out = x.new_empty((world,) + tuple(x.shape))  # [world, T, N]
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out.permute(1, 0, 2).reshape(x.shape[0], -1)  # [T, world * N]
+        world, t = dist.get_world_size(group), x.shape[0]
+        out = x.new_empty((world * t,) + tuple(x.shape[1:]))  # [world * T, N], rank-major
+        _all_gather(out, x.contiguous(), group=group)
+        return out.view(world, t, -1).permute(1, 0, 2).reshape(t, -1)  # [T, world * N]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        t = grad.shape[0]
-        blocks = grad.reshape(t, world, -1).permute(1, 0, 2).contiguous()  # [world, T, N]
-        out = grad.new_empty(blocks.shape[1:])  # [T, N]
-        dist.reduce_scatter_tensor(out, blocks, group=ctx.group)
+        world, t = dist.get_world_size(ctx.group), grad.shape[0]
+        blocks = grad.reshape(t, world, -1).permute(1, 0, 2).reshape(world * t, -1).contiguous()  # [world * T, N]
+        out = grad.new_empty((t, blocks.shape[1]))  # [T, N]
+        _reduce_scatter(out, blocks, group=ctx.group)
         return out, None
 
 
