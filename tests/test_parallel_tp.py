@@ -1,5 +1,5 @@
 """Tensor parallelism (with sequence parallelism) on 2 and 4 gloo ranks trains exactly like one process, alone and
-with FSDP2, HSDP, expert and context parallelism, for standard / FAL / FAL+ blocks and QK-Norm none / head / layer.
+with FSDP2, expert and context parallelism (HSDP: tests/test_launchers.py), for standard / FAL / FAL+ blocks and QK-Norm none / head / layer.
 
 The parent trains the tiny MoE model (float32, reference kernels) for STEPS optimizer steps on every micro-batch of
 each global step: gradient clipping, SGD with momentum (not invariant to a per-parameter gradient scale, so a wrong
@@ -107,8 +107,7 @@ CASES = {
         (dict(block="fal_plus", qk_norm="head", tie_word_embeddings=True, q_lora_rank=None), dict(tp=2))],
     4: [(dict(block="fal", qk_norm="layer", num_attention_heads=4), dict(tp=4)),
         (dict(block="fal_plus", qk_norm="layer"), dict(tp=2, activation_checkpointing="selective")),
-        (dict(block="fal", qk_norm="layer", z_loss_coef=1e-2), dict(tp=2, cp=2, ep=2)),
-        (dict(block="fal"), dict(tp=2, dp_replicate=2, dp_shard=1))],
+        (dict(block="fal", qk_norm="layer", z_loss_coef=1e-2), dict(tp=2, cp=2, ep=2))],
 }
 
 
