@@ -1,5 +1,6 @@
 """Tensor parallelism (with sequence parallelism) on 2 and 4 gloo ranks trains exactly like one process, alone and
-with FSDP2, expert and context parallelism (HSDP: tests/test_launchers.py), for standard / FAL / FAL+ blocks and QK-Norm none / head / layer.
+with FSDP2, expert and context parallelism (HSDP: tests/test_launchers.py), for standard / FAL / FAL+ blocks and
+QK-Norm none / head / layer.
 
 The parent trains the tiny MoE model (float32, reference kernels) for STEPS optimizer steps on every micro-batch of
 each global step: gradient clipping, SGD with momentum (not invariant to a per-parameter gradient scale, so a wrong
