@@ -21,26 +21,15 @@ import torch.distributed as dist
 
 from factories import packed_batch, tiny_config
 from moela.model import build_model
-from moela.ops.qk_norm import qk_rms_norm_allgather
 from moela.parallel import build_mesh
 from moela.parallel.comm import CommCounter
 from moela.parallel.config import ParallelConfig
-from moela.parallel.tensor_parallel import apply_tensor_parallel
+from moela.parallel.tensor_parallel import GroupQKNorm, apply_tensor_parallel
 from parallel_harness import spawn
 
 LENS = [7, 6]  # T = 13 tokens, padded to 14: 7 rows per rank
 T, ROWS, D, L = 14, 7, 32, 24 + 16 + 8
 QK_LOCAL = 16  # this rank's q (or k) columns: 1 of the 2 heads, Dqk = 16
-
-
-class AllGatherQKNorm:
-    """The all-gather formulation of layer QK-Norm, for comparison."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def __call__(self, q, k, q_weight, k_weight, eps):
-        return qk_rms_norm_allgather(q, k, q_weight.to_local(), k_weight.to_local(), eps, self.group)
 
 
 def block_collectives(rank: int, block_kind: str, qk_norm: str, dense: bool, allgather_qk: bool = False):
@@ -52,7 +41,7 @@ def block_collectives(rank: int, block_kind: str, qk_norm: str, dense: bool, all
     tp = apply_tensor_parallel(model, mesh["tp"])
     block = model.layers[1]
     if allgather_qk:
-        block.attn.layer_qk_norm = AllGatherQKNorm(mesh["tp"].get_group())
+        block.attn.layer_qk_norm = GroupQKNorm(mesh["tp"].get_group(), allgather=True)
     part = tp.split(packed_batch(96, LENS, seed=1), [], None)
     ctx = model._context(part.batch, part.batch.num_targets(), part)
     g = torch.Generator().manual_seed(rank)

@@ -56,7 +56,7 @@ from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.layers import BatchPart, attend_locally
 from moela.model.moe import MoE
 from moela.ops.loss import cross_entropy
-from moela.ops.qk_norm import qk_rms_norm
+from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather
 from moela.parallel.context_parallel import _reduce_scatter_single, gather_tokens
 from moela.parallel.fsdp import transformer_blocks
 from moela.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -131,12 +131,15 @@ class SumPartials:
 
 
 class GroupQKNorm:
-    """`MLA.layer_qk_norm` over the heads of the whole tp group (per-token statistics exchanged, not q / k)."""
+    """`MLA.layer_qk_norm` over the heads of the whole tp group: per-token statistics exchanged, not q / k (or,
+    with `allgather`, the standard formulation that gathers q and k, kept for comparisons)."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, allgather: bool = False):
+        self.group, self.allgather = group, allgather
 
     def __call__(self, q, k, q_weight, k_weight, eps):
+        if self.allgather:
+            return qk_rms_norm_allgather(q, k, _local(q_weight), _local(k_weight), eps, self.group)
         return qk_rms_norm(q, k, _local(q_weight), _local(k_weight), eps, group=self.group)
 
 
