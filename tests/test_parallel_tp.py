@@ -38,12 +38,12 @@ def make_optimizer(model):
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def train_single_process(cfg, dp_size: int):
+def train_single_process(cfg, dp_size: int, device: str = "cpu"):
     torch.manual_seed(0)
-    model = build_model(cfg, "cpu")
+    model = build_model(cfg, device)
     opt = make_optimizer(model)
     losses, grads = [], None
     for step in range(STEPS):
@@ -51,32 +51,32 @@ def train_single_process(cfg, dp_size: int):
         total = sum(b.num_targets() for b in batches)
         step_loss, load = 0.0, 0.0
         for b in batches:
-            out = model(b)
+            out = model(b.to(device))
             (out.loss * (out.num_targets / total)).backward()
             step_loss += out.loss.item() * out.num_targets / total
             load = load + out.expert_load
         if grads is None:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+            grads = {k: full(p.grad) for k, p in model.named_parameters()}
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(load)
         losses.append(step_loss)
-    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, grads, {k: full(v) for k, v in model.state_dict().items()}
 
 
-def train_parallel(cfg, pcfg: ParallelConfig, world_size: int):
-    mesh = build_mesh(pcfg, world_size, "cpu")
+def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, device: str = "cpu"):
+    mesh = build_mesh(pcfg, world_size, torch.device(device).type)
     torch.manual_seed(0)
-    model = apply_parallelism(build_model(cfg, "cpu"), mesh, pcfg, mixed_precision=False)
+    model = apply_parallelism(build_model(cfg, device), mesh, pcfg, mixed_precision=False)
     opt = make_optimizer(model)
     losses, grads = [], None
     for step in range(STEPS):
         batches = random_batches(mesh.size("dp"), seed=100 + step, vocab=VOCAB)
         total = sum(b.num_targets() for b in batches)
-        out = model(batches[mesh.rank("dp")])
+        out = model(batches[mesh.rank("dp")].to(device))
         (out.loss * (out.num_targets * mesh.size("dp_cp") / total)).backward()
-        step_loss = torch.tensor([out.loss.item() * out.num_targets / total])
+        step_loss = torch.tensor([out.loss.item() * out.num_targets / total], device=device)
         dist.all_reduce(step_loss, group=mesh.group("dp_cp"))
         if grads is None:
             grads = {k: full(p.grad) for k, p in model.named_parameters()}
@@ -88,10 +88,11 @@ def train_parallel(cfg, pcfg: ParallelConfig, world_size: int):
     return losses, grads, {k: full(v) for k, v in model.state_dict().items()}
 
 
-def _run(rank: int, world_size: int, cases) -> None:
+def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
     for overrides, layout, (ref_losses, ref_grads, ref_state) in cases:
         what = f"{layout} {overrides}"
-        losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size)
+        losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size,
+                                              f"cuda:{rank}" if device == "cuda" else device)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, what=what: f"{what}: {m}")
         assert grads.keys() == ref_grads.keys() and state.keys() == ref_state.keys(), what
@@ -121,6 +122,43 @@ def test_tensor_parallel_training_matches_single_process(world_size):
         assert all(0.0 < loss < 20.0 for loss in expected[0])
         cases.append((overrides, layout, expected))
     spawn(_run, world_size, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_training_matches_single_process_on_two_gpus():
+    """The same equality over NCCL (float32, reference kernels): tp=2 with FAL blocks and layer QK-Norm (the
+    scalar exchange as an NCCL all-reduce)."""
+    overrides = dict(block="fal", qk_norm="layer", z_loss_coef=1e-2)
+    expected = train_single_process(config(**overrides), 1, "cuda")
+    spawn(_run, 2, [(overrides, dict(tp=2), expected)], "cuda", backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe", [False, True])
+def test_fal_streams_train_like_one_stream(moe):
+    """FAL blocks with the MLP on a second CUDA stream: the same loss and gradients as on one stream (float32,
+    reference attention and experts, the Triton QK-Norm), over two micro-batches (the second reuses memory the
+    first freed)."""
+    cfg = config(block="fal", qk_norm="layer", first_k_dense_replace=1 if moe else 3)
+    results = []
+    for streams in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg, "cuda")
+        mesh = build_mesh(ParallelConfig(fal_streams=streams), 1, "cuda")
+        apply_parallelism(model, mesh, ParallelConfig(fal_streams=streams))
+        assert sum(getattr(b, "side_stream", None) is not None for b in model.layers) == (2 if streams else 0)
+        losses = []
+        for batch in random_batches(2, seed=11, vocab=VOCAB):
+            out = model(batch.to("cuda"))
+            out.loss.backward()
+            losses.append(out.loss.item())
+        torch.cuda.synchronize()
+        results.append((losses, {k: p.grad.detach().cpu() for k, p in model.named_parameters()}))
+    (ref_losses, ref_grads), (losses, grads) = results
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for name, value in ref_grads.items():
+        torch.testing.assert_close(grads[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _meta_build(rank: int, world_size: int) -> None:

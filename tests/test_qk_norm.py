@@ -96,3 +96,14 @@ def test_columns_split_over_two_ranks_match_the_full_width():
     """Each rank holds half of the heads: the per-token scalars exchanged give the full-width statistic; the
     all-gather formulation gives the same."""
     spawn(_split_columns, 2, ("triton",) if kernels.INTERPRET else ())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_matches_float64_on_cuda(dtype, atol, poisoned_empty):
+    """The compiled kernels at model-like widths (16 heads x 192) and an odd token count."""
+    args = [t.cuda() for t in inputs(1531, 16 * 192, 16 * 192, dtype, seed=13)]
+    truth = float64_truth(*args)
+    reference = run(lambda *a: qk_rms_norm(*a, EPS, backend="reference"), *args)
+    got = run(lambda *a: qk_rms_norm(*a, EPS, backend="auto"), *args)
+    check(got, reference, truth, atol)
