@@ -1,6 +1,6 @@
 """Layer-wise QK-Norm (`moela.ops.qk_norm`): the Triton kernels and the pure-torch reference against float64, on one
 rank and with the columns split over 2 gloo ranks (the scalar exchange and the all-gather formulation), forward and
-backward.
+backward; the small all-reduce of its statistics (`moela.ops.small_all_reduce`; symmetric memory on 2 GPUs).
 
 Pass rule (DESIGN.md): err(candidate) <= 2 * err(torch reference in the same dtype) + atol, against float64 math
 on the full width. Fresh random inputs, odd sizes (T = 37 tokens, widths 45 and 51 that no block size divides),
@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from moela.ops import qk_norm_triton as kernels
+from moela.ops import small_all_reduce
 from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather
+from moela.ops.small_all_reduce import sum_small
 from parallel_harness import spawn
 
 needs_interpreter = pytest.mark.skipif(not kernels.INTERPRET, reason="set TRITON_INTERPRET=1 to run Triton on CPU")
@@ -78,6 +80,12 @@ def _split_columns(rank: int, world_size: int, backends) -> None:
     mine = [t[..., c] for t, c in zip(args, cols)]  # this rank's columns of q, k, wq, wk, gq, gk
     local_truth = [x[..., c] for x, c in zip(truth, (cols[0], cols[1], cols[0], cols[1], cols[2], cols[3]))]
     group = dist.group.WORLD
+    stats = torch.randn(37, 2, generator=torch.Generator().manual_seed(rank))
+    summed = stats.clone()
+    sum_small(summed, group)  # auto: gloo has no symmetric memory, the group's all-reduce runs
+    expected = stats.clone()
+    dist.all_reduce(expected)
+    assert torch.equal(summed, expected) and small_all_reduce._CHOSEN[group.group_name] == "all_reduce"
     reference = run(lambda *a: qk_rms_norm(*a, EPS, group=group, backend="reference"), *mine)
     candidates = {"allgather": run(lambda *a: qk_rms_norm_allgather(*a, EPS, group), *mine)}
     for backend in backends:
@@ -107,3 +115,21 @@ def test_triton_matches_float64_on_cuda(dtype, atol, poisoned_empty):
     reference = run(lambda *a: qk_rms_norm(*a, EPS, backend="reference"), *args)
     got = run(lambda *a: qk_rms_norm(*a, EPS, backend="auto"), *args)
     check(got, reference, truth, atol)
+
+
+def _symmetric_memory(rank: int, world_size: int) -> None:
+    group = dist.group.WORLD
+    for rows in (37, 4099):  # the second call grows the buffer (a new rendezvous)
+        stats = torch.randn(rows, 2, generator=torch.Generator().manual_seed(rank), device="cuda")
+        expected = stats.clone()
+        dist.all_reduce(expected)
+        got = stats.clone()
+        sum_small(got, group, exchange="symm_mem")
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert small_all_reduce._verified(stats, group) == "symm_mem"  # auto picks it on NVLink peers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_symmetric_memory_sum_equals_the_all_reduce_on_two_gpus():
+    spawn(_symmetric_memory, 2, backend="nccl")

@@ -20,8 +20,9 @@ Implementations:
   gradients (independent of the exchange, computed while it is in flight) -> wait -> input gradients. Picked by
   `auto` on CUDA; on CPU only under TRITON_INTERPRET=1 and when asked for by name (tests).
 - `qk_rms_norm_allgather`: the all-gather formulation, for tests and benchmarks to compare against.
-The exchange is the group's all-reduce (NCCL on GPUs, gloo on CPU): at 8 bytes a token it is latency-bound, a
-one-shot symmetric-memory all-reduce would be the next step where NVLink peers allow it (not built).
+The triton path's exchange is `moela.ops.small_all_reduce.sum_small`: at 8 bytes a token it is latency-bound, so
+it is a one-shot all-reduce through symmetric memory where the ranks are NVLink peers (verified on first use) and
+the group's all-reduce (NCCL, gloo) otherwise.
 
 Shapes: T tokens, N this rank's columns (heads x head dim), W = N x group size the full width.
 """
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from moela.ops.backends import QK_NORM_BACKENDS
 from moela.ops.dispatch import Dispatch
+from moela.ops.small_all_reduce import sum_small
 
 DISPATCH = Dispatch("qk_rms_norm", QK_NORM_BACKENDS, needs="triton")
 # torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
@@ -118,7 +120,7 @@ class _TritonQKNorm(torch.autograd.Function):
         ctx.group = group
         ss = kernels.sum_squares(q, k)  # [T, 2]
         if world > 1:
-            dist.all_reduce(ss, group=group)
+            sum_small(ss, group)
         yq, yk, rstd = kernels.normalize(q, k, q_weight, k_weight, ss, eps, *ctx.widths)
         ctx.save_for_backward(q, k, q_weight, k_weight, rstd)
         return yq, yk
@@ -130,7 +132,7 @@ class _TritonQKNorm(torch.autograd.Function):
         q, k, q_weight, k_weight, rstd = ctx.saved_tensors
         gq, gk = gq.contiguous(), gk.contiguous()
         s = kernels.grad_dot(gq, q, q_weight, gk, k, k_weight)  # [T, 2] this rank's columns
-        work = dist.all_reduce(s, group=ctx.group, async_op=True) if ctx.group is not None else None
+        work = sum_small(s, ctx.group, async_op=True) if ctx.group is not None else None
         dwq = kernels.grad_weight(gq, q, rstd, 0).to(q_weight.dtype)  # [Nq], while the exchange is in flight
         dwk = kernels.grad_weight(gk, k, rstd, 1).to(k_weight.dtype)  # [Nk]
         if work is not None:
