@@ -19,6 +19,7 @@ Decisions:
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,10 @@ def _symm_sum(x: torch.Tensor, group) -> None:
     name = group.group_name
     buf = _BUFFERS.get(name)
     if buf is None or buf.numel() < x.numel():
+        if buf is None and hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():  # needed by older torch, deprecated (and a no-op need) in newer
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(name)
         buf = symm_mem.empty(max(x.numel(), 2 * (0 if buf is None else buf.numel())), dtype=torch.float32,
                              device=x.device)
         symm_mem.rendezvous(buf, name)
