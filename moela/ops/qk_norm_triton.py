@@ -46,8 +46,9 @@ def _row_sum(x_ptr, y_ptr, w_ptr, rows, row_ok, n_cols, stride_x, stride_y, PROD
 
 
 @triton.jit
-def _stats_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, wq_ptr, wk_ptr, out_ptr, T, NQ, NK, stride_q, stride_k, stride_gq,
-                  stride_gk, PRODUCT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+def _qk_rms_norm_stats_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, wq_ptr, wk_ptr, out_ptr, T, NQ, NK, stride_q, stride_k,
+                              stride_gq, stride_gk, PRODUCT: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
     """out [T, 2]: per-token sum of squares of q and of k (PRODUCT=False), or sum g * w * x (PRODUCT=True)."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
@@ -76,8 +77,9 @@ def _scale_rows(x_ptr, w_ptr, y_ptr, g_ptr, rows, row_ok, r, c2, n_cols, stride_
 
 
 @triton.jit
-def _normalize_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, ss_ptr, yq_ptr, yk_ptr, rstd_ptr, T, NQ, NK, inv_nq, inv_nk, eps,
-                      stride_q, stride_k, stride_yq, stride_yk, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+def _qk_rms_norm_fwd_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, ss_ptr, yq_ptr, yk_ptr, rstd_ptr, T, NQ, NK, inv_nq,
+                            inv_nk, eps, stride_q, stride_k, stride_yq, stride_yk, BLOCK_T: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
     """rstd = rsqrt(ss / N_full + eps) [T, 2] (stored for the backward), y = x * rstd * w for q and k."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
@@ -90,7 +92,7 @@ def _normalize_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, ss_ptr, yq_ptr, yk_ptr, rstd
 
 
 @triton.jit
-def _grad_input_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, wq_ptr, wk_ptr, rstd_ptr, s_ptr, dq_ptr, dk_ptr, T, NQ, NK,
+def _qk_rms_norm_dx_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, wq_ptr, wk_ptr, rstd_ptr, s_ptr, dq_ptr, dk_ptr, T, NQ, NK,
                        inv_nq, inv_nk, stride_q, stride_k, stride_gq, stride_gk, stride_dq, stride_dk,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx = rstd * g * w - x * rstd^3 * S / N_full for q and k (S: the summed sum of g * w * x)."""
@@ -107,7 +109,7 @@ def _grad_input_kernel(q_ptr, k_ptr, gq_ptr, gk_ptr, wq_ptr, wk_ptr, rstd_ptr, s
 
 
 @triton.jit
-def _grad_weight_kernel(x_ptr, g_ptr, rstd_ptr, out_ptr, T, N, stride_x, stride_g, which, ROWS: tl.constexpr,
+def _qk_rms_norm_dw_kernel(x_ptr, g_ptr, rstd_ptr, out_ptr, T, N, stride_x, stride_g, which, ROWS: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[chunk, n] = sum over the chunk's ROWS tokens of g[t, n] * x[t, n] * rstd[t, which]."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,9 +139,9 @@ def sum_squares(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     _check(q, k)
     t = q.shape[0]
     out = torch.empty(t, 2, device=q.device, dtype=torch.float32)
-    _stats_kernel[(triton.cdiv(t, BLOCK_T),)](q, k, q, k, q, k, out, t, q.shape[1], k.shape[1], q.stride(0),
-                                              k.stride(0), q.stride(0), k.stride(0), PRODUCT=False,
-                                              BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(t, BLOCK_T),)
+    _qk_rms_norm_stats_kernel[grid](q, k, q, k, q, k, out, t, q.shape[1], k.shape[1], q.stride(0), k.stride(0),
+                                    q.stride(0), k.stride(0), PRODUCT=False, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return out
 
 
@@ -149,9 +151,9 @@ def grad_dot(gq: torch.Tensor, q: torch.Tensor, wq: torch.Tensor, gk: torch.Tens
     _check(q, k, gq, gk)
     t = q.shape[0]
     out = torch.empty(t, 2, device=q.device, dtype=torch.float32)
-    _stats_kernel[(triton.cdiv(t, BLOCK_T),)](q, k, gq, gk, wq, wk, out, t, q.shape[1], k.shape[1], q.stride(0),
-                                              k.stride(0), gq.stride(0), gk.stride(0), PRODUCT=True,
-                                              BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(t, BLOCK_T),)
+    _qk_rms_norm_stats_kernel[grid](q, k, gq, gk, wq, wk, out, t, q.shape[1], k.shape[1], q.stride(0), k.stride(0),
+                                    gq.stride(0), gk.stride(0), PRODUCT=True, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return out
 
 
@@ -163,9 +165,10 @@ def normalize(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tens
     t = q.shape[0]
     yq, yk = torch.empty_like(q), torch.empty_like(k)
     rstd = torch.empty(t, 2, device=q.device, dtype=torch.float32)
-    _normalize_kernel[(triton.cdiv(t, BLOCK_T),)](q, k, wq, wk, ss, yq, yk, rstd, t, q.shape[1], k.shape[1],
-                                                  1.0 / width_q, 1.0 / width_k, eps, q.stride(0), k.stride(0),
-                                                  yq.stride(0), yk.stride(0), BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(t, BLOCK_T),)
+    _qk_rms_norm_fwd_kernel[grid](q, k, wq, wk, ss, yq, yk, rstd, t, q.shape[1], k.shape[1], 1.0 / width_q,
+                                  1.0 / width_k, eps, q.stride(0), k.stride(0), yq.stride(0), yk.stride(0),
+                                  BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return yq, yk, rstd
 
 
@@ -175,8 +178,9 @@ def grad_weight(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, which: int
     t, n = x.shape
     chunks = max(1, triton.cdiv(t, WGRAD_ROWS))
     partial = torch.empty(chunks, n, device=x.device, dtype=torch.float32)  # [C, N]
-    _grad_weight_kernel[(triton.cdiv(n, BLOCK_N), chunks)](x, g, rstd, partial, t, n, x.stride(0), g.stride(0), which,
-                                                          ROWS=WGRAD_ROWS, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(n, BLOCK_N), chunks)
+    _qk_rms_norm_dw_kernel[grid](x, g, rstd, partial, t, n, x.stride(0), g.stride(0), which, ROWS=WGRAD_ROWS,
+                                 BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return partial.sum(0)
 
 
@@ -187,8 +191,8 @@ def grad_input(gq: torch.Tensor, q: torch.Tensor, wq: torch.Tensor, gk: torch.Te
     _check(q, k, gq, gk)
     t = q.shape[0]
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    _grad_input_kernel[(triton.cdiv(t, BLOCK_T),)](q, k, gq, gk, wq, wk, rstd, s, dq, dk, t, q.shape[1], k.shape[1],
-                                                   1.0 / width_q, 1.0 / width_k, q.stride(0), k.stride(0),
-                                                   gq.stride(0), gk.stride(0), dq.stride(0), dk.stride(0),
-                                                   BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    grid = (triton.cdiv(t, BLOCK_T),)
+    _qk_rms_norm_dx_kernel[grid](q, k, gq, gk, wq, wk, rstd, s, dq, dk, t, q.shape[1], k.shape[1], 1.0 / width_q,
+                                 1.0 / width_k, q.stride(0), k.stride(0), gq.stride(0), gk.stride(0), dq.stride(0),
+                                 dk.stride(0), BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return dq, dk
