@@ -7,9 +7,9 @@ each global step: gradient clipping, SGD with momentum (not invariant to a per-p
 reduction factor shows), router-bias updates from the summed expert load. Each rank builds the same model, applies
 `apply_parallelism` for a layout, trains on its data-parallel share with the trainer's loss weighting, and compares
 the step losses, every parameter's gradient after the first backward, and every weight and router bias at the end
-with the parent's. Tolerances: losses 1e-5 relative, gradients and weights 1e-4 relative + 1e-6 absolute (sums in
-another order; the values are O(1e-1)). Micro-batches hold 2-4 documents of odd lengths, so most need padding to a
-multiple of tp.
+with the parent's; then the logits it returns (`return_logits`) with a single-process model of its weights.
+Tolerances: losses 1e-5 relative, gradients and weights 1e-4 relative + 1e-6 absolute (sums in another order; the
+values are O(1e-1)). Micro-batches hold 2-4 documents of odd lengths, so most need padding to a multiple of tp.
 """
 
 from __future__ import annotations
@@ -85,14 +85,26 @@ def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, device: str = "cp
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(reduce_expert_load(out.expert_load.clone(), mesh))
         losses.append(step_loss.item())
-    return losses, grads, {k: full(v) for k, v in model.state_dict().items()}
+    return model, losses, grads, {k: full(v) for k, v in model.state_dict().items()}
+
+
+def check_logits(model, cfg, state: dict, device: str) -> None:
+    """The tensor-parallel model's `return_logits` (gathered over the vocabulary, the padding rows dropped) equals
+    a single-process model holding the same weights, on a batch whose length needs padding."""
+    single = build_model(cfg, device)
+    single.load_state_dict(state)
+    batch = random_batches(1, seed=9, vocab=VOCAB)[0].to(device)
+    with torch.no_grad():
+        got, expected = model(batch, return_logits=True).logits, single(batch, return_logits=True).logits
+    torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-4, atol=1e-5)
 
 
 def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
     for overrides, layout, (ref_losses, ref_grads, ref_state) in cases:
         what = f"{layout} {overrides}"
-        losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size,
-                                              f"cuda:{rank}" if device == "cuda" else device)
+        device = f"cuda:{rank}" if device == "cuda" else device
+        model, losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size,
+                                                     device)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, what=what: f"{what}: {m}")
         assert grads.keys() == ref_grads.keys() and state.keys() == ref_state.keys(), what
@@ -100,6 +112,8 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
             for name, value in expected.items():
                 torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6,
                                            msg=lambda m, what=what, kind=kind, name=name: f"{what} {kind} {name}: {m}")
+        if layout.get("cp", 1) == 1:  # under context parallelism a rank returns its part's logits
+            check_logits(model, config(**overrides), state, device)
         dist.barrier()
 
 
