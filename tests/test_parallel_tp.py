@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from factories import VISIBLE_TRAINING, random_batches, tiny_config
+from moela.config import ConfigError, load_config
 from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.parallel.apply import apply_fal_streams
-from moela.parallel.config import ParallelConfig
-from moela.parallel.tensor_parallel import check_divisible
+from moela.parallel.config import ParallelConfig, tensor_parallel_errors
 from parallel_harness import spawn
 
 STEPS, LR, CLIP, VOCAB = 2, 0.2, 1.0, 96  # vocabulary divisible by tp
@@ -203,12 +203,17 @@ def test_meta_build_then_tensor_parallel_then_init():
     spawn(_meta_build, 2)
 
 
-def test_sizes_tp_cannot_split_are_named():
-    cfg = config(num_attention_heads=3, intermediate_size=50)
-    errors = check_divisible(cfg, 4)
-    assert any("model.num_attention_heads=3" in e for e in errors)
-    assert any("model.intermediate_size=50" in e for e in errors)
-    assert check_divisible(config(), 2) == [] and check_divisible(config(num_attention_heads=4), 4) == []
+def test_recipe_errors_name_what_tp_cannot_split_and_fal_streams_misuse():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["parallel.tp=4", "model.num_attention_heads=6", "model.intermediate_size=50",
+                           "parallel.fal_streams=true", "train.device=cpu"])
+    errors = info.value.errors
+    assert any("parallel.tp: 4 does not divide model.num_attention_heads=6" in e for e in errors), errors
+    assert any("model.intermediate_size=50" in e for e in errors), errors
+    assert any("fal_streams" in e and "model.block" in e for e in errors), errors
+    assert any("fal_streams: needs a CUDA device" in e for e in errors), errors
+    assert load_config(None, ["parallel.tp=2"]).parallel.tp == 2  # the default model splits in two
+    assert tensor_parallel_errors(config(num_attention_heads=4), 4) == []
 
 
 def test_fal_streams_needs_cuda_and_fal_blocks():

@@ -4,7 +4,7 @@ It applies, in torchtitan's order: context parallelism (attached as `model.conte
 runs on this rank's part of the batch), expert parallelism (routed experts replaced by their EP version), tensor
 parallelism (after EP: it hooks the experts module that will run), activation checkpointing (each block's
 `recompute` flag), FSDP2 (also with tp > 1 alone: its all-reduce hook completes the tp-replicated gradients, see
-`moela.parallel.fsdp`). With `parallel.fal_streams` on one CUDA device, each FAL block runs its MLP on a second
+`moela.parallel.fsdp`). With `parallel.fal_streams` in a one-GPU run, each FAL block runs its MLP on a second
 stream beside its attention (`moela.model.streams`). Parameter names never change, so checkpoints written under
 one layout load under another.
 """
@@ -46,15 +46,15 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
 
 
 def apply_fal_streams(model: nn.Module, mesh: ParallelMesh) -> int:
-    """Give every FAL block (after the first) a side stream for its MLP; returns how many. Only for one CUDA
-    device per tensor-parallel group: under tp > 1 the MLP's collectives would have to be ordered across two
-    streams, and on CPU there are no streams."""
+    """Give every FAL block (after the first) a side stream for its MLP; returns how many. One process on one CUDA
+    device only: with several ranks the MLP's collectives (tensor, expert parallelism) and FSDP's gathers would
+    have to be ordered across two streams, and on CPU there are no streams."""
     if mesh.device_type != "cuda" or not torch.cuda.is_available():
         raise ValueError("parallel.fal_streams: needs a CUDA device (it runs the MLP of each FAL block on a second "
                          "CUDA stream); set it to false on CPU")
-    if mesh.size("tp") > 1:
-        raise ValueError("parallel.fal_streams: not available with tp > 1 (the MLP's collectives would run on a "
-                         "second stream); set it to false or tp: 1")
+    if mesh.distributed:
+        raise ValueError("parallel.fal_streams: one process only (with several ranks the MLP's collectives would "
+                         "run on a second stream); set it to false, or train on one GPU")
     blocks = [b for b in model.modules() if getattr(b, "kind", None) == "fal" and not getattr(b, "keeps_a1", True)]
     if not blocks:
         raise ValueError("parallel.fal_streams: the model has no FAL blocks (model.block is not 'fal'); set it to "

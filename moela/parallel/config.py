@@ -36,7 +36,7 @@ class ParallelConfig:
     # exactly; bfloat16 halves the reduce-scatter's bytes, for slow links
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
-    # one CUDA device (tp: 1): run the MLP of each FAL block on a second stream, concurrently with its attention
+    # one process on one CUDA device: run the MLP of each FAL block on a second stream, beside its attention
     fal_streams: bool = False
 
     def validate(self) -> list[str]:
@@ -54,3 +54,15 @@ class ParallelConfig:
             errors.append(f"ep: must be a multiple of cp={self.cp} (the EP group spans whole CP groups), got "
                           f"{self.ep}; set ep to a multiple of {self.cp} or 1")
         return errors
+
+
+def tensor_parallel_errors(model, tp: int) -> list[str]:
+    """What in the `model` section (a `moela.model.config.ModelConfig`) tensor parallelism over `tp` ranks cannot
+    split evenly: heads, vocabulary (embedding and head rows), the dense FFN and the shared experts' width."""
+    needs = {"num_attention_heads": model.num_attention_heads, "vocab_size": model.vocab_size}
+    if model.first_k_dense_replace > 0:
+        needs["intermediate_size"] = model.intermediate_size
+    if model.n_shared_experts > 0 and model.num_hidden_layers > model.first_k_dense_replace:
+        needs["moe_intermediate_size * n_shared_experts"] = model.moe_intermediate_size * model.n_shared_experts
+    return [f"parallel.tp: {tp} does not divide model.{name}={value}; choose tp among its divisors"
+            for name, value in needs.items() if value % tp]

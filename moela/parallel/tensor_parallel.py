@@ -57,6 +57,7 @@ from moela.model.layers import BatchPart, attend_locally
 from moela.model.moe import MoE
 from moela.ops.loss import cross_entropy
 from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather
+from moela.parallel.config import tensor_parallel_errors
 from moela.parallel.context_parallel import _reduce_scatter_single, gather_tokens
 from moela.parallel.fsdp import transformer_blocks
 from moela.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -282,17 +283,6 @@ class TensorParallel(nn.Module):
         return _SumFromGroup.apply(z, self.group) / self.size
 
 
-def check_divisible(cfg, tp: int) -> list[str]:
-    """What in the model config a tensor-parallel size of `tp` cannot split evenly."""
-    needs = {"num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size}
-    if cfg.first_k_dense_replace > 0:
-        needs["intermediate_size"] = cfg.intermediate_size
-    if cfg.n_shared_experts > 0 and cfg.num_hidden_layers > cfg.first_k_dense_replace:
-        needs["moe_intermediate_size * n_shared_experts"] = cfg.moe_intermediate_size * cfg.n_shared_experts
-    return [f"parallel.tp={tp} must divide model.{name}={value}; choose tp among its divisors"
-            for name, value in needs.items() if value % tp]
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParallel:
     """Shard `model` (meta or materialized) over `tp_mesh` and attach the seams (module docstring); returns the
     attached `TensorParallel`."""
@@ -300,7 +290,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
         raise ValueError(f"{type(model).__name__} has no `tensor_parallel` seam; tensor parallelism wraps a moela "
                          f"Transformer")
     tp = tp_mesh.size()
-    errors = check_divisible(model.cfg, tp)
+    errors = tensor_parallel_errors(model.cfg, tp)
     if errors:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(errors))
     group = tp_mesh.get_group()
