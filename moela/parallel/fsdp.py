@@ -145,8 +145,8 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         cur[0].set_modules_to_forward_prefetch(nxt)
         nxt[0].set_modules_to_backward_prefetch(cur)
     if mesh.device_type == "cpu":
-        for unit in units:
-            unit.set_force_sum_reduction_for_comms(True)
+        for fsdp_unit in units:
+            fsdp_unit.set_force_sum_reduction_for_comms(True)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
