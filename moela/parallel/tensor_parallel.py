@@ -145,16 +145,28 @@ class GroupQKNorm:
 
 
 class RowsToPartial(ParallelStyle):
-    """The output of a module that ran on this rank's rows [T / tp, D] becomes this rank's term of a partial sum
-    [T, D] (zeros on the other ranks' rows), to be completed with the block's other partial sums."""
+    """For the routed experts (`experts(x, topk_ids, topk_weights, shared=)` -> routed + shared(x)): the routed
+    output, computed on this rank's rows [T / tp, D], becomes this rank's term of a partial sum [T, D] (zeros on
+    the other ranks' rows), and the shared experts' output - a partial sum already (column/row-parallel) - is added
+    to it, so the block completes both with its one reduction. The module gets `shared=None` and the hooks add
+    the shared experts after it (their overlap with expert-parallel collectives is given up under tp > 1)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_partial(mod, inputs, output):
+        pending: dict[str, nn.Module | None] = {}
+
+        def take_shared(mod, args, kwargs):
+            pending["shared"] = kwargs.pop("shared", None) if len(args) < 4 else args[3]
+            return args[:3], kwargs
+
+        def to_partial(mod, args, kwargs, output):
             tp, rank, rows = device_mesh.size(), device_mesh.get_local_rank(), output.shape[0]
             full = F.pad(output, (0, 0, rank * rows, (tp - 1 - rank) * rows))  # [T, D]
-            return DTensor.from_local(full, device_mesh, [Partial()], run_check=False)
+            partial = DTensor.from_local(full, device_mesh, [Partial()], run_check=False)
+            shared = pending.pop("shared", None)
+            return partial if shared is None else partial + shared(args[0])
 
-        module.register_forward_hook(to_partial)
+        module.register_forward_pre_hook(take_shared, with_kwargs=True)
+        module.register_forward_hook(to_partial, with_kwargs=True)
         return module
 
 
