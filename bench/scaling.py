@@ -11,7 +11,7 @@ backward with the trainer's loss weighting, gradient clipping, AdamW, router-bia
 `--profile-steps` more with torch.profiler to split the GPU time of NCCL kernels by collective. Per row:
   layout        a name from the resolved sizes (`1gpu`, `fsdp2`, `hsdp2x2`, `+ep2`, `+cp2`, `+tp2`) and any
                 non-parallel overrides; the raw overrides are kept too
-  tok/s/GPU     tokens_per_microbatch / cp / median step time (the slowest rank's)
+  tok/s/GPU     tokens_per_microbatch / (cp * tp) / median step time (the slowest rank's)
   vs 1 GPU      efficiency: ratio to the latest 1-GPU row of the same recipe, model size, tokens per GPU and
                 document length (the weak-scaling target)
   MFU           flops_per_token(model, doc_len) * tok/s/GPU / 989 TFLOP/s (H200 dense bf16 datasheet peak)
@@ -36,6 +36,12 @@ the whole set for 1, 2 and 4 GPUs and the multi-GPU recipe, e.g.:
   torchrun --standalone --nproc_per_node=1 bench/scaling.py --layout ep=1
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --layout ep=1 --layout ep=2 --layout dp_replicate=2 \\
       --layout cp=2,train.tokens_per_microbatch=131072
+Tensor parallelism: standard / FAL / FAL+ blocks at tp=2 and tp=4, and layer QK-Norm through its per-token
+scalars or (layout item `qk=allgather`) the all-gather formulation, e.g. on 4 GPUs
+  torchrun --standalone --nproc_per_node=4 bench/scaling.py --set model.qk_norm=layer \\
+      --layout tp=2 --layout tp=2,model.block=fal --layout tp=2,model.block=fal_plus \\
+      --layout tp=4 --layout tp=4,model.block=fal --layout tp=4,model.block=fal_plus \\
+      --layout tp=4,model.block=fal,qk=allgather
 Without CUDA it runs on CPU with gloo, fp32 parameters (a smoke test of the script: no memory or collective
 numbers); keep its rows out of the results files:
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --recipe recipes/tiny.yaml --layout ep=1 \\
@@ -65,10 +71,13 @@ from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load  # noqa: E402
 from moela.parallel.ep_comm import PROFILE_PREFIX  # noqa: E402
+from moela.parallel.fsdp import transformer_blocks  # noqa: E402
+from moela.parallel.tensor_parallel import GroupQKNorm  # noqa: E402
 from moela.trainer.profiling import COLLECTIVES, collective_times, compute_busy_us  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 SHARES = list(COLLECTIVES) + ["ep"]
+QK_ALLGATHER = "qk=allgather"  # layout item: layer QK-Norm through the all-gather formulation instead of scalars
 
 
 def synthetic_batch(vocab: int, tokens: int, doc_len: int, seed: int) -> PackedBatch:
@@ -108,8 +117,9 @@ def link_bandwidth(world: int, device, nbytes: int = 256 << 20, iters: int = 5) 
 
 
 def parse_layout(text: str) -> list[str]:
-    """`ep=2,train.tokens_per_microbatch=1024` -> ["parallel.ep=2", "train.tokens_per_microbatch=1024"]."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
+    """`ep=2,train.tokens_per_microbatch=1024` -> ["parallel.ep=2", "train.tokens_per_microbatch=1024"] (the item
+    `qk=allgather` is not an override: see `QK_ALLGATHER`)."""
+    items = [item.strip() for item in text.split(",") if item.strip() and item.strip() != QK_ALLGATHER]
     return [item if "." in item.split("=")[0] else f"parallel.{item}" for item in items]
 
 
@@ -147,6 +157,9 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(cfg.train.seed)
     model = apply_parallelism(build_model(cfg.model, device), mesh, cfg.parallel)
+    if QK_ALLGATHER in layout.split(","):
+        for block in transformer_blocks(model):
+            block.attn.layer_qk_norm = GroupQKNorm(mesh.group("tp"), allgather=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
     tokens = cfg.train.tokens_per_microbatch
     dp_rank, dp_size, dp_cp = mesh.rank("dp"), mesh.size("dp"), mesh.size("dp_cp")
@@ -202,10 +215,11 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     dist.all_reduce(summed)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     median = float(stats[1])  # the slowest rank's median step
-    tokens_gpu = tokens // mesh.size("cp")  # the ranks of a CP group share one micro-batch
+    tokens_gpu = tokens // (mesh.size("cp") * mesh.size("tp"))  # CP and TP ranks share one micro-batch
     tok_s = tokens_gpu / median
     total, active = count_params(cfg.model)
-    row = dict(world=world, dp=dp_size, layout=layout or "default", name=layout_name(mesh, overrides),
+    name = layout_name(mesh, overrides) + (f" {QK_ALLGATHER}" if QK_ALLGATHER in layout.split(",") else "")
+    row = dict(world=world, dp=dp_size, layout=layout or "default", name=name,
                recipe=args.recipe,
                size=cfg.model.size, params=total, active=active, microbatch=tokens, tokens_per_gpu=tokens_gpu,
                doc_len=args.doc_len, step_ms=median * 1e3, tok_s_gpu=tok_s,

@@ -15,7 +15,7 @@ from pathlib import Path
 from moela.configlib import OVERRIDE_SOURCE, ConfigError, dump, load, parse_override, to_dict
 from moela.data.config import DataConfig
 from moela.model.config import MODEL_PRESETS, ModelConfig
-from moela.parallel.config import ParallelConfig
+from moela.parallel.config import ParallelConfig, tensor_parallel_errors
 from moela.trainer.config import CheckpointConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig, WandbConfig
 
 __all__ = ["OVERRIDE_SOURCE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
@@ -40,6 +40,17 @@ class Config:
         if self.parallel.ep > 1 and self.model.n_routed_experts % self.parallel.ep:
             errors.append(f"parallel.ep: {self.parallel.ep} does not divide model.n_routed_experts="
                           f"{self.model.n_routed_experts}; pick an ep that divides the expert count")
+        if self.parallel.tp > 1:
+            errors += tensor_parallel_errors(self.model, self.parallel.tp)
+        if self.train.compile and (self.parallel.cp > 1 or self.parallel.tp > 1):
+            errors.append("train.compile: pads every micro-batch to one shape, which context and tensor parallelism "
+                          "do not split yet; set train.compile: false with parallel.cp > 1 or parallel.tp > 1")
+        if self.parallel.fal_streams and self.model.block != "fal":
+            errors.append(f"parallel.fal_streams: runs the MLP of FAL blocks beside their attention, but model.block "
+                          f"is {self.model.block!r}; set model.block: fal or fal_streams: false")
+        if self.parallel.fal_streams and self.train.device == "cpu":
+            errors.append("parallel.fal_streams: needs a CUDA device (a second CUDA stream); set it to false with "
+                          "train.device: cpu")
         return errors
 
 

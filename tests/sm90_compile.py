@@ -255,6 +255,29 @@ def moe_gluon_gemm_kernels():
     return out
 
 
+def qk_norm_kernels():
+    """The layer QK-Norm kernels (moela.ops.qk_norm_triton) at V2-Lite's width (16 heads x 192) in bf16."""
+    from moela.ops import qk_norm_triton as qk
+
+    t, n, bf16, f32 = 65536, 3072, "*bf16", "*fp32"
+    blocks = dict(BLOCK_T=qk.BLOCK_T, BLOCK_N=qk.BLOCK_N)
+    ptrs = dict(q_ptr=bf16, k_ptr=bf16, wq_ptr=f32, wk_ptr=f32)
+    dims = dict(T=t, NQ=n, NK=n, stride_q=n, stride_k=n)
+    grads = dict(gq_ptr=bf16, gk_ptr=bf16, stride_gq=n, stride_gk=n)
+    out = {f"qk_norm stats{' grad' if product else ''}": compile_sm90(qk._qk_rms_norm_stats_kernel, dict(
+        **ptrs, **grads, **dims, out_ptr=f32, PRODUCT=product, **blocks), num_warps=4) for product in (False, True)}
+    out["qk_norm normalize"] = compile_sm90(qk._qk_rms_norm_fwd_kernel, dict(
+        **ptrs, **dims, ss_ptr=f32, yq_ptr=bf16, yk_ptr=bf16, rstd_ptr=f32, inv_nq=1 / n, inv_nk=1 / n, eps=1e-6,
+        stride_yq=n, stride_yk=n, **blocks), num_warps=4)
+    out["qk_norm grad_input"] = compile_sm90(qk._qk_rms_norm_dx_kernel, dict(
+        **ptrs, **grads, **dims, rstd_ptr=f32, s_ptr=f32, dq_ptr=bf16, dk_ptr=bf16, inv_nq=1 / n, inv_nk=1 / n,
+        stride_dq=n, stride_dk=n, **blocks), num_warps=4)
+    out["qk_norm grad_weight"] = compile_sm90(qk._qk_rms_norm_dw_kernel, dict(
+        x_ptr=bf16, g_ptr=bf16, rstd_ptr=f32, out_ptr=f32, T=t, N=n, stride_x=n, stride_g=n, which=0,
+        ROWS=qk.WGRAD_ROWS, **blocks), num_warps=4)
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels(),
-                      **moe_gluon_gemm_kernels()}))
+                      **moe_gluon_gemm_kernels(), **qk_norm_kernels()}))

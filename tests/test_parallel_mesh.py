@@ -21,7 +21,7 @@ def test_dp_shard_auto_fills_the_world():
      r"dp_replicate \* dp_shard \* cp \* tp = 1 \* 2 \* 2 \* 1 = 4 but the world size is 8"),
     (ParallelConfig(ep=3), 4, r"ep = 3 must divide dp_shard \* cp = 4 \* 1 = 4"),
     (ParallelConfig(ep=2, cp=4), 8, r"parallel.ep: must be a multiple of cp=4"),
-    (ParallelConfig(tp=2), 8, r"parallel.tp: tensor parallelism is not available"),
+    (ParallelConfig(tp=3, cp=2), 8, r"dp_replicate \* cp \* tp = 1 \* 2 \* 3 = 6 does not divide the world size 8"),
     (ParallelConfig(fsdp=False), 2, r"fsdp: false needs dp_shard \* cp = 1"),
     (ParallelConfig(dp_shard=0), 2, r"parallel.dp_shard: must be >= 1 or -1"),
     (ParallelConfig(ep=0), 2, r"parallel.ep: must be >= 1"),
@@ -54,6 +54,10 @@ def _groups(rank: int, world_size: int) -> None:
     assert tuple(mesh.expert_fsdp_mesh.shape) == (2, 1)
     mesh = build_mesh(ParallelConfig(), world_size, "cpu")
     assert mesh.size("dp") == 4 and not mesh.has("ep") and mesh.size("ep") == 1
+    # world 4 = dp_shard 2 x tp 2: tp pairs are neighbours; data and FSDP groups stride over them
+    mesh = build_mesh(ParallelConfig(tp=2), world_size, "cpu")
+    assert ranks(mesh, "tp") == [rank - rank % 2, rank - rank % 2 + 1]
+    assert ranks(mesh, "dp") == ranks(mesh, "dp_cp") == ranks(mesh, "dp_shard_cp") == [rank % 2, rank % 2 + 2]
 
 
 def test_views_have_the_right_groups_on_4_ranks():

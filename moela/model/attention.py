@@ -18,6 +18,10 @@ Decisions:
   applies it (`ctx.attend`): on this rank's own tokens, or under context parallelism on the keys of the whole
   group. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
   sum_t token_weight[t] * mean_h lse[h, t]**2, i.e. the mean over labelled tokens.
+- Tensor parallelism (`moela.parallel.tensor_parallel`) changes three attributes from outside: `n_heads` (the
+  heads this rank holds), `gather_latents` (the latents [q input | c_kv | k_pe] are computed on this rank's
+  tokens and all-gathered in one collective; a no-op by default) and `layer_qk_norm` (`qk_rms_norm` over the
+  heads of the whole group). Everything after the gather runs on all tokens with this rank's heads.
 
 Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
 R = qk_rope_head_dim, C = kv_lora_rank.
@@ -34,6 +38,7 @@ from moela.model.config import ModelConfig
 from moela.model.layers import Linear, PackedContext, RMSNorm, call_op
 from moela.ops.attention import mla_attention
 from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
+from moela.ops.qk_norm import qk_rms_norm
 from moela.ops.rope import rope, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6
@@ -57,6 +62,11 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     if rs.mscale and rs.mscale_all_dim:
         return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
     return yarn_mscale(rs.factor)
+
+
+def keep_latents(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`MLA.gather_latents` of a rank that holds every token: nothing to gather."""
+    return latents
 
 
 class MLA(nn.Module):
@@ -89,14 +99,16 @@ class MLA(nn.Module):
         self.attention_factor = rope_attention_factor(cfg)
         self.z_loss = cfg.z_loss_coef > 0
         self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend)
+        self.gather_latents = keep_latents  # tensor parallelism's seams (module docstring)
+        self.layer_qk_norm = qk_rms_norm
 
     def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t, h = q.shape[:2]
         if self.qk_norm_kind == "head":
             return self.q_qk_norm(q), self.k_qk_norm(k)  # [T, H, Dqk]
-        q = self.q_qk_norm(q.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
-        k = self.k_qk_norm(k.reshape(t, h * self.qk_dim)).view(t, h, self.qk_dim)  # [T, H, Dqk]
-        return q, k
+        q, k = self.layer_qk_norm(q.reshape(t, h * self.qk_dim), k.reshape(t, h * self.qk_dim),
+                                  self.q_qk_norm.weight, self.k_qk_norm.weight, self.q_qk_norm.eps)  # [T, H*Dqk]
+        return q.view(t, h, self.qk_dim), k.view(t, h, self.qk_dim)  # [T, H, Dqk]
 
     def _attention(self, q: torch.Tensor, *args, **kwargs):
         """`core_attention` as a compiled block calls it (`call_op`)."""
@@ -104,15 +116,13 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (out [T, D], z [] = token-weighted mean_h lse**2, zero when the z-loss is off)."""
-        t, h = x.shape[0], self.n_heads
-        if self.q_lora_rank is None:
-            q = self.wq(x)  # [T, H*Dqk]
-        else:
-            q = self.wq_b(self.q_norm(self.wq_a(x)))  # [T, H*Dqk]
+        q_in = x if self.q_lora_rank is None else self.q_norm(self.wq_a(x))  # [T, D] or [T, Cq]
+        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [T, C], [T, R]
+        q_in, c_kv, k_pe = self.gather_latents(q_in, self.kv_norm(c_kv), k_pe)
+        q = self.wq(q_in) if self.q_lora_rank is None else self.wq_b(q_in)  # [T, H*Dqk]
+        t, h = q.shape[0], self.n_heads
         q = q.view(t, h, self.qk_dim)  # [T, H, Dqk]
-        kv_a = self.wkv_a(x)  # [T, C + R]
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [T, C], [T, R]
-        kv = self.wkv_b(self.kv_norm(c_kv)).view(t, h, self.nope_dim + self.v_dim)  # [T, H, Dn + Dv]
+        kv = self.wkv_b(c_kv).view(t, h, self.nope_dim + self.v_dim)  # [T, H, Dn + Dv]
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, Dn], [T, H, Dv]
         k_pe = k_pe.unsqueeze(1)  # [T, 1, R]
         if self.qk_norm_kind != "none":

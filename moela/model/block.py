@@ -13,7 +13,15 @@ norm_a = `a1_norm`, each block with its own weights):
   fal_plus, l >= 2:
       h = x_l + Attn_l(norm1(x_l));  x_{l+1} = h + MLP_l(norm2(h + norm_a(a1)))
 
-MLP_l is the dense SwiGLU MLP for the first `first_k_dense_replace` layers and the MoE afterwards. A block returns
+MLP_l is the dense SwiGLU MLP for the first `first_k_dense_replace` layers and the MoE afterwards.
+
+Seams set from outside (`moela.parallel`): under tensor parallelism Attn_l and MLP_l return partial sums over the
+ranks, which `sum_partials` adds and completes (a reduce-scatter onto this rank's tokens); the default adds them.
+A FAL block hands both of its sublayers to ONE `sum_partials`, so it pays one reduction where the other kinds pay
+two. `side_stream` (a CUDA stream, FAL blocks on one GPU) runs the MLP on that stream while attention runs on the
+current one (`moela.model.streams`).
+
+A block returns
 (x_{l+1}, a1, z, aux, load): a1 is passed along the stack (None for standard models), z is the attention
 z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense). Returning
 values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
@@ -38,8 +46,17 @@ from moela.model.attention import MLA
 from moela.model.config import ModelConfig
 from moela.model.layers import MLP, PackedContext, RMSNorm
 from moela.model.moe import MoE
+from moela.model.streams import run_beside
 
 BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def add_outputs(*outputs: torch.Tensor) -> torch.Tensor:
+    """`Block.sum_partials` of a rank that computes whole sublayer outputs: their sum."""
+    total = outputs[0]
+    for out in outputs[1:]:
+        total = total + out
+    return total
 
 
 class Block(nn.Module):
@@ -56,6 +73,8 @@ class Block(nn.Module):
             self.a1_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.recompute = False  # activation checkpointing: recompute this block's activations in backward
         self.compile_backend: str | None = None  # a torch.compile backend: run `_forward` compiled
+        self.sum_partials = add_outputs  # tensor parallelism: completes the sublayers' partial sums
+        self.side_stream: torch.cuda.Stream | None = None  # FAL on one GPU: the MLP's stream
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, recompute={self.recompute}, compile_backend={self.compile_backend}"
@@ -73,20 +92,28 @@ class Block(nn.Module):
         return fn(self, x, ctx, a1)
 
     def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None) -> BlockOutput:
+        if self.kind == "fal" and a1 is not None:
+            m_in = self.ffn_norm(x) + self.a1_norm(a1)  # [T, D]
+            if self.side_stream is not None:
+                (a, z), (m, aux, load) = run_beside(lambda: self.attn(self.attn_norm(x), ctx),
+                                                    lambda: self._ffn(m_in, ctx), self.side_stream,
+                                                    inputs=(m_in, ctx.doc_ids, ctx.doc_weight, ctx.real_tokens))
+            else:
+                a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
+                m, aux, load = self._ffn(m_in, ctx)  # [T, D]
+            return x + self.sum_partials(a, m), a1, z, aux, load
         a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
+        a = self.sum_partials(a)
         if self.kind == "standard":
             h = x + a  # [T, D]
             m, aux, load = self._ffn(self.ffn_norm(h), ctx)  # [T, D]
-            return h + m, (a if self.keeps_a1 else a1), z, aux, load
+            return h + self.sum_partials(m), (a if self.keeps_a1 else a1), z, aux, load
         if a1 is None:
             raise ValueError(f"a {self.kind} block needs a1, the first block's attention output; build the "
                              f"model with Transformer so block 1 provides it")
-        if self.kind == "fal":
-            m, aux, load = self._ffn(self.ffn_norm(x) + self.a1_norm(a1), ctx)  # [T, D]
-            return x + a + m, a1, z, aux, load
         h = x + a  # [T, D]
         m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
-        return h + m, a1, z, aux, load
+        return h + self.sum_partials(m), a1, z, aux, load
 
 
 @functools.cache

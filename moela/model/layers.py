@@ -10,6 +10,8 @@ Decisions:
   the keys of other ranks (`attend`), which tokens are real rather than padding (`real_tokens`), and how
   per-document statistics are summed over the ranks holding parts of the same documents (`reduce_doc_stats`).
   The defaults describe a rank that holds whole documents; `BatchPart` is what such a wrapper hands the model.
+  Under tensor (sequence) parallelism the token-wise layers (norms, router, experts) see only this rank's rows of
+  the batch while attention sees all of them: `doc_ids` and `real_tokens` then describe those rows.
 
 Shapes: T tokens, D hidden, N documents, F FFN width.
 """
@@ -104,7 +106,7 @@ class PackedContext:
     position_ids: torch.Tensor  # [T] int, restarting per document
     cu_seqlens: torch.Tensor  # [N+1] int32
     max_seqlen: int
-    doc_ids: torch.Tensor  # [T] int64, document index of each token
+    doc_ids: torch.Tensor  # [T] int64, document index of each token of the token-wise layers (see docstring)
     token_weight: torch.Tensor  # [T] float32: 1/num_targets where the token has a label, else 0
     doc_weight: torch.Tensor  # [N] float32: labelled tokens of the document / num_targets
     inv_freq: torch.Tensor  # [R/2] float32 RoPE inverse frequencies (YaRN-adjusted)
@@ -128,8 +130,9 @@ class BatchPart(NamedTuple):
     batch: PackedBatch  # this rank's tokens (with their original positions)
     mtp_targets: list[tuple[torch.Tensor, torch.Tensor]]  # per MTP depth, (input token, label) of this rank's tokens
     attend: Callable[..., Any]
-    real_tokens: torch.Tensor  # [T_loc] bool
+    real_tokens: torch.Tensor  # [T_loc] bool (of `rows` when set)
     reduce_doc_stats: Callable[[torch.Tensor], torch.Tensor]
+    rows: slice | None = None  # the rows of `batch` the token-wise layers hold (sequence parallelism); None: all
 
 
 def segment_sum(values: torch.Tensor, doc_ids: torch.Tensor, num_docs: int) -> torch.Tensor:

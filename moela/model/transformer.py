@@ -26,6 +26,10 @@ Decisions:
   `split(batch, mtp_targets) -> BatchPart` gives this rank's part of every batch and the `PackedContext` seams
   for it; the MTP targets are computed on the whole batch first, since a token's successors may sit on another
   rank. Without it (None), the model runs on the whole batch.
+- Tensor parallelism attaches itself as `tensor_parallel` (`moela.parallel.tensor_parallel`): its `split` pads
+  the batch (after the context-parallel split) to a multiple of the group size and gives each rank its rows of
+  the residual stream, its `ce_sum` is the vocabulary-parallel loss, and `head_mean` completes the z-loss's mean
+  over heads spread over the group.
 
 Shapes: T tokens, D hidden, V vocabulary, N documents, E routed experts, L_moe MoE blocks (main + MTP).
 """
@@ -103,6 +107,8 @@ class Transformer(nn.Module):
                              persistent=False)
         # set by context parallelism (moela.parallel.context_parallel): splits every batch over its group
         self.context_parallel: nn.Module | None = None
+        # set by tensor parallelism (moela.parallel.tensor_parallel): sequence-shards every batch, vocab-parallel loss
+        self.tensor_parallel: nn.Module | None = None
 
     # ----- construction -----
     @torch.no_grad()
@@ -167,10 +173,12 @@ class Transformer(nn.Module):
             torch._dynamo.maybe_mark_dynamic(x, 0)
         seams = {} if part is None else dict(attend=part.attend, real_tokens=part.real_tokens,
                                              reduce_doc_stats=part.reduce_doc_stats)
+        if part is not None and part.rows is not None:
+            doc_ids = doc_ids[part.rows]  # [T_rows]
         if batch.filler_tokens is not None:
             if part is not None:
-                raise ValueError("a padded batch (pad_batch) cannot be split by context parallelism; pad after "
-                                 "splitting or not at all")
+                raise ValueError("a padded batch (pad_batch, train.compile) cannot be split by context or tensor "
+                                 "parallelism; set train.compile: false with parallel.cp > 1 or parallel.tp > 1")
             seams["real_tokens"] = torch.arange(t, device=cu.device) < t - batch.filler_tokens  # [T]
         return PackedContext(position_ids=batch.position_ids, cu_seqlens=cu, max_seqlen=batch.max_seqlen,
                              doc_ids=doc_ids, token_weight=token_weight, doc_weight=doc_weight,
@@ -184,6 +192,9 @@ class Transformer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summed CE of normalized h [T, D] against labels [T]; through the fused head + loss unless the logits
         are wanted (then also returns them, [T, V])."""
+        if self.tensor_parallel is not None:
+            weight = self.head.weight if self.head is not None else self.embed.weight  # [V / tp, D] shard
+            return self.tensor_parallel.ce_sum(h, weight, labels, want_logits)
         if want_logits:
             logits = self.logits(h)  # [T, V]
             return cross_entropy(logits, labels), logits
@@ -198,6 +209,9 @@ class Transformer(nn.Module):
         part = None
         if self.context_parallel is not None:
             part = self.context_parallel.split(batch, targets)
+            batch, targets = part.batch, part.mtp_targets
+        if self.tensor_parallel is not None:
+            part = self.tensor_parallel.split(batch, targets, part)
             batch, targets = part.batch, part.mtp_targets
         # known on the host unless a context-parallel shard counts its own (then a device count: no host read)
         num_targets = batch.targets_on_host
@@ -238,6 +252,8 @@ class Transformer(nn.Module):
                 loss = loss + cfg.aux_loss_coef * aux_loss
         if cfg.z_loss_coef > 0:
             z_loss = torch.stack(zs).mean()
+            if self.tensor_parallel is not None:
+                z_loss = self.tensor_parallel.head_mean(z_loss)
             metrics["z_loss"] = z_loss.detach()
             loss = loss + cfg.z_loss_coef * z_loss
         return ModelOutput(loss=loss, num_targets=num_targets, metrics=metrics,

@@ -1,11 +1,13 @@
-"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert and context parallelism (tensor
-parallelism is not built yet: `parallel.tp` must be 1).
+"""Parallelism applied to the model from the outside: DeviceMesh, FSDP2, expert, context and tensor (+ sequence)
+parallelism.
 
 `apply_parallelism(model, mesh, cfg)` (`moela.parallel.apply`) is the one entry point the trainer calls.
 Contract with the trainer: FSDP averages every gradient over the `dp_cp` ranks (see `moela.parallel.fsdp`), so the
 trainer multiplies each rank's loss by `mesh.size("dp_cp")` after weighting micro-batches by their share of the
 global step's labelled tokens; gradient clipping goes through `clip_grad_norm_` (gradients may live on several
-meshes); the per-step expert load is summed with `reduce_expert_load` before `update_router_bias`.
+meshes); the per-step expert load is summed with `reduce_expert_load` before `update_router_bias`. Under tensor
+parallelism the ranks of a tp group share their micro-batches (they have the same `dp` rank) and return the same
+loss, metrics and `num_targets`; only `reduce_expert_load` sums over them (each routes its own rows).
 
 Everything but `ParallelConfig` is imported on first use, so that reading the `parallel` section of a recipe
 (`moela.parallel.config`) imports no kernels.

@@ -17,7 +17,7 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 shard group size; -1 = world_size / (dp_replicate * cp * tp)
     cp: int = 1  # context parallel group size (documents cut into 2*cp chunks)
     cp_layout: Literal["dualchunk", "striped"] = "dualchunk"
-    tp: int = 1  # tensor parallel group size (not available yet: must be 1)
+    tp: int = 1  # tensor (+ sequence) parallel group size: heads, FFN widths and vocabulary split over tp ranks
     ep: int = 1  # expert parallel group size (borrowed from dp_shard * cp)
     # how tokens reach their experts (moela.parallel.expert_parallel): gather = all-gather + reduce-scatter, no host
     # sync, static shapes; alltoall = exact-size all-to-all, one host sync per MoE layer; auto = gather when
@@ -36,6 +36,8 @@ class ParallelConfig:
     # exactly; bfloat16 halves the reduce-scatter's bytes, for slow links
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
+    # one process on one CUDA device: run the MLP of each FAL block on a second stream, beside its attention
+    fal_streams: bool = False
 
     def validate(self) -> list[str]:
         errors = []
@@ -48,10 +50,19 @@ class ParallelConfig:
             errors.append(f"fsdp_unit_blocks: must be >= 1, got {self.fsdp_unit_blocks}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
-        if self.tp > 1:
-            errors.append(f"tp: tensor parallelism is not available in this version (tp={self.tp}); set tp: 1 and "
-                          f"scale with dp_shard, ep and cp")
         if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
             errors.append(f"ep: must be a multiple of cp={self.cp} (the EP group spans whole CP groups), got "
                           f"{self.ep}; set ep to a multiple of {self.cp} or 1")
         return errors
+
+
+def tensor_parallel_errors(model, tp: int) -> list[str]:
+    """What in the `model` section (a `moela.model.config.ModelConfig`) tensor parallelism over `tp` ranks cannot
+    split evenly: heads, vocabulary (embedding and head rows), the dense FFN and the shared experts' width."""
+    needs = {"num_attention_heads": model.num_attention_heads, "vocab_size": model.vocab_size}
+    if model.first_k_dense_replace > 0:
+        needs["intermediate_size"] = model.intermediate_size
+    if model.n_shared_experts > 0 and model.num_hidden_layers > model.first_k_dense_replace:
+        needs["moe_intermediate_size * n_shared_experts"] = model.moe_intermediate_size * model.n_shared_experts
+    return [f"parallel.tp: {tp} does not divide model.{name}={value}; choose tp among its divisors"
+            for name, value in needs.items() if value % tp]

@@ -34,6 +34,15 @@ Decisions:
   checkpointing, at half the recompute cost of `full`). Op-level selective checkpointing is not used: it requires
   the recomputation to replay exactly the forward's operator sequence, which the nested FSDP unit of
   expert-parallel experts does not (its hooks differ between forward and recompute).
+- Under tensor parallelism (`moela.parallel.tensor_parallel`), the parameters replicated over tp (norms, latent
+  down-projections, router, routed experts without expert parallelism, the MTP projections) are computed on each
+  rank's rows of the batch, so each rank's gradient is a partial sum over tp. In every block (and in the root)
+  they form their own unit, whose reduced gradient (after the reduce-scatter, or after HSDP's all-reduce) is
+  all-reduced over tp by FSDP's all-reduce hook: one collective per unit and step, only on the micro-batch that
+  synchronizes gradients. The tp-sharded parameters (DTensors on the tp mesh) are sharded over the data-parallel
+  mesh as 2-D DTensors and need nothing more. Expert units under expert parallelism get the same hook. FSDP is
+  applied under tp > 1 even when no data-parallel rank shares the parameters (a one-rank shard group), since the
+  hook is where the tp reduction happens.
 - `clip_grad_norm_` handles gradients that live on different meshes (dense vs expert DTensors, plain tensors)
   by computing one total norm per mesh and combining them.
 """
@@ -44,6 +53,7 @@ from functools import partial
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -77,6 +87,18 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
             block.recompute = True
 
 
+def tp_replicated_modules(roots: list[nn.Module], skip: list[nn.Module]) -> list[nn.Module]:
+    """Modules under `roots` that own parameters none of which is a DTensor: under tensor parallelism, the ones
+    replicated over tp (module docstring). The modules in `skip` and everything under them are left out."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    return [m for root in roots for m in root.modules() if id(m) not in skipped
+            and (own := list(m.parameters(recurse=False))) and not any(isinstance(p, DTensor) for p in own)]
+
+
+def _sum_over(group, reduced: torch.Tensor) -> None:
+    dist.all_reduce(reduced, group=group)
+
+
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
                reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1) -> None:
     """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units
@@ -85,14 +107,26 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         raise ValueError(f"parallel.fsdp_unit_blocks: must be >= 1, got {unit_blocks}")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
-    shard = partial(fully_shard, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
 
-    def unit(modules: list[nn.Module], unit_mesh) -> nn.Module:
+    def unit(modules: list[nn.Module], unit_mesh, **kwargs) -> nn.Module:
         """One FSDP unit of `modules`; the FSDPModule that names it (the first of a group)."""
-        return shard(modules[0], mesh=unit_mesh) if len(modules) == 1 else shard(modules, mesh=unit_mesh)[0]
+        kwargs = {"mp_policy": policy, "reshard_after_forward": reshard_after_forward, **kwargs}
+        if len(modules) == 1:
+            return fully_shard(modules[0], mesh=unit_mesh, **kwargs)
+        return fully_shard(modules, mesh=unit_mesh, **kwargs)[0]
+
+    def replicated_unit(roots: list[nn.Module], skip: list[nn.Module], **kwargs) -> list[nn.Module]:
+        """The unit of the parameters under `roots` replicated over tp, with the all-reduce hook; [] without tp."""
+        modules = tp_replicated_modules(roots, skip) if tp_group is not None else []
+        if not modules:
+            return []
+        replicated = unit(modules, mesh.fsdp_mesh, **kwargs)
+        replicated.set_all_reduce_hook(partial(_sum_over, tp_group))
+        return [replicated]
 
     units = []
-    per_block = []  # forward order: [unit of blocks, their expert unit (if any)]
+    per_block = []  # forward order: [unit of blocks, their replicated unit (tp), their expert unit (ep)]
     blocks = transformer_blocks(model)
     for first in range(0, len(blocks), unit_blocks):
         group = blocks[first:first + unit_blocks]
@@ -100,15 +134,19 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         for e in experts:
             e.grad_scale = 1.0 / mesh.size("ep")
         experts_units = [unit(experts, mesh.expert_fsdp_mesh)] if experts else []
-        per_block.append([unit(group, mesh.fsdp_mesh)] + experts_units)
+        if experts and tp_group is not None:
+            experts_units[0].set_all_reduce_hook(partial(_sum_over, tp_group))
+        replicated = replicated_unit(group, experts)
+        per_block.append([unit(group, mesh.fsdp_mesh)] + replicated + experts_units)
         units += per_block[-1]
+    units += replicated_unit([model], blocks, reshard_after_forward=False)
     units.append(fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
     for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring)
         cur[0].set_modules_to_forward_prefetch(nxt)
         nxt[0].set_modules_to_backward_prefetch(cur)
     if mesh.device_type == "cpu":
-        for unit in units:
-            unit.set_force_sum_reduction_for_comms(True)
+        for fsdp_unit in units:
+            fsdp_unit.set_force_sum_reduction_for_comms(True)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0
