@@ -14,7 +14,8 @@ partial, so a step's scales are 2 + 32 values per thread.
 
 Partitions (as in the m-grouped kernel): the producer warp, per 128-token step, copies the step's 128 row scales
 and 128 column scales into the slot's shared-memory scale buffers (cp.async, 4 bytes each, tracked by the slot's
-`ready` barrier: each lane's copies count before the barrier completes) and issues the TMA loads of the A tile
+`ready` barrier: cp.async.mbarrier.arrive.noinc, so the barrier's init count names all 33 arrivals of every phase,
+the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
 [128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
 64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
 releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element), while the
@@ -23,7 +24,8 @@ Output tiles are written by TMA in out's dtype (fp32 for the weight gradient: 64
 stages of 33 KB; bf16: 5 stages).
 
 Tiles are scheduled persistently, expert-major (the CTAs in flight share one expert's token slices in L2), in
-grouped order inside an expert (GROUP row blocks of N per column block of K). A tile's length is its expert's
+grouped order inside an expert (bands of GROUP row blocks of N, walked column block by column block;
+tile_blocks, the same arithmetic in Python for tests/test_fp8_schedule.py). A tile's length is its expert's
 token count, read on the device by every partition; no host sync, capturable in a CUDA graph.
 """
 
@@ -75,24 +77,46 @@ def fit_stages(stages: int, out_bytes: int) -> int:
     return stages
 
 
+def tile_blocks(tile, num_n, num_k, GROUP):
+    """Tile index -> (expert, row block of N, column block of K): expert-major; inside an expert, bands of GROUP row
+    blocks (the last band may be narrower), each band walked column block by column block, so the CTAs in flight
+    share the B columns of one band. A band holds size x num_k tiles, so a tile's band is its index over
+    GROUP x num_k. Plain integer arithmetic on non-negative values: the same function runs on the device (as the
+    kernel's jitted helper) and in Python (tests/test_fp8_schedule.py walks every program's schedule with it)."""
+    per_e = num_n * num_k
+    t = tile % per_e
+    band = GROUP * num_k
+    first_n = (t // band) * GROUP
+    size = num_n - first_n
+    if size > GROUP:
+        size = GROUP
+    r = t % band
+    return tile // per_e, first_n + r % size, r // size
+
+
+def ring_position(step, STAGES):
+    """The ring slot of a program's step-th token block and the parity of the slot's barrier phase it uses: the
+    producer and both consumer warpgroups count every step of every tile of their program, so the three agree
+    on both as long as they see the same step counts per tile."""
+    return step % STAGES, (step // STAGES) & 1
+
+
 if ws.gluon is not None:
     _scale_slots = gluon.constexpr_function(scale_slots)
+    _tile_blocks = gluon.jit(tile_blocks)
+    _ring_position = gluon.jit(ring_position)
     _BM = gl.constexpr(BM)
     _BN = gl.constexpr(BN)
     _BK = gl.constexpr(BK)
     _CONSUMER_REGS = gl.constexpr(ws.CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(ws.PRODUCER_REGS)
+    _LANES = gl.constexpr(32)  # the producer warp's lanes: each one's scale copies arrive on the slot's barrier
 
     @gluon.jit
     def _tile_origin(tile, num_n, num_k, GROUP: gl.constexpr):
-        """Tile index -> (expert, first row of N, first column of K); expert-major, GROUP row blocks per column
-        block inside an expert."""
-        per_e = num_n * num_k
-        t = tile % per_e
-        width = GROUP * num_n
-        first_n = (t // width) * GROUP
-        size_n = gl.minimum(num_n - first_n, GROUP)
-        return tile // per_e, (first_n + (t % width) % size_n) * _BM, ((t % width) // size_n) * _BN
+        """Tile index -> (expert, first row of N, first column of K)."""
+        e, nb, kb = _tile_blocks(tile, num_n, num_k, GROUP)
+        return e, nb * _BM, kb * _BN
 
     @gluon.jit
     def _token_blocks(off_ptr, tile, per_e, valid, M, GROUPED: gl.constexpr):
@@ -130,13 +154,14 @@ if ws.gluon is not None:
             rows_ok = n0 + idx < N
             cols_ok = k0 + idx < K
             for tb in range(start, end):
-                slot = it % STAGES
+                slot, phase = _ring_position(it, STAGES)
                 # step 1: wait until both consumer warpgroups released the slot
-                mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
-                # step 2: the step's scales; each lane's copies join the slot's ready barrier before it can complete
+                mbarrier.wait(empty.index(slot), phase ^ 1)
+                # step 2: the step's scales; each lane arrives on the slot's ready barrier once its copies landed
+                # (one of the barrier's counted arrivals, so every phase waits for all 32 lanes' copies)
                 _cp_async(sa_ring.index(slot), as_ptr + (n0 + idx) * s_asn + tb * s_ast, mask=rows_ok)
                 _cp_async(sb_ring.index(slot), bs_ptr + (k0 + idx) * s_bsk + tb * s_bst, mask=cols_ok)
-                async_copy.mbarrier_arrive(ready.index(slot))
+                async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
                 # step 3: the operand tiles; their bytes and the expect arrival complete the barrier
                 mbarrier.expect(ready.index(slot), step_bytes)
                 ws._tma_load(a_desc, [n0, tb * _BK], ready.index(slot), a_ring.index(slot))
@@ -164,10 +189,10 @@ if ws.gluon is not None:
             start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
             for _ in range(start, end):
-                slot = it % STAGES
+                slot, phase = _ring_position(it, STAGES)
                 # step 1: wait for the slot; read this warpgroup's 64 row scales and the 128 column scales from
                 # shared memory (before the slot can be released)
-                mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+                mbarrier.wait(ready.index(slot), phase)
                 sa = sa_ring.index(slot).slice(WG * 64, 64).load(gl.SliceLayout(1, acc_layout))
                 sb = sb_ring.index(slot).load(gl.SliceLayout(0, acc_layout))
                 # step 2: the fp8 product over the 128 tokens; wait for it and release the slot
@@ -203,7 +228,8 @@ if ws.gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)  # the producer's expect; the TMA bytes and cp.async complete it
+            # the producer's expect and its 32 lanes' cp.async arrivals; the TMA bytes complete it
+            mbarrier.init(ready.index(i), count=1 + _LANES)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([

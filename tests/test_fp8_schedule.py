@@ -1,0 +1,107 @@
+"""The persistent schedule of the Gluon k-grouped FP8 GEMM (moela.ops.moe.gemm_fp8_gluon_kgrouped), on the CPU: the
+kernel's own tile -> (expert, row block, column block) map and ring arithmetic (plain functions the kernel jits) must
+cover every output tile exactly once at any shape, and a step-by-step model of the producer warp and the two consumer
+warpgroups (their mbarrier waits and arrivals, a random interleaving) over ragged and empty experts with several
+tiles per program must hand every consumer step the scales and tiles its producer step loaded, never overwriting a
+slot a consumer still reads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moela.ops.moe.gemm_fp8_gluon_kgrouped import ring_position, tile_blocks
+
+LANES = 32  # the producer warp: each lane's scale copies arrive on the slot's ready barrier
+
+
+@pytest.mark.parametrize("n, k, e, group", [(256, 384, 5, 8), (4096, 7168, 8, 8), (4096, 7168, 2, 16),
+                                            (1280, 384, 3, 8), (384, 2048, 2, 8), (3 * 128, 5 * 128, 7, 2)])
+def test_every_tile_once(n, k, e, group):
+    num_n, num_k = -(-n // 128), -(-k // 128)
+    seen = [tile_blocks(t, num_n, num_k, group) for t in range(e * num_n * num_k)]
+    assert sorted(seen) == [(x, a, b) for x in range(e) for a in range(num_n) for b in range(num_k)]
+    first = seen[:min(group, num_n)]  # a band's first column block: GROUP row blocks sharing one B tile
+    assert {b for _, _, b in first} == {0} and len({a for _, a, _ in first}) == len(first)
+
+
+class Barrier:
+    """An mbarrier: `count` arrivals complete the current phase; waiters ask whether the phase of a parity ended."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self, n: int = 1):
+        self.pending -= n
+        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
+        if self.pending == 0:
+            self.completed += 1
+            self.pending = self.count
+
+    def passed(self, parity: int) -> bool:
+        """try_wait.parity: the phase with this parity completed (the current phase has the other parity)."""
+        return (self.completed & 1) != parity
+
+
+def _program(p, programs, num_n, num_k, e, blocks, group):
+    """(tile, expert, row block, column block, token blocks) of program p's tiles, in the kernel's order."""
+    for tile in range(p, e * num_n * num_k, programs):
+        x, nb, kb = tile_blocks(tile, num_n, num_k, group)
+        yield tile, x, nb, kb, range(*blocks[x])
+
+
+def _simulate(offsets, n, k, programs, stages, group, seed):
+    num_n, num_k, e = -(-n // 128), -(-k // 128), len(offsets) - 1
+    blocks = [(offsets[i] // 128, offsets[i + 1] // 128) for i in range(e)]
+    rng = random.Random(seed)
+    written = set()
+    for p in range(programs):
+        ready = [Barrier(1 + LANES) for _ in range(stages)]
+        empty = [Barrier(2) for _ in range(stages)]
+        slots = [None] * stages  # what the producer loaded into each slot: (tile, token block)
+        work = [(t, tb) for t, *_, tbs in _program(p, programs, num_n, num_k, e, blocks, group) for tb in tbs]
+        landed = []  # producer steps whose cp.async lanes and TMA bytes are still in flight
+        prod, cons = 0, [0, 0]
+        while prod < len(work) or min(cons) < len(work) or landed:
+            moves = []
+            if prod < len(work):
+                slot, phase = ring_position(prod, stages)
+                if empty[slot].passed(phase ^ 1):
+                    moves.append("produce")
+            if landed:
+                moves.append("land")
+            for g in (0, 1):
+                if cons[g] < len(work):
+                    slot, phase = ring_position(cons[g], stages)
+                    if ready[slot].passed(phase):
+                        moves.append(g)
+            assert moves, f"program {p} deadlocks at producer step {prod}, consumer steps {cons}"
+            move = rng.choice(moves)
+            if move == "produce":
+                slot, _ = ring_position(prod, stages)
+                assert slots[slot] is None, "the producer overwrote a slot a consumer still reads"
+                slots[slot] = work[prod]
+                ready[slot].arrive()  # the expect of the TMA bytes (they land with the lanes' copies below)
+                landed.append(slot)
+                prod += 1
+            elif move == "land":
+                ready[landed.pop(0)].arrive(LANES)
+            else:
+                slot, _ = ring_position(cons[move], stages)
+                assert slots[slot] == work[cons[move]], "a consumer read another step's scales and tiles"
+                empty[slot].arrive()
+                cons[move] += 1
+                if empty[slot].pending == 2:  # both warpgroups released it: free for the next pass
+                    slots[slot] = None
+        written.update(t for t, *_ in _program(p, programs, num_n, num_k, e, blocks, group))
+    assert written == set(range(e * num_n * num_k))
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("stages", [4, 5])
+def test_ring_agrees_across_tiles(programs, stages):
+    """Ragged experts (1, 2, 3 and 9 token blocks: the ring wraps inside a tile and across tiles) and empty ones
+    (first, middle, last), several tiles per program; K > GROUP column blocks so bands matter."""
+    offsets = [0, 0, 128, 384, 384, 768, 1920, 1920]
+    _simulate(offsets, n=384, k=1280, programs=programs, stages=stages, group=2, seed=programs * 10 + stages)
