@@ -73,7 +73,22 @@ def test_chunked_head_uses_less_memory_than_the_unfused_head_and_agrees():
         out[backend] = (loss.detach(), h.grad.clone(), w.grad.clone(), torch.cuda.max_memory_allocated() - base)
     (lr, hr, wr, mr), (lc, hc, wc, mc) = out["reference"], out["chunked"]
     print(f"peak extra memory: reference {mr / 2**30:.2f} GiB, chunked {mc / 2**30:.2f} GiB")
-    torch.testing.assert_close(lc, lr, rtol=2e-3, atol=0)
-    torch.testing.assert_close(hc, hr, rtol=3e-2, atol=1e-5)
-    torch.testing.assert_close(wc, wr, rtol=3e-2, atol=1e-5)
+    # float64 truth on the bf16-rounded operands (what autocast feeds the GEMMs). Both backends round their logits
+    # and gradients to bf16, so single elements near zero differ by large relative amounts; the measure is the
+    # norm-wise relative error, and the chunked head must be as close to the truth as the unfused one (2x + 1e-3).
+    hb, wb = h.detach().bfloat16().double(), w.detach().bfloat16().double()
+    logits = hb @ wb.t()
+    lse = torch.logsumexp(logits, dim=-1)
+    truth_loss = (lse - logits.gather(1, labels[:, None]).squeeze(1)).sum()
+    dlogits = torch.softmax(logits, dim=-1)
+    dlogits[torch.arange(t, device="cuda"), labels] -= 1
+    truth_h, truth_w = dlogits @ wb, dlogits.t() @ hb
+    del logits, dlogits
+
+    def rel(x, ref):
+        return ((x.double() - ref).norm() / ref.norm()).item()
+
+    for name, c, r, x in (("loss", lc, lr, truth_loss), ("dh", hc, hr, truth_h), ("dw", wc, wr, truth_w)):
+        print(f"{name}: chunked {rel(c, x):.2e}, reference {rel(r, x):.2e} relative to float64")
+        assert rel(c, x) <= 2 * rel(r, x) + 1e-3, name
     assert mc < mr / 2

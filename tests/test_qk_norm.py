@@ -48,10 +48,14 @@ def float64_truth(q, k, wq, wk, gq, gk):
 
 
 def check(got, same_dtype_reference, truth, atol):
+    """Each output's largest error against float64 within twice the same-dtype reference's plus `atol` relative to
+    the output's size: the weight gradients are sums over all tokens (values ~100 at 1531 tokens), where a fixed
+    absolute tolerance would measure the summation order, not the kernel."""
     for name, g, r, x in zip(("yq", "yk", "dq", "dk", "dwq", "dwk"), got, same_dtype_reference, truth):
         err = (g.double() - x).abs().max().item()
         ref_err = (r.double() - x).abs().max().item()
-        assert err <= 2 * ref_err + atol, f"{name}: error {err:.3g} vs the reference's {ref_err:.3g}"
+        scale = max(1.0, x.abs().max().item())
+        assert err <= 2 * ref_err + atol * scale, f"{name}: error {err:.3g} vs the reference's {ref_err:.3g}"
 
 
 @needs_interpreter

@@ -210,11 +210,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        metadata = dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
-                            no_dist=not dist.is_initialized())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
+                 no_dist=not dist.is_initialized())
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
     _barrier()
-    shards = {info.relative_path for info in metadata.storage_data.values()}
+    # The shard names come from the `.metadata` just written, read back: the Metadata that dcp.save returns has no
+    # storage_data on some torch versions (2.11), and reading it back also proves the file is complete.
+    storage = dcp.FileSystemReader(str(tmp)).read_metadata().storage_data
+    shards = {info.relative_path for info in storage.values()}
     names = sorted({".metadata", *shards, *(f"trainer-rank{r}.pt" for r in range(world))})
     digests = _all_gather({name: _digest(tmp / name) for i, name in enumerate(names) if i % world == rank})
     if rank == 0:
