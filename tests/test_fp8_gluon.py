@@ -172,9 +172,8 @@ def test_weight_gradient_vs_float64(out_dtype):
         assert _rel(out, gemm_fp8.kgrouped_fp8(aqt, ast, bqt, bst, lay.offsets, impl="triton")) < 1e-5
 
 
-def test_weight_gradient_one_group_and_few_programs():
-    """One group over M = 208 tokens (a partial last block) and N = 320 (a ragged last row block, clipped by TMA);
-    then the grouped product with three CTAs walking every tile."""
+def test_weight_gradient_one_group():
+    """One group over M = 208 tokens (a partial last block) and N = 320 (a ragged last row block, clipped by TMA)."""
     m, n, k = 208, 320, 256
     aqt, ast = quant_1x128(torch.randn(n, m))
     bqt, bst = quant_1x128(torch.randn(k, m))
@@ -182,6 +181,13 @@ def test_weight_gradient_one_group_and_few_programs():
     out = gemm_fp8.kgrouped_fp8(aqt, ast, bqt, bst, impl="gluon")
     ref = _weight_gradient_reference(aqt, ast, bqt, bst, torch.tensor([0, m]))
     assert out.shape == (1, n, k) and _rel(out, ref) < 1e-3
+
+
+@pytest.mark.xfail(strict=True, reason="Gluon k-grouped kernel: wrong once a program walks several tiles (relative "
+                                       "error 1.28 on an H200, bench/notes/fp8.md); auto uses the Triton kernel")
+def test_weight_gradient_few_programs():
+    """The grouped product over 5 experts (one empty) with three CTAs walking every tile. Known wrong today: strict,
+    so the fix that makes it pass must also remove this mark (and may then switch AUTO_KGROUPED_IMPL)."""
     lay = _routing_layout(300, 5, 2, (3,), seed=15)
     aqt, ast = _columns(lay.m_pad, 256, lay.m_indices >= 0, seed=16)
     bqt, bst = _columns(lay.m_pad, 384, lay.m_indices >= 0, seed=17)
