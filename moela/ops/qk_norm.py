@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moela.ops.backends import QK_NORM_BACKENDS
 from moela.ops.dispatch import Dispatch
-from moela.ops.small_all_reduce import sum_small
+from moela.ops.small_all_reduce import sum_over_ranks, sum_small
 
 DISPATCH = Dispatch("qk_rms_norm", QK_NORM_BACKENDS, needs="triton")
 # torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
@@ -46,30 +46,13 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) in forward and in backward: each rank's output feeds that rank's own loss term."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def qk_rms_norm_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                           eps: float, group=None) -> tuple[torch.Tensor, torch.Tensor]:
     world = _world(group)
     qf, kf = q.float(), k.float()  # [T, N]
     ss = torch.stack((qf.pow(2).sum(-1), kf.pow(2).sum(-1)), dim=-1)  # [T, 2] this rank's columns
     if world > 1:
-        ss = _SumOverRanks.apply(ss, group)  # [T, 2] all columns
+        ss = sum_over_ranks(ss, group)  # [T, 2] all columns
     rq = torch.rsqrt(ss[:, :1] / (q.shape[-1] * world) + eps)  # [T, 1]
     rk = torch.rsqrt(ss[:, 1:] / (k.shape[-1] * world) + eps)  # [T, 1]
     return (qf * rq * q_weight.float()).to(q.dtype), (kf * rk * k_weight.float()).to(k.dtype)

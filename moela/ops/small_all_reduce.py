@@ -14,6 +14,10 @@ Decisions:
   are not peers) or disagrees, the group uses the all-reduce from then on, and the choice is logged once.
 - `async_op` returns a handle to wait on: the all-reduce's own; the one-shot kernel is ordered on the current
   stream, so its handle is already complete.
+
+`sum_over_ranks(x, group)` is the differentiable all-reduce (sum) for statistics that every rank's loss uses in full
+(QK-Norm's sums of squares, context parallelism's per-document statistics): its backward is the all-reduce of the
+gradients.
 """
 
 from __future__ import annotations
@@ -87,3 +91,25 @@ def sum_small(x: torch.Tensor, group, *, exchange: str = "auto", async_op: bool 
         _symm_sum(x, group)
         return _Done() if async_op else None
     return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) in forward and in backward: each rank's output feeds that rank's own loss term."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over `group`'s ranks, differentiably (a new tensor; x is not changed)."""
+    return _SumOverRanks.apply(x, group)

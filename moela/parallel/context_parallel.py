@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.layers import BatchPart
+from moela.ops.small_all_reduce import sum_over_ranks
 from moela.parallel.cp_plan import AttentionPass, attention_passes, make_plan, shard_batch, shard_tokens
 
 # torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
@@ -66,23 +67,6 @@ class _GatherTokens(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
         _reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward is the all-reduce (sum) of the gradients: every rank's loss uses the sum."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
@@ -180,7 +164,7 @@ class ContextParallel(nn.Module):
 
     def sum_over_group(self, stats: torch.Tensor) -> torch.Tensor:
         """Differentiable sum of per-document statistics over the group."""
-        return _SumOverGroup.apply(stats, self.group)
+        return sum_over_ranks(stats, self.group)
 
 
 def apply_context_parallel(model: nn.Module, group=None, layout: str = "dualchunk") -> ContextParallel:
