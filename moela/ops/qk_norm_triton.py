@@ -14,13 +14,12 @@ Shapes: T tokens, N columns of this rank's share (heads x head dim), C row chunk
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from moela.ops.triton_env import INTERPRET
+
 BLOCK_T = 4 if INTERPRET else 16
 BLOCK_N = 32 if INTERPRET else 256
 WGRAD_ROWS = 64 if INTERPRET else 512  # rows per program of the weight-gradient reduction

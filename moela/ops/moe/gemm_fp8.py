@@ -40,7 +40,6 @@ Shapes: M rows (padded layout or tokens), N output features, K reduction, E expe
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +47,8 @@ import triton
 import triton.language as tl
 
 from moela.ops.moe import gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
+from moela.ops.triton_env import INTERPRET
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
 
 
