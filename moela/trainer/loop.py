@@ -12,8 +12,9 @@ Decisions:
   `dp_cp`; the loss is multiplied by that rank count so the average becomes the sum the weighting needs.
 - A step whose loss or gradient norm is not finite is skipped (no optimizer or bias update; data and LR schedule
   still advance) and counted; after `train.max_nonfinite_steps` in a row training stops with `TrainingError`.
-- SIGTERM / SIGINT set a flag; at the end of the current step every rank agrees on it, a checkpoint is written and
-  `fit()` returns `STOPPED` (train.py exits 3). A second SIGINT interrupts immediately.
+- SIGTERM / SIGINT set a flag (`stopping.py`); at the end of a step the ranks agree on it (several ranks: on logging
+  steps), a checkpoint is written and `fit()` returns `STOPPED` (train.py exits 3). A second SIGINT interrupts
+  immediately.
 - Before the data and the model are built, rank 0 checks that the run dir can be written, locks it for the run's
   life (`rundir.py`) and, for wandb online, that a login exists; every rank raises the same error.
 - Resume restores weights, optimizer moments, the data position, RNG states and counters from the newest intact
@@ -27,10 +28,7 @@ Decisions:
 from __future__ import annotations
 
 import math
-import os
 import signal
-import sys
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -70,6 +68,7 @@ from moela.trainer.step_metrics import (
     expert_imbalance_device,
     skips_on_device,
 )
+from moela.trainer.stopping import StopRequest
 from moela.trainer.summary import run_summary
 
 FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
@@ -151,7 +150,7 @@ class Trainer:
         self.counters = NonfiniteCounters(self.device)
         self.skips_on_device = skips_on_device(self.optimizer)
         self._last_end = time.perf_counter()
-        self._stop_signal: int | None = None
+        self.stop_request = StopRequest(announce=self.env.is_main)
 
     def _build_model(self) -> torch.nn.Module:
         """torchtitan's order: build on the meta device, parallelize (shard), then allocate only this rank's shards
@@ -204,7 +203,7 @@ class Trainer:
         legend = loss_legend(cfg.model)
         if legend:
             writer.echo(legend)
-        previous = self._install_signal_handlers()
+        self.stop_request.install()
         profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.env.rank, self.device.type == "cuda")
         try:
             last_saved = self.step if resume is not None else -1
@@ -221,12 +220,12 @@ class Trainer:
                     writer.log(self.window.summarize(record))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     self._evaluate_and_log()
-                stop = self._agree_to_stop()
+                stop = self.stop_request.agreed(self.device, self.logs_at(self.step))
                 if stop or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
                     last_saved = self.step
                 if stop:
-                    name = signal.Signals(self._stop_signal or signal.SIGTERM).name
+                    name = signal.Signals(self.stop_request.signum or signal.SIGTERM).name
                     writer.echo(f"stopped by {name} after step {self.step}; checkpoint saved in "
                                 f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
                     return STOPPED
@@ -236,7 +235,7 @@ class Trainer:
                 self.save()
         finally:
             profiler.close()
-            _restore_signal_handlers(previous)
+            self.stop_request.restore()
             writer.close()
             if self.env.is_main and cfg.logging.plot:
                 plot_losses(self.run_dir)
@@ -437,7 +436,7 @@ class Trainer:
 
     def request_stop(self, signum: int = signal.SIGTERM) -> None:
         """What the SIGTERM / SIGINT handler does: finish the current step, save, return from `fit()`."""
-        self._stop_signal = signum
+        self.stop_request.request(signum)
 
     # ----------------------------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
@@ -503,43 +502,6 @@ class Trainer:
         seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
         achieved = flops_per_token(self.cfg.model, seq_len) * tokens / dt / self.env.world_size
         return achieved / self.peak_flops
-
-    def _agree_to_stop(self) -> bool:
-        """Whether to stop after this step. One process decides alone; several ranks agree on logging steps only
-        (an all-reduce read on the host), so a signal stops a multi-rank run at most `logging.log_every - 1` steps
-        after it arrived."""
-        if not dist.is_initialized():
-            return self._stop_signal is not None
-        if not self.logs_at(self.step):
-            return False
-        flag = torch.tensor([1.0 if self._stop_signal is not None else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        stop = bool(flag.item())  # the agreed value: a signal landing after the all-reduce waits for the next one
-        if stop and self._stop_signal is None:
-            self._stop_signal = signal.SIGTERM
-        return stop
-
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
-
-        def handler(signum, frame):
-            if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.request_stop(signum)
-            if self.env.is_main:  # os.write: print() may be mid-write on the same stream when the signal lands
-                os.write(sys.stderr.fileno(), f"received {signal.Signals(signum).name}: saving a checkpoint after "
-                                              f"this step (press Ctrl-C again to abort now)\n".encode())
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, handler)
-        return previous
-
-
-def _restore_signal_handlers(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
