@@ -29,6 +29,7 @@ Shapes: E routed experts, F expert width, D hidden.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -218,15 +219,18 @@ def _hf_to_ours_names(cfg: ModelConfig) -> dict[str, str]:
     return m
 
 
-def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict from HF tensors; raises naming missing or unknown keys."""
-    names = _hf_to_ours_names(cfg)
-    ours, used = {}, set()
-    for hf_name, our_name in names.items():
-        if hf_name not in hf_sd:
+def hf_tensor_plan(cfg: ModelConfig,
+                   hf_names: Collection[str]) -> tuple[dict[str, str], dict[str, list[tuple[str, ...]]]]:
+    """Which HF tensors make each of our tensors: `direct` (our name -> the HF name it is) and `stacked` (our name
+    of each stacked expert weight -> per expert, the HF names concatenated on dim 0: gate_proj, up_proj for `w13`;
+    down_proj for `w2`). Raises KeyError naming a missing or unknown HF tensor."""
+    names = set(hf_names)
+    direct, stacked, used = {}, {}, set()
+    for hf_name, our_name in _hf_to_ours_names(cfg).items():
+        if hf_name not in names:
             raise KeyError(f"HF checkpoint lacks {hf_name!r} (needed for {our_name}); is the config.json the one "
                            f"this checkpoint was saved with?")
-        ours[our_name] = hf_sd[hf_name]
+        direct[our_name] = hf_name
         used.add(hf_name)
     moe_blocks = [(f"layers.{i}", f"model.layers.{i}") for i in range(cfg.first_k_dense_replace,
                                                                       cfg.num_hidden_layers)]
@@ -237,21 +241,30 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         w13, w2 = [], []
         for e in range(cfg.n_routed_experts):
             keys = [f"{hf}.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-            missing = [k for k in keys if k not in hf_sd]
+            missing = [k for k in keys if k not in names]
             if missing:
                 raise KeyError(f"HF checkpoint lacks {missing[0]!r}; experts must be stored one by one")
-            w13.append(torch.cat((hf_sd[keys[0]], hf_sd[keys[1]]), dim=0))  # [2F, D]
-            w2.append(hf_sd[keys[2]])  # [D, F]
+            w13.append((keys[0], keys[1]))
+            w2.append((keys[2],))
             used.update(keys)
-        ours[f"{our}.ffn.experts.w13"] = torch.stack(w13)  # [E, 2F, D]
-        ours[f"{our}.ffn.experts.w2"] = torch.stack(w2)  # [E, D, F]
+        stacked[f"{our}.ffn.experts.w13"] = w13
+        stacked[f"{our}.ffn.experts.w2"] = w2
     mtp_shared = [f"model.layers.{cfg.num_hidden_layers + d}.{s}" for d in range(cfg.num_nextn_predict_layers)
                   for s in ("shared_head.head.weight", "embed_tokens.weight")]
-    unknown = sorted(set(hf_sd) - used - set(mtp_shared))
+    unknown = sorted(names - used - set(mtp_shared))
     if unknown:
         raise KeyError(f"HF checkpoint has tensors moela does not know: {unknown[:5]}"
                        f"{' ...' if len(unknown) > 5 else ''}; check num_hidden_layers / "
                        f"num_nextn_predict_layers / q_lora_rank in config.json")
+    return direct, stacked
+
+
+def from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our state dict from HF tensors; raises naming missing or unknown keys."""
+    direct, stacked = hf_tensor_plan(cfg, hf_sd.keys())
+    ours = {our: hf_sd[hf] for our, hf in direct.items()}
+    for our, per_expert in stacked.items():  # w13 [E, 2F, D] from [F, D] pairs, w2 [E, D, F]
+        ours[our] = torch.stack([torch.cat([hf_sd[k] for k in keys], dim=0) for keys in per_expert])
     return ours
 
 
