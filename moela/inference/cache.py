@@ -4,7 +4,9 @@ the shared RoPE key (qk_rope_head_dim values), never the per-head keys and value
 That is C + R numbers per token and layer (DeepSeek-V3: 512 + 64 = 576) instead of H * (Dqk + Dv) for an
 expanded cache (128 * (192 + 128) = 40960): the absorbed attention of `moela.inference.decode` works on the latent
 directly. With `quant="int8"` / `"int4"` the latent is stored as per-token-group integer codes with one float32
-scale per `group_size` channels (`moela.inference.quant`) and dequantized when a layer reads it; the RoPE key stays
+scale per `group_size` channels (`moela.inference.quant`); the attention reads the codes as they are stored
+(`moela.inference.latent_attention`: on CUDA its kernel dequantizes them in registers, the CPU reference
+dequantizes the slots it reads), and the QK-Norm path dequantizes through `read`. The RoPE key stays
 in the compute dtype (it is 1/9 of the entry and carries the position signal, the part most sensitive to noise).
 
 Slots are positions: sequence b's token at position p lives in slot p of row b, so batched prompts of different
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from moela.inference.latent_attention import CachedLayer
 from moela.inference.quant import check_group, dequantize, quantize
 
 QUANT_BITS = {"none": None, "int8": 8, "int4": 4}
@@ -77,6 +80,12 @@ class LatentCache:
             self.latent[layer][self.rows, positions] = codes
             self.scales[layer][self.rows, positions] = scales
         self.rope[layer][self.rows, positions] = rope.to(self.dtype)
+
+    def layer(self, layer: int) -> CachedLayer:
+        """Every slot of one layer as stored (codes and scales when quantized), for `latent_attention`."""
+        if self.bits is None:
+            return CachedLayer(self.latent[layer], self.rope[layer])
+        return CachedLayer(self.latent[layer], self.rope[layer], self.bits, self.scales[layer], self.group_size)
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [0, length) of every row: (latent [B, L, C], rope [B, L, R]) in the compute dtype."""

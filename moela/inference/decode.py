@@ -13,6 +13,8 @@ query. Per step and layer that is O(L * H * C) work on a cache of L * (C + R) nu
 L * H * (Dqk + Dv) keys and values. The RoPE part adds q_pe . k_pe with the one k_pe every head shares.
 
 Decisions:
+- The attention over the cached latents is `moela.inference.latent_attention` (on CUDA a Triton kernel that reads
+  the int8 / int4 codes directly; on CPU the torch reference), chosen by the decoder's `backend`.
 - Scores and softmax in float32 whatever the compute dtype (the training kernels accumulate in float32 too); the
   softmax scale and the cos / sin factor are the MLA module's own (`softmax_scale` carries YaRN's mscale**2,
   `attention_factor` its cos / sin scale), so a YaRN model decodes exactly as it trains.
@@ -35,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from moela.inference.cache import LatentCache
+from moela.inference.latent_attention import DISPATCH, latent_attention
 from moela.model.attention import MLA
 from moela.model.moe import MoE
 from moela.model.transformer import Transformer
@@ -63,8 +66,9 @@ def _attend(scores: torch.Tensor, positions: torch.Tensor, scale: float) -> torc
 
 
 def absorbed_attention(mla: MLA, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                       cache: LatentCache, layer: int, num_slots: int) -> torch.Tensor:
-    """One MLA layer over x [B, S, D] at `positions` [B, S], writing the cache first -> [B, S, D]."""
+                       cache: LatentCache, layer: int, num_slots: int, backend: str = "auto") -> torch.Tensor:
+    """One MLA layer over x [B, S, D] at `positions` [B, S], writing the cache first -> [B, S, D]. `backend`:
+    `latent_attention`'s, for the attention over the cached latents."""
     b, s, _ = x.shape
     h, dn, r, dv, c = mla.n_heads, mla.nope_dim, mla.rope_dim, mla.v_dim, mla.kv_lora_rank
     flat, pos = x.reshape(b * s, -1), positions.reshape(-1)  # [N, D], [N]
@@ -78,13 +82,10 @@ def absorbed_attention(mla: MLA, x: torch.Tensor, positions: torch.Tensor, inv_f
     q_pe = rope(q_pe, pos, inv_freq, attention_factor=mla.attention_factor)  # [N, H, R]
     k_pe = rope(k_pe[:, None], pos, inv_freq, attention_factor=mla.attention_factor)[:, 0]  # [N, R]
     cache.write(layer, positions, latent.view(b, s, c), k_pe.view(b, s, r))
-    keys, keys_pe = cache.read(layer, num_slots)  # [B, L, C], [B, L, R]
     w = mla.wkv_b.weight.view(h, dn + dv, c)  # [H, Dn + Dv, C]
     q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w[:, :dn]).view(b, s, h, c)  # [B, S, H, C]
-    scores = (torch.einsum("bshc,btc->bsht", q_lat, keys)
-              + torch.einsum("bshr,btr->bsht", q_pe.view(b, s, h, r), keys_pe))  # [B, S, H, L]
-    probs = _attend(scores, positions, mla.softmax_scale).to(keys.dtype)  # [B, S, H, L]
-    out_lat = torch.einsum("bsht,btc->bshc", probs, keys)  # [B, S, H, C]
+    out_lat = latent_attention(q_lat, q_pe.view(b, s, h, r), cache.layer(layer), positions,
+                               softmax_scale=mla.softmax_scale, num_slots=num_slots, backend=backend)  # [B, S, H, C]
     out = torch.einsum("bshc,hdc->bshd", out_lat, w[:, dn:])  # [B, S, H, Dv]
     return mla.wo(out.reshape(b * s, h * dv)).view(b, s, -1)  # [B, S, D]
 
@@ -124,12 +125,14 @@ def _ffn(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class LatentDecoder:
     """Decodes with a plain (unsharded) `Transformer` on one device; see the module docstring."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, *, backend: str = "auto"):
         if not isinstance(model, Transformer):
             raise TypeError(f"LatentDecoder needs a moela Transformer, got {type(model).__name__}; load the "
                             f"checkpoint onto one device first (moela.tools.runs.load_model)")
         self.model = model
         self.cfg = model.cfg
+        DISPATCH.check(backend)
+        self.backend = backend
 
     def new_cache(self, batch: int, max_len: int, *, quant: str = "none", group_size: int = 64) -> LatentCache:
         dtype = self.model.embed.weight.dtype
@@ -148,7 +151,7 @@ class LatentDecoder:
         a1 = None
         for i, block in enumerate(model.layers):
             a = absorbed_attention(block.attn, block.attn_norm(x).view(b, s, -1), positions, model.inv_freq, cache,
-                                   i, last + 1).reshape(b * s, -1)  # [N, D]
+                                   i, last + 1, self.backend).reshape(b * s, -1)  # [N, D]
             if block.kind == "standard":
                 x = x + a
                 x = x + _ffn(block, block.ffn_norm(x))

@@ -58,12 +58,13 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
-             cache_quant: str = "none", group_size: int = 64,
+             cache_quant: str = "none", group_size: int = 64, backend: str = "auto",
              on_step: Callable[[list[int], list[bool]], bool | None] | None = None) -> list[list[int]]:
-    """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` tokens -> the new tokens."""
+    """Continue each prompt (token ids, at least one each) by up to `max_new_tokens` tokens -> the new tokens.
+    `backend`: the attention over the cached latents (`moela.inference.latent_attention`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
-    decoder = LatentDecoder(model)
+    decoder = LatentDecoder(model, backend=backend)
     device = model.embed.weight.device
     lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     b, longest = len(prompts), max(len(p) for p in prompts)
