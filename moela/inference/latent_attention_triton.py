@@ -2,7 +2,7 @@
 cache, dequantizing int8 / int4 codes in registers.
 
 Work split. The query rows of one sequence are its S tokens x H heads (M = S * H); every row reads the same cache
-row, so one program takes BLOCK_M rows and one split of the slots, and each latent tile it loads serves all of
+row, so one program takes BLOCK_M rows (heads) and one split of the slots, and each latent tile it loads serves all of
 them. The slots are cut into splits (flash-decoding) so that a single long sequence still spreads over the whole
 GPU: each program keeps an online softmax (running max, running sum, float32 accumulator [BLOCK_M, C]) over its
 split and writes those partials; a second small kernel combines the splits of each row. Programs that share a
@@ -14,10 +14,12 @@ loaded and dequantized once and used for the scores (q_latent . c) and for the w
 the reads a separate key and value pass would make. The whole latent width is one tile (C padded to a power of
 two and masked): the accumulator must span C anyway, and C = 512 at BLOCK_N = 32 is a 32 KiB bf16 tile.
 
-Dequantization: int8 codes load as int8; int4 bytes are loaded once per channel (two channels share each byte, a
-cached re-read) and the nibble is shifted out and sign-extended (x - 16 if x >= 8); the group's float32 scale is
-loaded per channel the same way. code * scale is cast to the compute dtype, as the reference's dequantize does,
-so both dots see the same operand values. Scores and softmax are float32 in the log2 domain (exp2).
+Dequantization: when C and the group size are powers of two (DeepSeek's 512 / 64), each code byte and each scale
+is loaded once: int4 bytes split into their two nibbles, interleaved back into channel order (low nibble = even
+channel) and sign-extended (x - 16 if x >= 8); the codes are viewed as [BLOCK_N, C / G, G] and multiplied by the
+[BLOCK_N, C / G] scales. Other widths (tests' odd sizes) load per channel: byte c (int8) or c // 2 (int4) and
+scale c // G, the re-reads hitting the cache. code * scale is cast to the compute dtype, as the reference's
+dequantize does, so both dots see the same operand values. Scores and softmax are float32 in the log2 domain (exp2).
 
 Shapes: B sequences, M = S * H query rows per sequence, L slots, C latent (C_PAD: next power of two), R RoPE dims.
 """
@@ -33,24 +35,43 @@ from moela.ops.triton_env import INTERPRET, require_interpreter_support
 require_interpreter_support()
 
 LOG2E = 1.4426950408889634
+BLOCK_M = 16  # query rows per program: the smallest tl.dot tile; the 16 heads of V2-Lite in one program
 BLOCK_N = 32  # slots per tile: [32, 512] bf16 latent = 32 KiB
+NUM_WARPS = 8  # ptxas for sm_90 at C = 512, 3 stages: 128 (bf16), 250 (int8), 190 (int4) registers, no spills;
+# 32 rows or 4 warps spill for int8
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to keep loads in flight
 INTERPRETER_PROGRAMS = 8  # splits target under the interpreter (tests still see several splits)
 
 
 @triton.jit
 def _load_latent(LATENT, SCALES, slot, slot_ok, offs_c, c_ok, stride_lt, stride_st, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, DTYPE: tl.constexpr):
+                 GROUP: tl.constexpr, ALIGNED: tl.constexpr, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 C_PAD: tl.constexpr):
     """Latent tile [BN, C_PAD] in DTYPE of the slots `slot` (LATENT, SCALES: this sequence's rows)."""
     ok = slot_ok[:, None] & c_ok[None, :]
     if BITS == 16:
         return tl.load(LATENT + slot[:, None] * stride_lt + offs_c[None, :], mask=ok, other=0.0).to(DTYPE)
+    if ALIGNED:
+        # C and G powers of two: each byte and each scale is loaded once; scales broadcast over [BN, C/G, G]
+        if BITS == 8:
+            codes = tl.load(LATENT + slot[:, None] * stride_lt + offs_c[None, :], mask=ok, other=0).to(tl.int32)
+        else:
+            offs_byte = tl.arange(0, C_PAD // 2)
+            packed = tl.load(LATENT + slot[:, None] * stride_lt + offs_byte[None, :], mask=slot_ok[:, None],
+                             other=0).to(tl.int32)  # [BN, C/2]
+            nibbles = tl.reshape(tl.join(packed & 15, (packed >> 4) & 15), [BLOCK_N, C_PAD])  # low nibble first
+            codes = nibbles - ((nibbles & 8) << 1)  # two's complement of 4 bits: 8..15 -> -8..-1
+        offs_g = tl.arange(0, C_PAD // GROUP)
+        scales = tl.load(SCALES + slot[:, None] * stride_st + offs_g[None, :], mask=slot_ok[:, None], other=0.0)
+        groups = tl.reshape(codes.to(tl.float32), [BLOCK_N, C_PAD // GROUP, GROUP]) * scales[:, :, None]
+        return tl.reshape(groups, [BLOCK_N, C_PAD]).to(DTYPE)
+    # any C and G: channel c reads byte c (int8) or c // 2 (int4) and scale c // G (re-reads hit the cache)
     if BITS == 8:
         codes = tl.load(LATENT + slot[:, None] * stride_lt + offs_c[None, :], mask=ok, other=0).to(tl.int32)
     else:
         packed = tl.load(LATENT + slot[:, None] * stride_lt + (offs_c // 2)[None, :], mask=ok, other=0)
-        nibble = (packed.to(tl.int32) >> ((offs_c % 2) * 4)[None, :]) & 15  # low nibble = even channel
-        codes = nibble - ((nibble & 8) << 1)  # two's complement of 4 bits: 8..15 -> -8..-1
+        nibbles = (packed.to(tl.int32) >> ((offs_c % 2) * 4)[None, :]) & 15  # low nibble = even channel
+        codes = nibbles - ((nibbles & 8) << 1)
     scales = tl.load(SCALES + slot[:, None] * stride_st + (offs_c // GROUP)[None, :], mask=ok, other=0.0)
     return (codes.to(tl.float32) * scales).to(DTYPE)
 
@@ -65,7 +86,7 @@ def _split_kernel(
     POS, stride_pb,  # [B, S] int64
     PART_ACC, PART_MAX, PART_SUM,  # [B, M, splits, C], [B, M, splits], [B, M, splits] float32
     M, H, C, R, num_splits, split_len, qk_scale,
-    BITS: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, ALIGNED: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_PAD: tl.constexpr, R_PAD: tl.constexpr,
 ):
     """Rows [pid_m * BLOCK_M, +BLOCK_M) of sequence pid_b over slots [pid_s * split_len, +split_len): online
@@ -93,7 +114,7 @@ def _split_kernel(
         slot_ok = slots < hi
         # the tile: latent (dequantized in registers) and RoPE key
         c = _load_latent(LATENT + b * stride_lb, SCALES + b * stride_sb, slots.to(tl.int64), slot_ok, offs_c, c_ok,
-                         stride_lt, stride_st, BITS, GROUP, DTYPE)  # [BN, CP]
+                         stride_lt, stride_st, BITS, GROUP, ALIGNED, DTYPE, BLOCK_N, C_PAD)  # [BN, CP]
         k_pe = tl.load(ROPE + b * stride_kb + slots[:, None].to(tl.int64) * stride_kt + offs_r[None, :],
                        mask=slot_ok[:, None] & r_ok[None, :], other=0.0).to(DTYPE)  # [BN, RP]
         # scores [BM, BN] in the log2 domain; a row sees slots <= its position
@@ -168,9 +189,8 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, layer,
     pos = positions.to(torch.int64).contiguous()  # [B, S]
     # bf16 tiles run as float32 in the interpreter, whose bf16 tl.dot is wrong
     dtype = torch.float32 if INTERPRET and q_latent.dtype == torch.bfloat16 else q_latent.dtype
-    block_m = 16 if m <= 16 else 32
     c_pad, r_pad = max(16, triton.next_power_of_2(c)), max(16, triton.next_power_of_2(r))
-    m_blocks = triton.cdiv(m, block_m)
+    m_blocks = triton.cdiv(m, BLOCK_M)
     if num_splits is None:
         num_splits = _num_splits(b * m_blocks, num_slots, q_latent.device)
     split_len = triton.cdiv(triton.cdiv(num_slots, num_splits), BLOCK_N) * BLOCK_N
@@ -180,7 +200,7 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, layer,
     part_max = torch.empty(b, m, num_splits, device=dev, dtype=torch.float32)
     part_sum = torch.empty(b, m, num_splits, device=dev, dtype=torch.float32)
     out = torch.empty(b, m, c, device=dev, dtype=q_latent.dtype)
-    lat, rope = layer.latent, layer.rope
+    lat, rope, group = layer.latent, layer.rope, layer.group_size or 1
     scales = layer.scales if layer.bits is not None else lat  # an unused pointer for the 16-bit cache
     _split_kernel[(m_blocks, b, num_splits)](
         q_lat, q_lat.stride(0), q_lat.stride(1),
@@ -191,9 +211,9 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, layer,
         pos, pos.stride(0),
         part_acc, part_max, part_sum,
         m, h, c, r, num_splits, split_len, softmax_scale * LOG2E,
-        BITS=layer.bits or 16, GROUP=layer.group_size or 1, DTYPE=_DTYPES[dtype],
+        BITS=layer.bits or 16, GROUP=group, ALIGNED=c == c_pad and group & (group - 1) == 0, DTYPE=_DTYPES[dtype],
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, C_PAD=c_pad, R_PAD=r_pad, num_warps=8 if c_pad >= 256 else 4,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, C_PAD=c_pad, R_PAD=r_pad, num_warps=NUM_WARPS,
     )
     _combine_kernel[(b * m,)](part_acc, part_max, part_sum, out, num_splits, c, C_PAD=c_pad,
                               num_warps=4 if c_pad >= 256 else 1)
