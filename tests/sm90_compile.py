@@ -278,6 +278,29 @@ def qk_norm_kernels():
     return out
 
 
+def latent_attention_kernels():
+    """The decoding attention over the latent cache (moela.inference.latent_attention_triton) at DeepSeek's latent
+    shapes (C 512, R 64, groups of 64), 16 heads, bf16 queries, for the bf16, int8 and int4 caches."""
+    import triton.language as tl
+
+    from moela.inference import latent_attention_triton as la
+
+    c, r, slots, heads, splits = 512, 64, 32768, 16, 8
+    out = {}
+    for bits, ptr, width in ((16, "*bf16", c), (8, "*i8", c), (4, "*u8", c // 2)):
+        out[f"latent_attention split {bits}-bit"] = compile_sm90(la._split_kernel, dict(
+            Q_LAT="*bf16", stride_qb=heads * c, stride_qm=c, Q_ROPE="*bf16", stride_rb=heads * r, stride_rm=r,
+            LATENT=ptr, stride_lb=slots * width, stride_lt=width, SCALES="*fp32", stride_sb=slots * c // 64,
+            stride_st=c // 64, ROPE="*bf16", stride_kb=slots * r, stride_kt=r, POS="*i64", stride_pb=1,
+            PART_ACC="*fp32", PART_MAX="*fp32", PART_SUM="*fp32", M=heads, H=heads, C=c, R=r, num_splits=splits,
+            split_len=slots // splits, qk_scale=0.1, BITS=bits, GROUP=64, ALIGNED=True, DTYPE=tl.bfloat16,
+            PRECISION="tf32", BLOCK_M=la.BLOCK_M, BLOCK_N=la.BLOCK_N, C_PAD=c, R_PAD=r), num_warps=la.NUM_WARPS)
+    out["latent_attention combine"] = compile_sm90(la._combine_kernel, dict(
+        PART_ACC="*fp32", PART_MAX="*fp32", PART_SUM="*fp32", OUT="*bf16", num_splits=splits, C=c, C_PAD=c),
+        num_warps=la.COMBINE_WARPS)
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels(),
-                      **moe_gluon_gemm_kernels(), **qk_norm_kernels()}))
+                      **moe_gluon_gemm_kernels(), **qk_norm_kernels(), **latent_attention_kernels()}))

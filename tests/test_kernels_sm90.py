@@ -3,7 +3,8 @@ with its production launch configuration (tests/sm90_compile.py, in a process wi
 loops of the attention and grouped-GEMM kernels must be pipelined; the MoE path's non-GEMM kernels (moe_triton ...)
 must not spill registers, nor must the Gluon kernels (moe_gluon: moela.ops.moe.gluon and the warp-specialized FP8
 GEMMs of moela.ops.moe.gemm_fp8_gluon*, whose PTX must also hold fp8 wgmma, setmaxnreg and TMA copies), nor the
-QK-Norm kernels (qk_norm: moela.ops.qk_norm_triton)."""
+QK-Norm kernels (qk_norm: moela.ops.qk_norm_triton), nor the decoding attention over the latent cache
+(latent_attention: moela.inference.latent_attention_triton), whose slot loop must be pipelined too."""
 
 import json
 import os
@@ -24,10 +25,13 @@ def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    non_gemm = {name for name in result if name.startswith(("moe_triton ", "moe_gluon ", "qk_norm "))}
+    non_gemm = {name for name in result if name.startswith(("moe_triton ", "moe_gluon ", "qk_norm ",
+                                                             "latent_attention "))}
     assert len(result) - len(non_gemm) == 6 and len(non_gemm) >= 12, result
     for name, (shared, async_copies, regs, spills) in result.items():
         assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"
+        if name.startswith("latent_attention split"):
+            assert async_copies > 0, f"{name}: its slot loop is not software-pipelined (no async copies)"
         if name in non_gemm:
             assert spills == 0, f"{name}: ptxas spills {spills} bytes at {regs} registers per thread"
         else:

@@ -39,6 +39,7 @@ BLOCK_M = 16  # query rows per program: the smallest tl.dot tile; the 16 heads o
 BLOCK_N = 32  # slots per tile: [32, 512] bf16 latent = 32 KiB
 NUM_WARPS = 8  # ptxas for sm_90 at C = 512, 3 stages: 128 (bf16), 250 (int8), 190 (int4) registers, no spills;
 # 32 rows or 4 warps spill for int8
+COMBINE_WARPS = 4
 PROGRAMS_PER_SM = 2  # enough resident programs per SM to keep loads in flight
 INTERPRETER_PROGRAMS = 8  # splits target under the interpreter (tests still see several splits)
 
@@ -216,5 +217,5 @@ def latent_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, layer,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, C_PAD=c_pad, R_PAD=r_pad, num_warps=NUM_WARPS,
     )
     _combine_kernel[(b * m,)](part_acc, part_max, part_sum, out, num_splits, c, C_PAD=c_pad,
-                              num_warps=4 if c_pad >= 256 else 1)
+                              num_warps=COMBINE_WARPS)
     return out.view(b, s, h, c)
