@@ -40,8 +40,9 @@ BLOCK_N = 32  # slots per tile: [32, 512] bf16 latent = 32 KiB
 NUM_WARPS = 8  # ptxas for sm_90 at C = 512, 3 stages: 128 (bf16), 250 (int8), 190 (int4) registers, no spills;
 # 32 rows or 4 warps spill for int8
 COMBINE_WARPS = 4
-PROGRAMS_PER_SM = 2  # enough resident programs per SM to keep loads in flight
-INTERPRETER_PROGRAMS = 8  # splits target under the interpreter (tests still see several splits)
+PROGRAMS_PER_SM = 2  # two waves: sequences of unequal lengths still finish close together
+MIN_SPLIT_SLOTS = 256  # a split's float32 partials (C + 2 numbers a row) stay small next to the cache it reads
+INTERPRETER_PROGRAMS = 8  # the interpreter's grid target, with one tile per split allowed (tests see splits)
 
 
 @triton.jit
@@ -162,12 +163,14 @@ def triton_auto(q_latent: torch.Tensor) -> bool:
 
 
 def _num_splits(programs: int, num_slots: int, device: torch.device) -> int:
-    """Splits of the slots so that the grid fills the GPU: PROGRAMS_PER_SM per SM, at most one per tile."""
+    """Splits of the slots so that the grid fills the GPU (PROGRAMS_PER_SM per SM), each at least MIN_SPLIT_SLOTS
+    long."""
     if device.type == "cuda":
         target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        shortest = MIN_SPLIT_SLOTS
     else:
-        target = INTERPRETER_PROGRAMS
-    return max(1, min(triton.cdiv(num_slots, BLOCK_N), triton.cdiv(target, programs)))
+        target, shortest = INTERPRETER_PROGRAMS, BLOCK_N
+    return max(1, min(triton.cdiv(num_slots, shortest), triton.cdiv(target, programs)))
 
 
 _DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
