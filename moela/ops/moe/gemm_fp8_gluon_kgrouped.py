@@ -26,7 +26,10 @@ stages of 33 KB; bf16: 5 stages).
 Tiles are scheduled persistently, expert-major (the CTAs in flight share one expert's token slices in L2), in
 grouped order inside an expert (bands of GROUP row blocks of N, walked column block by column block;
 tile_blocks, the same arithmetic in Python for tests/test_fp8_schedule.py). A tile's length is its expert's
-token count, read on the device by every partition; no host sync, capturable in a CUDA graph.
+token count, read on the device by every partition at the tile's start; no host sync, capturable in a CUDA graph.
+The range is not read one tile ahead and carried to the next tile: Triton 3.6's Gluon front end does not carry a
+value reassigned after a nested loop when it feeds that loop's bounds (the reassignment is dropped), so every
+tile would reduce over its program's first tile's tokens.
 """
 
 from __future__ import annotations
@@ -119,13 +122,12 @@ if ws.gluon is not None:
         return e, nb * _BM, kb * _BN
 
     @gluon.jit
-    def _token_blocks(off_ptr, tile, per_e, valid, M, GROUPED: gl.constexpr):
-        """[first, end) token blocks of the tile's expert (offsets are 128-aligned; an empty range where not
-        valid), or all of M with one group."""
+    def _token_blocks(off_ptr, tile, per_e, M, GROUPED: gl.constexpr):
+        """[first, end) token blocks of the tile's expert (offsets are 128-aligned), or all of M with one group."""
         if GROUPED:
             e = tile // per_e
-            start = (gl.load(off_ptr + e, mask=valid, other=0) // _BK).to(gl.int32)
-            end = (gl.load(off_ptr + e + 1, mask=valid, other=0) // _BK).to(gl.int32)
+            start = (gl.load(off_ptr + e) // _BK).to(gl.int32)
+            end = (gl.load(off_ptr + e + 1) // _BK).to(gl.int32)
         else:
             start = 0
             end = gl.cdiv(M, _BK)
@@ -136,21 +138,17 @@ if ws.gluon is not None:
                   E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
                   STAGES: gl.constexpr):
         """One warp: per token block of every tile of this CTA, claim the next slot; copy the block's row and column
-        scales (cp.async) and load the A and B tiles (TMA) into it. The next tile's token range is read while this
-        tile's loads are issued."""
+        scales (cp.async) and load the A and B tiles (TMA) into it."""
         vec: gl.constexpr = gl.BlockedLayout([_BM // 32], [32], [1], [0])
         idx = gl.arange(0, _BM, layout=vec)
         num_n = gl.cdiv(N, _BM)
         num_k = gl.cdiv(K, _BN)
         num_tiles = E * num_n * num_k
         step_bytes: gl.constexpr = (_BM + _BN) * _BK
-        first = gl.program_id(0)
-        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
         it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
-        for tile in range(first, num_tiles, NUM_PROGRAMS):
+        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
-            nxt = tile + NUM_PROGRAMS
-            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
+            start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             rows_ok = n0 + idx < N
             cols_ok = k0 + idx < K
             for tb in range(start, end):
@@ -167,26 +165,21 @@ if ws.gluon is not None:
                 ws._tma_load(a_desc, [n0, tb * _BK], ready.index(slot), a_ring.index(slot))
                 ws._tma_load(b_desc, [k0, tb * _BK], ready.index(slot), b_ring.index(slot))
                 it += 1
-            start, end = start_next, end_next
 
     @gluon.jit
     def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
                   NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                   WG: gl.constexpr):
-        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store.
-        The next tile's token range is read during this tile, so no tile starts waiting on a global load."""
+        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store."""
         acc_layout: gl.constexpr = ws._acc_layout()
         num_n = gl.cdiv(N, _BM)
         num_k = gl.cdiv(K, _BN)
         num_tiles = E * num_n * num_k
         partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
-        first = gl.program_id(0)
-        start, end = _token_blocks(off_ptr, first, num_n * num_k, first < num_tiles, M, GROUPED)
         it = 0  # steps consumed: the producer's count, step for step
-        for tile in range(first, num_tiles, NUM_PROGRAMS):
+        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
-            nxt = tile + NUM_PROGRAMS
-            start_next, end_next = _token_blocks(off_ptr, nxt, num_n * num_k, nxt < num_tiles, M, GROUPED)
+            start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
             for _ in range(start, end):
                 slot, phase = _ring_position(it, STAGES)
@@ -209,7 +202,6 @@ if ws.gluon is not None:
             c_tiles.index(WG).store(acc.to(c_desc.dtype))
             fence_async_shared()
             ws._tma_store(c_desc, [e * N + n0 + WG * 64, k0], c_tiles.index(WG))
-            start, end = start_next, end_next
         tma.store_wait(0)
 
     @gluon.jit
