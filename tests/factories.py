@@ -59,3 +59,16 @@ def random_batches(count: int, seed: int, vocab: int = 97) -> list[PackedBatch]:
         lens = [int(n) for n in torch.randint(3, 17, (docs,), generator=g)]
         out.append(packed_batch(vocab, lens, seed=seed * 1000 + i))
     return out
+
+
+def poison_steps(trainer, bad_steps) -> None:
+    """Make the trainer's loss NaN on the given (1-based) steps: the non-finite-step path, without real overflow."""
+    real_forward = trainer.model.forward
+
+    def forward(batch, **kw):
+        out = real_forward(batch, **kw)
+        if trainer.step + 1 in bad_steps:
+            out.loss = out.loss * float("nan")
+        return out
+
+    trainer.model.forward = forward

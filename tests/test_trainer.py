@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from factories import tiny_overrides
+from factories import poison_steps, tiny_overrides
 from moela.config import Config, OptimConfig, ScheduleConfig, load_config
 from moela.model import flops_per_token
 from moela.trainer import Trainer, TrainingError
@@ -118,18 +118,6 @@ def test_router_bias_moves_after_a_step(tmp_path, cache_dir):
     assert biases and all(torch.count_nonzero(b) == 0 for b in biases)
     trainer.train_step()
     assert all(torch.count_nonzero(b) > 0 for b in biases)
-
-
-def poison_steps(trainer, bad_steps):
-    real_forward = trainer.model.forward
-
-    def forward(batch, **kw):
-        out = real_forward(batch, **kw)
-        if trainer.step + 1 in bad_steps:
-            out.loss = out.loss * float("nan")
-        return out
-
-    trainer.model.forward = forward
 
 
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, cache_dir):

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from factories import tiny_overrides
+from factories import poison_steps, tiny_overrides
 from moela.config import load_config
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.optim import build_scheduler, param_groups
@@ -122,18 +122,6 @@ def test_deferred_reads_log_the_same_numbers_as_reading_every_step(tmp_path, cac
             assert rec["window_steps"] == len(steps) and math.isclose(rec["loss"], mean, rel_tol=1e-12), rec["step"]
     for (name, pa), pb in zip(every.model.state_dict().items(), deferred.model.state_dict().values()):
         assert torch.equal(pa, pb), name
-
-
-def poison_steps(trainer, bad_steps):
-    real_forward = trainer.model.forward
-
-    def forward(batch, **kw):
-        out = real_forward(batch, **kw)
-        if trainer.step + 1 in bad_steps:
-            out.loss = out.loss * float("nan")
-        return out
-
-    trainer.model.forward = forward
 
 
 def test_non_finite_steps_are_skipped_on_the_device(tmp_path, cache_dir):
