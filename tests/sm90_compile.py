@@ -89,7 +89,7 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a"):
 
 
 def attention_kernels():
-    from moela.ops.attention import triton_bwd, triton_bwd_fused, triton_fwd
+    from moela.ops.attention import triton_bwd, triton_fwd
     from moela.ops.attention.triton_common import CONFIGS, head_dim_blocks
 
     d_qk, d_v = 192, 128
@@ -104,9 +104,7 @@ def attention_kernels():
     out = {}
     for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
                                 ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
-                                ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads)),
-                                ("attention fused", triton_bwd_fused._bwd_fused_kernel,
-                                 dict(DK="*bf16", DV="*bf16", DQACC="*fp32", **grads))):
+                                ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}

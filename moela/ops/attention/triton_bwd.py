@@ -16,7 +16,6 @@ import triton.language as tl
 
 from moela.ops.attention.triton_common import (
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -289,7 +288,7 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
                        softmax_scale: float, alibi_slopes: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the preprocess, then the dk/dv and dq kernels (SCHEDULE["backward"] "split") or the fused kernel.
+    """Launches the preprocess, then the dk/dv and dq kernels.
     dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
@@ -324,12 +323,6 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
     scales = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                  **blocks)
-    if SCHEDULE["backward"] == "fused":
-        from moela.ops.attention.triton_bwd_fused import fused_backward
-
-        dq = fused_backward(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, max_seqlen_k,
-                            k.shape[0], h, causal)
-        return dq, dk, dv
     cfg = launch_config("dkdv", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, k.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
                                  key_blocks=True, causal=causal)

@@ -1,13 +1,13 @@
 """What the Triton flash-attention kernels share: launch table, head-dim split, and the @triton.jit helpers for tile
 loads, scores, masks, ALiBi terms and the per-program prologue.
 
-Kernels (triton_fwd.py, triton_bwd.py, triton_bwd_fused.py): the forward runs one program per (query block, head,
+Kernels (triton_fwd.py, triton_bwd.py): the forward runs one program per (query block, head,
 document), an online softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural
 log, -inf for a query that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the
-only place the lse gradient enters); then, by default ("split"), one program per key block accumulates dk and dv
-over query blocks and one per query block accumulates dq over key blocks. Recomputing the scores in both costs one
-extra QK^T and dO V^T but needs no atomics: gradients are deterministic. The "fused" backward computes the scores
-once and adds dq through fp32 atomics instead (`SCHEDULE`).
+only place the lse gradient enters); then one program per key block accumulates dk and dv over query blocks and one
+per query block accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but
+needs no atomics: gradients are deterministic. A fused backward (scores once, dq through fp32 atomics) measured
+1.4-3x slower on an H200 and was removed (bench/notes/attention.md).
 
 Programs are launched over a work list (triton_worklist.py): every document's blocks, costliest first, heads
 fastest, so packed batches of short documents launch no empty programs and the longest blocks start first; the
@@ -56,10 +56,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   backward  "split": a dk/dv kernel and a dq kernel, each recomputing the scores (deterministic);
-#             "fused": one kernel per key block computes dk, dv and adds its share of dq to an fp32 buffer with
-#             atomics (triton_bwd_fused.py): 6 Dqk + 4 Dv FLOPs per (query, key) pair instead of 8 Dqk + 6 Dv
-SCHEDULE = {"grid": "worklist", "backward": "split"}
+SCHEDULE = {"grid": "worklist"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -68,10 +65,9 @@ CONFIGS = {
     "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
     "dkdv": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
     "dq": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
-    "fused": {"narrow": (64, 64, 8, 2), "wide": (64, 64, 8, 2), "xwide": (64, 32, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
-INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1), "fused": (32, 64, 4, 1)}
+INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 
 
 def head_class(d_qk: int, d_v: int) -> str:
