@@ -86,9 +86,9 @@ DEFAULT_MGROUPED = "128x128_s4"
 DEFAULT_KGROUPED = "128x64_s4"
 # What impl="auto" runs on Hopper (sm_90), where the Gluon kernels can run: "gluon" or "triton" (elsewhere, and
 # under the interpreter, always "triton"); m-grouped: forward and data gradient, k-grouped: weight gradient.
-# Measured (bench/results/fp8.md): m-grouped Gluon 1.39x / 1.34x bf16 (forward / data gradient, V3 8x4096) against
-# Triton's 1.21x / 1.11x; the k-grouped Gluon kernel fails when a program walks several tiles (bench/notes/fp8.md),
-# so the weight gradient stays on Triton.
+# Measured (bench/results/fp8.md): m-grouped Gluon 1.22x / 1.33x bf16 (forward / data gradient, V3 8x4096) against
+# Triton's 1.10x / 1.10x; the k-grouped Gluon kernel measured wrong when a program walks several tiles and its fix
+# is not yet run on a GPU (bench/notes/fp8.md), so the weight gradient stays on Triton.
 AUTO_MGROUPED_IMPL = "gluon"
 AUTO_KGROUPED_IMPL = "triton"
 
