@@ -183,13 +183,9 @@ def test_weight_gradient_one_group():
     assert out.shape == (1, n, k) and _rel(out, ref) < 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="Gluon k-grouped kernel: wrong once a program walks several tiles (relative "
-                                       "error 1.28 on an H200 before the fix of its token-range carry, not yet run "
-                                       "on a GPU; bench/notes/fp8.md); auto uses the Triton kernel")
 def test_weight_gradient_few_programs():
-    """The grouped product over 5 experts (one empty) with three CTAs walking every tile. Measured wrong on the GPU
-    before the last kernel fix: strict, so when it passes (XPASS, reported as a failure) remove this mark and
-    consider switching AUTO_KGROUPED_IMPL."""
+    """The grouped product over 5 experts (one empty) with three CTAs walking every tile: each program must read
+    its tile's token range at the tile's start (the kernel once carried it across tiles and was wrong here)."""
     lay = _routing_layout(300, 5, 2, (3,), seed=15)
     aqt, ast = _columns(lay.m_pad, 256, lay.m_indices >= 0, seed=16)
     bqt, bst = _columns(lay.m_pad, 384, lay.m_indices >= 0, seed=17)

@@ -86,11 +86,11 @@ DEFAULT_MGROUPED = "128x128_s4"
 DEFAULT_KGROUPED = "128x64_s4"
 # What impl="auto" runs on Hopper (sm_90), where the Gluon kernels can run: "gluon" or "triton" (elsewhere, and
 # under the interpreter, always "triton"); m-grouped: forward and data gradient, k-grouped: weight gradient.
-# Measured (bench/results/fp8.md): m-grouped Gluon 1.22x / 1.33x bf16 (forward / data gradient, V3 8x4096) against
-# Triton's 1.10x / 1.10x; the k-grouped Gluon kernel measured wrong when a program walks several tiles and its fix
-# is not yet run on a GPU (bench/notes/fp8.md), so the weight gradient stays on Triton.
+# Measured (bench/results/fp8.md, V3 shapes, 8 experts x 4096 / x 256 rows): m-grouped Gluon 1.23x / 1.41x bf16
+# (forward / data gradient) at 4096 rows against Triton's 1.07x / 1.10x; k-grouped Gluon 1.05x / 1.15x bf16 against
+# Triton's 0.61x / 0.46x.
 AUTO_MGROUPED_IMPL = "gluon"
-AUTO_KGROUPED_IMPL = "triton"
+AUTO_KGROUPED_IMPL = "gluon"
 
 
 def _config(name: str | None, table: dict[str, GemmConfig], default: str) -> GemmConfig:
