@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.steplib.host import host_ops, launches  # noqa: E402
 from bench.steplib.kernels import FAMILIES, breakdown, classify, device_kernels  # noqa: E402
 from bench.steplib.measure import SYNC_WARNING, SyncCounter, compiled_graphs, reported_syncs  # noqa: E402
 from bench.steplib.source import PackedDocs, TrainerLoader  # noqa: E402
@@ -223,6 +224,38 @@ def test_profiler_events_carry_what_the_walk_reads():
     assert device_kernels(prof) == []  # no device kernels on the CPU
 
 
+def test_launches_count_device_events_per_step_by_family():
+    experts = ("moela::moe_experts_fwd",)
+    kernels = [("_mgrouped_ws_kernel", 30.0, experts), ("_permute_kernel", 5.0, ()), ("_rowcol_quant_kernel", 2.0, ()),
+               ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 9.0, ()), ("_mgrouped_ws_kernel", 31.0, experts)]
+    n = launches(kernels, steps=2)
+    assert n["expert GEMM"] == 1.0 and n["copies/cat/casts"] == 1.0 and n["dense GEMM"] == 0.5
+    assert n["total"] == 2.5 and sum(n[f] for f in FAMILIES) == n["total"]
+
+
+def test_host_ops_rank_cpu_self_time_and_count_calls_per_step():
+    """Under the real profiler: 3 steps of 4 large matmuls and 2 small adds each; the matmuls lead, with 4 calls
+    per step, and their self time is at most the profiled wall time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(3):
+            for _ in range(4):
+                torch.mm(a, b)
+            for _ in range(2):
+                torch.add(a[:1], 1)
+        wall_ms = (time.perf_counter() - start) * 1e3
+    ops = {name: (ms, calls) for name, ms, calls in host_ops(prof, steps=3)}
+    assert host_ops(prof, steps=3)[0][0] == "aten::mm"
+    assert ops["aten::mm"][1] == 4.0 and ops["aten::add"][1] == 2.0
+    assert 0 < ops["aten::mm"][0] * 3 <= wall_ms and ops["aten::add"][0] < ops["aten::mm"][0]
+
+
 def test_sync_counter_counts_only_inside_its_window():
     from torch.cuda import _gpu_trace
 
@@ -357,7 +390,9 @@ def test_report_tables_ratios_and_failures(tmp_path):
                 "recompiles_after_step2": 0, "first_step_loss": loss, "step_ms_median": 400.0,
                 "step_ms_min": 390.0, "step_ms_max": 420.0, "device_name": "NVIDIA H200",
                 "kernel_breakdown": {f: {"ms_per_step": 10.0, "share": 1 / len(FAMILIES), "top": [["k", 1.0]]}
-                                     for f in FAMILIES}}
+                                     for f in FAMILIES},
+                "launches_per_step": {"expert GEMM": 24.0, "copies/cat/casts": 1500.0, "total": 1524.0},
+                "host_top_ops": [["cuLaunchKernelEx", 12.5, 400.0], ["aten::mm", 3.0, 96.0]]}
     rows = [row("moela-nomtp", 200e3, 8.3101), row("titan-compile", 160e3, 8.3105), row("hf", 50e3, 8.3098),
             {"config": "small-64k", "impl": "titan-eager", "recipe": "bf16", "error": "exit code 1: OutOfMemory"}]
     md = write_report(rows, tmp_path, command="python bench/step.py", date="2026-12-01",
@@ -366,6 +401,8 @@ def test_report_tables_ratios_and_failures(tmp_path):
     assert "1.25x titan-compile" in md and "4.00x hf" in md and "failed: exit code 1: OutOfMemory" in md
     assert "| small-64k | - | 8.3101 | 8.3105 | - | 8.3098 |" in md
     assert "7 (5 warned)" in md and "3 of 3 rows counted by the CUDA trace hooks" in md
+    assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
+    assert "`cuLaunchKernelEx` 12.5 ms (400 calls)" in md
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,28 @@ def _other_kernels(rows: list[dict]) -> list[str]:
     return out
 
 
+def _launch_table(rows: list[dict]) -> list[str]:
+    shown = [f for f in FAMILIES if any((r.get("launches_per_step") or {}).get(f, 0) > 0 for r in _ok(rows))]
+    out = ["| config | impl | recipe | GPU busy | launches / step | " + " | ".join(shown) + " |",
+           "| --- | --- | --- | --- | --- |" + " --- |" * len(shown)]
+    for r in _ok(rows):
+        n = r.get("launches_per_step") or {}
+        if n:
+            out.append(f"| {r['config']} | {r['impl']} | {r['recipe']} | {_f(r.get('busy'), '.0%')} | "
+                       f"{n['total']:,.0f} | " + " | ".join(f"{n.get(f, 0):,.0f}" for f in shown) + " |")
+    return out
+
+
+def _host_ops(rows: list[dict], top: int = 6) -> list[str]:
+    out = []
+    for r in _ok(rows):
+        ops = r.get("host_top_ops") or []
+        if ops:
+            names = "; ".join(f"`{n}` {ms:.1f} ms ({calls:,.0f} calls)" for n, ms, calls in ops[:top])
+            out.append(f"- {r['config']} {r['impl']} {r['recipe']}: {names}")
+    return out
+
+
 def _display_order(rows: list[dict]) -> list[dict]:
     """Config by config (in run order), then moela, moela-nomtp and the peers, bf16 before fp8."""
     configs = list(dict.fromkeys(r["config"] for r in rows))
@@ -152,6 +174,11 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     other = _other_kernels(rows)
     if other:
         lines += ["", "## Largest unclassified kernels (`other`)", ""] + other
+    launched = _launch_table(rows)
+    if len(launched) > 2:
+        lines += ["", "## Host side: device launches per step by family, and the CPU ops with the most self time",
+                  "", "Per step of the profiled run with CPU ops (`bench/steplib/host.py`; the profiler inflates "
+                  "host times: compare rows).", ""] + launched + [""] + _host_ops(rows)
     checked = [r for r in _ok(rows) if r.get("sync_counter_check")]
     if checked:
         odd = [r for r in checked if r["sync_witness"] != "trace"]

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from bench.steplib.host import host_ops, launches
 from bench.steplib.kernels import breakdown, device_kernels
 from bench.steplib.measure import SyncCounter, compiled_graphs, reported_syncs
 from bench.steplib.source import PackedDocs
@@ -88,12 +89,14 @@ def run_row(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     seq_len, mean_doc = source.token_weighted_doc_len(), source.mean_doc_len()
     peak_gib = memory_gib(device)
-    busy, kernels = None, {}
+    busy, kernels, launched, host = None, {}, {}, []
     if device.type == "cuda" and spec["profile_steps"]:
         prof, wall = _profiled(impl, device, spec["profile_steps"], with_cpu=False)
         busy = compute_busy_us(prof) / 1e6 / wall
         prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
-        kernels = breakdown(device_kernels(prof), spec["profile_steps"])
+        events = device_kernels(prof)
+        kernels = breakdown(events, spec["profile_steps"])
+        launched, host = launches(events, spec["profile_steps"]), host_ops(prof, spec["profile_steps"])
 
     syncs = warned = None
     check, witness = {}, "not counted on the CPU"
@@ -128,6 +131,6 @@ def run_row(spec: dict) -> dict:
         "doc_len_mean": mean_doc, "doc_len_median_drawn": source.median_len, "doc_len_max": source.max_doc_len,
         "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,
         "params": total, "active_params": active, "mtp_depth": cfg.model.num_nextn_predict_layers,
-        "kernel_breakdown": kernels, "notes": impl.notes,
+        "kernel_breakdown": kernels, "launches_per_step": launched, "host_top_ops": host, "notes": impl.notes,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
