@@ -168,3 +168,23 @@ def test_precision_recipe_puts_fp8_on_the_named_linears():
     out = model(batch)
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.layers[0].attn.wq_a.weight.grad.abs().sum() > 0
+
+
+def test_gluon_descriptors_use_the_default_swizzled_layouts():
+    """The cached shared-memory layouts of the Gluon GEMMs' TMA descriptors are the ones Gluon picks for each tile
+    shape and dtype, and the descriptors cover the operands (built on the host: no GPU needed)."""
+    from moela.ops.moe import gemm_fp8_gluon as ws
+
+    if ws.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    gl = ws.gl
+    for (rows, cols), dtype, gl_dtype in [((ws.BM, ws.BK), torch.float8_e4m3fn, gl.float8e4nv),
+                                          ((64, ws.BN), torch.bfloat16, gl.bfloat16),
+                                          ((64, ws.BN), torch.float32, gl.float32)]:
+        assert ws.shared_layout(rows, cols, dtype) == gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
+    a = torch.zeros(384, 256, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(3, 128, 256, dtype=torch.float8_e4m3fn)
+    out = torch.zeros(384, 128, dtype=torch.bfloat16)
+    a_desc, b_desc, c_desc = ws.descriptors(a, b, out)
+    assert list(a_desc.shape) == [384, 256] and list(b_desc.shape) == [3 * 128, 256]
+    assert list(c_desc.block_shape) == [64, ws.BN] and c_desc.layout.element_bitwidth == 16

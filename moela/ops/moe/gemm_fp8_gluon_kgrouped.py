@@ -251,13 +251,10 @@ def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     e = out.shape[0]
     if m == 0:  # no tokens: every expert's gradient is zero (a TMA descriptor needs a non-empty tensor)
         return out.zero_()
-    gl_ = ws.gl
-    tile = gl_.NVMMASharedLayout.get_default_for([BM, BK], gl_.float8e4nv)
-    out_gl = gl_.bfloat16 if out.dtype == torch.bfloat16 else gl_.float32
+    tile = ws.shared_layout(BM, BK, torch.float8_e4m3fn)
     a_desc = ws.TensorDescriptor.from_tensor(a, [BM, BK], tile)
     b_desc = ws.TensorDescriptor.from_tensor(b, [BN, BK], tile)
-    c_desc = ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN],
-                                             gl_.NVMMASharedLayout.get_default_for([64, BN], out_gl))
+    c_desc = ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN], ws.shared_layout(64, BN, out.dtype))
     grid = max(1, min(num_programs, e * -(-n // BM) * -(-k // BN)))
     _kgrouped_ws_kernel[(grid, )](
         a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale, n, k, m, e,
