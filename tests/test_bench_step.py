@@ -186,7 +186,9 @@ def test_device_kernels_walks_the_launching_op_and_its_parents(with_link):
     events = [fn, mm, add,
               _event(gemm, cuda, linked=2, start=10.0, end=40.0, with_link=with_link),
               _event(elementwise, cuda, linked=3, start=40.0, end=50.0, with_link=with_link),
-              _event("_permute_kernel", cuda, linked=0, start=50.0, end=60.0, with_link=with_link)]
+              _event("_permute_kernel", cuda, linked=0, start=50.0, end=60.0, with_link=with_link),
+              _event("Optimizer.step#AdamW.step", cuda, linked=0, start=0.0, end=90.0, with_link=with_link)]
+    events[-1].is_user_annotation = True  # a record_function range mirrored on the device: not a kernel
     prof = SimpleNamespace(events=lambda: events)
     kernels = device_kernels(prof)
     assert [(n[:8], us, ctx) for n, us, ctx in kernels] == [
@@ -238,11 +240,11 @@ def test_host_ops_rank_cpu_self_time_and_count_calls_per_step():
     per step, and their self time is at most the profiled wall time."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.manual_seed(0)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("probe"):
         start = time.perf_counter()
         for _ in range(3):
             for _ in range(4):
@@ -250,8 +252,11 @@ def test_host_ops_rank_cpu_self_time_and_count_calls_per_step():
             for _ in range(2):
                 torch.add(a[:1], 1)
         wall_ms = (time.perf_counter() - start) * 1e3
-    ops = {name: (ms, calls) for name, ms, calls in host_ops(prof, steps=3)}
-    assert host_ops(prof, steps=3)[0][0] == "aten::mm"
+    # this thread's events only (the probe's): the profiler also records threads an earlier test left running
+    mine = {e.thread for e in prof.events() if e.name == "probe"}
+    view = SimpleNamespace(events=lambda: [e for e in prof.events() if e.thread in mine and e.name != "probe"])
+    ops = {name: (ms, calls) for name, ms, calls in host_ops(view, steps=3)}
+    assert host_ops(view, steps=3)[0][0] == "aten::mm"
     assert ops["aten::mm"][1] == 4.0 and ops["aten::add"][1] == 2.0
     assert 0 < ops["aten::mm"][0] * 3 <= wall_ms and ops["aten::add"][0] < ops["aten::mm"][0]
 

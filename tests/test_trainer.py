@@ -328,11 +328,13 @@ def test_compute_busy_is_the_union_of_non_nccl_kernel_intervals():
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def ev(name, start, end, device=cuda):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def ev(name, start, end, device=cuda, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation)
 
     events = [ev("gemm", 10, 30), ev("norm", 20, 40), ev("inner", 22, 25),  # overlapping and nested: 10..40
               ev("ncclDevKernel_AllGather", 0, 100), ev("aten::mm", 0, 100, cpu),  # excluded
+              ev("Optimizer.step#AdamW.step", 40, 90, annotation=True),  # a range over idle time: excluded
               ev("softmax", 50, 55), ev("copy", 55, 60)]  # touching: 50..60
     assert compute_busy_us(SimpleNamespace(events=lambda: events)) == 40.0
 

@@ -113,7 +113,8 @@ def device_kernels(prof) -> list[tuple[str, float, tuple[str, ...]]]:
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     events = prof.events()
     ops = [e for e in events if e.device_type == cpu and e.name != "[memory]"]
-    device = [e for e in events if e.device_type == cuda]
+    # GPU user annotations (record_function ranges mirrored on the device) are spans over kernels, not kernels
+    device = [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
     if device and all(hasattr(e, "linked_correlation_id") for e in device):
         by_id: dict = {}
         for op in ops:

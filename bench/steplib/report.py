@@ -155,7 +155,9 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     lines = ["# Whole training step (bench/step.py)", "",
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
-             f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only) and "
+             f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only; busy = the "
+             f"union of the kernels' intervals over as many median timed steps, since profiling lengthens a "
+             f"host-bound step) and "
              f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
              f"step(s) counted for host syncs; one process per row. Tokens: synthetic packed documents (lognormal "
              f"lengths{doc_text}), the same for every row of a config. MFU = flops_per_token x tokens/s / bf16 "

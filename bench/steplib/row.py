@@ -89,10 +89,16 @@ def run_row(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     seq_len, mean_doc = source.token_weighted_doc_len(), source.mean_doc_len()
     peak_gib = memory_gib(device)
-    busy, kernels, launched, host = None, {}, {}, []
+    step_s = statistics.median(times)
+    busy = busy_profiled = profiled_step_ms = None
+    kernels, launched, host = {}, {}, []
     if device.type == "cuda" and spec["profile_steps"]:
         prof, wall = _profiled(impl, device, spec["profile_steps"], with_cpu=False)
-        busy = compute_busy_us(prof) / 1e6 / wall
+        # the kernels' union over as many unprofiled (median) steps: the profiler's per-launch cost lengthens a
+        # profiled step of a host-bound row, which would understate the share (kept as busy_profiled)
+        union_s = compute_busy_us(prof) / 1e6
+        busy = min(1.0, union_s / (spec["profile_steps"] * step_s))
+        busy_profiled, profiled_step_ms = union_s / wall, 1e3 * wall / spec["profile_steps"]
         prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
         events = device_kernels(prof)
         kernels = breakdown(events, spec["profile_steps"])
@@ -111,7 +117,6 @@ def run_row(spec: dict) -> dict:
             traced, warned = traced + w.traced / spec["sync_steps"], warned + w.warned / spec["sync_steps"]
         syncs, witness = reported_syncs(check, traced, warned)
 
-    step_s = statistics.median(times)
     tokens_per_s = source.tokens_per_step / step_s
     peak_flops = device_peak_flops(device, cfg.logging)
     flops_tok = flops_per_token(cfg.model, max(1, round(seq_len)))
@@ -120,7 +125,8 @@ def run_row(spec: dict) -> dict:
         "config": spec["config"], "impl": spec["label"], "recipe": spec["recipe"],
         "tokens_per_s": tokens_per_s,
         "mfu": flops_tok * tokens_per_s / peak_flops if peak_flops else None,
-        "busy": busy, "peak_gib": peak_gib, "host_syncs_per_step": syncs,
+        "busy": busy, "busy_profiled": busy_profiled, "profiled_step_ms": profiled_step_ms,
+        "peak_gib": peak_gib, "host_syncs_per_step": syncs,
         "sync_debug_warnings_per_step": warned, "sync_counter_check": check, "sync_witness": witness,
         "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
         "recompiles_after_step2": compiled_graphs() - graphs_after_2,

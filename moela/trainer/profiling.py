@@ -9,7 +9,8 @@ the GPU ran compute kernels (`busy`) and, per NCCL collective kind, its kernels'
 wall time (all-to-all = NCCL SendRecv/AllToAll kernels, AG all-gather, RS reduce-scatter, AR all-reduce; averaged
 over ranks). Collective kernels can overlap compute, so a share is an upper bound on the exposed communication.
 `busy` is the union of the non-NCCL kernels' intervals: the rest is GPU compute idle, waiting for the host or for
-a collective.
+a collective. GPU-side user annotations (the device copies of `record_function` ranges, e.g.
+`Optimizer.step#AdamW.step`) are ranges, not kernels: they are left out, since one can span idle time.
 A window that a stop signal or an error interrupts is closed without output.
 """
 
@@ -40,7 +41,8 @@ def compute_busy_us(prof) -> float:
     """Device microseconds covered by at least one non-NCCL GPU kernel (the union of their intervals) in a finished
     torch.profiler run; 0 without CUDA activity."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower())
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" not in e.name.lower()
+                   and not getattr(e, "is_user_annotation", False))
     busy, end = 0.0, float("-inf")
     for start, stop in spans:
         if stop <= end:
