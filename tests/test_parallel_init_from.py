@@ -1,10 +1,11 @@
 """`checkpoint.init_from` on 2 gloo ranks equals one process: the Trainer starts from an HF export (`hf:PATH`) and
 from a native `step-N` checkpoint of a model written by one process, under FSDP2 (dp_shard=2), FSDP2 + expert
-parallelism (ep=2) and tensor parallelism (tp=2). After loading, every weight gathered from the shards equals the
-written one exactly (copying is exact; the layouts' random initializations all differ from it, so nothing may stay
-at its init), and the loss of step 1 (computed before any update) equals the single process's (relative 1e-5:
-float32 sums in another order). Bad input raises the same clear error on every rank, also when only one rank fails
-(a path another rank cannot see), and leaves no rank waiting in a collective.
+parallelism (ep=2) and tensor parallelism (tp=2), and on 4 ranks under tp=2 x dp_shard=2. After loading, every
+weight gathered from the shards equals the written one exactly (copying is exact; the layouts' random
+initializations all differ from it, so nothing may stay at its init), and the loss of step 1 (computed before any
+update) equals the single process's (relative 1e-5: float32 sums in another order). Bad input raises the same
+clear error on every rank, also when only one rank fails (a path another rank cannot see), and leaves no rank
+waiting in a collective.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def _check_weights(model, weights_file: Path) -> None:
 
 
 def _sharded_runs(rank: int, world_size: int, specs: list[str], weights_file: Path, cache: Path, tmp: Path,
-                  expected_loss: float) -> None:
-    for i, layout in enumerate(LAYOUTS):
+                  expected_loss: float, layouts: list[dict]) -> None:
+    for i, layout in enumerate(layouts):
         accum = 1 if layout.get("dp_shard") == 2 else 2  # every run takes the single process's 2 micro-batches
         for j, spec in enumerate(specs):
             run_dir = tmp / f"run{i}-{j}"
@@ -89,8 +90,7 @@ def _sharded_runs(rank: int, world_size: int, specs: list[str], weights_file: Pa
             dist.barrier()
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_init_from_on_two_ranks_loads_every_shard_and_equals_one_process(source, tmp_path):
+def _single_process_loss(source, tmp_path: Path) -> tuple[list[str], float]:
     hf, step, weights_file, cache = source
     specs = [f"hf:{hf}", str(step)]
     losses = []
@@ -101,7 +101,21 @@ def test_init_from_on_two_ranks_loads_every_shard_and_equals_one_process(source,
         trainer.fit()
         losses.append(_step1_loss(tmp_path / f"single{j}"))
     assert losses[0] == losses[1]  # the same weights and data in the same process
-    spawn(_sharded_runs, 2, specs, weights_file, cache, tmp_path, losses[0])
+    return specs, losses[0]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_init_from_on_two_ranks_loads_every_shard_and_equals_one_process(source, tmp_path):
+    specs, loss = _single_process_loss(source, tmp_path)
+    spawn(_sharded_runs, 2, specs, source[2], source[3], tmp_path, loss, LAYOUTS)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_init_from_on_four_ranks_with_tp_inside_fsdp(source, tmp_path):
+    """tp=2 x dp_shard=2: a rank's shard of a tensor-parallel weight is a slice of a slice (not one box of the
+    full tensor), so it reads the parameter whole and keeps its part; the result must still be exact."""
+    specs, loss = _single_process_loss(source, tmp_path)
+    spawn(_sharded_runs, 4, specs, source[2], source[3], tmp_path, loss, [dict(tp=2, dp_shard=2)])
 
 
 def _errors(rank: int, world_size: int, hf: Path, step: Path, tmp: Path) -> None:
