@@ -141,6 +141,9 @@ def main() -> None:
     for key in STEPS["default"]:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {STEPS['default'][key]} "
                                                                     f"(--quick: {STEPS['quick'][key]})")
+    ap.add_argument("--fp8-wgrad-impl", choices=("auto", "triton", "gluon"), default="auto",
+                    help="the FP8 weight-gradient GEMM of the fp8 rows (gemm_fp8.AUTO_KGROUPED_IMPL; auto: the "
+                         "shipped choice), to compare kernels inside the whole step")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--log-dir", help="per-row logs (default: a new temporary folder)")
     ap.add_argument("--row-timeout-s", type=float, default=300.0)
@@ -175,6 +178,8 @@ def main() -> None:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="moela_step_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_rows(configs, impls, recipes, device, counts, str(log_dir / "run"))
+    for spec in specs:
+        spec["fp8_wgrad_impl"] = args.fp8_wgrad_impl
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s)
     command = "python bench/step.py " + " ".join(sys.argv[1:])

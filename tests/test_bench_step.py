@@ -419,9 +419,13 @@ TINY = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, 
     "data.val_max_tokens=256"]
 
 
-def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path):
-    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V)."""
+def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
+    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); the row's
+    fp8_wgrad_impl reaches the FP8 GEMM dispatch."""
     from bench.steplib.row import run_row
+    from moela.ops.moe import gemm_fp8
+
+    monkeypatch.setattr(gemm_fp8, "AUTO_KGROUPED_IMPL", "gluon")  # restored after the test
 
     spec = {"config": "tiny", "impl": "moela", "label": "moela", "recipe": "bf16", "device": "cpu",
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
@@ -429,8 +433,9 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path):
                                  "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.eval_every=0",
                                  "logging.progress_bar=never", "checkpoint.every=0"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
-            "sync_steps": 1}
+            "sync_steps": 1, "fp8_wgrad_impl": "triton"}
     r = run_row(spec)
+    assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton"
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert abs(r["first_step_loss"] - math.log(4096)) < 0.05
     assert r["first_step_s_from_start"] >= r["first_step_s_from_built"] > 0

@@ -63,7 +63,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
-    median_doc_len, warmup, steps, profile_steps, sync_steps."""
+    median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
+    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -72,6 +73,10 @@ def run_row(spec: dict) -> dict:
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
                         max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
+    if spec.get("fp8_wgrad_impl", "auto") != "auto":
+        from moela.ops.moe import gemm_fp8
+
+        gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 
