@@ -3,6 +3,8 @@
 Rows (implementations x configs x MoE recipes, run in that order), each in its own process so that a crash or an
 out-of-memory error ends only its row:
   configs   small-16k    recipes/small.yaml as shipped: 16k tokens per micro-batch (2 rows of 8192), grad_accum 2
+            small-32k    the same model and the same 32k tokens per optimizer step in one micro-batch (4 x 8192),
+                         grad_accum 1: fewer, larger launches for the same math (a candidate for the shipped setting)
             small-64k    the same model, 64k tokens per micro-batch (8 x 8192), grad_accum 1
             v2lite6-64k  DeepSeek-V2-Lite shapes (hidden 2048, 16 heads, no q LoRA, kv LoRA 512, 64 routed + 2
                          shared experts, top-6, expert FFN 1408, first layer dense, vocab 102400), 6 layers, 64k
@@ -49,6 +51,8 @@ SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
 CONFIGS = {
     "small-16k": dict(recipe=SMALL, rows=2, row_len=8192, median_doc_len=2048, overrides=[]),
+    "small-32k": dict(recipe=SMALL, rows=4, row_len=8192, median_doc_len=2048,
+                      overrides=["train.tokens_per_microbatch=32768", "train.grad_accum=1"]),
     "small-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,
                       overrides=["train.tokens_per_microbatch=65536", "train.grad_accum=1"]),
     "v2lite6-64k": dict(recipe=SMALL, rows=8, row_len=8192, median_doc_len=2048,

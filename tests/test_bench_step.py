@@ -382,6 +382,9 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         2048, 16, 64, 2, 6, 1408, None, 512, 1, 6, 102400)
     shipped = load_config(step.CONFIGS["small-16k"]["recipe"], step.CONFIGS["small-16k"]["overrides"]).train
     assert (shipped.tokens_per_microbatch, shipped.grad_accum) == (16384, 2)
+    one = load_config(step.CONFIGS["small-32k"]["recipe"], step.CONFIGS["small-32k"]["overrides"]).train
+    assert (one.tokens_per_microbatch, one.grad_accum) == (32768, 1)  # the shipped tokens per step, one micro-batch
+    assert step.CONFIGS["small-32k"]["rows"] * step.CONFIGS["small-32k"]["row_len"] == 32768
 
 
 def test_report_tables_ratios_and_failures(tmp_path):
