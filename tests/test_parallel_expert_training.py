@@ -12,7 +12,8 @@ from factories import VISIBLE_TRAINING, tiny_config
 from moela.parallel.config import ParallelConfig
 from moela.parallel.fsdp import transformer_blocks
 from parallel_harness import spawn
-from test_parallel_fsdp import _run, train_single_process
+from parallel_training import train_single_process
+from test_parallel_fsdp import STEPS, _run
 
 
 @pytest.mark.parametrize("world_size, layouts", [
@@ -21,7 +22,7 @@ from test_parallel_fsdp import _run, train_single_process
 ])
 def test_expert_parallel_options_train_like_one_process(world_size, layouts):
     cfg = tiny_config(**VISIBLE_TRAINING)
-    expected = train_single_process(cfg, world_size)
+    expected = train_single_process(cfg, world_size, STEPS)
     spawn(_run, world_size, [(cfg, layout, expected) for layout in layouts])
 
 

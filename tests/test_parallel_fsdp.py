@@ -4,8 +4,8 @@ like one process (float32, 3 steps).
 The parent process trains the tiny MoE model on every micro-batch of each global step (gradient clipping,
 router-bias updates from the summed expert load). Each rank then builds the same model, applies
 `apply_parallelism` for a layout, trains on its data-parallel share of the same steps with the trainer's loss
-weighting, and compares the step losses and every final weight and router bias with the parent's. The optimizer is
-SGD with momentum (see `make_optimizer`).
+weighting, and compares the step losses and every final weight and router bias with the parent's (the loops:
+tests/parallel_training.py).
 """
 
 from __future__ import annotations
@@ -16,78 +16,25 @@ import torch.distributed as dist
 
 from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from moela.model import build_model
-from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
+from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.config import ParallelConfig
 from moela.parallel.expert_parallel import ExpertParallelExperts
 from parallel_harness import spawn
+from parallel_training import full_state, train_parallel, train_single_process
 
-STEPS, LR, CLIP = 3, 0.2, 1.0  # the first step's gradient norm is ~2.1: clipping is exercised
-
-
-def make_optimizer(model):
-    """SGD with momentum: unlike Adam it is not invariant to a per-parameter gradient scale, so a wrong reduction
-    factor (e.g. for expert weights) changes the result."""
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
-
-
-def train_single_process(cfg, dp_size: int, device: str = "cpu"):
-    torch.manual_seed(0)
-    model = build_model(cfg, device)
-    opt = make_optimizer(model)
-    losses = []
-    for step in range(STEPS):
-        batches = random_batches(dp_size, seed=100 + step)
-        total = sum(b.num_targets() for b in batches)
-        step_loss, load = 0.0, 0.0
-        for b in batches:
-            out = model(b.to(device))
-            (out.loss * (out.num_targets / total)).backward()
-            step_loss += out.loss.item() * out.num_targets / total
-            load = load + out.expert_load
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_bias(load)
-        losses.append(step_loss)
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
-def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, device: str = "cpu"):
-    mesh = build_mesh(pcfg, world_size, torch.device(device).type)
-    torch.manual_seed(0)
-    model = apply_parallelism(build_model(cfg, device), mesh, pcfg, mixed_precision=False)
-    opt = make_optimizer(model)
-    losses = []
-    for step in range(STEPS):
-        batches = random_batches(mesh.size("dp"), seed=100 + step)
-        total = sum(b.num_targets() for b in batches)
-        out = model(batches[mesh.rank("dp")].to(device))
-        (out.loss * (out.num_targets * mesh.size("dp_cp") / total)).backward()
-        step_loss = torch.tensor([out.loss.item() * out.num_targets / total], device=device)
-        dist.all_reduce(step_loss, group=mesh.group("dp_cp"))
-        clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_bias(reduce_expert_load(out.expert_load.clone(), mesh))
-        losses.append(step_loss.item())
-    return model, losses
-
-
-def full_state(model) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-            for k, v in model.state_dict().items()}
+STEPS = 3
 
 
 def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
-    for cfg, layout, (ref_losses, ref_state) in cases:
+    for cfg, layout, (ref_losses, _, ref_state) in cases:
         pcfg = ParallelConfig(**layout)
-        model, losses = train_parallel(cfg, pcfg, world_size, f"cuda:{rank}" if device == "cuda" else device)
+        model, losses, _, state = train_parallel(cfg, pcfg, world_size, STEPS,
+                                                 device=f"cuda:{rank}" if device == "cuda" else device)
         if pcfg.ep > 1:
             experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
             assert len(experts) == 3 and experts[0].w13.to_local().shape[0] < cfg.n_routed_experts, layout
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, layout=layout: f"{layout}: {m}")
-        state = full_state(model)
         assert state.keys() == ref_state.keys(), layout
         for name, value in ref_state.items():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6,
@@ -106,7 +53,7 @@ def test_parallel_training_matches_single_process(world_size, layouts):
     for layout in layouts:  # the reference depends only on how many data-parallel shares a step has
         dp_size = world_size // layout.get("cp", 1)
         if dp_size not in expected:
-            expected[dp_size] = train_single_process(cfg, dp_size)
+            expected[dp_size] = train_single_process(cfg, dp_size, STEPS)
             assert all(0.0 < loss < 20.0 for loss in expected[dp_size][0])
     spawn(_run, world_size, [(cfg, layout, expected[world_size // layout.get("cp", 1)]) for layout in layouts])
 
@@ -116,7 +63,7 @@ def test_parallel_training_matches_single_process(world_size, layouts):
 def test_parallel_training_matches_single_process_on_two_gpus():
     """The same equality over NCCL (float32, reference kernels): FSDP2 alone and with EP=2."""
     cfg = tiny_config(**VISIBLE_TRAINING)
-    expected = train_single_process(cfg, 2, "cuda")
+    expected = train_single_process(cfg, 2, STEPS, device="cuda")
     spawn(_run, 2, [(cfg, dict(), expected), (cfg, dict(ep=2), expected)], "cuda", backend="nccl")
 
 
@@ -145,7 +92,7 @@ def _mixed_precision(rank: int, world_size: int, cfg, ref_loss: float) -> None:
 
 def test_mixed_precision_gathers_bf16_keeps_fp32_inputs_and_grads():
     cfg = tiny_config(**VISIBLE_TRAINING)
-    ref_losses, _ = train_single_process(cfg, 2)
+    ref_losses = train_single_process(cfg, 2, STEPS)[0]
     spawn(_mixed_precision, 2, cfg, ref_losses[0])
 
 

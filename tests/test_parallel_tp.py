@@ -7,7 +7,8 @@ each global step: gradient clipping, SGD with momentum (not invariant to a per-p
 reduction factor shows), router-bias updates from the summed expert load. Each rank builds the same model, applies
 `apply_parallelism` for a layout, trains on its data-parallel share with the trainer's loss weighting, and compares
 the step losses, every parameter's gradient after the first backward, and every weight and router bias at the end
-with the parent's; then the logits it returns (`return_logits`) with a single-process model of its weights.
+with the parent's (the loops: tests/parallel_training.py); then the logits it returns (`return_logits`) with a
+single-process model of its weights.
 Tolerances: losses 1e-5 relative, gradients and weights 1e-4 relative + 1e-6 absolute (sums in another order; the
 values are O(1e-1)). Micro-batches hold 2-4 documents of odd lengths, so most need padding to a multiple of tp.
 """
@@ -21,71 +22,21 @@ import torch.distributed as dist
 from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from moela.config import ConfigError, load_config
 from moela.model import build_model
-from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
+from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.apply import apply_fal_streams
 from moela.parallel.config import ParallelConfig, tensor_parallel_errors
 from parallel_harness import spawn
+from parallel_training import full, train_parallel, train_single_process
 
-STEPS, LR, CLIP, VOCAB = 2, 0.2, 1.0, 96  # vocabulary divisible by tp
+STEPS, VOCAB = 2, 96  # vocabulary divisible by tp
 
 
 def config(**overrides):
     return tiny_config(**{**VISIBLE_TRAINING, "vocab_size": VOCAB, **overrides})
 
 
-def make_optimizer(model):
-    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
-
-
-def train_single_process(cfg, dp_size: int, device: str = "cpu"):
-    torch.manual_seed(0)
-    model = build_model(cfg, device)
-    opt = make_optimizer(model)
-    losses, grads = [], None
-    for step in range(STEPS):
-        batches = random_batches(dp_size, seed=100 + step, vocab=VOCAB)
-        total = sum(b.num_targets() for b in batches)
-        step_loss, load = 0.0, 0.0
-        for b in batches:
-            out = model(b.to(device))
-            (out.loss * (out.num_targets / total)).backward()
-            step_loss += out.loss.item() * out.num_targets / total
-            load = load + out.expert_load
-        if grads is None:
-            grads = {k: full(p.grad) for k, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_bias(load)
-        losses.append(step_loss)
-    return losses, grads, {k: full(v) for k, v in model.state_dict().items()}
-
-
-def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, device: str = "cpu"):
-    mesh = build_mesh(pcfg, world_size, torch.device(device).type)
-    torch.manual_seed(0)
-    model = apply_parallelism(build_model(cfg, device), mesh, pcfg, mixed_precision=False)
-    opt = make_optimizer(model)
-    losses, grads = [], None
-    for step in range(STEPS):
-        batches = random_batches(mesh.size("dp"), seed=100 + step, vocab=VOCAB)
-        total = sum(b.num_targets() for b in batches)
-        out = model(batches[mesh.rank("dp")].to(device))
-        (out.loss * (out.num_targets * mesh.size("dp_cp") / total)).backward()
-        step_loss = torch.tensor([out.loss.item() * out.num_targets / total], device=device)
-        dist.all_reduce(step_loss, group=mesh.group("dp_cp"))
-        if grads is None:
-            grads = {k: full(p.grad) for k, p in model.named_parameters()}
-        clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_router_bias(reduce_expert_load(out.expert_load.clone(), mesh))
-        losses.append(step_loss.item())
-    return model, losses, grads, {k: full(v) for k, v in model.state_dict().items()}
+def reference(cfg, dp_size: int, device: str = "cpu"):
+    return train_single_process(cfg, dp_size, STEPS, vocab=VOCAB, device=device, record_grads=True)
 
 
 def check_logits(model, cfg, state: dict, device: str) -> None:
@@ -104,7 +55,7 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
         what = f"{layout} {overrides}"
         device = f"cuda:{rank}" if device == "cuda" else device
         model, losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size,
-                                                     device)
+                                                     STEPS, vocab=VOCAB, device=device, record_grads=True)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, what=what: f"{what}: {m}")
         assert grads.keys() == ref_grads.keys() and state.keys() == ref_state.keys(), what
@@ -132,7 +83,7 @@ def test_tensor_parallel_training_matches_single_process(world_size):
     cases = []
     for overrides, layout in CASES[world_size]:
         dp_size = world_size // layout.get("tp", 1) // layout.get("cp", 1)
-        expected = train_single_process(config(**overrides), dp_size)
+        expected = reference(config(**overrides), dp_size)
         assert all(0.0 < loss < 20.0 for loss in expected[0])
         cases.append((overrides, layout, expected))
     spawn(_run, world_size, cases)
@@ -144,7 +95,7 @@ def test_tensor_parallel_training_matches_single_process_on_two_gpus():
     """The same equality over NCCL (float32, reference kernels): tp=2 with FAL blocks and layer QK-Norm (the
     scalar exchange as an NCCL all-reduce)."""
     overrides = dict(block="fal", qk_norm="layer", z_loss_coef=1e-2)
-    expected = train_single_process(config(**overrides), 1, "cuda")
+    expected = reference(config(**overrides), 1, "cuda")
     spawn(_run, 2, [(overrides, dict(tp=2), expected)], "cuda", backend="nccl")
 
 
