@@ -36,13 +36,18 @@ def full_states(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def build(layout: dict | None, world_size: int, seed: int):
+def build_model_and_adamw(cfg, layout: dict | None, world_size: int, seed: int):
+    """The model of `cfg` seeded with `seed`, parallelized under `layout` (None: one process), and its AdamW."""
     torch.manual_seed(seed)
-    model = build_model(tiny_config(**VISIBLE_TRAINING), "cpu")
+    model = build_model(cfg, "cpu")
     if layout is not None:
         pcfg = ParallelConfig(**layout)
         model = apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def build(layout: dict | None, world_size: int, seed: int):
+    return build_model_and_adamw(tiny_config(**VISIBLE_TRAINING), layout, world_size, seed)
 
 
 def load_into(model, optimizer, path: str) -> None:
@@ -52,9 +57,14 @@ def load_into(model, optimizer, path: str) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _save(rank: int, world_size: int, path: str, expected_file: str) -> None:
-    model, opt = build(dict(ep=2), world_size, seed=0)
-    out = model(random_batches(world_size, seed=7)[rank])
+def ep_batch(rank: int, world_size: int):
+    """Each data-parallel rank trains on its own micro-batch."""
+    return random_batches(world_size, seed=7)[rank]
+
+
+def _save(rank: int, world_size: int, build_fn, layout: dict, batch_fn, path: str, expected_file: str) -> None:
+    model, opt = build_fn(layout, world_size, seed=0)
+    out = model(batch_fn(rank, world_size))
     out.loss.backward()
     opt.step()
     opt.zero_grad()
@@ -75,19 +85,28 @@ def check_loaded(model, opt, expected_file: str) -> None:
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _load(rank: int, world_size: int, path: str, expected_file: str) -> None:
-    for layout in (dict(ep=4), dict(ep=2, activation_checkpointing="full")):  # ep=2: experts also FSDP-sharded
-        model, opt = build(layout, world_size, seed=1)
+def _load(rank: int, world_size: int, build_fn, layouts: list[dict], path: str, expected_file: str) -> None:
+    for layout in layouts:
+        model, opt = build_fn(layout, world_size, seed=1)
         load_into(model, opt, path)
         check_loaded(model, opt, expected_file)
         dist.barrier()
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the 1-process load, on purpose
-def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(tmp_path):
+def resharded_roundtrip(tmp_path, build_fn, save_layout: dict, batch_fn, load_layouts: list[dict]) -> None:
+    """Train one step and save on 2 ranks under `save_layout`, then load in 1 process and on 4 ranks under each of
+    `load_layouts`, each load checked against the saved full tensors. build_fn(layout or None, world_size, seed)
+    -> (model, AdamW); batch_fn(rank, world_size) -> that rank's micro-batch."""
     path, expected_file = str(tmp_path / "step-1"), str(tmp_path / "expected.pt")
-    spawn(_save, 2, path, expected_file)
-    model, opt = build(None, 1, seed=1)
+    spawn(_save, 2, build_fn, save_layout, batch_fn, path, expected_file)
+    model, opt = build_fn(None, 1, seed=1)
     load_into(model, opt, path)
     check_loaded(model, opt, expected_file)
-    spawn(_load, 4, path, expected_file)
+    spawn(_load, 4, build_fn, load_layouts, path, expected_file)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the 1-process load, on purpose
+def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(tmp_path):
+    # ep=2 on 4 ranks: experts also FSDP-sharded
+    resharded_roundtrip(tmp_path, build, dict(ep=2), ep_batch,
+                        [dict(ep=4), dict(ep=2, activation_checkpointing="full")])
