@@ -133,27 +133,26 @@ def _check(*tensors: torch.Tensor) -> None:
                              f"{t.stride()}")
 
 
-def sum_squares(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [T, Nq], k [T, Nk] -> [T, 2] float32: each token's sum of squares of its q and of its k columns."""
-    _check(q, k)
+def _row_stats(q, k, gq, gk, wq, wk, product: bool) -> torch.Tensor:
+    """[T, 2] float32 per-token sums over the q and the k columns: of x^2, or of g * w * x when `product`."""
+    _check(q, k, gq, gk)
     t = q.shape[0]
     out = torch.empty(t, 2, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(t, BLOCK_T),)
-    _qk_rms_norm_stats_kernel[grid](q, k, q, k, q, k, out, t, q.shape[1], k.shape[1], q.stride(0), k.stride(0),
-                                    q.stride(0), k.stride(0), PRODUCT=False, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
+    _qk_rms_norm_stats_kernel[(triton.cdiv(t, BLOCK_T),)](
+        q, k, gq, gk, wq, wk, out, t, q.shape[1], k.shape[1], q.stride(0), k.stride(0), gq.stride(0), gk.stride(0),
+        PRODUCT=product, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
     return out
+
+
+def sum_squares(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [T, Nq], k [T, Nk] -> [T, 2] float32: each token's sum of squares of its q and of its k columns."""
+    return _row_stats(q, k, q, k, q, k, product=False)  # g and w unused (pointers only)
 
 
 def grad_dot(gq: torch.Tensor, q: torch.Tensor, wq: torch.Tensor, gk: torch.Tensor, k: torch.Tensor,
              wk: torch.Tensor) -> torch.Tensor:
     """[T, 2] float32: each token's sum of g * w * x over its q and over its k columns."""
-    _check(q, k, gq, gk)
-    t = q.shape[0]
-    out = torch.empty(t, 2, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(t, BLOCK_T),)
-    _qk_rms_norm_stats_kernel[grid](q, k, gq, gk, wq, wk, out, t, q.shape[1], k.shape[1], q.stride(0), k.stride(0),
-                                    gq.stride(0), gk.stride(0), PRODUCT=True, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N)
-    return out
+    return _row_stats(q, k, gq, gk, wq, wk, product=True)
 
 
 def normalize(q: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, ss: torch.Tensor, eps: float,
