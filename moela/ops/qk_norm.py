@@ -33,13 +33,11 @@ import torch
 import torch.distributed as dist
 
 from moela.ops.backends import QK_NORM_BACKENDS
+from moela.ops.collectives import all_gather_single, reduce_scatter_single
 from moela.ops.dispatch import Dispatch
 from moela.ops.small_all_reduce import sum_over_ranks, sum_small
 
 DISPATCH = Dispatch("qk_rms_norm", QK_NORM_BACKENDS, needs="triton")
-# torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _world(group) -> int:
@@ -66,7 +64,7 @@ class _GatherColumns(torch.autograd.Function):
         ctx.group = group
         world, t = dist.get_world_size(group), x.shape[0]
         out = x.new_empty((world * t,) + tuple(x.shape[1:]))  # [world * T, N], rank-major
-        _all_gather(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out.view(world, t, -1).permute(1, 0, 2).reshape(t, -1)  # [T, world * N]
 
     @staticmethod
@@ -74,7 +72,7 @@ class _GatherColumns(torch.autograd.Function):
         world, t = dist.get_world_size(ctx.group), grad.shape[0]
         blocks = grad.reshape(t, world, -1).permute(1, 0, 2).reshape(world * t, -1).contiguous()  # [world * T, N]
         out = grad.new_empty((t, blocks.shape[1]))  # [T, N]
-        _reduce_scatter(out, blocks, group=ctx.group)
+        reduce_scatter_single(out, blocks, group=ctx.group)
         return out, None
 
 

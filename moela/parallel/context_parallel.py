@@ -42,12 +42,9 @@ import torch.nn as nn
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.layers import BatchPart
+from moela.ops.collectives import all_gather_single, reduce_scatter_single
 from moela.ops.small_all_reduce import sum_over_ranks
 from moela.parallel.cp_plan import AttentionPass, attention_passes, make_plan, shard_batch, shard_tokens
-
-# torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -58,14 +55,14 @@ class _GatherTokens(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))  # [cp*T_loc, ...]
-        _all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
-        _reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None
 
 

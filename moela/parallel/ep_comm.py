@@ -29,13 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from moela.ops.collectives import all_gather_single, reduce_scatter_single
+
 # every expert-parallel collective is launched inside a profiler range named PROFILE_PREFIX + kind, so a profile
 # can tell its kernels from FSDP's (bench/scaling.py's `ep` share)
 PROFILE_PREFIX = "moela.ep."
-
-# torch >= 2.13 names the single-tensor collectives *_single and deprecates the older names; same signatures
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Handle:
@@ -56,9 +54,9 @@ def _issue(kind: str, x: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     with record_function(f"{PROFILE_PREFIX}{kind}"):
         if kind == "gather":
             out = x.new_empty((ep * x.shape[0],) + tuple(x.shape[1:]))
-            return out, _all_gather_single(out, x, group=group, async_op=True)
+            return out, all_gather_single(out, x, group=group, async_op=True)
         out = x.new_empty((x.shape[0] // ep,) + tuple(x.shape[1:]))
-        return out, _reduce_scatter_single(out, x, group=group, async_op=True)
+        return out, reduce_scatter_single(out, x, group=group, async_op=True)
 
 
 _BACKWARD = {"gather": "scatter", "scatter": "gather"}
