@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moela.ops.backends import QK_NORM_BACKENDS
-from moela.ops.collectives import all_gather_single, reduce_scatter_single
+from moela.ops.collectives import gather_tokens
 from moela.ops.dispatch import Dispatch
 from moela.ops.small_all_reduce import sum_over_ranks, sum_small
 
@@ -56,24 +56,10 @@ def qk_rms_norm_reference(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tens
     return (qf * rq * q_weight.float()).to(q.dtype), (kf * rk * k_weight.float()).to(k.dtype)
 
 
-class _GatherColumns(torch.autograd.Function):
-    """[T, N] per rank -> [T, N * world] (rank-major columns); backward: reduce-scatter of the column blocks."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        world, t = dist.get_world_size(group), x.shape[0]
-        out = x.new_empty((world * t,) + tuple(x.shape[1:]))  # [world * T, N], rank-major
-        all_gather_single(out, x.contiguous(), group=group)
-        return out.view(world, t, -1).permute(1, 0, 2).reshape(t, -1)  # [T, world * N]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        world, t = dist.get_world_size(ctx.group), grad.shape[0]
-        blocks = grad.reshape(t, world, -1).permute(1, 0, 2).reshape(world * t, -1).contiguous()  # [world * T, N]
-        out = grad.new_empty((t, blocks.shape[1]))  # [T, N]
-        reduce_scatter_single(out, blocks, group=ctx.group)
-        return out, None
+def _gather_columns(x: torch.Tensor, group) -> torch.Tensor:
+    """[T, N] per rank -> [T, N * world] (rank-major column blocks), differentiable (backward: reduce-scatter)."""
+    world, t = dist.get_world_size(group), x.shape[0]
+    return gather_tokens(x, group).view(world, t, -1).permute(1, 0, 2).reshape(t, -1)
 
 
 def qk_rms_norm_allgather(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -81,8 +67,8 @@ def qk_rms_norm_allgather(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tens
     """The standard formulation: all-gather q and k over the heads, RMSNorm the full rows (the weights gathered
     too), keep this rank's columns."""
     rank, n_q, n_k = dist.get_rank(group), q.shape[-1], k.shape[-1]
-    both = _GatherColumns.apply(torch.cat((q, k), dim=-1), group)  # [T, world * (Nq + Nk)]
-    weights = _GatherColumns.apply(torch.cat((q_weight, k_weight))[None], group)[0]  # [world * (Nq + Nk)]
+    both = _gather_columns(torch.cat((q, k), dim=-1), group)  # [T, world * (Nq + Nk)]
+    weights = _gather_columns(torch.cat((q_weight, k_weight))[None], group)[0]  # [world * (Nq + Nk)]
     t, world = q.shape[0], _world(group)
     both = both.view(t, world, n_q + n_k)
     weights = weights.view(world, n_q + n_k)

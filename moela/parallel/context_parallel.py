@@ -42,33 +42,9 @@ import torch.nn as nn
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.layers import BatchPart
-from moela.ops.collectives import all_gather_single, reduce_scatter_single
+from moela.ops.collectives import gather_tokens
 from moela.ops.small_all_reduce import sum_over_ranks
 from moela.parallel.cp_plan import AttentionPass, attention_passes, make_plan, shard_batch, shard_tokens
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather along dim 0 (rank-major) in forward; reduce-scatter (sum) of the gradient in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        world = dist.get_world_size(group)
-        out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))  # [cp*T_loc, ...]
-        all_gather_single(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        world = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))  # [T_loc, ...]
-        reduce_scatter_single(out, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None
-
-
-def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """[T_loc, ...] on each rank -> [cp*T_loc, ...] rank-major on every rank, differentiable."""
-    return _GatherTokens.apply(x, group)
 
 
 def cp_attention(q, k, v, passes: list[AttentionPass], group, attention, *, causal=True, softmax_scale=None,

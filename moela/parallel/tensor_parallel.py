@@ -55,11 +55,10 @@ from torch.distributed.tensor.parallel import (
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.layers import BatchPart, attend_locally
 from moela.model.moe import MoE
-from moela.ops.collectives import reduce_scatter_single
+from moela.ops.collectives import gather_tokens, reduce_scatter_single
 from moela.ops.loss import cross_entropy
 from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather
 from moela.parallel.config import tensor_parallel_errors
-from moela.parallel.context_parallel import gather_tokens
 from moela.parallel.fsdp import transformer_blocks
 from moela.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
