@@ -7,7 +7,7 @@ log, -inf for a query that sees no key). The backward's preprocess computes `del
 only place the lse gradient enters); then one program per key block accumulates dk and dv over query blocks and one
 per query block accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but
 needs no atomics: gradients are deterministic. A fused backward (scores once, dq through fp32 atomics) measured
-1.4-3x slower on an H200 and was removed (bench/notes/attention.md).
+1.4-3x slower than the split one on an H200 in the same run (bench/results/attention.md) and was removed.
 
 Programs are launched over a work list (triton_worklist.py): every document's blocks, costliest first, heads
 fastest, so packed batches of short documents launch no empty programs and the longest blocks start first; the
