@@ -6,7 +6,8 @@ Each step: the loss of every micro-batch weighted by its share of the step's tar
 momentum (unlike Adam it is not invariant to a per-parameter gradient scale, so a wrong reduction factor, e.g. for
 expert weights, changes the result), and the router-bias update from the summed expert load. Both return the step
 losses, every parameter's gradient after the first backward (when asked) and the final weights and router biases,
-unsharded on the CPU.
+unsharded on the CPU. `meta_init` is torchtitan's order for models too large for one device (build on meta,
+parallelize, `to_empty`, `init_weights`) with the checks of the initial weights both layouts' tests make.
 """
 
 from __future__ import annotations
@@ -85,3 +86,25 @@ def train_parallel(cfg, pcfg: ParallelConfig, world_size: int, steps: int, *, vo
         model.update_router_bias(reduce_expert_load(out.expert_load.clone(), mesh))
         losses.append(step_loss.item())
     return model, losses, grads, full_state(model)
+
+
+def meta_init(cfg, pcfg: ParallelConfig, world_size: int, rel_std_tol: float):
+    """Build on meta, parallelize under `pcfg`, materialize and initialize; asserts norms at 1, router biases at 0
+    and every matrix's std within `rel_std_tol` of `initializer_range` -> (model, its full initial state)."""
+    from moela.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    state = full_state(model)
+    for name, value in state.items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif name.endswith("e_score_correction_bias"):
+            assert torch.equal(value, torch.zeros_like(value)), name
+        else:  # every matrix ~ N(0, initializer_range)
+            assert abs(value.std().item() / cfg.initializer_range - 1) < rel_std_tol, name
+    return model, state

@@ -26,7 +26,7 @@ from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.apply import apply_fal_streams
 from moela.parallel.config import ParallelConfig, tensor_parallel_errors
 from parallel_harness import spawn
-from parallel_training import full, train_parallel, train_single_process
+from parallel_training import meta_init, train_parallel, train_single_process
 
 STEPS, VOCAB = 2, 96  # vocabulary divisible by tp
 
@@ -127,23 +127,7 @@ def test_fal_streams_train_like_one_stream(moe):
 
 
 def _meta_build(rank: int, world_size: int) -> None:
-    from moela.model.transformer import Transformer
-
-    cfg, pcfg = config(block="fal", qk_norm="layer"), ParallelConfig(tp=2)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    apply_parallelism(model, build_mesh(pcfg, world_size, "cpu"), pcfg)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    for name, value in model.state_dict().items():
-        value = full(value)
-        if name.endswith("norm.weight"):
-            assert torch.equal(value, torch.ones_like(value)), name
-        elif name.endswith("e_score_correction_bias"):
-            assert torch.equal(value, torch.zeros_like(value)), name
-        else:
-            assert abs(value.std().item() / cfg.initializer_range - 1) < 0.25, name
+    model, _ = meta_init(config(block="fal", qk_norm="layer"), ParallelConfig(tp=2), world_size, rel_std_tol=0.25)
     out = model(random_batches(1, seed=3, vocab=VOCAB)[0])
     out.loss.backward()
     assert torch.isfinite(out.loss) and 0.0 < out.loss.item() < 20.0
