@@ -12,6 +12,8 @@ out-of-memory error ends only its row:
   impls     moela         the trainer's own step (`Trainer.train_step`), the recipe as configured (MTP on where it
                           is: small has depth 1)
             moela-nomtp   the same with MTP off: the row the peers are compared with
+            moela-graphs  moela with `train.cuda_graphs`: each micro-batch's forward + backward replayed as one
+                          CUDA graph (captured in the second warm-up step)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -61,7 +63,9 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nomtp", "titan-compile", "hf", "titan-eager")
+IMPLS = ("moela", "moela-graphs", "moela-nomtp", "titan-compile", "hf", "titan-eager")
+MOELA_IMPLS = {"moela": [], "moela-graphs": ["train.cuda_graphs=true"],
+               "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 RECIPES = ("bf16", "fp8_blockwise")
 STEPS = {"default": dict(warmup=3, steps=6, profile_steps=2, sync_steps=1),
          "quick": dict(warmup=2, steps=3, profile_steps=1, sync_steps=1)}
@@ -76,13 +80,12 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
     for impl in impls:
         for config in configs:
             c = CONFIGS[config]
-            for recipe in recipes if impl == "moela" else [r for r in recipes if r == "bf16"]:
+            for recipe in recipes if impl in ("moela", "moela-graphs") else [r for r in recipes if r == "bf16"]:
                 overrides = list(c["overrides"]) + [
                     f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",
                     "train.steps=1000", "train.eval_every=0", "checkpoint.every=0", "logging.progress_bar=never"]
-                if impl != "moela":
-                    overrides.append("model.num_nextn_predict_layers=0")
-                rows.append({"config": config, "impl": "moela" if impl == "moela-nomtp" else impl, "label": impl,
+                overrides += MOELA_IMPLS.get(impl, ["model.num_nextn_predict_layers=0"])
+                rows.append({"config": config, "impl": "moela" if impl in MOELA_IMPLS else impl, "label": impl,
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"], **counts})

@@ -12,6 +12,11 @@ filler document costs at most FILLER_DOC^2 / 2 per document, and nothing real ev
 padding changes no loss, gradient, balance loss or expert load. The document count still varies (cu_seqlens [N+1]):
 the model marks that dimension dynamic.
 
+Document padding (`pad_documents`): a CUDA graph replays fixed shapes, so the graphed step (`train.cuda_graphs`)
+also fixes N, appending empty documents (cu_seqlens repeating T) after the last one. An empty document holds no
+token: every kernel skips it (attention's work list gives it no block, a segment sum no row) and every per-document
+statistic weighs it 0. Empty documents are legal only there, at the end of a padded batch.
+
 Shapes: T tokens, N documents.
 """
 
@@ -37,8 +42,9 @@ class PackedBatch:
     targets_on_host: int | None = field(default=None, repr=False, compare=False)
     # None: every token is a document's. An int (possibly 0): the batch was padded to a fixed shape by `pad_batch`
     # and its last `filler_tokens` tokens are filler (no labels, outside every statistic); max_seqlen is then an
-    # upper bound of the longest document
-    filler_tokens: int | None = None
+    # upper bound of the longest document. A 0-d int64 device tensor in the graphed step's static batch (a host
+    # int would be frozen into the captured graph)
+    filler_tokens: int | torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +85,10 @@ class PackedBatch:
         if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t:
             raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu.tolist()}")
         lens = cu[1:] - cu[:-1]
-        if bool((lens <= 0).any()):
-            raise ValueError("cu_seqlens must be strictly increasing (no empty documents)")
+        real = lens.numel() - _trailing_empty(lens) if self.filler_tokens is not None else lens.numel()
+        if bool((lens[:real] <= 0).any()):
+            raise ValueError("cu_seqlens must be strictly increasing (no empty documents; a padded batch may end "
+                             "with empty ones, `pad_documents`)")
         if int(lens.max()) > self.max_seqlen or (self.filler_tokens is None and int(lens.max()) != self.max_seqlen):
             raise ValueError(f"max_seqlen={self.max_seqlen} but the longest document has {int(lens.max())} tokens")
 
@@ -119,3 +127,22 @@ def pad_batch(batch: PackedBatch, num_tokens: int, max_seqlen: int) -> PackedBat
         position_ids=torch.cat((batch.position_ids, positions.to(batch.position_ids.dtype))),  # [T_pad]
         cu_seqlens=torch.cat((batch.cu_seqlens, ends.to(batch.cu_seqlens.dtype))),  # [N + filler docs + 1]
         max_seqlen=max_seqlen, targets_on_host=targets, filler_tokens=fill)
+
+
+def _trailing_empty(lengths: torch.Tensor) -> int:
+    """How many of the last document lengths are 0."""
+    nonzero = torch.nonzero(lengths).flatten()
+    return lengths.numel() - (int(nonzero[-1]) + 1 if nonzero.numel() else 0)
+
+
+def pad_documents(batch: PackedBatch, num_docs: int) -> PackedBatch:
+    """`batch` (on the CPU, already padded by `pad_batch`) with empty documents appended up to exactly `num_docs`
+    documents (see the module docstring)."""
+    if batch.filler_tokens is None:
+        raise ValueError("pad_documents: pad the tokens first (pad_batch); an unpadded batch keeps its documents")
+    if batch.cu_seqlens.device.type != "cpu":
+        raise ValueError("pad_documents pads on the CPU, before the copy to the device")
+    if batch.num_docs > num_docs:
+        raise ValueError(f"pad_documents: the batch has {batch.num_docs} documents, more than {num_docs}")
+    extra = batch.cu_seqlens[-1:].expand(num_docs - batch.num_docs)  # [num_docs - N] copies of T
+    return replace(batch, cu_seqlens=torch.cat((batch.cu_seqlens, extra)))

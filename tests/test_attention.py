@@ -311,6 +311,7 @@ def test_triton_gpu_heads_times_documents_above_grid_y_limit():
     (256, 256, [700, 1300], [700, 1300], True, True, torch.bfloat16),
     (112, 72, [333, 1200], [333, 1200], True, False, torch.bfloat16),
     (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True, torch.bfloat16),
+    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True, False, torch.bfloat16),  # graphed-batch padding
 ])
 def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),

@@ -126,6 +126,7 @@ def _flash_or_skip():
     (192, 128, [5, 333, 1025], [5, 333, 1025], False, True),
     (192, 128, [1000, 3000], [3000, 4096], True, False),  # a longer k side: bottom-right
     (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True, True),  # empty and single-token documents
+    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True, False),  # a graphed batch's trailing padding
     (128, 128, [1024, 513, 7], [1024, 513, 7], True, False),
 ])
 def test_flash_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi):

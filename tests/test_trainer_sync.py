@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from factories import poison_steps, tiny_overrides
+from factories import graphed_on_cpu, poison_steps, tiny_overrides
 from moela.config import load_config
 from moela.trainer import Trainer, TrainingError
 from moela.trainer.optim import build_scheduler, param_groups
@@ -86,8 +86,13 @@ def host_reads():
             setattr(torch.Tensor, name, original)
 
 
-def test_a_non_logging_step_reads_nothing_and_a_logging_step_reads_once(tmp_path, cache_dir):
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "static-buffers"])
+def test_a_non_logging_step_reads_nothing_and_a_logging_step_reads_once(tmp_path, cache_dir, graphed):
+    """Also through the graphed step's static buffers (`train.cuda_graphs`, run eagerly here): what a capture
+    would record must not read the device either."""
     trainer = fused_trainer(make_cfg(tmp_path, cache_dir, "logging.log_every=4"))
+    if graphed:
+        graphed_on_cpu(trainer)
     trainer.train_step()  # step 1 logs
     with host_reads() as reads:
         rec2 = trainer.train_step()

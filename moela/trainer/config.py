@@ -74,6 +74,11 @@ class TrainConfig:
     # torch.compile each transformer block (attention + FFN + norms) and pad every micro-batch to
     # tokens_per_microbatch tokens, so the compiled blocks see one shape (moela.trainer.compile)
     compile: bool = False
+    # capture forward + backward of a micro-batch as a CUDA graph after the first optimizer step and replay it:
+    # the host launches one graph per micro-batch instead of every kernel (one GPU, no parallelism; pads
+    # micro-batches like `compile` and to a fixed document count; moela.trainer.cuda_graphs)
+    cuda_graphs: bool = False
+    graph_max_docs: int = 0  # documents per graphed micro-batch (0: twice the first micro-batch's, >= 64)
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 
     def validate(self) -> list[str]:
@@ -88,6 +93,12 @@ class TrainConfig:
             errors.append("eval_every / eval_batches: must be >= 0 (0 means only at the end / all batches)")
         if self.cpu_threads < 0:
             errors.append(f"cpu_threads: must be >= 0 (0 = torch default), got {self.cpu_threads}")
+        if self.graph_max_docs < 0:
+            errors.append(f"graph_max_docs: must be >= 0 (0 = chosen from the first micro-batch), got "
+                          f"{self.graph_max_docs}")
+        if self.cuda_graphs and self.device == "cpu":
+            errors.append("cuda_graphs: CUDA graphs need train.device=cuda (or auto on a GPU machine); set "
+                          "train.cuda_graphs=false on the CPU")
         if self.max_nonfinite_steps < 1:
             errors.append(f"max_nonfinite_steps: must be >= 1, got {self.max_nonfinite_steps}")
         if not self.run_dir:

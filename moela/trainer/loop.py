@@ -44,6 +44,7 @@ from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
+from moela.trainer.cuda_graphs import GraphedMicroBatch
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
@@ -138,6 +139,7 @@ class Trainer:
             compile_blocks(self.model)
             if self.mesh.size("cp") == 1:  # context parallelism splits batches itself
                 self.static_shapes = StaticShapes(cfg.train.tokens_per_microbatch, cfg.data.max_doc_len)
+        self.graphed = self._graphed_micro_batch()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.peak_flops = device_peak_flops(self.device, cfg.logging)
@@ -158,6 +160,27 @@ class Trainer:
         def parallelize(model):
             apply_parallelism(model, self.mesh, self.cfg.parallel, mixed_precision=self.autocast_dtype is not None)
         return build_model(self.cfg.model, self.device, parallelize=parallelize)
+
+    def _graphed_micro_batch(self) -> GraphedMicroBatch | None:
+        """`train.cuda_graphs`: the graphed forward + backward (one GPU, no parallelism), micro-batches padded to
+        one shape, gradients allocated once and kept (the graph accumulates into them)."""
+        cfg = self.cfg.train
+        if not cfg.cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            raise InputError(f"train.cuda_graphs needs a CUDA device, this run trains on {self.device.type}; set "
+                             f"train.cuda_graphs=false")
+        if self.env.world_size > 1:
+            raise InputError(f"train.cuda_graphs captures the step of one process on one GPU; this run has "
+                             f"{self.env.world_size} processes (FSDP / tensor / context / expert parallelism hooks "
+                             f"and collectives are not captured). Set train.cuda_graphs=false")
+        if self.static_shapes is None:
+            self.static_shapes = StaticShapes(cfg.tokens_per_microbatch, self.cfg.data.max_doc_len)
+        for p in self.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return GraphedMicroBatch(self.model, self.device, self._autocast, max_docs=cfg.graph_max_docs,
+                                 echo=self._echo)
 
     # ----------------------------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -262,15 +285,14 @@ class Trainer:
         sums = StepSums()
         load = None
         self.model.train()
+        if self.graphed is not None:
+            self.graphed.set_loss_scale(grad_scale / total_targets)
         for i, batch in enumerate(batches):
             _set_gradient_sync(self.model, i == len(batches) - 1)
-            batch = self._to_device(batch)
-            with self._autocast():
-                out = self.model(batch)
-            (out.loss * (out.num_targets * grad_scale / total_targets)).backward()
-            sums.add(out.loss, out.metrics, out.num_targets)
-            if out.expert_load is not None:
-                load = out.expert_load.detach().float() if load is None else load + out.expert_load.detach()
+            loss, metrics, num_targets, expert_load = self._forward_backward(batch, grad_scale / total_targets)
+            sums.add(loss, metrics, num_targets)
+            if expert_load is not None:  # a copy: a graph replay overwrites its outputs
+                load = expert_load.float().clone() if load is None else load + expert_load
         self._all_reduce(sums.sums, "dp_cp")
         means = sums.sums / total_targets  # [M] float64
         grad_norm = self._clip_grad_norm()
@@ -279,7 +301,7 @@ class Trainer:
         if load is not None:
             reduce_expert_load(load, self.mesh)
             self.model.update_router_bias(load, enabled=finite)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)  # graphed: the graph adds into these tensors
         self.scheduler.step()
         self.step += 1
         self.counters.update(finite)
@@ -303,6 +325,21 @@ class Trainer:
             self._last_end = time.perf_counter()
             self._set_time(record, self._last_end - t0)
         return record
+
+    def _forward_backward(self, batch: PackedBatch, loss_scale: float):
+        """Forward and backward of one host micro-batch, its loss weighted by `num_targets * loss_scale`; returns
+        (loss, metrics, num_targets, expert_load). Through the graphed step when there is one and the batch fits
+        it."""
+        if self.graphed is not None:
+            batch = self.static_shapes(batch)
+            if self.graphed.fits(batch):
+                return self.graphed(batch, self.step)
+            self.graphed.note_eager(batch)
+        batch = self._to_device(batch)
+        with self._autocast():
+            out = self.model(batch)
+        (out.loss * (out.num_targets * loss_scale)).backward()
+        return out.loss.detach(), out.metrics, out.num_targets, out.expert_load
 
     def logs_at(self, step: int) -> bool:
         """Whether optimizer step `step` writes a step line (and so reads the device's numbers)."""
@@ -473,7 +510,7 @@ class Trainer:
     def _to_device(self, batch: PackedBatch) -> PackedBatch:
         """A micro-batch on the training device, copied without waiting for the device (pinned host memory); padded
         to the run's one shape first when the blocks are compiled."""
-        if self.static_shapes is not None:
+        if self.static_shapes is not None and batch.filler_tokens is None:
             batch = self.static_shapes(batch)
         return batch.to(self.device, non_blocking=True)
 

@@ -1,0 +1,158 @@
+"""The graphed micro-batch (`train.cuda_graphs`): forward and backward of one micro-batch captured once as a CUDA
+graph and replayed for every later one, so the host launches one graph instead of thousands of kernels.
+
+Why: at the shipped `small` size the compiled step is host-bound - a 16k-token micro-batch's kernels take less
+time than the Python that launches them (bench/notes/step.md: the GPU computes during about half of the step).
+A replay costs the host a few microseconds whatever the graph holds.
+
+What makes the step capturable (each is a precondition a capture would otherwise break or silently freeze):
+- One shape: tokens are padded by `pad_batch` (the compile path already does), and the document count is fixed
+  too: `pad_documents` appends empty documents up to `max_docs`. `max_docs` is `train.graph_max_docs`, or (0) twice
+  the documents of the first micro-batch, rounded up to a power of two, at least 64 (the bundled corpus has 10-18
+  documents per 16k tokens). A micro-batch with more documents runs eagerly (same numbers, host-bound), and the
+  first such one is logged with the fix. Empty documents cost little: no attention block, a program that exits
+  at once in the kernels' grids.
+- No host value frozen into the graph: the batch lives in static device buffers that each micro-batch is copied
+  into (pinned, non-blocking); the labelled-token count is counted on the device (the static batch carries no
+  `targets_on_host`), the filler count is a device scalar, and the loss weight of the micro-batch
+  (`num_targets * grad_scale / total_targets`, a Python float in the eager step) multiplies a device scalar
+  that the trainer fills once per step (`set_loss_scale`).
+- No synchronization inside the step (tests/test_trainer_sync.py) and no lazy work left for the capture: the first
+  `warmup_steps` optimizer steps run the same function eagerly on the same static buffers, which compiles the
+  blocks, autotunes the Triton kernels and builds the flash-attn kernels for exactly these shapes.
+- Gradients accumulate into fixed tensors: they are allocated (zeros) before the first step and zeroed in place
+  after each optimizer step (`zero_grad(set_to_none=False)`), so the captured backward adds into the same memory
+  at every replay; the optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
+- Weights and buffers are updated in place (fused AdamW, the router bias `add_`), so the graph reads their current
+  values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`); attention's work
+  lists are rebuilt inside the graph (`triton_worklist`: the static cu_seqlens is rewritten before every capture).
+
+The replay's outputs (loss, metrics, target count, expert load) are the graph's own tensors, overwritten by the
+next replay: the trainer consumes or copies them before it (it does, on the same stream). The captured graph
+holds one micro-batch's activations in its private memory pool; the eager step's cached blocks are returned to
+the driver before the capture, so the peak stays that of one micro-batch.
+
+Scope: one process on one GPU (no FSDP, tensor, context or expert parallelism: their hooks and collectives are
+not captured here); `Trainer` rejects other layouts with an `InputError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from moela.batch import PackedBatch, pad_documents
+from moela.trainer.errors import TrainingError
+
+MIN_AUTO_DOCS = 64
+
+
+class GraphedMicroBatch:
+    """`__call__(batch, step)` runs forward + backward of a padded host micro-batch: eagerly on the static buffers
+    while `step < warmup_steps`, then through the captured graph; returns (loss, metrics, num_targets,
+    expert_load) as device tensors."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
+                 warmup_steps: int = 1, echo: Callable[[str], None] = print, capture: bool | None = None):
+        self.model, self.device, self.autocast, self.echo = model, device, autocast, echo
+        self.max_docs = max_docs  # 0: chosen by the first `fits` call
+        self.warmup_steps = max(1, warmup_steps)
+        # capture: False runs every micro-batch eagerly on the static buffers (the CPU tests of this bookkeeping)
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # filled once per step
+        self.static: PackedBatch | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs = None
+        self.replays = 0
+        self.eager_batches = 0  # micro-batches after the capture that did not fit the graph
+        self._warned = False
+
+    # ---------------------------------------------------------------------------------------------------------
+    def set_loss_scale(self, value: float) -> None:
+        """This step's `grad_scale / total_targets` (a fill kernel: no host wait)."""
+        self.loss_scale.fill_(value)
+
+    def fits(self, batch: PackedBatch) -> bool:
+        """Whether `batch` (padded tokens, on the host) fits the static buffers; the first call fixes their
+        document count (see the module docstring)."""
+        if not self.max_docs:
+            self.max_docs = max(MIN_AUTO_DOCS, _pow2(2 * batch.num_docs))
+        return batch.num_docs <= self.max_docs
+
+    def __call__(self, batch: PackedBatch, step: int):
+        """Forward + backward of `batch` (one that `fits`) on the static buffers: eagerly during the warm-up
+        steps, then by replaying the graph (captured at the first call after them)."""
+        self._load(batch)
+        if self.graph is None:
+            if step < self.warmup_steps or not self.capture:
+                return self._forward_backward()
+            self._capture()
+        self.graph.replay()
+        self.replays += 1
+        return self.outputs
+
+    def note_eager(self, batch: PackedBatch) -> None:
+        """A micro-batch with more than `max_docs` documents runs eagerly; the first one says so."""
+        self.eager_batches += 1
+        if not self._warned:
+            self._warned = True
+            self.echo(f"cuda_graphs: a micro-batch has {batch.num_docs} documents, more than the graph's "
+                      f"{self.max_docs}; such micro-batches run eagerly (slower, same result). Set "
+                      f"train.graph_max_docs={_pow2(batch.num_docs)} to graph them")
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _load(self, batch: PackedBatch) -> None:
+        """Copy `batch` into the static buffers (allocated at the first call). The copy bumps the version of the
+        static cu_seqlens, so no attention work list cached before a capture is reused inside it."""
+        batch = pad_documents(batch, self.max_docs)
+        if self.static is None:
+            self.static = _static_like(batch, self.device)
+        s = self.static
+        if s.input_ids.shape != batch.input_ids.shape:
+            raise ValueError(f"cuda_graphs: a micro-batch of {batch.num_tokens} tokens, the graph holds "
+                             f"{s.num_tokens} (micro-batches are padded to train.tokens_per_microbatch)")
+        for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+            getattr(s, name).copy_(_pinned(getattr(batch, name)), non_blocking=True)
+        s.filler_tokens.fill_(int(batch.filler_tokens))
+
+    def _forward_backward(self):
+        with self.autocast():
+            out = self.model(self.static)
+        (out.loss * (out.num_targets * self.loss_scale)).backward()
+        metrics = {k: v.detach() for k, v in out.metrics.items()}
+        return out.loss.detach(), metrics, out.num_targets, out.expert_load
+
+    def _capture(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-up's cached blocks back to the driver: the graph pool takes their place
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = self._forward_backward()
+        except Exception as e:  # noqa: BLE001 - any failure of the capture is reported the same way
+            raise TrainingError(
+                f"train.cuda_graphs: capturing the training micro-batch as a CUDA graph failed ({type(e).__name__}: "
+                f"{e}). An op of this configuration synchronizes with the host or is not capturable; set "
+                f"train.cuda_graphs=false to train without graphs") from e
+        self.graph = graph
+        self.echo(f"cuda_graphs: captured forward + backward of one micro-batch ({self.static.num_tokens} tokens, "
+                  f"up to {self.max_docs} documents); replaying it from now on")
+
+
+def _static_like(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    """Device buffers shaped like `batch` (host), with a device filler count and no host target count."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return replace(batch, input_ids=empty(batch.input_ids), labels=empty(batch.labels),
+                   position_ids=empty(batch.position_ids), cu_seqlens=empty(batch.cu_seqlens),
+                   targets_on_host=None, filler_tokens=torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if torch.cuda.is_available() and t.device.type == "cpu" else t
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,154 @@
+"""The graphed training step (`train.cuda_graphs`, moela.trainer.cuda_graphs).
+
+CPU: the bookkeeping a capture depends on - document padding (trailing empty documents change nothing the model
+computes), the static buffers with a device-side target count, filler count and loss scale, gradients kept and
+zeroed in place, replay outputs copied before reuse - runs eagerly (`capture=False`) and must train exactly like
+the plain step. GPU: the captured step against the compiled eager step (same losses within bf16 tolerance), no
+host synchronization in replayed steps, a micro-batch with more documents than the graph holds running eagerly,
+and a capture that fails naming the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import graphed_on_cpu, packed_batch, tiny_config, tiny_overrides
+from moela.batch import pad_batch, pad_documents
+from moela.config import ConfigError, load_config
+from moela.model import build_model
+from moela.trainer import Trainer
+
+TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
+GPU_MODEL = tiny_overrides(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                           num_hidden_layers=2, n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64,
+                           qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4)
+
+
+def test_pad_documents_appends_empty_documents_only_to_a_padded_batch():
+    b = pad_batch(packed_batch(97, [5, 9, 3], seed=1), 40, 16)
+    p = pad_documents(b, 9)
+    p.validate()
+    assert p.num_docs == 9 and p.num_tokens == 40 and p.targets_on_host == b.targets_on_host == 14
+    assert (p.cu_seqlens[1:] - p.cu_seqlens[:-1]).tolist() == [5, 9, 3, 16, 7, 0, 0, 0, 0]
+    assert pad_documents(b, b.num_docs).cu_seqlens.tolist() == b.cu_seqlens.tolist()
+    with pytest.raises(ValueError, match="more than 4"):
+        pad_documents(b, 4)
+    with pytest.raises(ValueError, match="pad the tokens first"):
+        pad_documents(packed_batch(97, [5, 9], seed=1), 4)
+    inner = p.cu_seqlens.clone()
+    inner[2] = inner[1]  # an empty document before real ones: not padding
+    with pytest.raises(ValueError, match="no empty documents"):
+        type(p)(p.input_ids, p.labels, p.position_ids, inner, p.max_seqlen, filler_tokens=p.filler_tokens).validate()
+
+
+def test_trailing_empty_documents_change_no_objective_gradient_or_statistic():
+    cfg = tiny_config(aux_loss_coef=1e-2, z_loss_coef=1e-3, attention_backend="reference",
+                      moe_backend="reference")
+    model = build_model(cfg)
+    padded = pad_batch(packed_batch(cfg.vocab_size, [5, 9, 3, 12], seed=5), 61, 24)
+    outs, grads = [], []
+    for batch in (padded, pad_documents(padded, 23)):
+        model.zero_grad()
+        out = model(batch)
+        out.loss.backward()
+        outs.append(out)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=0)
+    for key in outs[0].metrics:
+        torch.testing.assert_close(outs[1].metrics[key], outs[0].metrics[key], rtol=1e-6, atol=1e-9, msg=key)
+    assert torch.equal(outs[1].expert_load, outs[0].expert_load)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def make_cfg(run_dir, *extra):
+    return load_config(None, TINY_MODEL + [
+        f"train.run_dir={run_dir}", "data.max_doc_len=64", "data.val_max_tokens=256", "train.steps=6",
+        "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.cpu_threads=1", "train.eval_every=0",
+        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
+        "logging.progress_bar=never", "checkpoint.every=0", *extra])
+
+
+@pytest.mark.parametrize("max_docs", [0, 1])
+def test_the_static_buffer_step_trains_like_the_plain_step(tmp_path, max_docs):
+    """Six optimizer steps of two micro-batches: losses, gradient norms and weights equal the plain trainer's.
+    max_docs 1 sends every micro-batch (2+ documents of 128 tokens cut at 64) down the eager fallback instead."""
+    plain = Trainer(make_cfg(tmp_path / "a"))
+    graphed = Trainer(make_cfg(tmp_path / "b"))
+    g = graphed_on_cpu(graphed, max_docs)
+    grads = [p.grad for p in graphed.model.parameters()]
+    for _ in range(6):
+        rec, ref = graphed.train_step(), plain.train_step()
+        for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "expert_imbalance"):
+            assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (rec["step"], key)
+    assert all(p.grad is t for p, t in zip(graphed.model.parameters(), grads))  # kept and zeroed in place
+    assert all(not t.any() for t in grads)
+    for (name, p), q in zip(graphed.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    if max_docs:
+        assert g.eager_batches == 12 and g.static is None
+    else:
+        assert g.max_docs >= 64 and g.eager_batches == 0 and g.static.num_docs == g.max_docs
+        assert g.static.targets_on_host is None and isinstance(g.static.filler_tokens, torch.Tensor)
+
+
+def test_cuda_graphs_on_the_cpu_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cuda_graphs: CUDA graphs need train.device=cuda"):
+        make_cfg(tmp_path, "train.device=cpu", "train.cuda_graphs=true")
+    with pytest.raises(ConfigError, match="graph_max_docs: must be >= 0"):
+        make_cfg(tmp_path, "train.graph_max_docs=-1")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+def cuda_cfg(run_dir, *extra):
+    return load_config(None, GPU_MODEL + [
+        f"train.run_dir={run_dir}", "data.max_doc_len=256", "data.val_max_tokens=2048", "train.steps=100",
+        "train.tokens_per_microbatch=1024", "train.grad_accum=2", "train.eval_every=0", "train.device=cuda",
+        "train.compile=true", "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=100",
+        "logging.plot=false", "logging.progress_bar=never", "checkpoint.every=0", *extra])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moe_recipe", ["bf16", "fp8_blockwise"])
+def test_graphed_cuda_training_matches_the_compiled_step_without_syncs(tmp_path, moe_recipe):
+    plain = Trainer(cuda_cfg(tmp_path / "a", f"model.moe_recipe={moe_recipe}"))
+    graphed = Trainer(cuda_cfg(tmp_path / "b", f"model.moe_recipe={moe_recipe}", "train.cuda_graphs=true"))
+    for step in range(5):  # step 1 warms up eagerly, step 2 captures, then replays
+        rec, ref = graphed.train_step(), plain.train_step()
+        graphed._read_pending()  # the records' device values become numbers in place
+        plain._read_pending()
+        # bf16 autocast; the two runs differ only in the document padding and the order of a few reductions
+        assert rec["loss"] == pytest.approx(ref["loss"], rel=2e-2), step
+    assert graphed.graphed.graph is not None and graphed.graphed.replays == 2 * 3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            graphed.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphed.graphed.replays == 2 * 5
+    before = graphed.graphed.max_docs
+    big = pad_batch(packed_batch(4096, [3] * (before + 5), seed=2), 1024, 256)
+    assert not graphed.graphed.fits(big)
+    graphed.evaluate()  # eager, no graph; the graph still replays after it
+    graphed.train_step()
+    assert graphed.graphed.replays == 2 * 6
+
+
+@pytest.mark.gpu
+def test_a_step_that_synchronizes_fails_the_capture_with_the_fix(tmp_path, monkeypatch):
+    from moela.trainer import TrainingError
+
+    graphed = Trainer(cuda_cfg(tmp_path, "train.cuda_graphs=true", "train.compile=false"))
+    graphed.train_step()
+    model_forward = type(graphed.model).forward
+
+    def syncing_forward(self, batch, **kwargs):
+        out = model_forward(self, batch, **kwargs)
+        float(out.loss)  # a host read: not capturable
+        return out
+    monkeypatch.setattr(type(graphed.model), "forward", syncing_forward)
+    with pytest.raises(TrainingError, match="train.cuda_graphs=false"):
+        graphed.train_step()
