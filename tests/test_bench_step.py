@@ -358,25 +358,29 @@ def _step_module():
 
 
 def test_plan_rows_peers_bf16_only_and_mtp_off():
+    from moela.config import load_config
+
     step = _step_module()
     counts = dict(warmup=2, steps=1, profile_steps=0, sync_steps=0)
     specs = step.plan_rows(["small-16k", "small-64k"], list(step.IMPLS), ["bf16", "fp8_blockwise"], "cuda", counts,
                            "/tmp/r")
     labels = [(s["label"], s["config"][-3:], s["recipe"]) for s in specs]
     assert labels == [("moela", "16k", "bf16"), ("moela", "16k", "fp8_blockwise"), ("moela", "64k", "bf16"),
-                      ("moela", "64k", "fp8_blockwise"), ("moela-graphs", "16k", "bf16"),
-                      ("moela-graphs", "16k", "fp8_blockwise"), ("moela-graphs", "64k", "bf16"),
-                      ("moela-graphs", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
+                      ("moela", "64k", "fp8_blockwise"), ("moela-nographs", "16k", "bf16"),
+                      ("moela-nographs", "16k", "fp8_blockwise"), ("moela-nographs", "64k", "bf16"),
+                      ("moela-nographs", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
                       ("moela-nomtp", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        assert mtp_off == (s["label"] not in ("moela", "moela-graphs"))
-        assert ("train.cuda_graphs=true" in s["overrides"]) == (s["label"] == "moela-graphs")
+        assert mtp_off == (s["label"] not in ("moela", "moela-nographs"))
+        assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
-    from moela.config import load_config
+        cfg = load_config(s["recipe_path"], s["overrides"])
+        assert cfg.train.tokens_per_microbatch * cfg.train.grad_accum == 32768 or s["config"] == "small-64k"
+        assert cfg.train.cuda_graphs == (s["label"] != "moela-nographs")
 
     v2 = step.plan_rows(["v2lite6-64k"], ["moela"], ["bf16"], "cuda", counts, "/tmp/r")[0]
     cfg = load_config(v2["recipe_path"], v2["overrides"]).model

@@ -114,13 +114,13 @@ def cuda_cfg(run_dir, *extra):
 def test_graphed_cuda_training_matches_the_compiled_step_without_syncs(tmp_path, moe_recipe):
     plain = Trainer(cuda_cfg(tmp_path / "a", f"model.moe_recipe={moe_recipe}"))
     graphed = Trainer(cuda_cfg(tmp_path / "b", f"model.moe_recipe={moe_recipe}", "train.cuda_graphs=true"))
-    for step in range(5):  # step 1 warms up eagerly, step 2 captures, then replays
+    for step in range(5):  # steps 1-2 warm up eagerly, step 3 captures, then replays
         rec, ref = graphed.train_step(), plain.train_step()
         graphed._read_pending()  # the records' device values become numbers in place
         plain._read_pending()
         # bf16 autocast; the two runs differ only in the document padding and the order of a few reductions
         assert rec["loss"] == pytest.approx(ref["loss"], rel=2e-2), step
-    assert graphed.graphed.graph is not None and graphed.graphed.replays == 2 * 3
+    assert graphed.graphed.graph is not None and graphed.graphed.replays == 2 * 3  # steps 3-5
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -142,6 +142,7 @@ def test_a_step_that_synchronizes_fails_the_capture_with_the_fix(tmp_path, monke
     from moela.trainer import TrainingError
 
     graphed = Trainer(cuda_cfg(tmp_path, "train.cuda_graphs=true", "train.compile=false"))
+    graphed.train_step()
     graphed.train_step()
     model_forward = type(graphed.model).forward
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
-LOSS_IMPLS = ("moela", "moela-graphs", "moela-nomtp") + PEERS
+LOSS_IMPLS = ("moela", "moela-nographs", "moela-nomtp") + PEERS
 
 
 def _versions() -> str:
@@ -138,7 +138,7 @@ def _host_ops(rows: list[dict], top: int = 6) -> list[str]:
 
 
 def _display_order(rows: list[dict]) -> list[dict]:
-    """Config by config (in run order), then moela, moela-graphs, moela-nomtp and the peers, bf16 before fp8."""
+    """Config by config (in run order), then moela, moela-nographs, moela-nomtp and the peers, bf16 before fp8."""
     configs = list(dict.fromkeys(r["config"] for r in rows))
     impl_rank = {impl: i for i, impl in enumerate(LOSS_IMPLS)}
     return sorted(rows, key=lambda r: (configs.index(r["config"]), impl_rank.get(r["impl"], len(impl_rank)),

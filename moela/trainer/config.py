@@ -74,11 +74,13 @@ class TrainConfig:
     # torch.compile each transformer block (attention + FFN + norms) and pad every micro-batch to
     # tokens_per_microbatch tokens, so the compiled blocks see one shape (moela.trainer.compile)
     compile: bool = False
-    # capture forward + backward of a micro-batch as a CUDA graph after the first optimizer step and replay it:
+    # capture forward + backward of a micro-batch as a CUDA graph after two optimizer steps and replay it:
     # the host launches one graph per micro-batch instead of every kernel (one GPU, no parallelism; pads
     # micro-batches like `compile` and to a fixed document count; moela.trainer.cuda_graphs)
     cuda_graphs: bool = False
-    graph_max_docs: int = 0  # documents per graphed micro-batch (0: twice the first micro-batch's, >= 64)
+    # documents per graphed micro-batch (0: max of 64, one per 128 tokens, twice the first micro-batch's); a
+    # micro-batch with more runs eagerly, and the log says so
+    graph_max_docs: int = 0
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 
     def validate(self) -> list[str]:

@@ -7,19 +7,24 @@ A replay costs the host a few microseconds whatever the graph holds.
 
 What makes the step capturable (each is a precondition a capture would otherwise break or silently freeze):
 - One shape: tokens are padded by `pad_batch` (the compile path already does), and the document count is fixed
-  too: `pad_documents` appends empty documents up to `max_docs`. `max_docs` is `train.graph_max_docs`, or (0) twice
-  the documents of the first micro-batch, rounded up to a power of two, at least 64 (the bundled corpus has 10-18
-  documents per 16k tokens). A micro-batch with more documents runs eagerly (same numbers, host-bound), and the
-  first such one is logged with the fix. Empty documents cost little: no attention block, a program that exits
-  at once in the kernels' grids.
+  too: `pad_documents` appends empty documents up to `max_docs`. `max_docs` is `train.graph_max_docs`, or (0) the
+  largest of 64, one per 128 tokens (the filler documents of a padded batch never exceed that) and twice the first
+  micro-batch's documents rounded up to a power of two. The bundled corpus has 10-18 documents per 16k tokens, but a
+  150-step `small` run on the H200 met a micro-batch of 106 (short documents at an epoch boundary) when the rule
+  gave 64; hence the per-token floor. A micro-batch with more documents runs eagerly (same numbers, host-bound),
+  and the first such one is logged with the fix. Empty documents cost little: no attention block, a program that
+  exits at once in the kernels' grids.
 - No host value frozen into the graph: the batch lives in static device buffers that each micro-batch is copied
   into (pinned, non-blocking); the labelled-token count is counted on the device (the static batch carries no
   `targets_on_host`), the filler count is a device scalar, and the loss weight of the micro-batch
   (`num_targets * grad_scale / total_targets`, a Python float in the eager step) multiplies a device scalar
   that the trainer fills once per step (`set_loss_scale`).
 - No synchronization inside the step (tests/test_trainer_sync.py) and no lazy work left for the capture: the first
-  `warmup_steps` optimizer steps run the same function eagerly on the same static buffers, which compiles the
-  blocks, autotunes the Triton kernels and builds the flash-attn kernels for exactly these shapes.
+  `warmup_steps` (2) optimizer steps run the same function eagerly on the same static buffers, which compiles the
+  blocks, autotunes the Triton kernels and builds the flash-attn kernels for exactly these shapes. Two, not one:
+  Dynamo may compile a second variant of a block at step 2 (on the H200, `small` at 32k tokens with FP8 experts
+  recompiled a block when step 2 captured, and compiling inside a capture fails); after step 2 nothing recompiles
+  (bench/step.py counts it).
 - Gradients accumulate into fixed tensors: they are allocated (zeros) before the first step and zeroed in place
   after each optimizer step (`zero_grad(set_to_none=False)`), so the captured backward adds into the same memory
   at every replay; the optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
@@ -43,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from moela.batch import PackedBatch, pad_documents
+from moela.batch import FILLER_DOC, PackedBatch, pad_documents
 from moela.trainer.errors import TrainingError
 
 MIN_AUTO_DOCS = 64
@@ -55,7 +60,7 @@ class GraphedMicroBatch:
     expert_load) as device tensors."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
-                 warmup_steps: int = 1, echo: Callable[[str], None] = print, capture: bool | None = None):
+                 warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None):
         self.model, self.device, self.autocast, self.echo = model, device, autocast, echo
         self.max_docs = max_docs  # 0: chosen by the first `fits` call
         self.warmup_steps = max(1, warmup_steps)
@@ -78,7 +83,7 @@ class GraphedMicroBatch:
         """Whether `batch` (padded tokens, on the host) fits the static buffers; the first call fixes their
         document count (see the module docstring)."""
         if not self.max_docs:
-            self.max_docs = max(MIN_AUTO_DOCS, _pow2(2 * batch.num_docs))
+            self.max_docs = max(MIN_AUTO_DOCS, batch.num_tokens // FILLER_DOC, _pow2(2 * batch.num_docs))
         return batch.num_docs <= self.max_docs
 
     def __call__(self, batch: PackedBatch, step: int):
