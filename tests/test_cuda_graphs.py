@@ -153,3 +153,33 @@ def test_a_step_that_synchronizes_fails_the_capture_with_the_fix(tmp_path, monke
     monkeypatch.setattr(type(graphed.model), "forward", syncing_forward)
     with pytest.raises(TrainingError, match="train.cuda_graphs=false"):
         graphed.train_step()
+
+
+class _FakeGraph:
+    def __init__(self, log):
+        self.log = log
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def test_the_capture_waits_for_two_steps_of_this_process_also_after_a_resume(tmp_path, monkeypatch):
+    """The warm-up counts the optimizer steps this process ran, not the run's step: a resumed run has compiled
+    nothing yet, so capturing at its first step would compile inside the capture. The capture itself is replaced
+    by a stand-in that records when it happens (CPU)."""
+    trainer = Trainer(make_cfg(tmp_path / "a", "train.steps=3", "checkpoint.every=3"))
+    trainer.fit()
+    resumed = Trainer(make_cfg(tmp_path / "a", "train.steps=8"))
+    g = graphed_on_cpu(resumed)
+    g.capture = True
+    log = []
+
+    def fake_capture():
+        log.append(f"capture at step {g.steps}")
+        g.graph = _FakeGraph(log)
+        g.outputs = g._forward_backward()
+    monkeypatch.setattr(g, "_capture", fake_capture)
+    resumed._fit()
+    assert resumed.step == 8
+    # steps 4 and 5 (this process's first two) eager; step 6 captures (and replays), then replays
+    assert log == ["capture at step 3", "replay", "replay"] + ["replay"] * 4

@@ -18,7 +18,7 @@ What makes the step capturable (each is a precondition a capture would otherwise
   into (pinned, non-blocking); the labelled-token count is counted on the device (the static batch carries no
   `targets_on_host`), the filler count is a device scalar, and the loss weight of the micro-batch
   (`num_targets * grad_scale / total_targets`, a Python float in the eager step) multiplies a device scalar
-  that the trainer fills once per step (`set_loss_scale`).
+  that the trainer fills once per step (`start_step`).
 - No synchronization inside the step (tests/test_trainer_sync.py) and no lazy work left for the capture: the first
   `warmup_steps` (2) optimizer steps run the same function eagerly on the same static buffers, which compiles the
   blocks, autotunes the Triton kernels and builds the flash-attn kernels for exactly these shapes. Two, not one:
@@ -55,8 +55,9 @@ MIN_AUTO_DOCS = 64
 
 
 class GraphedMicroBatch:
-    """`__call__(batch, step)` runs forward + backward of a padded host micro-batch: eagerly on the static buffers
-    while `step < warmup_steps`, then through the captured graph; returns (loss, metrics, num_targets,
+    """`__call__(batch)` runs forward + backward of a padded host micro-batch: eagerly on the static buffers during
+    the first `warmup_steps` optimizer steps of this process (counted by `start_step`; a resumed run warms up again:
+    its kernels are not compiled yet), then through the captured graph; returns (loss, metrics, num_targets,
     expert_load) as device tensors."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
@@ -70,14 +71,17 @@ class GraphedMicroBatch:
         self.static: PackedBatch | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
+        self.steps = 0  # optimizer steps started in this process
         self.replays = 0
         self.eager_batches = 0  # micro-batches after the capture that did not fit the graph
         self._warned = False
 
     # ---------------------------------------------------------------------------------------------------------
-    def set_loss_scale(self, value: float) -> None:
-        """This step's `grad_scale / total_targets` (a fill kernel: no host wait)."""
-        self.loss_scale.fill_(value)
+    def start_step(self, loss_scale: float) -> None:
+        """A new optimizer step begins; its micro-batches' loss weight is `num_targets * loss_scale` (the scale
+        `grad_scale / total_targets` is written by a fill kernel: no host wait)."""
+        self.steps += 1
+        self.loss_scale.fill_(loss_scale)
 
     def fits(self, batch: PackedBatch) -> bool:
         """Whether `batch` (padded tokens, on the host) fits the static buffers; the first call fixes their
@@ -86,12 +90,12 @@ class GraphedMicroBatch:
             self.max_docs = max(MIN_AUTO_DOCS, batch.num_tokens // FILLER_DOC, _pow2(2 * batch.num_docs))
         return batch.num_docs <= self.max_docs
 
-    def __call__(self, batch: PackedBatch, step: int):
+    def __call__(self, batch: PackedBatch):
         """Forward + backward of `batch` (one that `fits`) on the static buffers: eagerly during the warm-up
         steps, then by replaying the graph (captured at the first call after them)."""
         self._load(batch)
         if self.graph is None:
-            if step < self.warmup_steps or not self.capture:
+            if self.steps <= self.warmup_steps or not self.capture:
                 return self._forward_backward()
             self._capture()
         self.graph.replay()

@@ -286,7 +286,7 @@ class Trainer:
         load = None
         self.model.train()
         if self.graphed is not None:
-            self.graphed.set_loss_scale(grad_scale / total_targets)
+            self.graphed.start_step(grad_scale / total_targets)
         for i, batch in enumerate(batches):
             _set_gradient_sync(self.model, i == len(batches) - 1)
             loss, metrics, num_targets, expert_load = self._forward_backward(batch, grad_scale / total_targets)
@@ -333,7 +333,7 @@ class Trainer:
         if self.graphed is not None:
             batch = self.static_shapes(batch)
             if self.graphed.fits(batch):
-                return self.graphed(batch, self.step)
+                return self.graphed(batch)
             self.graphed.note_eager(batch)
         batch = self._to_device(batch)
         with self._autocast():
