@@ -68,8 +68,9 @@ IMPLS = ("moela", "moela-nographs", "moela-nomtp", "titan-compile", "hf", "titan
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 RECIPES = ("bf16", "fp8_blockwise")
-STEPS = {"default": dict(warmup=3, steps=6, profile_steps=2, sync_steps=1),
-         "quick": dict(warmup=2, steps=3, profile_steps=1, sync_steps=1)}
+# warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
+STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
+         "quick": dict(warmup=3, steps=3, profile_steps=1, sync_steps=1)}
 
 
 def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: str, counts: dict,
