@@ -86,3 +86,29 @@ def graphed_on_cpu(trainer, max_docs: int = 0):
     trainer.graphed = GraphedMicroBatch(trainer.model, trainer.device, trainer._autocast, max_docs=max_docs,
                                         capture=False, echo=lambda line: None)
     return trainer.graphed
+
+
+def steps_without_sync(trainer, steps: int) -> dict:
+    """`steps` training steps of `trainer` on CUDA with `torch.cuda.set_sync_debug_mode("error")`: any host
+    synchronization inside them raises. Returns the last step's record."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            record = trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return record
+
+
+def two_micro_batch_cfg(run_dir, *extra):
+    """A CPU training recipe of a 2-layer tiny MoE: 128-token micro-batches, grad_accum 2, a line every step, 4 steps
+    (override `train.steps`)."""
+    from moela.config import load_config
+
+    return load_config(None, tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4,
+                                            q_lora_rank=16) + [
+        f"train.run_dir={run_dir}", "data.max_doc_len=64", "data.val_max_tokens=256", "train.steps=4",
+        "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.cpu_threads=1", "train.eval_every=0",
+        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
+        "logging.progress_bar=never", "checkpoint.every=0", *extra])

@@ -12,15 +12,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from factories import packed_batch, tiny_config, tiny_overrides
+from factories import packed_batch, steps_without_sync, tiny_config, tiny_overrides, two_micro_batch_cfg
 from moela.batch import FILLER_DOC, pad_batch
-from moela.config import load_config
 from moela.model import build_model
 from moela.trainer import Trainer
 from moela.trainer import loop as trainer_loop
 from moela.trainer.compile import compile_blocks
 
-TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
 # CUDA: a model whose every kernel path applies (the expert GEMMs need D and F multiples of 128)
 GPU_SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                  n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -94,11 +92,7 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
 
 
 def make_cfg(run_dir, *extra):
-    return load_config(None, TINY_MODEL + [
-        f"train.run_dir={run_dir}", "data.max_doc_len=64", "data.val_max_tokens=256", "train.steps=4",
-        "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.cpu_threads=1", "train.eval_every=0",
-        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
-        "logging.progress_bar=never", "checkpoint.every=0", *extra])
+    return two_micro_batch_cfg(run_dir, *extra)
 
 
 def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_step(tmp_path, monkeypatch):
@@ -157,13 +151,7 @@ def test_compiled_cuda_training_matches_eager_without_recompiles_or_syncs(tmp_pa
     eager.save()
     assert rec["loss"] == pytest.approx(ref["loss"], rel=2e-2)  # bf16 autocast, different fusion and padding
     graphs = counters["stats"]["unique_graphs"]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            compiled.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_sync(compiled, 3)
     assert counters["stats"]["unique_graphs"] == graphs
     compiled.evaluate()
     evaluated = counters["stats"]["unique_graphs"]

@@ -13,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import graphed_on_cpu, packed_batch, tiny_config, tiny_overrides
+from factories import graphed_on_cpu, packed_batch, steps_without_sync, tiny_config, tiny_overrides, two_micro_batch_cfg
 from moela.batch import pad_batch, pad_documents
 from moela.config import ConfigError, load_config
 from moela.model import build_model
 from moela.trainer import Trainer
 
-TINY_MODEL = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16)
 GPU_MODEL = tiny_overrides(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                            num_hidden_layers=2, n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64,
                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4)
@@ -63,11 +62,7 @@ def test_trailing_empty_documents_change_no_objective_gradient_or_statistic():
 
 
 def make_cfg(run_dir, *extra):
-    return load_config(None, TINY_MODEL + [
-        f"train.run_dir={run_dir}", "data.max_doc_len=64", "data.val_max_tokens=256", "train.steps=6",
-        "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.cpu_threads=1", "train.eval_every=0",
-        "schedule.warmup_steps=2", "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false",
-        "logging.progress_bar=never", "checkpoint.every=0", *extra])
+    return two_micro_batch_cfg(run_dir, "train.steps=6", *extra)
 
 
 @pytest.mark.parametrize("max_docs", [0, 1])
@@ -121,13 +116,7 @@ def test_graphed_cuda_training_matches_the_compiled_step_without_syncs(tmp_path,
         # bf16 autocast; the two runs differ only in the document padding and the order of a few reductions
         assert rec["loss"] == pytest.approx(ref["loss"], rel=2e-2), step
     assert graphed.graphed.graph is not None and graphed.graphed.replays == 2 * 3  # steps 3-5
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(2):
-            graphed.train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    steps_without_sync(graphed, 2)
     assert graphed.graphed.replays == 2 * 5
     before = graphed.graphed.max_docs
     big = pad_batch(packed_batch(4096, [3] * (before + 5), seed=2), 1024, 256)
