@@ -73,7 +73,7 @@ class GraphedMicroBatch:
         self.outputs = None
         self.steps = 0  # optimizer steps started in this process
         self.replays = 0
-        self.eager_batches = 0  # micro-batches after the capture that did not fit the graph
+        self.eager_batches = 0  # micro-batches with more than max_docs documents (run eagerly)
         self._warned = False
 
     # ---------------------------------------------------------------------------------------------------------
