@@ -172,3 +172,7 @@ def test_the_capture_waits_for_two_steps_of_this_process_also_after_a_resume(tmp
     assert resumed.step == 8
     # steps 4 and 5 (this process's first two) eager; step 6 captures (and replays), then replays
     assert log == ["capture at step 3", "replay", "replay"] + ["replay"] * 4
+    # the profiler's mode (bench/steplib/row.py): the captured work runs eagerly, no replay
+    g.eager_replay = True
+    resumed.train_step()
+    assert len(log) == 7 and g.replays == 6

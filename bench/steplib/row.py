@@ -11,7 +11,8 @@ Phases, in order (each step ends with a device synchronization outside what is m
 3. `profile_steps` steps under torch.profiler with CUDA activity only, for the GPU-busy share (the trainer's
    definition: the union of the kernels' intervals over the wall time; recording CPU ops too would slow the host
    and understate it for host-bound steps), then `profile_steps` more with CPU ops recorded, for the kernel-time
-   breakdown by family (`kernels`: the launching op is part of a kernel's classification);
+   breakdown by family (`kernels`: the launching op is part of a kernel's classification; a graphed row takes its
+   breakdown from `profile_steps` more steps run eagerly on the graph's buffers, since a replay hides the ops);
 4. `sync_steps` steps inside `SyncCounter` windows, after the counter proved on this device that it sees a
    deliberate `.item()` (the trace hooks it needs slow later steps, hence last);
 Dynamo compilations after step 2 are counted over phases 2-4.
@@ -108,6 +109,16 @@ def run_row(spec: dict) -> dict:
         events = device_kernels(prof)
         kernels = breakdown(events, spec["profile_steps"])
         launched, host = launches(events, spec["profile_steps"]), host_ops(prof, spec["profile_steps"])
+        graphed = getattr(getattr(impl, "trainer", None), "graphed", None)
+        if graphed is not None and graphed.graph is not None:
+            # a replayed graph's kernels are launched by `cudaGraphLaunch`, which hides the ops that recorded them:
+            # the breakdown comes from as many more steps that run the same work eagerly on the same buffers
+            graphed.eager_replay = True
+            try:
+                prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
+            finally:
+                graphed.eager_replay = False
+            kernels = breakdown(device_kernels(prof), spec["profile_steps"])
 
     syncs = warned = None
     check, witness = {}, "not counted on the CPU"

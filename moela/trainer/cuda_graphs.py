@@ -71,6 +71,9 @@ class GraphedMicroBatch:
         self.static: PackedBatch | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
+        # True: run the captured work eagerly instead of replaying it (the same kernels on the same buffers, but
+        # launched by the ops, which a profiler needs to attribute kernels to ops: bench/steplib/row.py)
+        self.eager_replay = False
         self.steps = 0  # optimizer steps started in this process
         self.replays = 0
         self.eager_batches = 0  # micro-batches with more than max_docs documents (run eagerly)
@@ -94,8 +97,8 @@ class GraphedMicroBatch:
         """Forward + backward of `batch` (one that `fits`) on the static buffers: eagerly during the warm-up
         steps, then by replaying the graph (captured at the first call after them)."""
         self._load(batch)
-        if self.graph is None:
-            if self.steps <= self.warmup_steps or not self.capture:
+        if self.graph is None or self.eager_replay:
+            if self.graph is not None or self.steps <= self.warmup_steps or not self.capture:
                 return self._forward_backward()
             self._capture()
         self.graph.replay()
