@@ -1,18 +1,20 @@
-"""Loss curves and speed of the same training run with and without compiled blocks (`train.compile`).
+"""Loss curves and speed of the same training run eager, with compiled blocks (`train.compile`) and also graphed
+(`train.cuda_graphs`).
 
-Runs `train.py RECIPE` twice with the same seed and data, `train.compile=false` (every op eager, unpadded
-micro-batches) and `train.compile=true` (blocks through torch.compile, micro-batches padded to one shape), reads
-both `metrics.jsonl` files and writes a table of the logged losses (each averaged over the steps since the previous
-line) with the relative difference, the validation loss, the throughput of the logged windows after the first
+Runs `train.py RECIPE` once per variant with the same seed and data - `eager` (every op eager, unpadded
+micro-batches), `compiled` (blocks through torch.compile, micro-batches padded to one shape), `graphed` (compiled,
+and each micro-batch's forward + backward replayed as one CUDA graph; CUDA only) - reads the `metrics.jsonl` files
+and writes a table of the logged losses (each averaged over the steps since the previous line) with each
+variant's relative difference to eager, the validation loss, the throughput of the logged windows after the first
 (median tokens/s and MFU) and the first step's time (compilation and autotuning included). Issue target: the
-compiled run's loss equal to the eager one's within noise after 200 steps of `small` (speed must not change the
+faster runs' loss equal to the eager one's within noise after 200 steps of `small` (speed must not change the
 math); bf16 autocast makes two runs differ by rounding, so "noise" is the size of the difference between two eager
 runs of different data orders, about 0.5% at step 200 (`bench/results/moe_fp8_training.md`).
 
   GPU (the issue's run):  python bench/compile_training.py                        # recipes/small.yaml, 200 steps
   CPU smoke run:          python bench/compile_training.py --recipe recipes/tiny.yaml --steps 20 \\
-                              --out /tmp/compile_tiny.md
-Extra recipe overrides (both runs) go after `--set`, e.g. `--set train.tokens_per_microbatch=65536
+                              --out /tmp/compile_tiny.md                          # eager and compiled only
+Extra recipe overrides (all runs) go after `--set`, e.g. `--set train.tokens_per_microbatch=65536
 train.grad_accum=1`.
 """
 
@@ -27,9 +29,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# both without CUDA graphs (which `small` ships on): this run isolates what compiling the blocks changes
 VARIANTS = {"eager": ["train.compile=false", "train.cuda_graphs=false"],
-            "compiled": ["train.compile=true", "train.cuda_graphs=false"]}
+            "compiled": ["train.compile=true", "train.cuda_graphs=false"],
+            "graphed": ["train.compile=true", "train.cuda_graphs=true"]}
 
 
 def run(recipe: str, name: str, steps: int, work: Path, extra: list[str]) -> list[dict]:
@@ -43,13 +45,16 @@ def run(recipe: str, name: str, steps: int, work: Path, extra: list[str]) -> lis
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def table(a_records: list[dict], b_records: list[dict]) -> list[str]:
-    a = {r["step"]: r for r in a_records if r["kind"] == "train"}
-    b = {r["step"]: r for r in b_records if r["kind"] == "train"}
-    lines = ["| step | loss eager | loss compiled | compiled vs eager |", "| ---: | ---: | ---: | ---: |"]
-    for step in sorted(set(a) & set(b)):
-        la, lb = a[step]["loss"], b[step]["loss"]
-        lines.append(f"| {step} | {la:.4f} | {lb:.4f} | {100 * (lb / la - 1):+.2f}% |")
+def table(records: dict[str, list[dict]]) -> list[str]:
+    """Logged losses per step, each variant after the first (eager) with its difference to it."""
+    curves = {name: {r["step"]: r["loss"] for r in recs if r["kind"] == "train"} for name, recs in records.items()}
+    base, *others = curves
+    lines = [f"| step | loss {base} | " + " | ".join(f"loss {n} | {n} vs {base}" for n in others) + " |",
+             "| ---: | ---: | " + " | ".join("---: | ---:" for _ in others) + " |"]
+    for step in sorted(set.intersection(*(set(c) for c in curves.values()))):
+        ref = curves[base][step]
+        cells = " | ".join(f"{curves[n][step]:.4f} | {100 * (curves[n][step] / ref - 1):+.2f}%" for n in others)
+        lines.append(f"| {step} | {ref:.4f} | {cells} |")
     return lines
 
 
@@ -72,29 +77,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--work-dir", default="/tmp/moela_compile_training")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compile_training.md"))
-    ap.add_argument("--set", nargs="*", default=[], help="extra recipe overrides for both runs")
+    ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)}, eager first (default: all on a GPU, "
+                                       f"eager,compiled on the CPU)")
+    ap.add_argument("--set", nargs="*", default=[], help="extra recipe overrides for every run")
     args = ap.parse_args()
-    work = Path(args.work_dir)
-    records = {name: run(args.recipe, name, args.steps, work, args.set) for name in VARIANTS}
-    s = {name: summary(recs) for name, recs in records.items()}
     import torch
     import triton
 
+    names = (args.variants or ",".join(VARIANTS if torch.cuda.is_available() else list(VARIANTS)[:2])).split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or names[0] != "eager" or len(names) < 2:
+        sys.exit(f"bench/compile_training.py: --variants must start with eager and name at least one of "
+                 f"{', '.join(list(VARIANTS)[1:])}; got {args.variants!r}")
+    work = Path(args.work_dir)
+    records = {name: run(args.recipe, name, args.steps, work, args.set) for name in names}
+    s = {name: summary(recs) for name, recs in records.items()}
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     final = {name: [r for r in recs if r["kind"] == "train"][-1]["loss"] for name, recs in records.items()}
-    lines = [f"# Compiled vs eager training: {args.recipe}, {args.steps} steps",
+    lines = [f"# {', '.join(names[1:]).capitalize()} vs eager training: {args.recipe}, {args.steps} steps",
              "", f"{datetime.date.today()}, {device}, torch {torch.__version__}, triton {triton.__version__}; "
              f"`python bench/compile_training.py {' '.join(sys.argv[1:])}`", "",
              "| run | final logged loss | val loss | tokens/s (median window) | MFU | first step s | peak GiB | "
              "skipped |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in VARIANTS:
+    for name in names:
         v = s[name]
         mfu = f"{100 * v['mfu']:.1f}%" if v["mfu"] is not None else "-"
         lines.append(f"| {name} | {final[name]:.4f} | {v['val_loss']:.4f} | {v['tokens_per_s']:,.0f} | {mfu} | "
                      f"{v['first_step_s']:.1f} | {v['mem_gib']:.1f} | {v['skipped']} |")
-    lines += ["", f"Final loss, compiled vs eager: {100 * (final['compiled'] / final['eager'] - 1):+.2f}%; "
-              f"speed-up {s['compiled']['tokens_per_s'] / s['eager']['tokens_per_s']:.2f}x.", ""]
-    lines += table(records["eager"], records["compiled"])
+    lines += [""] + [f"Final loss, {n} vs eager: {100 * (final[n] / final['eager'] - 1):+.2f}%; speed-up "
+                     f"{s[n]['tokens_per_s'] / s['eager']['tokens_per_s']:.2f}x." for n in names[1:]] + [""]
+    lines += table(records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

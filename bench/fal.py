@@ -2,7 +2,8 @@
 `bench/step.py`'s machinery (one child process per row, the trainer's own step, the same synthetic documents and
 initial weights for every row of a config).
 
-Rows per config (`small-64k`, `v2lite6-64k` of `bench/step.py`; moela with MTP off, bf16 experts):
+Rows per config (`small-64k`, `v2lite6-64k` of `bench/step.py`; moela with MTP off, bf16 experts, compiled
+blocks without CUDA graphs):
   standard        pre-norm blocks: attention, then the MLP on the updated stream
   fal             First Attentions Last: attention and MLP read the same input, run one after the other
   fal+streams     fal with `parallel.fal_streams: true`: each block's MLP on a second CUDA stream beside its
@@ -77,7 +78,10 @@ def main() -> None:
     specs = []
     for spec in plan_rows(configs, ["moela-nomtp"], ["bf16"], args.device, counts, str(log_dir / "run")):
         for name in variants:
-            specs.append(spec | {"label": name, "overrides": spec["overrides"] + VARIANTS[name]})
+            # compiled, not graphed: the committed FAL rows ran so, and a second stream inside a captured graph
+            # (fal_streams) has not been measured
+            specs.append(spec | {"label": name,
+                                 "overrides": spec["overrides"] + VARIANTS[name] + ["train.cuda_graphs=false"]})
     print(f"[fal] {len(specs)} rows, logs in {log_dir}", flush=True)
     rows = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s)
     out = Path(args.out_dir)
