@@ -29,8 +29,10 @@ What makes the step capturable (each is a precondition a capture would otherwise
   after each optimizer step (`zero_grad(set_to_none=False)`), so the captured backward adds into the same memory
   at every replay; the optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
 - Weights and buffers are updated in place (fused AdamW, the router bias `add_`), so the graph reads their current
-  values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`); attention's work
-  lists are rebuilt inside the graph (`triton_worklist`: the static cu_seqlens is rewritten before every capture).
+  values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`), so the graph
+  quantizes the weights itself, at every replay: once per micro-batch, not once per optimizer step as the eager
+  step does (the same once with `grad_accum: 1`, as `small` ships). Attention's work lists are rebuilt inside the
+  graph (`triton_worklist`: the static cu_seqlens is rewritten before every capture).
 
 The replay's outputs (loss, metrics, target count, expert load) are the graph's own tensors, overwritten by the
 next replay: the trainer consumes or copies them before it (it does, on the same stream). The captured graph
