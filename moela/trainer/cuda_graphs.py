@@ -99,10 +99,10 @@ class GraphedMicroBatch:
         """Forward + backward of `batch` (one that `fits`) on the static buffers: eagerly during the warm-up
         steps, then by replaying the graph (captured at the first call after them)."""
         self._load(batch)
-        if self.graph is None or self.eager_replay:
-            if self.graph is not None or self.steps <= self.warmup_steps or not self.capture:
-                return self._forward_backward()
+        if self.graph is None and self.capture and self.steps > self.warmup_steps:
             self._capture()
+        if self.graph is None or self.eager_replay:
+            return self._forward_backward()
         self.graph.replay()
         self.replays += 1
         return self.outputs
@@ -153,6 +153,14 @@ class GraphedMicroBatch:
         self.graph = graph
         self.echo(f"cuda_graphs: captured forward + backward of one micro-batch ({self.static.num_tokens} tokens, "
                   f"up to {self.max_docs} documents); replaying it from now on")
+
+
+def keep_gradients(model: torch.nn.Module) -> None:
+    """Allocate every trainable parameter's gradient (zeros) now, so that one set of gradient tensors lives for the
+    whole run: the captured backward adds into their memory at every replay."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def _static_like(batch: PackedBatch, device: torch.device) -> PackedBatch:

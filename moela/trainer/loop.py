@@ -44,7 +44,7 @@ from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
-from moela.trainer.cuda_graphs import GraphedMicroBatch
+from moela.trainer.cuda_graphs import GraphedMicroBatch, keep_gradients
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
@@ -176,9 +176,7 @@ class Trainer:
                              f"and collectives are not captured). Set train.cuda_graphs=false")
         if self.static_shapes is None:
             self.static_shapes = StaticShapes(cfg.tokens_per_microbatch, self.cfg.data.max_doc_len)
-        for p in self.model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+        keep_gradients(self.model)
         return GraphedMicroBatch(self.model, self.device, self._autocast, max_docs=cfg.graph_max_docs,
                                  echo=self._echo)
 
