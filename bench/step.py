@@ -14,6 +14,9 @@ out-of-memory error ends only its row:
             moela-nomtp   the same with MTP off: the row the peers are compared with
             moela-nographs  the same with `train.cuda_graphs=false`: compiled blocks, every kernel launched by the
                           host (the `small` recipe graphs forward + backward, captured in the third step)
+            moela-graphs-add  graphed, but with the earlier gradient scheme: gradients zeroed in place before each
+                          step and every micro-batch's graph adding into them (`cuda_graphs.FIRST_ASSIGNS = False`;
+                          `moela` lets the first micro-batch's graph assign them)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -64,8 +67,8 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nographs", "moela-nomtp", "titan-compile", "hf", "titan-eager")
-MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"],
+IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-nomtp", "titan-compile", "hf", "titan-eager")
+MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
@@ -82,7 +85,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
     for impl in impls:
         for config in configs:
             c = CONFIGS[config]
-            for recipe in recipes if impl in ("moela", "moela-nographs") else [r for r in recipes if r == "bf16"]:
+            moela_recipes = impl in ("moela", "moela-nographs", "moela-graphs-add")
+            for recipe in recipes if moela_recipes else [r for r in recipes if r == "bf16"]:
                 overrides = list(c["overrides"]) + [
                     f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",
                     "train.steps=1000", "train.eval_every=0", "checkpoint.every=0", "logging.progress_bar=never"]
@@ -90,7 +94,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                 rows.append({"config": config, "impl": "moela" if impl in MOELA_IMPLS else impl, "label": impl,
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
-                             "median_doc_len": c["median_doc_len"], **counts})
+                             "median_doc_len": c["median_doc_len"],
+                             "graph_first_assigns": impl != "moela-graphs-add", **counts})
     return rows
 
 

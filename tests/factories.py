@@ -78,10 +78,9 @@ def graphed_on_cpu(trainer, max_docs: int = 0):
     """What `train.cuda_graphs` sets up in `trainer` (a `Trainer`), on the CPU and without the capture: every
     micro-batch runs eagerly on the static buffers (moela.trainer.cuda_graphs). Returns the GraphedMicroBatch."""
     from moela.trainer.compile import StaticShapes
-    from moela.trainer.cuda_graphs import GraphedMicroBatch, keep_gradients
+    from moela.trainer.cuda_graphs import GraphedMicroBatch
 
     trainer.static_shapes = StaticShapes(trainer.cfg.train.tokens_per_microbatch, trainer.cfg.data.max_doc_len)
-    keep_gradients(trainer.model)
     trainer.graphed = GraphedMicroBatch(trainer.model, trainer.device, trainer._autocast, max_docs=max_docs,
                                         capture=False, echo=lambda line: None)
     return trainer.graphed

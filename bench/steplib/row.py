@@ -65,7 +65,7 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process)."""
+    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process) and graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -78,6 +78,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import gemm_fp8
 
         gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
+    if not spec.get("graph_first_assigns", True):
+        from moela.trainer import cuda_graphs
+
+        cuda_graphs.FIRST_ASSIGNS = False
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 
@@ -113,6 +117,7 @@ def run_row(spec: dict) -> dict:
         if graphed is not None and graphed.graph is not None:
             # a replayed graph's kernels are launched by `cudaGraphLaunch`, which hides the ops that recorded them:
             # the breakdown comes from as many more steps that run the same work eagerly on the same buffers
+            # (plus the gradient memset and add of an eager first micro-batch, which an assigning replay skips)
             graphed.eager_replay = True
             try:
                 prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)

@@ -26,9 +26,15 @@ What makes the step capturable (each is a precondition a capture would otherwise
   Dynamo may compile a second variant of a block at step 2 (on the H200, `small` at 32k tokens with FP8 experts
   recompiled a block when step 2 captured, and compiling inside a capture fails); after step 2 nothing recompiles
   (bench/step.py counts it).
-- Gradients accumulate into fixed tensors: they are allocated (zeros) before the first step and zeroed in place
-  after each optimizer step (`zero_grad(set_to_none=False)`), so the captured backward adds into the same memory
-  at every replay; the optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
+- Gradients live in the graph's memory: the first micro-batch of a step is one graph, captured with every
+  gradient unset, so autograd assigns the gradients it computes (tensors of the graph's private pool, kept by
+  `p.grad` for the rest of the run) and each replay overwrites them; with `grad_accum` > 1 the later micro-batches
+  are a second graph sharing that pool, captured with those gradients set, so it adds into them. The step never
+  zeroes the gradients and never adds the first micro-batch's into zeros: at `small`'s 680M parameters that
+  memset and fp32 add cost ~4 ms of a ~130 ms step (bench/results/step_graphs.md: `CUDAFunctor_add<float>`
+  3.4 ms a step at 32k x 1, 5.5 ms at 16k x 2: it scales with micro-batches, not tokens). A first micro-batch that runs eagerly (the warm-up, more documents than the graph holds, the
+  profiler's `eager_replay`) zeroes them in place first; they are never set to None once a graph writes them.
+  The optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
 - Weights and buffers are updated in place (fused AdamW, the router bias `add_`), so the graph reads their current
   values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`), so the graph
   quantizes the weights itself, at every replay: once per micro-batch, not once per optimizer step as the eager
@@ -55,38 +61,53 @@ from moela.batch import FILLER_DOC, PackedBatch, pad_documents
 from moela.trainer.errors import TrainingError
 
 MIN_AUTO_DOCS = 64
+# False: the scheme before the assigning first graph (gradients allocated up front, zeroed in place before every
+# step's first micro-batch, every graph adds into them). bench/step.py's `moela-graphs-add` row sets it, to measure
+# what assigning saves in the same run.
+FIRST_ASSIGNS = True
 
 
 class GraphedMicroBatch:
     """`__call__(batch)` runs forward + backward of a padded host micro-batch: eagerly on the static buffers during
     the first `warmup_steps` optimizer steps of this process (counted by `start_step`; a resumed run warms up again:
-    its kernels are not compiled yet), then through the captured graph; returns (loss, metrics, num_targets,
+    its kernels are not compiled yet), then through the captured graphs (one for the first micro-batch of a step,
+    which writes the gradients, one for the others, which add to them); returns (loss, metrics, num_targets,
     expert_load) as device tensors."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
-                 warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None):
+                 warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None,
+                 first_assigns: bool | None = None):
         self.model, self.device, self.autocast, self.echo = model, device, autocast, echo
+        self.first_assigns = FIRST_ASSIGNS if first_assigns is None else first_assigns
         self.max_docs = max_docs  # 0: chosen by the first `fits` call
         self.warmup_steps = max(1, warmup_steps)
         # capture: False runs every micro-batch eagerly on the static buffers (the CPU tests of this bookkeeping)
         self.capture = device.type == "cuda" if capture is None else capture
         self.loss_scale = torch.zeros((), dtype=torch.float32, device=device)  # filled once per step
         self.static: PackedBatch | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs = None
+        # per role, True: the step's first micro-batch (assigns the gradients), False: a later one (adds)
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[bool, tuple] = {}
         # True: run the captured work eagerly instead of replaying it (the same kernels on the same buffers, but
         # launched by the ops, which a profiler needs to attribute kernels to ops: bench/steplib/row.py)
         self.eager_replay = False
         self.steps = 0  # optimizer steps started in this process
+        self.first = True  # the next micro-batch is the first of its step
         self.replays = 0
         self.eager_batches = 0  # micro-batches with more than max_docs documents (run eagerly)
         self._warned = False
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The first micro-batch's graph, once captured."""
+        return self.graphs.get(True)
 
     # ---------------------------------------------------------------------------------------------------------
     def start_step(self, loss_scale: float) -> None:
         """A new optimizer step begins; its micro-batches' loss weight is `num_targets * loss_scale` (the scale
         `grad_scale / total_targets` is written by a fill kernel: no host wait)."""
         self.steps += 1
+        self.first = True
         self.loss_scale.fill_(loss_scale)
 
     def fits(self, batch: PackedBatch) -> bool:
@@ -98,19 +119,29 @@ class GraphedMicroBatch:
 
     def __call__(self, batch: PackedBatch):
         """Forward + backward of `batch` (one that `fits`) on the static buffers: eagerly during the warm-up
-        steps, then by replaying the graph (captured at the first call after them)."""
+        steps, then by replaying the graph of its role (captured at the first call after them)."""
+        role, self.first = self.first, False
         self._load(batch)
-        if self.graph is None and self.capture and self.steps > self.warmup_steps:
-            self._capture()
-        if self.graph is None or self.eager_replay:
+        # a later micro-batch's graph shares the first one's pool, so it waits for that one
+        if (role not in self.graphs and self.capture and self.steps > self.warmup_steps
+                and (role or True in self.graphs)):
+            self._capture(role)
+        eager = role not in self.graphs or self.eager_replay
+        if role and (eager or not self.first_assigns):
+            self._clear_gradients()
+        if eager:
             return self._forward_backward()
-        self.graph.replay()
+        self.graphs[role].replay()
         self.replays += 1
-        return self.outputs
+        return self.outputs[role]
 
     def note_eager(self, batch: PackedBatch) -> None:
-        """A micro-batch with more than `max_docs` documents runs eagerly; the first one says so."""
+        """A micro-batch with more than `max_docs` documents runs eagerly (the caller runs it, after this call);
+        the first one says so."""
         self.eager_batches += 1
+        if self.first:
+            self._clear_gradients()
+            self.first = False
         if not self._warned:
             self._warned = True
             self.echo(f"cuda_graphs: a micro-batch has {batch.num_docs} documents, more than the graph's "
@@ -118,6 +149,17 @@ class GraphedMicroBatch:
                       f"train.graph_max_docs={_pow2(batch.num_docs)} to graph them")
 
     # ---------------------------------------------------------------------------------------------------------
+    def _clear_gradients(self) -> None:
+        """Before an eager first micro-batch (or any first one with `first_assigns` off): no gradient of an earlier
+        step may remain. Unset until a graph holds them (autograd then assigns, as in the plain step); zeroed in
+        place after (the graph writes there)."""
+        if not self.graphs and self.first_assigns:
+            self.model.zero_grad(set_to_none=True)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
+
     def _load(self, batch: PackedBatch) -> None:
         """Copy `batch` into the static buffers (allocated at the first call). The copy bumps the version of the
         static cu_seqlens, so no attention work list cached before a capture is reused inside it."""
@@ -139,29 +181,32 @@ class GraphedMicroBatch:
         metrics = {k: v.detach() for k, v in out.metrics.items()}
         return out.loss.detach(), metrics, out.num_targets, out.expert_load
 
-    def _capture(self) -> None:
+    def _capture(self, first: bool) -> None:
+        """Capture the graph of the first micro-batch (gradients unset: autograd allocates them in the graph's
+        pool and assigns them) or of a later one (gradients set: it adds; it shares the first graph's pool, the
+        two never run at once)."""
         torch.cuda.synchronize(self.device)
+        if first and self.first_assigns:
+            self.model.zero_grad(set_to_none=True)
+        elif first:  # every gradient allocated before the capture, so that the graph adds into it
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         torch.cuda.empty_cache()  # the warm-up's cached blocks back to the driver: the graph pool takes their place
         graph = torch.cuda.CUDAGraph()
+        pool = None if first else self.graphs[True].pool()
         try:
-            with torch.cuda.graph(graph):
-                self.outputs = self._forward_backward()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[first] = self._forward_backward()
         except Exception as e:  # noqa: BLE001 - any failure of the capture is reported the same way
             raise TrainingError(
                 f"train.cuda_graphs: capturing the training micro-batch as a CUDA graph failed ({type(e).__name__}: "
                 f"{e}). An op of this configuration synchronizes with the host or is not capturable; set "
                 f"train.cuda_graphs=false to train without graphs") from e
-        self.graph = graph
-        self.echo(f"cuda_graphs: captured forward + backward of one micro-batch ({self.static.num_tokens} tokens, "
-                  f"up to {self.max_docs} documents); replaying it from now on")
-
-
-def keep_gradients(model: torch.nn.Module) -> None:
-    """Allocate every trainable parameter's gradient (zeros) now, so that one set of gradient tensors lives for the
-    whole run: the captured backward adds into their memory at every replay."""
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+        self.graphs[first] = graph
+        self.echo(f"cuda_graphs: captured forward + backward of {'the first' if first else 'a later'} micro-batch "
+                  f"of a step ({self.static.num_tokens} tokens, up to {self.max_docs} documents); replaying it "
+                  f"from now on")
 
 
 def _static_like(batch: PackedBatch, device: torch.device) -> PackedBatch:

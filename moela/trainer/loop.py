@@ -44,7 +44,7 @@ from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
-from moela.trainer.cuda_graphs import GraphedMicroBatch, keep_gradients
+from moela.trainer.cuda_graphs import GraphedMicroBatch
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
@@ -163,7 +163,7 @@ class Trainer:
 
     def _graphed_micro_batch(self) -> GraphedMicroBatch | None:
         """`train.cuda_graphs`: the graphed forward + backward (one GPU, no parallelism), micro-batches padded to
-        one shape, gradients allocated once and kept (the graph accumulates into them)."""
+        one shape; the graphs write the gradients (moela.trainer.cuda_graphs)."""
         cfg = self.cfg.train
         if not cfg.cuda_graphs:
             return None
@@ -176,7 +176,6 @@ class Trainer:
                              f"and collectives are not captured). Set train.cuda_graphs=false")
         if self.static_shapes is None:
             self.static_shapes = StaticShapes(cfg.tokens_per_microbatch, self.cfg.data.max_doc_len)
-        keep_gradients(self.model)
         return GraphedMicroBatch(self.model, self.device, self._autocast, max_docs=cfg.graph_max_docs,
                                  echo=self._echo)
 
@@ -299,7 +298,8 @@ class Trainer:
         if load is not None:
             reduce_expert_load(load, self.mesh)
             self.model.update_router_bias(load, enabled=finite)
-        self.optimizer.zero_grad(set_to_none=self.graphed is None)  # graphed: the graph adds into these tensors
+        if self.graphed is None:  # graphed: the next step's first micro-batch overwrites them (or zeroes them)
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         self.counters.update(finite)
