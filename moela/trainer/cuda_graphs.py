@@ -32,9 +32,10 @@ What makes the step capturable (each is a precondition a capture would otherwise
   are a second graph sharing that pool, captured with those gradients set, so it adds into them. The step never
   zeroes the gradients and never adds the first micro-batch's into zeros: at `small`'s 680M parameters that
   memset and fp32 add cost ~4 ms of a ~130 ms step (bench/results/step_graphs.md: `CUDAFunctor_add<float>`
-  3.4 ms a step at 32k x 1, 5.5 ms at 16k x 2: it scales with micro-batches, not tokens). A first micro-batch that runs eagerly (the warm-up, more documents than the graph holds, the
-  profiler's `eager_replay`) zeroes them in place first; they are never set to None once a graph writes them.
-  The optimizer, clipping and the router-bias update run eagerly on them (a few fused launches).
+  3.4 ms a step at 32k x 1, 5.5 ms at 16k x 2: it scales with micro-batches, not tokens). A first micro-batch
+  that runs eagerly (the warm-up, more documents than the graph holds, the profiler's `eager_replay`) zeroes them
+  in place first; they are never set to None once a graph writes them. The optimizer, clipping and the
+  router-bias update run eagerly on them (a few fused launches).
 - Weights and buffers are updated in place (fused AdamW, the router bias `add_`), so the graph reads their current
   values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`), so the graph
   quantizes the weights itself, at every replay: once per micro-batch, not once per optimizer step as the eager
