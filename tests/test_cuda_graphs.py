@@ -1,9 +1,10 @@
 """The graphed training step (`train.cuda_graphs`, moela.trainer.cuda_graphs).
 
 CPU: the bookkeeping a capture depends on - document padding (trailing empty documents change nothing the model
-computes), the static buffers with a device-side target count, filler count and loss scale, gradients kept and
-zeroed in place, replay outputs copied before reuse - runs eagerly (`capture=False`) and must train exactly like
-the plain step. GPU: the captured step against the compiled eager step (same losses within bf16 tolerance), no
+computes), the static buffers with a device-side target count, filler count and loss scale, gradients left between
+steps and cleared by an eager first micro-batch, the two graphs' roles (assign, then add), replay outputs copied
+before reuse - runs eagerly (`capture=False`, or with stand-in graphs) and must train exactly like the plain step.
+GPU: the captured step against the compiled eager step (same losses and gradient norms within bf16 tolerance), no
 host synchronization in replayed steps, a micro-batch with more documents than the graph holds running eagerly,
 and a capture that fails naming the fix.
 """
