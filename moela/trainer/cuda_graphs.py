@@ -30,9 +30,10 @@ What makes the step capturable (each is a precondition a capture would otherwise
   gradient unset, so autograd assigns the gradients it computes (tensors of the graph's private pool, kept by
   `p.grad` for the rest of the run) and each replay overwrites them; with `grad_accum` > 1 the later micro-batches
   are a second graph sharing that pool, captured with those gradients set, so it adds into them. The step never
-  zeroes the gradients and never adds the first micro-batch's into zeros: at `small`'s 680M parameters that
-  memset and fp32 add cost ~4 ms of a ~130 ms step (bench/results/step_graphs.md: `CUDAFunctor_add<float>`
-  3.4 ms a step at 32k x 1, 5.5 ms at 16k x 2: it scales with micro-batches, not tokens). A first micro-batch
+  zeroes the gradients and never adds the first micro-batch's into zeros (at `small`'s 680M parameters the fp32
+  add alone took 3.4 ms a step at 32k x 1 in bench/results/step_graphs.md). Measured against that scheme in one
+  run (bench/results/step_32k.md, `moela-graphs-add`): 130 vs 132 ms a step and 28.3 vs 30.8 GiB at 32k x 1;
+  equal speed and 2.5 GiB less at 64k (step_64k.md). A first micro-batch
   that runs eagerly (the warm-up, more documents than the graph holds, the profiler's `eager_replay`) zeroes them
   in place first; they are never set to None once a graph writes them. The optimizer, clipping and the
   router-bias update run eagerly on them (a few fused launches).
