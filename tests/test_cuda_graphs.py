@@ -95,12 +95,14 @@ class _RoleGraph:
     micro-batch's graph adds into them; the outputs captured are updated in place."""
 
     def __init__(self, g, first: bool, log: list):
-        self.g, self.first, self.log = g, first, log
+        self.g, self.log = g, log
+        self.role = first
+        self.first = first and g.first_assigns  # with FIRST_ASSIGNS off every graph adds
         self.params = [p for p in g.model.parameters() if p.requires_grad]
         self.held = [p.grad for p in self.params]
 
     def replay(self):
-        self.log.append(("replay", self.first))
+        self.log.append(("replay", self.role))
         assert all(p.grad is h for p, h in zip(self.params, self.held)), "a captured gradient tensor was replaced"
         if self.first:
             for p in self.params:
@@ -110,7 +112,7 @@ class _RoleGraph:
             if self.first:
                 h.copy_(p.grad)
             p.grad = h
-        out = self.g.outputs[self.first]
+        out = self.g.outputs[self.role]
         out[0].copy_(loss)
         for key, value in metrics.items():
             out[1][key].copy_(value)
@@ -118,11 +120,17 @@ class _RoleGraph:
         out[3].copy_(load)
 
 
-def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batches_zero_them(tmp_path, monkeypatch):
+@pytest.mark.parametrize("first_assigns", [True, False])
+def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batches_zero_them(
+        tmp_path, monkeypatch, first_assigns):
     """The bookkeeping around two captured graphs (CPU stand-ins, `_RoleGraph`): captured at step 3 (first
     micro-batch, then a later one), replayed by role, the trainer never zeroing between steps; an eager first
     micro-batch after the capture (the profiler's eager_replay) zeroes the held gradients in place. Every step
-    equals the plain trainer's."""
+    equals the plain trainer's. `FIRST_ASSIGNS = False` (bench/step.py's `moela-graphs-add`): every graph adds, and
+    the gradients are zeroed in place before each step's first micro-batch instead."""
+    from moela.trainer import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "FIRST_ASSIGNS", first_assigns)
     plain = Trainer(make_cfg(tmp_path / "a"))
     graphed = Trainer(make_cfg(tmp_path / "b"))
     g = graphed_on_cpu(graphed)
@@ -132,7 +140,7 @@ def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batch
     def stand_in_capture(first):
         log.append(("capture", first, g.steps))
         params = [p for p in g.model.parameters() if p.requires_grad]
-        if first:  # as the real capture: unset, so that autograd assigns the tensors the graph will hold
+        if first and first_assigns:  # as the real capture: unset, so that autograd assigns the tensors it holds
             g.model.zero_grad(set_to_none=True)
             g.outputs[first] = g._forward_backward()
         else:  # a capture records, it does not add: the held values are put back

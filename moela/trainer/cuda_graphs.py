@@ -77,10 +77,9 @@ class GraphedMicroBatch:
     expert_load) as device tensors."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
-                 warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None,
-                 first_assigns: bool | None = None):
+                 warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None):
         self.model, self.device, self.autocast, self.echo = model, device, autocast, echo
-        self.first_assigns = FIRST_ASSIGNS if first_assigns is None else first_assigns
+        self.first_assigns = FIRST_ASSIGNS  # read once: the graphs captured follow one scheme
         self.max_docs = max_docs  # 0: chosen by the first `fits` call
         self.warmup_steps = max(1, warmup_steps)
         # capture: False runs every micro-batch eagerly on the static buffers (the CPU tests of this bookkeeping)
