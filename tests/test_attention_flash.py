@@ -16,7 +16,7 @@ import torch
 
 from moela.ops.attention import api as attn_api
 from moela.ops.attention import attention_reference, auto, mla_attention
-from moela.ops.attention.flash import flash_problem
+from moela.ops.attention.flash import _HOST_SLOPES, flash_problem, host_slopes
 from moela.ops.backends import ATTENTION_BACKENDS
 from moela.ops.dispatch import Dispatch
 from test_attention import check_against_float64, make_case, run_with_grads
@@ -114,6 +114,26 @@ def _flash_or_skip():
     problem = flash_problem(probe, probe, probe)
     if problem is not None:
         pytest.skip(problem)
+
+
+def test_host_slopes_reads_a_tensor_once_per_version_and_forgets_it_when_it_dies():
+    """ALiBi on flash-attn-4 compiles the slopes in as constants (moela.ops.attention.flash_alibi), read from the
+    device at most once per tensor and in-place version."""
+    import gc
+
+    torch.manual_seed(0)
+    slopes = torch.rand(5) * 0.3
+    first = host_slopes(slopes)
+    assert first == tuple(slopes.tolist()) and all(isinstance(x, float) for x in first)
+    assert host_slopes(slopes) is first  # cached: no second read
+    slopes.mul_(2)
+    assert host_slopes(slopes) == tuple(slopes.tolist()) != first
+    other = slopes.clone()
+    assert host_slopes(other) == host_slopes(slopes)
+    key = id(slopes)
+    del slopes
+    gc.collect()
+    assert key not in _HOST_SLOPES and id(other) in _HOST_SLOPES
 
 
 # bf16 and four kernel sets (192/128 causal, causal ALiBi, full ALiBi; 128/128 causal): flash-attn-4 compiles one

@@ -12,7 +12,9 @@ What it covers, and how it meets moela's contract:
   whose preprocess folds it into the row term (`Delta = rowsum(dO * O) - dlse`), exactly as moela's Triton kernel
   does; the attention z-loss costs one subtract per row there.
 - ALiBi runs inside its kernels through `score_mod` / `score_mod_bwd` (moela.ops.attention.flash_alibi), the
-  slopes passed as an aux tensor.
+  slopes compiled in as constants: the first call with a slopes tensor reads it to the host once (one device
+  synchronization; `host_slopes`), later calls with the same, unmodified tensor do not, and a new set of slopes
+  compiles new kernels.
 - Not deterministic: its dq is accumulated with float32 atomics across key blocks (the Triton backend is
   deterministic).
 
@@ -24,6 +26,7 @@ raises an error naming the problem and the fix; `auto` skips it and says why in 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -88,10 +91,27 @@ def flash_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, alibi_slop
     return flash_problem(q, k, v, alibi_slopes) is None
 
 
-def _score_mods(causal: bool) -> tuple[Callable, Callable]:
-    from moela.ops.attention.flash_alibi import alibi_backward, alibi_causal, alibi_full
+_HOST_SLOPES: dict[int, tuple[weakref.ref, int, tuple[float, ...]]] = {}  # id(tensor) -> (ref, version, values)
 
-    return (alibi_causal if causal else alibi_full), alibi_backward
+
+def host_slopes(slopes: torch.Tensor) -> tuple[float, ...]:
+    """The values of `slopes` ([H] float32) as Python floats, read from the device once per tensor and in-place
+    version. Entries are keyed by the tensor object (held weakly, dropped when it dies), never by its address, so a
+    new tensor where a freed one lived is read anew."""
+    entry = _HOST_SLOPES.get(id(slopes))
+    if entry is not None and entry[0]() is slopes and entry[1] == slopes._version:
+        return entry[2]
+    values = tuple(float(x) for x in slopes.detach().float().cpu().tolist())
+    key = id(slopes)
+    ref = weakref.ref(slopes, lambda _, key=key: _HOST_SLOPES.pop(key, None))
+    _HOST_SLOPES[key] = (ref, slopes._version, values)
+    return values
+
+
+def _score_mods(causal: bool, slopes: torch.Tensor) -> tuple[Callable, Callable]:
+    from moela.ops.attention.flash_alibi import alibi_score_mods
+
+    return alibi_score_mods(host_slopes(slopes), causal)
 
 
 @torch.compiler.disable
@@ -118,8 +138,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
         return out, (lse if return_lse else None)
     options = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse)
     if alibi_slopes is not None:
-        score_mod, score_mod_bwd = _score_mods(causal)
-        options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd, aux_tensors=[alibi_slopes.contiguous()])
+        score_mod, score_mod_bwd = _score_mods(causal, alibi_slopes)
+        options.update(score_mod=score_mod, score_mod_bwd=score_mod_bwd)
     out, lse = module.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                              max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
                                              **options)  # [Tq, H, Dv], [H, Tq]
