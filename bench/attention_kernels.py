@@ -85,7 +85,7 @@ def main() -> None:
         sys.exit("bench/attention_kernels.py profiles GPU kernels: run it on a CUDA machine")
     lines = ["# Attention fwd+bwd by kernel: plain vs z-loss vs ALiBi (`bench/attention_kernels.py`)", "",
              f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}. "
-             f"Command: `python bench/attention_kernels.py --iters {args.iters}`. Device microseconds per call "
+             f"Command: `python bench/attention_kernels.py {' '.join(sys.argv[1:])}`. Device microseconds per call "
              f"(mean over {args.iters} profiled calls after warm-up); `timed` is the do_bench median of the whole "
              f"call, so timed - kernels is time the device spent waiting for launches.", ""]
     for layout, trio in cases():
