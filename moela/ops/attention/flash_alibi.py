@@ -8,8 +8,9 @@ gradient of the modified score with respect to the scaled one.
 The per-head slopes are compile-time constants of the modifier (`alibi_score_mods(slopes, causal)` builds one per
 slopes and mask, cached), not an aux tensor: with an aux tensor flash-attn-4 (4.0.0b36, `apply_score_mod_inner`)
 takes its bounds-safe path for every score - a fast-division wrap of q_idx and kv_idx, one score at a time instead
-of two - and the modifier loaded slopes[head] per score; that made the ALiBi forward 46% slower than the plain one
-(bench/results/attention_kernels.md). With constants the head's slope is a chain of selects on the head index,
+of two - and the modifier loaded slopes[head] per score; that made the ALiBi forward 46-49% slower than the plain
+one (bench/results/attention_kernels_slopes_tensor.md), and 18-20% with the constants (attention_kernels.md; the
+whole fwd+bwd 3.4-4.2% over plain). With constants the head's slope is a chain of selects on the head index,
 the same for every score of a tile (hoisted by the compiler), and nothing is read from memory. The price: a new
 set of slopes compiles a new kernel (flash-attn-4 keys its compiled kernels by the modifier's `__cute_hash__`,
 which covers this file and the slopes), so training with fixed slopes compiles once.
