@@ -11,7 +11,8 @@ takes its bounds-safe path for every score - a fast-division wrap of q_idx and k
 of two - and the modifier loaded slopes[head] per score; that made the ALiBi forward 46-49% slower than the plain
 one (bench/results/attention_kernels_slopes_tensor.md), and 18-20% with the constants (attention_kernels.md; the
 whole fwd+bwd 3.4-4.2% over plain). With constants the head's slope is a chain of selects on the head index,
-the same for every score of a tile (hoisted by the compiler), and nothing is read from memory. The price: a new
+a function of the head index alone (loop-invariant, so the compiler may hoist it; not checked in the SASS), and
+nothing is read from memory. The price: a new
 set of slopes compiles a new kernel (flash-attn-4 keys its compiled kernels by the modifier's `__cute_hash__`,
 which covers this file and the slopes), so training with fixed slopes compiles once.
 
