@@ -31,19 +31,23 @@ def seeded_rng():
 
 
 @pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Every float tensor (fp8 included) allocated with torch.empty / torch.empty_like starts as NaN, so a row, scale
-    or padding block a kernel forgot to write fails the comparisons instead of reading whatever the allocator
-    returned."""
-    empty, empty_like = torch.empty, torch.empty_like
+def poisoned_empty():
+    """Every tensor allocated without values (torch.empty / empty_like / empty_strided / new_empty, in Python or
+    inside ATen) starts as NaN (floats, fp8 included) or the dtype's largest value (integers), so a row, scale or
+    padding block a kernel forgot to write fails the comparisons instead of reading whatever the allocator
+    returned.
 
-    def nan_empty(*a, **kw):
-        t = empty(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def nan_empty_like(*a, **kw):
-        t = empty_like(*a, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
+    ATen's own fill of uninitialized memory in deterministic mode does it (`warn_only`: an op without a
+    deterministic implementation warns instead of raising). Patching `torch.empty` on the module instead leaks:
+    torch snapshots its factory functions lazily (`torch.utils._device`'s constructor set, Dynamo's trace rules),
+    and a snapshot first taken while the patch was on keeps the NaN-filling stand-in after the test; later
+    `with torch.device("meta")` then allocated real memory, and so consumed random numbers, which shifted every
+    random draw of whatever ran next."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
