@@ -38,11 +38,11 @@ def poisoned_empty():
     returned.
 
     ATen's own fill of uninitialized memory in deterministic mode does it (`warn_only`: an op without a
-    deterministic implementation warns instead of raising). Patching `torch.empty` on the module instead leaks:
-    torch snapshots its factory functions lazily (`torch.utils._device`'s constructor set, Dynamo's trace rules),
-    and a snapshot first taken while the patch was on keeps the NaN-filling stand-in after the test; later
-    `with torch.device("meta")` then allocated real memory, and so consumed random numbers, which shifted every
-    random draw of whatever ran next."""
+    deterministic implementation warns instead of raising). Patching `torch.empty` on the module instead leaked:
+    torch snapshots its factory functions lazily (for one, `torch.utils._device`'s constructor set, built on the
+    first `torch.device` context or Dynamo trace), a snapshot first taken while the patch was on kept the
+    NaN-filling stand-in after the test, and later `with torch.device("meta")` allocated real memory, consuming
+    random numbers, which shifted every random draw of whatever ran next."""
     enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
         torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
