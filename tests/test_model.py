@@ -512,3 +512,22 @@ def test_batch_moved_from_cpu_counts_targets_without_reading_the_device():
     moved = batch.to("meta")
     assert moved.labels.device.type == "meta"
     assert moved.num_targets() == batch.num_targets() == int((batch.labels != IGNORE_INDEX).sum())
+
+
+def test_building_draws_random_numbers_only_to_initialize():
+    """Construction on the meta device draws no random numbers (only `init_weights` does); two builds from one seed
+    are equal and leave the generator in the same state. A construction that allocated for real (it once did, after
+    a test had patched torch.empty) would shift every random draw after it."""
+    from moela.model.transformer import Transformer
+
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        Transformer(tiny_config())
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(3)
+    a = build_model(tiny_config())
+    after_a = torch.get_rng_state()
+    torch.manual_seed(3)
+    b = build_model(tiny_config())
+    assert torch.equal(torch.get_rng_state(), after_a)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
