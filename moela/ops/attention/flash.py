@@ -101,7 +101,7 @@ def host_slopes(slopes: torch.Tensor) -> tuple[float, ...]:
     entry = _HOST_SLOPES.get(id(slopes))
     if entry is not None and entry[0]() is slopes and entry[1] == slopes._version:
         return entry[2]
-    values = tuple(float(x) for x in slopes.detach().float().cpu().tolist())
+    values = tuple(slopes.detach().float().cpu().tolist())  # Python floats
     key = id(slopes)
     ref = weakref.ref(slopes, lambda _, key=key: _HOST_SLOPES.pop(key, None))
     _HOST_SLOPES[key] = (ref, slopes._version, values)
