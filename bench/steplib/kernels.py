@@ -132,7 +132,7 @@ def device_kernels(prof) -> list[tuple[str, float, tuple[str, ...]]]:
     return [(e.name, e.time_range.end - e.time_range.start, ctx) for e, ctx in zip(device, contexts)]
 
 
-def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top: int = 4) -> dict:
+def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top: int = 12) -> dict:
     """Per family: device ms per step, share of all kernel time, and its `top` largest kernels (name, ms/step).
     `kernels` as `device_kernels` returns them, over `steps` steps."""
     per_family: dict[str, dict[str, float]] = {f: {} for f in FAMILIES}

@@ -110,7 +110,7 @@ def _other_kernels(rows: list[dict]) -> list[str]:
     for r in _ok(rows):
         other = (r.get("kernel_breakdown") or {}).get("other")
         if other and other["share"] > 0.01:
-            names = "; ".join(f"`{n}` {ms:.2f} ms" for n, ms in other["top"])
+            names = "; ".join(f"`{n}` {ms:.2f} ms" for n, ms in other["top"][:4])
             out.append(f"- {r['config']} {r['impl']} {r['recipe']} ({100 * other['share']:.0f}%): {names}")
     return out
 
