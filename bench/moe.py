@@ -391,6 +391,7 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
     (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
     _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)
     dxp = dact.new_zeros(lay.m_pad, x.shape[1])  # [M_pad, D] the gather-sum's input, allocated outside the timing
+    dact16 = dact.to(h.dtype)  # the bf16 recipe's SwiGLU backward input
     stages = {
         "build_layout": lambda: build_layout(ids, e),
         "permute_align+quant": lambda: permute_align(x, ids, e, layout=lay),
@@ -405,6 +406,8 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         "gemm2 dgrad": lambda: mgrouped_gemm(doq, w2qt, lay.m_indices, a_scale=dos, b_scale=w2s.transpose(1, 2)),
         "swiglu bwd+quants": lambda: swiglu_bwd(h, dact, lay.m_indices, quant=True),
         "swiglu bwd+quants (Triton kernel)": lambda: swiglu_bwd(h, dact, lay.m_indices, quant=True, impl="triton"),
+        "swiglu bwd bf16": lambda: swiglu_bwd(h, dact16, lay.m_indices, quant=False),
+        "swiglu bwd bf16 (split kernel)": lambda: swiglu_bwd(h, dact16, lay.m_indices, quant=False, impl="split"),
         "gemm2 wgrad": lambda: kgrouped_gemm(doqt, aqt, lay.offsets, a_scale=dost, b_scale=ast),
         "gemm1 dgrad": lambda: mgrouped_gemm(dhq, w13qt, lay.m_indices, a_scale=dhs, b_scale=w13s.transpose(1, 2)),
         "x column quant (gather)": lambda: quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k),

@@ -178,6 +178,10 @@ def moe_triton_kernels():
             h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dh_s_ptr=f32 if quant else bf16,
             dht_ptr=fp8 if quant else bf16, dht_s_ptr=f32 if quant else bf16, actt_ptr=fp8 if quant else bf16,
             actt_s_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **LAUNCH["swiglu_bwd"])
+        if not quant:
+            add("swiglu_bwd_plain bf16", activation._swiglu_bwd_plain_kernel, dict(
+                h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=bf16, act_ptr=bf16, F=f,
+                BLOCK_M=activation.SWIGLU_BWD_PLAIN_ROWS), **LAUNCH["swiglu_bwd_plain"])
         add(f"combine_bwd {tag}", combine._combine_bwd_kernel, dict(
             dy_ptr=bf16, o_ptr=bf16, src_ptr=i32, w_ptr=f32, do_ptr=fp8 if quant else bf16,
             do_s_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dot_s_ptr=f32 if quant else bf16,

@@ -318,10 +318,39 @@ def test_swiglu_kernels_match_autograd():
     (dh_ref,) = torch.autograd.grad(act_ref, h, da)
     dh, _, act2 = swiglu_bwd(h.detach(), da, lay.m_indices, quant=False)
     assert _rel(dh, dh_ref * valid) < 1e-6 and _rel(act2, act_ref * valid) < 1e-6
+    dh_split, _, act_split = swiglu_bwd(h.detach(), da, lay.m_indices, quant=False, impl="split")
+    assert _rel(dh_split, dh_ref * valid) < 1e-6 and _rel(act_split, act_ref * valid) < 1e-6
     (dq, ds), (dqt, dst), (aqt, ast) = swiglu_bwd(h.detach(), da, lay.m_indices, quant=True)
     assert _rel(dequant_1x128(dq, ds), dh_ref * valid) < 0.04
     assert _rel(dequant_1x128(dqt, dst).t(), dh_ref * valid) < 0.04
     assert _rel(dequant_1x128(aqt, ast).t(), act_ref * valid) < 0.04
+
+
+def test_unquantized_swiglu_bwd_in_bf16_against_float64():
+    """The bf16 recipe's SwiGLU backward (one program per tile, all three outputs) on bf16 inputs with NaN in the
+    padding rows: dg, du and the recomputed act within bf16 rounding of float64 math, padding rows exactly zero,
+    and the three-programs-per-tile kernel's values. F = 384: three column blocks."""
+    from moela.ops.moe.activation import swiglu_bwd
+    from moela.ops.moe.permute import build_layout
+
+    f = 384
+    lay = build_layout(_routing(97, 5, 2, skew=True), 5)
+    valid = (lay.m_indices >= 0)[:, None]
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    h = torch.randn(lay.m_pad, 2 * f, device=DEV).masked_fill(~valid, float("nan")).to(dtype)
+    da = torch.randn(lay.m_pad, f, device=DEV).masked_fill(~valid, float("nan")).to(dtype)
+    g, u, d = (torch.where(valid, t, 0).double() for t in (h[:, :f], h[:, f:], da))
+    sig = torch.sigmoid(g)
+    want_dh = torch.cat([d * u * sig * (1 + g * (1 - sig)), d * g * sig], 1)
+    dh, _, act = swiglu_bwd(h, da, lay.m_indices, quant=False)
+    assert dh.dtype == act.dtype == dtype
+    assert _rel(dh, want_dh) < 4e-3 and _rel(act, g * sig * u) < 4e-3  # bf16 rounds to 2**-9 relative
+    assert torch.equal(dh[~valid[:, 0]], torch.zeros_like(dh[~valid[:, 0]]))
+    assert torch.equal(act[~valid[:, 0]], torch.zeros_like(act[~valid[:, 0]]))
+    split_dh, _, split_act = swiglu_bwd(h, da, lay.m_indices, quant=False, impl="split")
+    # the same fp32 expressions; a compiler may contract them differently: at most one rounding step apart
+    torch.testing.assert_close(dh, split_dh, rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(act, split_act, rtol=2 ** -7, atol=1e-6)
 
 
 @gpu

@@ -173,3 +173,51 @@ def test_a_non_logging_cuda_step_does_not_synchronize(tmp_path, cache_dir):
     assert isinstance(rec["loss"], torch.Tensor)
     trainer.save()  # reads the pending steps
     assert math.isfinite(rec["loss"]) and rec["skipped"] == 0
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3, None], ids=["clipped", "below-the-limit", "no-clip"])
+def test_clipping_inside_the_fused_step_equals_clip_then_step(max_norm):
+    """`clip_in_step` + fused AdamW against `torch.nn.utils.clip_grad_norm_` + the for-loop AdamW (the reference):
+    the same parameters, moments and (clipped) gradients after two steps."""
+    from moela.trainer.optim import clip_in_step
+
+    torch.manual_seed(0)
+    shapes = [(37, 5), (129,), (3, 7, 11)]
+    ref = [torch.randn(s, requires_grad=True) for s in shapes]
+    got = [p.detach().clone().requires_grad_() for p in ref]
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    opt_got = torch.optim.AdamW(got, lr=1e-2, weight_decay=0.1, fused=True)
+    for _ in range(2):
+        grads = [torch.randn(s) * 3 for s in shapes]
+        for p, q, g in zip(ref, got, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        want_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm) if max_norm else None
+        opt_ref.step()
+        total = torch.nn.utils.get_total_norm([q.grad for q in got])
+        if want_norm is not None:
+            torch.testing.assert_close(total, want_norm)
+        clip_in_step(opt_got, total, max_norm)
+        opt_got.found_inf = torch.zeros(())
+        opt_got.step()
+        for p, q in zip(ref, got):
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=0)
+            torch.testing.assert_close(opt_got.state[q]["exp_avg_sq"], opt_ref.state[p]["exp_avg_sq"],
+                                       rtol=1e-5, atol=0)
+    assert (opt_got.grad_scale is None) == (max_norm is None)
+
+
+def test_the_fused_trainer_clips_like_the_plain_one(tmp_path, cache_dir):
+    """A clip limit far below the tiny model's gradient norm, so every step clips: three steps of the trainer with
+    fused AdamW (clipping inside the step) and of the default CPU trainer (clip in place, for-loop AdamW) give the
+    same gradient norms and parameters."""
+    extra = ("optim.grad_clip=0.01", "logging.log_every=1")
+    plain = Trainer(make_cfg(tmp_path / "a", cache_dir, *extra))
+    fused = fused_trainer(make_cfg(tmp_path / "b", cache_dir, *extra))
+    assert not plain.skips_on_device
+    for _ in range(3):
+        a, b = plain.train_step(), fused.train_step()
+        assert a["grad_norm"] > 0.5 and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    assert fused.optimizer.grad_scale is not None and float(fused.optimizer.grad_scale) > 50
+    for (name, p), q in zip(plain.model.named_parameters(), fused.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)

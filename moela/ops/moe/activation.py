@@ -16,6 +16,8 @@ from moela.ops.moe import gluon as moe_gluon
 from moela.ops.moe.kernel_common import FP8, LAUNCH, store_tile_quantized
 from moela.ops.moe.quantize import use_gluon
 
+SWIGLU_BWD_PLAIN_ROWS = 64  # rows per program of the unquantized backward (M_pad is a multiple of 128)
+
 
 @triton.jit
 def _swiglu_fwd_kernel(
@@ -134,12 +136,45 @@ def _swiglu_bwd_kernel(
                          pid_m, pid_f, QUANT, 2)
 
 
+@triton.jit
+def _swiglu_bwd_plain_kernel(
+    h_ptr,  # [M_pad, 2F] GEMM1 output
+    dact_ptr,  # [M_pad, F] gradient of act
+    m_idx_ptr,  # [M_pad] int32 expert of each row, -1 on padding
+    dh_ptr,  # [M_pad, 2F] dh in h's dtype, written
+    act_ptr,  # [M_pad, F] act in h's dtype, written
+    F,
+    BLOCK_M: tl.constexpr,
+):
+    """The unquantized backward: program (f block, m block) reads the three input tiles once and writes dg, du
+    and act, so every input byte crosses DRAM once (the quantized kernel above gives each output its own program
+    because three quantizations do not fit the registers; unquantized, a 64 x 128 tile at 4 warps holds 64 values
+    per thread of each input). Grid: (F/128, M_pad/BLOCK_M)."""
+    pid_f, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_f * 128 + tl.arange(0, 128)
+    valid = (tl.load(m_idx_ptr + rows) >= 0)[:, None]
+    h_off = rows.to(tl.int64)[:, None] * (2 * F) + cols[None, :]
+    f_off = rows.to(tl.int64)[:, None] * F + cols[None, :]
+    gate = tl.load(h_ptr + h_off, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + h_off + F, mask=valid, other=0.0).to(tl.float32)
+    dact = tl.load(dact_ptr + f_off, mask=valid, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    ty = dh_ptr.dtype.element_ty
+    tl.store(dh_ptr + h_off, (dact * up * (sig + silu * (1.0 - sig))).to(ty))
+    tl.store(dh_ptr + h_off + F, (dact * silu).to(ty))
+    tl.store(act_ptr + f_off, (silu * up).to(ty))
+
+
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool, impl: str = "auto"
                ) -> tuple:
     """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
-    with act recomputed (the bf16 weight gradient reads it row-major). impl (quant only): "triton" (one program per
+    with act recomputed (the bf16 weight gradient reads it row-major). impl, quant: "triton" (one program per
     output tile, the inputs in registers), "gluon" (moela.ops.moe.gluon: the three input tiles staged in shared
-    memory, every output from one read; bf16 on sm_90), "auto" (gluon where it can run). Same bytes."""
+    memory, every output from one read; bf16 on sm_90), "auto" (gluon where it can run); unquantized: "auto" (one
+    program per tile, all three outputs) or "split" (the quantized kernel's three programs per tile, unquantized;
+    kept for bench/moe.py's comparison). Same bytes either way."""
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
@@ -157,6 +192,10 @@ def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, 
     else:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
+        if impl != "split":
+            _swiglu_bwd_plain_kernel[(f // 128, m // SWIGLU_BWD_PLAIN_ROWS)](
+                h, dact, m_indices, dh, act, f, BLOCK_M=SWIGLU_BWD_PLAIN_ROWS, **LAUNCH["swiglu_bwd_plain"])
+            return dh, None, act
         dh_s = dht = dht_s = dh  # not written
         actt, actt_s = act, act
     _swiglu_bwd_kernel[(3, f // 128, m // 128)](  # (part, f, m): the parts of a tile run side by side

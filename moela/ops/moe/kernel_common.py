@@ -35,7 +35,8 @@ _INTERPRET = tl.constexpr(INTERPRET)
 # kernels of gluon.py instead. Measurements: bench/notes/moe.md, bench/notes/quant_transpose.md.
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
-              swiglu_bwd=dict(num_warps=16), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
+              swiglu_bwd=dict(num_warps=16),
+              swiglu_bwd_plain=dict(num_warps=4), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
 
 
 @triton.jit
