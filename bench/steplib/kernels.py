@@ -136,14 +136,26 @@ def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top
     """Per family: device ms per step, share of all kernel time, and its `top` largest kernels (name, ms/step).
     `kernels` as `device_kernels` returns them, over `steps` steps."""
     per_family: dict[str, dict[str, float]] = {f: {} for f in FAMILIES}
+    contexts: dict[str, dict[str, float]] = {}  # kernel -> launch context -> us
     for name, us, context in kernels:
         family = per_family[classify(name, context)]
         family[name] = family.get(name, 0.0) + us
+        where = contexts.setdefault(name, {})
+        key = launch_context(context)
+        where[key] = where.get(key, 0.0) + us
     total = sum(sum(f.values()) for f in per_family.values()) or 1.0
     out = {}
     for fam, names in per_family.items():
         us = sum(names.values())
         biggest = sorted(names.items(), key=lambda kv: -kv[1])[:top]
         out[fam] = {"ms_per_step": us / 1e3 / steps, "share": us / total,
-                    "top": [[n[:120], v / 1e3 / steps] for n, v in biggest]}
+                    "top": [[n[:120], v / 1e3 / steps] for n, v in biggest],
+                    # where each of those kernels was launched from (its largest context by time)
+                    "top_context": {n[:120]: max(contexts[n].items(), key=lambda kv: kv[1])[0] for n, _ in biggest}}
     return out
+
+
+def launch_context(context: tuple[str, ...], depth: int = 4) -> str:
+    """The innermost `depth` ops above a kernel's launch (CUDA runtime calls left out), innermost first."""
+    ops = [c for c in context if not c.startswith(("cuda", "cu", "Activity Buffer"))]
+    return " < ".join(ops[:depth])
