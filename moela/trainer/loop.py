@@ -57,7 +57,7 @@ from moela.trainer.metrics import (
     memory_gib,
     plot_losses,
 )
-from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler, clip_in_step
+from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
@@ -527,13 +527,8 @@ class Trainer:
             dist.barrier()
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """The global gradient norm (a 0-d device tensor); gradients are clipped to `optim.grad_clip` when it is > 0:
-        inside the fused AdamW step where the optimizer skips on the device (`clip_in_step`), else in place."""
+        """The global gradient norm (a 0-d device tensor), after clipping to `optim.grad_clip` when it is > 0."""
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else None
-        if self.skips_on_device:
-            total = clip_grad_norm_(self.model.parameters(), None).to(self.device)
-            clip_in_step(self.optimizer, total, max_norm)
-            return total
         return clip_grad_norm_(self.model.parameters(), max_norm).to(self.device)
 
     def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:

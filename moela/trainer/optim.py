@@ -6,11 +6,6 @@ Decisions:
   `e_score_correction_bias`); the output head decays unless it is tied to the embedding.
 - On CUDA the fused AdamW kernel is used (`optim.fused`); on CPU the default implementation, whose result the
   tests treat as the reference.
-- Gradient clipping is folded into the fused step (`clip_in_step`): the fused kernel divides each gradient by the
-  optimizer's `grad_scale` tensor as it reads it (the mechanism `torch.amp.GradScaler` uses) and writes the divided
-  gradient back, so `p.grad` after the step is the clipped gradient, as after `clip_grad_norm_`. That replaces the
-  separate pass that multiplies every gradient in place (a read and a write of all fp32 gradients: 1.4 ms of a
-  115 ms `small` step on an H200, bench/notes/step.md) by one more write inside the step.
 - The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
   run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
   instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based)
@@ -64,16 +59,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> tor
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         fused=fused or None,
     )
-
-
-def clip_in_step(optimizer: torch.optim.Optimizer, total_norm: torch.Tensor, max_norm: float | None) -> None:
-    """Make the next `optimizer.step()` (fused AdamW) clip the gradients whose global norm is `total_norm` (a 0-d
-    tensor on the parameters' device) to `max_norm`, or not clip with None. The factor is `clip_grad_norm_`'s,
-    `min(1, max_norm / (total_norm + 1e-6))`, applied as its inverse: the kernel divides by `grad_scale`."""
-    if max_norm is None:
-        optimizer.grad_scale = None
-        return
-    optimizer.grad_scale = torch.clamp((total_norm.float() + 1e-6) / max_norm, min=1.0)
 
 
 class LRMultiplier:
