@@ -21,7 +21,7 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
 from the eager baseline (columns of the row), gemm and layer rows their relative error; every section runs under
 a time guard. Usage:
-  python bench/moe.py [--sections check,layout,permute_cfg,gemm,layer] [--quick] [--out bench/results/moe.md]
+  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,layer] [--quick] [--out bench/results/moe.md]
 """
 
 from __future__ import annotations
@@ -420,6 +420,28 @@ def fp8_breakdown(case, x, ids, w, w13, w2):
         row("stage", case, name, bench(fn), 0.0, "-")
 
 
+def section_wgrad_cast(quick):
+    """The bf16 weight gradient's epilogue (zero the empty experts, cast to the fp32 master weights' dtype): the
+    torch `where` + `.to` it replaced against moela.ops.moe.masked_cast's one-pass kernel, with GB/s of the bytes
+    each must move (the kernel 6 bytes per element, the torch pair 10)."""
+    from moela.ops.moe.masked_cast import masked_cast, masked_cast_reference
+
+    shapes = [("small w13", 32, 1024, 1024), ("small w2", 32, 1024, 512), ("v3 w13", 32, 4096, 7168)]
+    for name, e, n, k in shapes[:2] if quick else shapes:
+        out = torch.randn(e, n, k, device="cuda").to(torch.bfloat16)
+        counts = torch.randint(1, 100, (e,), device="cuda")
+        counts[3] = 0
+        want = masked_cast_reference(out, counts, torch.float32)
+        assert torch.equal(masked_cast(out, counts, torch.float32), want)
+        numel = out.numel()
+        t_ref = bench(lambda: masked_cast_reference(out, counts, torch.float32))
+        t_new = bench(lambda: masked_cast(out, counts, torch.float32))
+        case = f"{name} E{e} {n}x{k}"
+        row("wgrad_cast", case, "torch where + to(fp32)", t_ref, 10 * numel / t_ref / 1e6, "GB/s")
+        row("wgrad_cast", case, "masked_cast kernel", t_new, 6 * numel / t_new / 1e6, "GB/s", vs_torch=t_ref / t_new)
+        del out, want
+
+
 def section_layer(quick):
     cases = [("v3", 32, 8192, False), ("v3", 32, 8192, True), ("v2lite", 16, 16384, False)]
     for name, e, t, skew in cases[:1] if quick else cases:
@@ -565,6 +587,7 @@ def main():
             {"check": lambda: section_check(args.quick), "layout": lambda: section_layout(copy_gbs, args.quick),
              "permute_cfg": lambda: section_permute_configs(copy_gbs),
              "gemm": lambda: section_gemm(args.quick),
+             "wgrad_cast": lambda: section_wgrad_cast(args.quick),
              "fp8": lambda: __import__("fp8").run(args.quick, False, 170),
              "layer": lambda: section_layer(args.quick)}[sec]()
         except Exception as exc:  # a failing section must not hide the others' numbers

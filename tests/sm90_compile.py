@@ -134,7 +134,7 @@ def moe_kernels():
 def moe_triton_kernels():
     """The non-GEMM MoE kernels at the V3 layer shape (T 8192, top-8, E 32, D 7168, F 2048, M_pad 69632) with their
     launchers' warps and block sizes; fp8 (quant) variants and the bf16 ones where the code differs."""
-    from moela.ops.moe import activation, combine, layout, permute, quantize
+    from moela.ops.moe import activation, combine, layout, masked_cast, permute, quantize
     from moela.ops.moe.kernel_common import LAUNCH
 
     t, k, e, d, f = 8192, 8, 32, 7168, 2048
@@ -188,6 +188,9 @@ def moe_triton_kernels():
             partial_ptr=f32, M=m, D=d, K=k, QUANT=quant), **LAUNCH["combine_bwd"])
     add("combine", combine._combine_kernel, dict(o_ptr=bf16, row_map_ptr=i32, w_ptr=f32, y_ptr=bf16, D=d, K=k,
                                            BLOCK_D=block_d, WEIGHTED=True), **LAUNCH["combine"])
+    add("masked_cast", masked_cast._masked_cast_kernel, dict(x_ptr=bf16, counts_ptr="*i64", y_ptr=f32,
+                                                             per_expert=2 * f * d, BLOCK=masked_cast.BLOCK),
+        num_warps=4)
     return out
 
 

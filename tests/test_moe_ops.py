@@ -326,6 +326,24 @@ def test_swiglu_kernels_match_autograd():
     assert _rel(dequant_1x128(aqt, ast).t(), act_ref * valid) < 0.04
 
 
+@pytest.mark.parametrize("n,k,out_dtype", [(96, 40, torch.float32), (33, 129, torch.float32), (8, 8, torch.bfloat16)])
+def test_weight_gradient_masked_cast(n, k, out_dtype):
+    """The bf16 weight gradient's epilogue kernel: an expert with no rows gets zeros whatever its GEMM output holds
+    (NaN here), the others their values cast exactly (bf16 -> fp32 is exact); sizes that are not multiples of the
+    kernel's block, an expert's matrix larger than one block (96 x 40 = 3840 < 4096 < 33 x 129)."""
+    from moela.ops.moe.masked_cast import masked_cast
+
+    e = 5
+    counts = torch.tensor([3, 0, 128, 0, 1], device=DEV, dtype=torch.int32)
+    out = torch.randn(e, n, k, device=DEV).to(torch.bfloat16)
+    out[counts == 0] = float("nan")
+    got = masked_cast(out, counts, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (e, n, k)
+    want = out.double().clone()
+    want[counts == 0] = 0.0
+    assert torch.equal(got.double(), want)
+
+
 def test_unquantized_swiglu_bwd_in_bf16_against_float64():
     """The bf16 recipe's SwiGLU backward (one program per tile, all three outputs) on bf16 inputs with NaN in the
     padding rows: dg, du and the recomputed act within bf16 rounding of float64 math, padding rows exactly zero,

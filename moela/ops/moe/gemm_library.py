@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from moela.ops.moe.masked_cast import masked_cast
+
 
 def torch_mgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """bf16 m-grouped GEMM by torch._grouped_mm: rows past offsets[-1] are left unwritten (consumers mask them)."""
@@ -25,9 +27,10 @@ def torch_mgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> t
 
 def torch_kgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """bf16 k-grouped GEMM by torch._grouped_mm; experts with no rows get zeros."""
+    """bf16 k-grouped GEMM by torch._grouped_mm; experts with no rows get zeros (masked_cast.py: with the cast to
+    `out_dtype`, one pass)."""
     out = torch._grouped_mm(a, b.t(), offs=offsets[1:].to(torch.int32))  # [E, N, K]
-    return torch.where((counts > 0)[:, None, None], out, 0).to(out_dtype)
+    return masked_cast(out, counts, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
