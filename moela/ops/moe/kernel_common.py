@@ -29,14 +29,15 @@ _FMAX = tl.constexpr(FP8_MAX)
 _INTERPRET = tl.constexpr(INTERPRET)
 # Launch options per kernel, shared with tests/sm90_compile.py (which reports registers and spills for sm_90). One
 # 128x128 tile per program at 4 warps (128 values per thread, no spills) keeps three or more blocks and their loads
-# in flight per SM; the SwiGLU backward (three output tiles per input tile) is faster at 16 warps. The tile
+# in flight per SM; the quantized SwiGLU backward (three output tiles per input tile) is faster at 16 warps, the
+# unquantized one (all three outputs of a 64 x 128 tile in one program) runs at 4. The tile
 # kernels' grids put the column blocks on the fastest axis, so the blocks in flight read long contiguous stretches
 # of each row. On Hopper, for bf16 inputs, the quantizations that read a tile by rows and by columns run the Gluon
 # kernels of gluon.py instead. Measurements: bench/notes/moe.md, bench/notes/quant_transpose.md.
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
-              swiglu_bwd=dict(num_warps=16),
-              swiglu_bwd_plain=dict(num_warps=4), combine=dict(num_warps=4), combine_bwd=dict(num_warps=4))
+              swiglu_bwd=dict(num_warps=16), swiglu_bwd_plain=dict(num_warps=4), combine=dict(num_warps=4),
+              combine_bwd=dict(num_warps=4))
 
 
 @triton.jit
