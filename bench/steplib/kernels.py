@@ -150,8 +150,9 @@ def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top
         biggest = sorted(names.items(), key=lambda kv: -kv[1])[:top]
         out[fam] = {"ms_per_step": us / 1e3 / steps, "share": us / total,
                     "top": [[n[:120], v / 1e3 / steps] for n, v in biggest],
-                    # where each of those kernels was launched from (its largest context by time)
-                    "top_context": {n[:120]: max(contexts[n].items(), key=lambda kv: kv[1])[0] for n, _ in biggest}}
+                    # where each of those kernels was launched from (its largest context by time), in the
+                    # order of "top" (kernels whose names share the first 120 characters stay apart)
+                    "top_context": [max(contexts[n].items(), key=lambda kv: kv[1])[0] for n, _ in biggest]}
     return out
 
 
