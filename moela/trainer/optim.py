@@ -5,7 +5,8 @@ Decisions:
   are excluded, as are embeddings and the router's score-correction bias (names containing `embed` or
   `e_score_correction_bias`); the output head decays unless it is tied to the embedding.
 - On CUDA the fused AdamW kernel is used (`optim.fused`); on CPU the default implementation, whose result the
-  tests treat as the reference.
+  tests treat as the reference. `optim.moment_dtype: bfloat16` uses moela's AdamW with bf16 moments instead
+  (moela.trainer.adamw_moments).
 - The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
   run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
   instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based)
@@ -20,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from moela.trainer.adamw_moments import AdamWMoments
 from moela.trainer.config import OptimConfig, ScheduleConfig
 
 NO_DECAY_NAME_PARTS = ("embed", "e_score_correction_bias")
@@ -53,7 +55,10 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) ->
                 group[key] = optimizer.defaults[key]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    if cfg.moment_dtype != "float32":
+        return AdamWMoments(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            eps=cfg.eps, moment_dtype=cfg.moment_dtype)
     fused = cfg.fused and device_type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

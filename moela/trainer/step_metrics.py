@@ -63,6 +63,8 @@ def expert_imbalance_device(load: torch.Tensor | None, device: torch.device) -> 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` can be skipped by a device flag (see the module docstring)."""
+    if getattr(optimizer, "skips_on_found_inf", False):  # moela's AdamW (bf16 moments), sharded or not
+        return True
     if not optimizer.defaults.get("fused"):
         return False
     return not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
