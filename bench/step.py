@@ -17,6 +17,7 @@ out-of-memory error ends only its row:
             moela-graphs-add  graphed, but with the earlier gradient scheme: gradients zeroed in place before each
                           step and every micro-batch's graph adding into them (`cuda_graphs.FIRST_ASSIGNS = False`;
                           `moela` lets the first micro-batch's graph assign them)
+            moela-bf16-moments  the recipe with `optim.moment_dtype=bfloat16` (moela's AdamW, bf16 moments)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -67,9 +68,12 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-nomtp", "titan-compile", "hf", "titan-eager")
+IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-bf16-moments", "moela-nomtp", "titan-compile", "hf",
+         "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
+               "moela-bf16-moments": ["optim.moment_dtype=bfloat16"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
+MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-bf16-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
@@ -85,7 +89,7 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
     for impl in impls:
         for config in configs:
             c = CONFIGS[config]
-            moela_recipes = impl in ("moela", "moela-nographs", "moela-graphs-add")
+            moela_recipes = impl in MOELA_ALL_RECIPES
             for recipe in recipes if moela_recipes else [r for r in recipes if r == "bf16"]:
                 overrides = list(c["overrides"]) + [
                     f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",

@@ -173,3 +173,15 @@ def test_a_non_logging_cuda_step_does_not_synchronize(tmp_path, cache_dir):
     assert isinstance(rec["loss"], torch.Tensor)
     trainer.save()  # reads the pending steps
     assert math.isfinite(rec["loss"]) and rec["skipped"] == 0
+
+
+def test_bf16_moments_step_reads_nothing_either(tmp_path, cache_dir):
+    """moela's AdamW (`optim.moment_dtype: bfloat16`) takes the skip flag on the device too: a non-logging step
+    reads nothing back."""
+    trainer = Trainer(make_cfg(tmp_path, cache_dir, "logging.log_every=4", "optim.moment_dtype=bfloat16"))
+    assert trainer.skips_on_device
+    trainer.train_step()
+    with host_reads() as reads:
+        trainer.train_step()
+        trainer.train_step()
+    assert reads == [], reads

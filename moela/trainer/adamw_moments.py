@@ -137,10 +137,9 @@ class AdamWMoments(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found = self.found_inf
+        todo = []  # (group, parameter, state) of every parameter with a gradient
         for group in self.param_groups:
             dtype = MOMENT_DTYPES[group["moment_dtype"]]
-            beta1, beta2 = group["betas"]
-            lr = float(group["lr"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -149,19 +148,25 @@ class AdamWMoments(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                step = state["step"]
-                step.add_(1 if found is None else 1 - found.to(step.dtype))
-                args = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), step)
-                n = args[0].numel()
-                if n == 0:
-                    continue
-                if args[0].is_cuda or INTERPRET:
-                    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                        *args, found if found is not None else step, n, lr, beta1, beta2,
-                        math.log2(beta1) if beta1 > 0 else -math.inf, math.log2(beta2) if beta2 > 0 else -math.inf,
-                        group["eps"], group["weight_decay"], HAS_FOUND=found is not None,
-                        BF16_MOMENTS=dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
-                else:
-                    adamw_reference(*args, found, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                                    weight_decay=group["weight_decay"])
+                todo.append((group, p, state))
+        if not todo:
+            return loss
+        # every step count in one launch; a flagged step is not counted
+        steps = [state["step"] for _, _, state in todo]
+        torch._foreach_add_(steps, 1.0 if found is None else 1.0 - found.to(torch.float32))
+        for group, p, state in todo:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+            args = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
+            n = args[0].numel()
+            if n == 0:
+                continue
+            if args[0].is_cuda or INTERPRET:
+                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+                    *args, found if found is not None else state["step"], n, lr, beta1, beta2,
+                    math.log2(beta1) if beta1 > 0 else -math.inf, math.log2(beta2) if beta2 > 0 else -math.inf,
+                    eps, wd, HAS_FOUND=found is not None, BF16_MOMENTS=args[2].dtype == torch.bfloat16,
+                    BLOCK=BLOCK, num_warps=4)
+            else:
+                adamw_reference(*args, found, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
         return loss

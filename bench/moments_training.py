@@ -1,0 +1,75 @@
+"""Loss curves of the same training run with AdamW's moments in fp32 and in bf16 (`optim.moment_dtype`).
+
+Runs `train.py RECIPE` twice with the same seed and data, differing only in `optim.moment_dtype`, and writes a
+table of the logged losses (each averaged over the steps since the previous line) with the relative difference,
+the validation losses and the median step times; the curves as JSON beside it.
+
+  CPU:  python bench/moments_training.py --recipe recipes/tiny.yaml --out bench/results/moments_tiny_cpu.md
+  GPU:  python bench/moments_training.py                          # recipes/small.yaml, 500 steps
+Extra recipe overrides go after `--set`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("float32", "bfloat16")
+
+
+def run(recipe: str, moments: str, steps: int | None, work: Path, extra: list[str]) -> list[dict]:
+    run_dir = work / moments
+    cmd = [sys.executable, str(ROOT / "train.py"), recipe, f"optim.moment_dtype={moments}",
+           f"train.run_dir={run_dir}", "checkpoint.every=0", "checkpoint.save_at_end=false",
+           "checkpoint.resume=none", "logging.plot=false", "logging.progress_bar=never", *extra]
+    if steps:
+        cmd += [f"train.steps={steps}", f"train.eval_every={steps}"]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="recipes/small.yaml")
+    ap.add_argument("--steps", type=int, default=None, help="default: the recipe's")
+    ap.add_argument("--work-dir", default="/tmp/moela_moments_training")
+    ap.add_argument("--out", default="bench/results/moments_training.md")
+    ap.add_argument("--set", nargs="*", default=[], help="more recipe overrides (section.key=value)")
+    args = ap.parse_args()
+    runs = {v: run(args.recipe, v, args.steps, Path(args.work_dir), args.set) for v in VARIANTS}
+    curves = {v: {r["step"]: r["loss"] for r in recs if r["kind"] == "train"} for v, recs in runs.items()}
+    lines = ["# AdamW moments in fp32 vs bf16: loss curves of the same training run", "",
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Command: "
+             f"`python bench/moments_training.py {' '.join(sys.argv[1:])}` ({args.recipe}; the runs differ only in "
+             f"`optim.moment_dtype`). Curves: {Path(args.out).with_suffix('.json').name}.", "",
+             "| step | loss fp32 moments | loss bf16 moments | bf16 vs fp32 |", "| ---: | ---: | ---: | ---: |"]
+    for step in sorted(set(curves["float32"]) & set(curves["bfloat16"])):
+        a, b = curves["float32"][step], curves["bfloat16"][step]
+        lines.append(f"| {step} | {a:.4f} | {b:.4f} | {100 * (b / a - 1):+.2f}% |")
+    summary = {}
+    for v, recs in runs.items():
+        evals = [r["val_loss"] for r in recs if r["kind"] == "eval"]
+        train = [r for r in recs if r["kind"] == "train"]
+        summary[v] = {"val_loss": evals[-1] if evals else None,
+                      "step_s": statistics.median(r["step_time_s"] for r in train[1:] or train)}
+    a, b = summary["float32"], summary["bfloat16"]
+    if a["val_loss"] and b["val_loss"]:
+        lines += ["", f"Validation at the end: fp32 moments {a['val_loss']:.4f}, bf16 moments {b['val_loss']:.4f} "
+                      f"({100 * (b['val_loss'] / a['val_loss'] - 1):+.2f}%); median step {a['step_s']:.3f} s vs "
+                      f"{b['step_s']:.3f} s."]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(
+        {"curves": {v: sorted(c.items()) for v, c in curves.items()}, "summary": summary}) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
