@@ -19,6 +19,7 @@ from factories import VISIBLE_TRAINING, random_batches, tiny_config
 from moela.model import build_model
 from moela.parallel import apply_parallelism, build_mesh
 from moela.parallel.config import ParallelConfig
+from moela.trainer.adamw_moments import AdamWMoments
 from parallel_harness import spawn
 
 
@@ -48,6 +49,12 @@ def build_model_and_adamw(cfg, layout: dict | None, world_size: int, seed: int):
 
 def build(layout: dict | None, world_size: int, seed: int):
     return build_model_and_adamw(tiny_config(**VISIBLE_TRAINING), layout, world_size, seed)
+
+
+def build_bf16_moments(layout: dict | None, world_size: int, seed: int):
+    """`build` with moela's AdamW keeping bf16 moments (`optim.moment_dtype: bfloat16`)."""
+    model, _ = build(layout, world_size, seed)
+    return model, AdamWMoments(model.parameters(), lr=1e-2, weight_decay=0.1, moment_dtype="bfloat16")
 
 
 def load_into(model, optimizer, path: str) -> None:
@@ -80,6 +87,8 @@ def check_loaded(model, opt, expected_file: str) -> None:
     expected = torch.load(expected_file)
     got = full_states(model, opt)
     assert got.keys() == expected.keys()
+    moment_dtype = torch.bfloat16 if isinstance(opt, AdamWMoments) else torch.float32
+    assert all(v.dtype == moment_dtype for k, v in got.items() if k.startswith("optim."))
     assert any("experts.w13" in k for k in got)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
@@ -110,3 +119,10 @@ def test_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(tmp_path):
     # ep=2 on 4 ranks: experts also FSDP-sharded
     resharded_roundtrip(tmp_path, build, dict(ep=2), ep_batch,
                         [dict(ep=4), dict(ep=2, activation_checkpointing="full")])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_bf16_moments_checkpoint_saved_on_2_ranks_resumes_on_1_and_4(tmp_path):
+    """The same round trip with bf16 moments: sharded bf16 moments save, reshard and load bit for bit, and stay
+    bf16 (torch's loading would cast them to the parameters' fp32)."""
+    resharded_roundtrip(tmp_path, build_bf16_moments, dict(ep=2), ep_batch, [dict(ep=4)])
