@@ -306,6 +306,20 @@ def latent_attention_kernels():
     return out
 
 
+def optimizer_kernels():
+    """moela's AdamW (moela.trainer.adamw_moments) with bf16 and with fp32 moments, the skip flag on."""
+    from moela.trainer import adamw_moments as am
+
+    out = {}
+    for tag, moment in (("bf16", "*bf16"), ("fp32", "*fp32")):
+        out[f"adamw moments {tag}"] = compile_sm90(am._adamw_kernel, dict(
+            p_ptr="*fp32", g_ptr="*fp32", m_ptr=moment, v_ptr=moment, step_ptr="*fp32", found_ptr="*fp32",
+            n=1 << 20, lr=1e-3, beta1=0.9, beta2=0.95, log2_beta1=-0.15, log2_beta2=-0.074, eps=1e-8,
+            weight_decay=0.1, HAS_FOUND=True, BF16_MOMENTS=tag == "bf16", BLOCK=am.BLOCK), num_warps=4)
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({**attention_kernels(), **moe_kernels(), **moe_triton_kernels(), **moe_gluon_kernels(),
-                      **moe_gluon_gemm_kernels(), **qk_norm_kernels(), **latent_attention_kernels()}))
+                      **moe_gluon_gemm_kernels(), **qk_norm_kernels(), **latent_attention_kernels(),
+                      **optimizer_kernels()}))
