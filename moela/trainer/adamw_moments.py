@@ -12,10 +12,10 @@ Decisions:
   the next step. Same formula and order as `torch.optim.AdamW` (decoupled decay, bias corrections, eps added to
   sqrt(v) / sqrt(1 - beta2^t)); with `moment_dtype=float32` the result equals torch's AdamW to fp32 rounding (the
   tests' reference).
-- bf16 keeps 8 significant bits: a second moment updated by `(1 - beta2) * g^2` with beta2 close to 1 can stall
-  once the increment falls below half a bf16 step of the stored value (for a steady gradient, when
-  1 - beta2 < 2^-9). DeepSeek uses beta2 = 0.95 (moela's default); the recipe check refuses beta2 > 0.99 with
-  bf16 moments.
+- bf16 keeps 8 significant bits: a stored second moment v moves by `(1 - beta2) * (g^2 - v)`, which rounds away
+  when it is under half a bf16 step, i.e. when |g^2 - v| / v < 2^-9 / (1 - beta2): 4% at beta2 = 0.95 (DeepSeek's
+  and moela's default), but a factor ~2 at beta2 = 0.999, where v would barely move. The recipe check refuses
+  beta2 > 0.99 with bf16 moments.
 - One Triton kernel per parameter tensor on CUDA (and in Triton's interpreter); the same math in torch elsewhere.
   Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
   with fused AdamW (`moela.trainer.step_metrics`): no host read. Sharded (DTensor) parameters update their local
