@@ -158,5 +158,5 @@ def breakdown(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top
 
 def launch_context(context: tuple[str, ...], depth: int = 4) -> str:
     """The innermost `depth` ops above a kernel's launch (CUDA runtime calls left out), innermost first."""
-    ops = [c for c in context if not c.startswith(("cuda", "cu", "Activity Buffer"))]
+    ops = [c for c in context if not c.startswith(("cu", "Activity Buffer"))]  # cudaLaunchKernel, cuLaunchKernel
     return " < ".join(ops[:depth])

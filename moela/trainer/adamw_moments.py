@@ -2,9 +2,10 @@
 section 3.3.2: the first and second AdamW moments in BF16, master weights and gradients in FP32).
 
 Why: with fp32 master weights the fused fp32 AdamW moves 28 bytes per parameter a step (parameter read and write,
-gradient read, both moments read and written), ~5 ms of a 125 ms `small` step on an H200, and its moments hold
-8 bytes per parameter. bf16 moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB
-less memory.
+gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200
+(bench/results/step_32k_hf.json, step_32k_masked_cast.json), and its moments hold 8 bytes per parameter. bf16
+moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory (a byte count;
+the kernel's time on a GPU is not measured yet).
 
 Decisions:
 - The update is computed in fp32 from the stored moments and the fp32 gradient; the new moments update the
@@ -137,9 +138,12 @@ class AdamWMoments(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found = self.found_inf
-        todo = []  # (group, parameter, state) of every parameter with a gradient
+        todo = []  # (the group's hyperparameters, parameter, state) of every parameter with a gradient
         for group in self.param_groups:
             dtype = MOMENT_DTYPES[group["moment_dtype"]]
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -148,9 +152,27 @@ class AdamWMoments(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                todo.append((group, p, state))
+                todo.append((hyper, p, state))
         if not todo:
             return loss
+        # every step count in one launch; a flagged step is not counted
+        steps = [state["step"] for _, _, state in todo]
+        torch._foreach_add_(steps, 1.0 if found is None else 1.0 - found.to(torch.float32))
+        for hyper, p, state in todo:
+            args = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
+            n = args[0].numel()
+            if n == 0:
+                continue
+            if args[0].is_cuda or INTERPRET:
+                b1, b2 = hyper["beta1"], hyper["beta2"]
+                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+                    *args, found if found is not None else state["step"], n, hyper["lr"], b1, b2,
+                    math.log2(b1) if b1 > 0 else -math.inf, math.log2(b2) if b2 > 0 else -math.inf,
+                    hyper["eps"], hyper["weight_decay"], HAS_FOUND=found is not None,
+                    BF16_MOMENTS=args[2].dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
+            else:
+                adamw_reference(*args, found, **hyper)
+        return loss
         # every step count in one launch; a flagged step is not counted
         steps = [state["step"] for _, _, state in todo]
         torch._foreach_add_(steps, 1.0 if found is None else 1.0 - found.to(torch.float32))

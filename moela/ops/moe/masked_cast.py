@@ -39,7 +39,7 @@ def _masked_cast_kernel(x_ptr, counts_ptr, y_ptr, per_expert, BLOCK: tl.constexp
 
 def masked_cast(out: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`masked_cast_reference` in one kernel on CUDA (and in Triton's interpreter); the reference elsewhere."""
-    if out.device.type != "cuda" and not INTERPRET:
+    if not (out.is_cuda or INTERPRET):
         return masked_cast_reference(out, counts, dtype)
     e = out.shape[0]
     x = out.contiguous()
