@@ -307,15 +307,20 @@ def latent_attention_kernels():
 
 
 def optimizer_kernels():
-    """moela's AdamW (moela.trainer.adamw_moments) with bf16 and with fp32 moments, the skip flag on."""
+    """moela's AdamW (moela.trainer.adamw_moments) with bf16 and with fp32 moments, the skip flag and the gradient
+    factor on. Its whole blocks must load and store 16 bytes a thread (the addresses come from a table, so only
+    the kernel's alignment hint makes that possible)."""
+    import triton.language as tl
+
     from moela.trainer import adamw_moments as am
 
     out = {}
-    for tag, moment in (("bf16", "*bf16"), ("fp32", "*fp32")):
+    for tag, moment in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
         out[f"adamw moments {tag}"] = compile_sm90(am._adamw_kernel, dict(
-            p_ptr="*fp32", g_ptr="*fp32", m_ptr=moment, v_ptr=moment, step_ptr="*fp32", found_ptr="*fp32",
-            n=1 << 20, lr=1e-3, beta1=0.9, beta2=0.95, log2_beta1=-0.15, log2_beta2=-0.074, eps=1e-8,
-            weight_decay=0.1, HAS_FOUND=True, BF16_MOMENTS=tag == "bf16", BLOCK=am.BLOCK), num_warps=4)
+            table_ptr="*i64", work_ptr="*i32", found_ptr="*fp32", scale_ptr="*fp32", lr=1e-3, beta1=0.9,
+            beta2=0.95, log2_beta1=-0.15, log2_beta2=-0.074, eps=1e-8, weight_decay=0.1, HAS_FOUND=True,
+            HAS_SCALE=True, P_DTYPE=tl.float32, G_DTYPE=tl.float32, M_DTYPE=moment, BF16_MOMENTS=tag == "bf16",
+            BLOCK=am.BLOCK), num_warps=4, require=("ld.global.v4.b32", "st.global.v4.b32"))
     return out
 
 

@@ -108,6 +108,70 @@ def test_a_flagged_step_changes_nothing_and_is_not_counted(path):
     assert all(float(opt.state[p]["step"]) == 2 for p in params)
 
 
+def test_groups_clipping_factor_and_odd_tensors_equal_torch_adamw_on_clipped_gradients(path):
+    """Two groups (decayed and not), an empty parameter and a non-contiguous gradient (the torch path inside a
+    kernel launch's group); the gradients' clipping factor given to the step equals torch's clipping them first."""
+    from moela.parallel import clip_factor, clip_grad_norm_
+
+    def build(seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g).requires_grad_() for s in [(37, 5), (0,), (129,), (9, 13), (2050,)]]
+
+    def grads(step, params):
+        g = torch.Generator().manual_seed(200 + step)
+        out = [torch.randn(p.shape, generator=g) * (1 + step) for p in params]
+        out[3] = out[3].t().contiguous().t()  # same values, column-major
+        return out
+
+    ref, got = build(), build()
+    groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
+    hyper = {k: v for k, v in HYPER.items() if k != "weight_decay"}
+    opt_ref = torch.optim.AdamW(groups(ref), foreach=False, **hyper)
+    opt_got = AdamWMoments(groups(got), moment_dtype="float32", **hyper)
+    for step in range(4):
+        for ps in (ref, got):
+            for p, g in zip(ps, grads(step, ps)):
+                p.grad = g
+        assert not got[3].grad.is_contiguous()
+        norm_ref = clip_grad_norm_(ref, 1.0)
+        norm_got = clip_grad_norm_(got, None)  # measures only: the gradients stay as they are
+        torch.testing.assert_close(norm_got, norm_ref, rtol=0, atol=0)
+        assert float(clip_factor(norm_got, 1.0)) < 1  # the clipping does something
+        opt_got.grad_scale = clip_factor(norm_got, 1.0)
+        opt_ref.step()
+        opt_got.step()
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q, p, rtol=2e-6, atol=2e-7)
+
+
+def test_the_launch_table_is_reused_until_an_address_changes():
+    """The kernel's table of addresses is built once while gradients are written in place (a graphed step's),
+    and rebuilt when a gradient is a new tensor; the result follows torch's AdamW throughout."""
+    if not adamw_moments.INTERPRET:
+        pytest.skip("the Triton kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+    ref, got = _params(), _params()
+    opt_ref = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    opt_got = AdamWMoments(got, moment_dtype="float32", **HYPER)
+    _set_grads(ref, _grads(0))
+    _set_grads(got, _grads(0))
+    tables = []
+    for step in range(4):
+        if step == 2:  # new gradient tensors: new addresses
+            _set_grads(got, _grads(step))
+        else:
+            for p, g in zip(got, _grads(step)):
+                p.grad.copy_(g)
+        _set_grads(ref, _grads(step))
+        opt_ref.step()
+        opt_got.step()
+        (table,) = opt_got._tables.values()
+        tables.append((table.key, table.table))
+    assert tables[1][1] is tables[0][1] and tables[3][1] is tables[2][1]
+    assert tables[2][0] != tables[1][0]
+    for p, q in zip(ref, got):
+        torch.testing.assert_close(q, p, rtol=2e-6, atol=2e-7)
+
+
 def test_state_dicts_cross_between_torch_adamw_and_bf16_moments():
     """A torch AdamW state loads into bf16 moments (rounded once) and back; bf16 -> fp32 -> bf16 is exact."""
     params = _params()
@@ -209,3 +273,78 @@ def test_sharded_parameters_update_like_whole_ones():
         opt.step()
         opt.zero_grad()
     spawn(_sharded_steps, 2, [p.detach().clone() for p in model.parameters()])
+
+
+def test_the_trainer_clips_through_the_step_as_it_would_clip_the_gradients(tmp_path, monkeypatch):
+    """With a clip that binds, the trainer hands moela's AdamW the clipping factor; the weights after three steps
+    equal those of the same run clipping the gradients in place first (the optimizer told it cannot scale)."""
+    from moela.trainer import Trainer
+
+    cache = str(tmp_path / "cache")
+    runs = {}
+    for in_step in (True, False):
+        monkeypatch.setattr(AdamWMoments, "scales_grads_in_step", in_step)
+        trainer = Trainer(_trainer_cfg(tmp_path / str(in_step), cache, 3, "optim.grad_clip=0.05"))
+        records = [trainer.train_step() for _ in range(3)]
+        assert all(r["grad_norm"] > 0.5 for r in records)  # the clip binds at every step
+        assert (trainer.optimizer.grad_scale is not None) == in_step
+        runs[in_step] = trainer.model.state_dict()
+    for name, want in runs[False].items():
+        torch.testing.assert_close(runs[True][name], want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_against_torch_adamw_and_the_float64_reference_without_a_sync():
+    """On the GPU: fp32 moments equal torch's AdamW (clipping factor and skip flag set, odd sizes, two groups);
+    bf16 moments round to nearest (the interpreter truncates) and follow the float64 AdamW that rounds its moments;
+    neither step synchronizes with the host."""
+    shapes = [(37, 5), (129,), (4099,), (3, 2048), (1,)]
+    g = torch.Generator().manual_seed(7)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) * (1 + i) for s in shapes] for i in range(4)]
+    groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
+    hyper = {k: v for k, v in HYPER.items() if k != "weight_decay"}
+    ref = [p.cuda().requires_grad_() for p in init]
+    opt_ref = torch.optim.AdamW(groups(ref), foreach=False, **hyper)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        got = [p.cuda().requires_grad_() for p in init]
+        opt = AdamWMoments(groups(got), moment_dtype=dtype, **hyper)
+        for p, gr in zip(got, grads[0]):
+            p.grad = gr.cuda()
+        runs[dtype] = (got, opt)
+    f64 = [p.double() for p in init]
+    m64 = [torch.zeros_like(p) for p in f64]
+    v64 = [torch.zeros_like(p) for p in f64]
+    b1, b2 = HYPER["betas"]
+    scale = torch.tensor(0.5, device="cuda")
+    for step in range(1, 4):
+        for p, gr in zip(ref, grads[step]):
+            p.grad = gr.cuda() * scale
+        opt_ref.step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for got, opt in runs.values():
+                for p, gr in zip(got, grads[step]):
+                    p.grad.copy_(gr.cuda(), non_blocking=True)
+                opt.grad_scale, opt.found_inf = scale, torch.zeros((), device="cuda")
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for i, gr in enumerate(grads[step]):
+            gd = gr.double() * 0.5
+            mi = m64[i] + (gd - m64[i]) * (1 - b1)
+            vi = v64[i] * b2 + (1 - b2) * gd * gd
+            wd = 0.1 if i < 3 else 0.0
+            f64[i] = f64[i] * (1 - HYPER["lr"] * wd) - HYPER["lr"] / (1 - b1 ** step) * mi / (
+                vi.sqrt() / math.sqrt(1 - b2 ** step) + HYPER["eps"])
+            m64[i], v64[i] = mi.bfloat16().double(), vi.bfloat16().double()
+    got32, opt32 = runs["float32"]
+    for p, q in zip(ref, got32):
+        torch.testing.assert_close(q, p, rtol=2e-6, atol=2e-7)
+    got16, opt16 = runs["bfloat16"]
+    for p, r, mi in zip(got16, f64, m64):
+        assert ((p.double().cpu() - r).norm() / r.norm()).item() < 1e-6
+        m = opt16.state[p]["exp_avg"].double().cpu()
+        assert ((m - mi).norm() / mi.norm()).item() < 2e-3

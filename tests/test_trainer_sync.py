@@ -162,9 +162,12 @@ def test_a_streak_that_ends_between_two_reads_still_stops_the_run(tmp_path, cach
 
 
 @pytest.mark.gpu
-def test_a_non_logging_cuda_step_does_not_synchronize(tmp_path, cache_dir):
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_a_non_logging_cuda_step_does_not_synchronize(tmp_path, cache_dir, moments):
+    """torch's fused AdamW, and moela's AdamW (bf16 moments) with the clipping factor handed to its step."""
     cfg = make_cfg(tmp_path, cache_dir, *GPU_MODEL, "logging.log_every=100", "train.device=cuda",
-                   "train.tokens_per_microbatch=512", "data.max_doc_len=128")
+                   "train.tokens_per_microbatch=512", "data.max_doc_len=128", f"optim.moment_dtype={moments}",
+                   "optim.grad_clip=1.0")
     trainer = Trainer(cfg)
     assert trainer.skips_on_device
     for _ in range(3):  # step 1 logs; kernels compile and autotune during the first steps

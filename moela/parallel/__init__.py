@@ -22,12 +22,13 @@ _LAZY = {
     "reduce_expert_load": "moela.parallel.expert_parallel",
     "apply_parallelism": "moela.parallel.apply",
     "clip_grad_norm_": "moela.parallel.fsdp",
+    "clip_factor": "moela.parallel.fsdp",
     "ParallelMesh": "moela.parallel.mesh",
     "build_mesh": "moela.parallel.mesh",
 }
 
 __all__ = ["ExpertParallelExperts", "ParallelConfig", "ParallelMesh", "apply_parallelism", "build_mesh",
-           "clip_grad_norm_", "reduce_expert_load"]
+           "clip_factor", "clip_grad_norm_", "reduce_expert_load"]
 
 
 def __getattr__(name: str):

@@ -169,3 +169,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, 
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def clip_factor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor `torch.nn.utils.clip_grads_with_norm_` multiplies the gradients by, min(1, max_norm / (norm +
+    1e-6)), as a 0-d fp32 tensor on the norm's device: for an optimizer that applies it as it reads the gradients."""
+    return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)

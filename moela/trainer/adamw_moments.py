@@ -4,8 +4,8 @@ section 3.3.2: the first and second AdamW moments in BF16, master weights and gr
 Why: with fp32 master weights the fused fp32 AdamW moves 28 bytes per parameter a step (parameter read and write,
 gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200
 (bench/results/step_32k_hf.json, step_32k_masked_cast.json), and its moments hold 8 bytes per parameter. bf16
-moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory (a byte count;
-the kernel's time on a GPU is not measured yet).
+moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory. Measured in one
+H200 step: 3.7 ms against the fused kernel's 5.5, peak 25.7 against 28.2 GiB (bench/notes/step.md, run 9).
 
 Decisions:
 - The update is computed in fp32 from the stored moments and the fp32 gradient; the new moments update the
@@ -17,8 +17,14 @@ Decisions:
   when it is under half a bf16 step, i.e. when |g^2 - v| / v < 2^-9 / (1 - beta2): 4% at beta2 = 0.95 (DeepSeek's
   and moela's default), but a factor ~2 at beta2 = 0.999, where v would barely move. The recipe check refuses
   beta2 > 0.99 with bf16 moments.
-- One Triton kernel per parameter tensor on CUDA (and in Triton's interpreter); the same math in torch elsewhere.
-  Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
+- One Triton launch per parameter group updates every parameter of the group (CUDA, and Triton's interpreter):
+  the program reads its parameter's tensors' addresses from a device table (rebuilt only when an address changes),
+  because one launch per tensor cost ~40 us of host time each, 8.7 ms a step for `small`'s ~200 tensors, more than
+  the kernels' 3.7 ms on the GPU (bench/notes/step.md, run 9). The same math in torch elsewhere.
+- Gradient clipping's factor is applied as the step reads each gradient (`grad_scale`), so clipping costs no pass
+  that reads and writes every gradient (1.5 ms of `small`'s step as `_foreach_mul_`); the gradients themselves stay
+  unclipped (nothing reads them after the step).
+- Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
   with fused AdamW (`moela.trainer.step_metrics`): no host read. Sharded (DTensor) parameters update their local
   shards; the moments are DTensors like the parameters, so distributed checkpoints treat them as AdamW's.
 - Loading a state dict gives the moments this optimizer's dtype (torch's loading casts optimizer state to the
@@ -37,7 +43,9 @@ from torch.distributed.tensor import DTensor
 from moela.ops.triton_env import INTERPRET
 
 BLOCK = 2048  # elements per program
+ROW = 6  # a parameter's row in the launch table: addresses of p, g, m, v and the step count, then numel
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -54,40 +62,73 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, found_ptr, n, lr, beta1, beta2, log2_beta1, log2_beta2,
-                  eps, weight_decay, HAS_FOUND: tl.constexpr, BF16_MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program i: elements [i * BLOCK, (i + 1) * BLOCK) of one parameter; the step count is already incremented."""
+def _update(p, g, m, v, step, scale, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+            BF16_MOMENTS: tl.constexpr):
+    """One AdamW update in fp32 -> (p, m, v) with m and v as they are stored."""
+    bc1 = 1.0 - tl.exp2(step * log2_beta1)
+    bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    g = g * scale
+    m = m + (g - m) * (1.0 - beta1)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    p = p * (1.0 - lr * weight_decay)
+    p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    if BF16_MOMENTS:
+        m = _round_to_bf16(m)
+        v = _round_to_bf16(v)
+    return p, m, v
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, work_ptr, found_ptr, scale_ptr, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+                  weight_decay, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, P_DTYPE: tl.constexpr,
+                  G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, BF16_MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program w: block `work[w, 1]` (BLOCK elements) of parameter `work[w, 0]`, whose tensors' addresses and size
+    are row `work[w, 0]` of the table (every address 16-byte aligned, the launcher checks). The step count is
+    already incremented. Whole blocks load and store unmasked (vectorized); the tail block is masked."""
     skip = False
     if HAS_FOUND:
         skip = tl.load(found_ptr) != 0
     if not skip:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        step = tl.load(step_ptr).to(tl.float32)
-        bc1 = 1.0 - tl.exp2(step * log2_beta1)
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = m + (g - m) * (1.0 - beta1)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        p = p * (1.0 - lr * weight_decay)
-        p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-        if BF16_MOMENTS:
-            m = _round_to_bf16(m)
-            v = _round_to_bf16(v)
-        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+        w = tl.program_id(0).to(tl.int64)
+        row = table_ptr + tl.load(work_ptr + 2 * w).to(tl.int64) * 6
+        start = tl.load(work_ptr + 2 * w + 1).to(tl.int64) * BLOCK
+        p_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(P_DTYPE)), 16)
+        g_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(G_DTYPE)), 16)
+        m_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(M_DTYPE)), 16)
+        v_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(M_DTYPE)), 16)
+        step = tl.load(tl.load(row + 4).to(tl.pointer_type(tl.float32)))
+        n = tl.load(row + 5)
+        scale = 1.0
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n:
+            p, m, v = _update(tl.load(p_ptr + offs).to(tl.float32), tl.load(g_ptr + offs).to(tl.float32),
+                              tl.load(m_ptr + offs).to(tl.float32), tl.load(v_ptr + offs).to(tl.float32), step,
+                              scale, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay, BF16_MOMENTS)
+            tl.store(p_ptr + offs, p.to(P_DTYPE))
+            tl.store(m_ptr + offs, m.to(M_DTYPE))
+            tl.store(v_ptr + offs, v.to(M_DTYPE))
+        else:
+            mask = offs < n
+            p, m, v = _update(tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                              tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                              tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                              tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32), step, scale, lr, beta1,
+                              beta2, log2_beta1, log2_beta2, eps, weight_decay, BF16_MOMENTS)
+            tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+            tl.store(m_ptr + offs, m.to(M_DTYPE), mask=mask)
+            tl.store(v_ptr + offs, v.to(M_DTYPE), mask=mask)
 
 
-def adamw_reference(p, g, m, v, step, found, *, lr, beta1, beta2, eps, weight_decay) -> None:
+def adamw_reference(p, g, m, v, step, found, scale=None, *, lr, beta1, beta2, eps, weight_decay) -> None:
     """The kernel's math on local tensors in torch (in place); `step` already incremented, `found` a 0-d flag or
-    None (1: leave everything as it is)."""
+    None (1: leave everything as it is), `scale` a 0-d factor of the gradient or None (1)."""
     bc1 = 1 - beta1 ** step.float()
     bc2_sqrt = (1 - beta2 ** step.float()).sqrt()
     g32, m32, v32 = g.float(), m.float(), v.float()
+    if scale is not None:
+        g32 = g32 * scale.float()
     m32 = m32 + (g32 - m32) * (1 - beta1)
     v32 = v32 * beta2 + (1 - beta2) * g32 * g32
     p32 = p.float() * (1 - lr * weight_decay)
@@ -100,11 +141,43 @@ def adamw_reference(p, g, m, v, step, found, *, lr, beta1, beta2, eps, weight_de
     v.copy_(v32)
 
 
+class _LaunchTable:
+    """The device tables of one launch: a row per parameter (ROW int64: the addresses of its parameter, gradient,
+    moments and step count, and its size) and a work item per block (int32 pairs: row, block). Rebuilt only when
+    an address changes (the first step, a load, new gradient tensors); rebuilding costs one small host-to-device
+    copy from pinned memory, which is not a synchronization."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.table = self.work = None
+        self._host: tuple = ()  # the pinned sources, kept until the copies that read them are done
+
+    def get(self, tensors: list[tuple], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = tuple((tup[0].numel(), *(t.data_ptr() for t in tup)) for tup in tensors)
+        if key != self.key:
+            rows = [[t.data_ptr() for t in tup] + [tup[0].numel()] for tup in tensors]
+            table = torch.tensor(rows, dtype=torch.int64)  # [N, ROW]
+            blocks = torch.tensor([triton.cdiv(r[-1], BLOCK) for r in rows], dtype=torch.int64)  # [N]
+            owner = torch.repeat_interleave(torch.arange(len(rows)), blocks)  # [W]
+            first = torch.cumsum(blocks, 0) - blocks  # [N]
+            work = torch.stack([owner, torch.arange(owner.numel()) - first[owner]], dim=1).to(torch.int32)  # [W, 2]
+            if device.type == "cuda":
+                table, work = table.pin_memory(), work.pin_memory()
+                self._host = (table, work)
+            self.table = table.to(device, non_blocking=True)
+            self.work = work.to(device, non_blocking=True)
+            self.key = key
+        return self.table, self.work
+
+
 class AdamWMoments(torch.optim.Optimizer):
     """AdamW with moments stored in `moment_dtype` (see the module docstring). Set `found_inf` (a 0-d device
-    tensor, 1 = skip) before `step()` to skip a step on the device, as with torch's fused AdamW."""
+    tensor, 1 = skip) before `step()` to skip a step on the device, as with torch's fused AdamW, and `grad_scale`
+    (a 0-d device tensor) to multiply every gradient by it as the step reads it (gradient clipping's factor,
+    without a pass that writes the gradients)."""
 
     skips_on_found_inf = True  # moela.trainer.step_metrics.skips_on_device
+    scales_grads_in_step = True  # moela.trainer.loop: clipping hands its factor to the step
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, moment_dtype: str = "bfloat16"):
@@ -113,6 +186,8 @@ class AdamWMoments(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, moment_dtype=moment_dtype)
         super().__init__(params, defaults)
         self.found_inf: torch.Tensor | None = None
+        self.grad_scale: torch.Tensor | None = None
+        self._tables: dict[tuple, _LaunchTable] = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, then the recipe's moment dtype (torch casts optimizer state to the parameters' dtype,
@@ -137,13 +212,11 @@ class AdamWMoments(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found = self.found_inf
-        todo = []  # (the group's hyperparameters, parameter, state) of every parameter with a gradient
-        for group in self.param_groups:
+        found, scale = self.found_inf, self.grad_scale
+        steps = []
+        launches: dict[tuple, list[tuple]] = {}  # (group, dtypes, device, kernel?) -> local (p, g, m, v, step)
+        for gi, group in enumerate(self.param_groups):
             dtype = MOMENT_DTYPES[group["moment_dtype"]]
-            beta1, beta2 = group["betas"]
-            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -152,43 +225,48 @@ class AdamWMoments(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                todo.append((hyper, p, state))
-        if not todo:
+                steps.append(state["step"])
+                tup = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                       state["step"])
+                if tup[0].numel():
+                    key = (gi, tup[0].dtype, tup[1].dtype, tup[2].dtype, tup[0].device, _kernel_can_run(tup))
+                    launches.setdefault(key, []).append(tup)
+        if not steps:
             return loss
         # every step count in one launch; a flagged step is not counted
-        steps = [state["step"] for _, _, state in todo]
-        torch._foreach_add_(steps, 1.0 if found is None else 1.0 - found.to(torch.float32))
-        for hyper, p, state in todo:
-            args = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
-            n = args[0].numel()
-            if n == 0:
-                continue
-            if args[0].is_cuda or INTERPRET:
-                b1, b2 = hyper["beta1"], hyper["beta2"]
-                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                    *args, found if found is not None else state["step"], n, hyper["lr"], b1, b2,
-                    math.log2(b1) if b1 > 0 else -math.inf, math.log2(b2) if b2 > 0 else -math.inf,
-                    hyper["eps"], hyper["weight_decay"], HAS_FOUND=found is not None,
-                    BF16_MOMENTS=args[2].dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
-            else:
-                adamw_reference(*args, found, **hyper)
-        return loss
-        # every step count in one launch; a flagged step is not counted
-        steps = [state["step"] for _, _, state in todo]
-        torch._foreach_add_(steps, 1.0 if found is None else 1.0 - found.to(torch.float32))
-        for group, p, state in todo:
+        if found is None:
+            torch._foreach_add_(steps, 1.0)
+        else:
+            torch._foreach_add_(steps, [1.0 - found.to(torch.float32)] * len(steps))
+        for key, tensors in launches.items():
+            group = self.param_groups[key[0]]
             beta1, beta2 = group["betas"]
-            lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-            args = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
-            n = args[0].numel()
-            if n == 0:
-                continue
-            if args[0].is_cuda or INTERPRET:
-                _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-                    *args, found if found is not None else state["step"], n, lr, beta1, beta2,
-                    math.log2(beta1) if beta1 > 0 else -math.inf, math.log2(beta2) if beta2 > 0 else -math.inf,
-                    eps, wd, HAS_FOUND=found is not None, BF16_MOMENTS=args[2].dtype == torch.bfloat16,
-                    BLOCK=BLOCK, num_warps=4)
+            hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"])
+            if key[-1]:
+                self._launch(key, tensors, found, scale, hyper)
             else:
-                adamw_reference(*args, found, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd)
+                for tup in tensors:
+                    adamw_reference(*tup, found, scale, **hyper)
         return loss
+
+    def _launch(self, key: tuple, tensors: list[tuple], found, scale, hyper: dict) -> None:
+        """One kernel launch for every parameter of `tensors` (one group, one set of dtypes, one device)."""
+        table, work = self._tables.setdefault(key, _LaunchTable()).get(tensors, key[4])
+        b1, b2 = hyper["beta1"], hyper["beta2"]
+        _adamw_kernel[(work.shape[0],)](
+            table, work, found if found is not None else table, scale if scale is not None else table, hyper["lr"],
+            b1, b2, math.log2(b1) if b1 > 0 else -math.inf, math.log2(b2) if b2 > 0 else -math.inf, hyper["eps"],
+            hyper["weight_decay"], HAS_FOUND=found is not None, HAS_SCALE=scale is not None,
+            P_DTYPE=TL_DTYPES[key[1]], G_DTYPE=TL_DTYPES[key[2]], M_DTYPE=TL_DTYPES[key[3]],
+            BF16_MOMENTS=key[3] == torch.bfloat16, BLOCK=BLOCK, num_warps=4)
+
+
+def _kernel_can_run(tup: tuple) -> bool:
+    """Whether the Triton kernel takes this parameter (CUDA or the interpreter; contiguous, 16-byte aligned
+    tensors of dtypes it knows); the torch path takes the rest."""
+    p, g, m, _, _ = tup
+    if not (p.is_cuda or INTERPRET):
+        return False
+    return (all(t.dtype in TL_DTYPES for t in (p, g, m)) and all(t.is_contiguous() for t in tup[:4])
+            and all(t.data_ptr() % 16 == 0 for t in tup[:4]))

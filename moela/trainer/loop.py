@@ -41,7 +41,7 @@ from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
-from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduce_expert_load
+from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
 from moela.trainer.cuda_graphs import GraphedMicroBatch
@@ -527,9 +527,15 @@ class Trainer:
             dist.barrier()
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """The global gradient norm (a 0-d device tensor), after clipping to `optim.grad_clip` when it is > 0."""
+        """The global gradient norm (a 0-d device tensor), after clipping to `optim.grad_clip` when it is > 0. An
+        optimizer that scales gradients as it reads them (moela's AdamW) gets the clipping factor instead: no pass
+        over the gradients."""
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else None
-        return clip_grad_norm_(self.model.parameters(), max_norm).to(self.device)
+        in_step = max_norm is not None and getattr(self.optimizer, "scales_grads_in_step", False)
+        total = clip_grad_norm_(self.model.parameters(), None if in_step else max_norm).to(self.device)
+        if in_step:
+            self.optimizer.grad_scale = clip_factor(total, max_norm)
+        return total
 
     def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
         if self.peak_flops is None or tokens == 0:
