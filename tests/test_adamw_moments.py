@@ -27,6 +27,11 @@ def _grads(step):
     return [torch.randn(s, generator=g) * (0.5 + step) for s in SHAPES]
 
 
+def _two_groups(params):
+    """The first three parameters decayed, the rest not."""
+    return [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]
+
+
 def _set_grads(params, grads):
     for p, g in zip(params, grads):
         p.grad = g.clone()
@@ -124,10 +129,9 @@ def test_groups_clipping_factor_and_odd_tensors_equal_torch_adamw_on_clipped_gra
         return out
 
     ref, got = build(), build()
-    groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
     hyper = {k: v for k, v in HYPER.items() if k != "weight_decay"}
-    opt_ref = torch.optim.AdamW(groups(ref), foreach=False, **hyper)
-    opt_got = AdamWMoments(groups(got), moment_dtype="float32", **hyper)
+    opt_ref = torch.optim.AdamW(_two_groups(ref), foreach=False, **hyper)
+    opt_got = AdamWMoments(_two_groups(got), moment_dtype="float32", **hyper)
     for step in range(4):
         for ps in (ref, got):
             for p, g in zip(ps, grads(step, ps)):
@@ -302,14 +306,13 @@ def test_the_cuda_kernel_against_torch_adamw_and_the_float64_reference_without_a
     g = torch.Generator().manual_seed(7)
     init = [torch.randn(s, generator=g) for s in shapes]
     grads = [[torch.randn(s, generator=g) * (1 + i) for s in shapes] for i in range(4)]
-    groups = lambda ps: [{"params": ps[:3], "weight_decay": 0.1}, {"params": ps[3:], "weight_decay": 0.0}]
     hyper = {k: v for k, v in HYPER.items() if k != "weight_decay"}
     ref = [p.cuda().requires_grad_() for p in init]
-    opt_ref = torch.optim.AdamW(groups(ref), foreach=False, **hyper)
+    opt_ref = torch.optim.AdamW(_two_groups(ref), foreach=False, **hyper)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         got = [p.cuda().requires_grad_() for p in init]
-        opt = AdamWMoments(groups(got), moment_dtype=dtype, **hyper)
+        opt = AdamWMoments(_two_groups(got), moment_dtype=dtype, **hyper)
         for p, gr in zip(got, grads[0]):
             p.grad = gr.cuda()
         runs[dtype] = (got, opt)
