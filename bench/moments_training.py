@@ -2,7 +2,9 @@
 
 Runs `train.py RECIPE` twice with the same seed and data, differing only in `optim.moment_dtype`, and writes a
 table of the logged losses (each averaged over the steps since the previous line) with the relative difference,
-the validation losses and the median step times; the curves as JSON beside it.
+the validation losses and the median throughput of the logged windows (each line's tokens/s is its window's
+average; a logged record's own `step_time_s` is the logging step, which waits for every step the host queued
+ahead, so it is not a step time); the curves as JSON beside it.
 
   CPU:  python bench/moments_training.py --recipe recipes/tiny.yaml --out bench/results/moments_tiny_cpu.md
   GPU:  python bench/moments_training.py                          # recipes/small.yaml, 500 steps
@@ -58,12 +60,12 @@ def main() -> None:
         evals = [r["val_loss"] for r in recs if r["kind"] == "eval"]
         train = [r for r in recs if r["kind"] == "train"]
         summary[v] = {"val_loss": evals[-1] if evals else None,
-                      "step_s": statistics.median(r["step_time_s"] for r in train[1:] or train)}
+                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train[1:] or train)}
     a, b = summary["float32"], summary["bfloat16"]
     if a["val_loss"] and b["val_loss"]:
         lines += ["", f"Validation at the end: fp32 moments {a['val_loss']:.4f}, bf16 moments {b['val_loss']:.4f} "
-                      f"({100 * (b['val_loss'] / a['val_loss'] - 1):+.2f}%); median step {a['step_s']:.3f} s vs "
-                      f"{b['step_s']:.3f} s."]
+                      f"({100 * (b['val_loss'] / a['val_loss'] - 1):+.2f}%); median logged window "
+                      f"{a['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} tokens/s."]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     Path(args.out).with_suffix(".json").write_text(json.dumps(

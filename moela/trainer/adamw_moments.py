@@ -143,30 +143,36 @@ def adamw_reference(p, g, m, v, step, found, scale=None, *, lr, beta1, beta2, ep
 
 class _LaunchTable:
     """The device tables of one launch: a row per parameter (ROW int64: the addresses of its parameter, gradient,
-    moments and step count, and its size) and a work item per block (int32 pairs: row, block). Rebuilt only when
-    an address changes (the first step, a load, new gradient tensors); rebuilding costs one small host-to-device
-    copy from pinned memory, which is not a synchronization."""
+    moments and step count, and its size) and a work item per block (int32 pairs: row, block). The address table
+    is rebuilt only when an address changes (the first step, a load, new gradient tensors: FSDP2's every step), the
+    work list only when a size does; each costs one host-to-device copy from pinned memory, not a synchronization."""
 
     def __init__(self) -> None:
-        self.key: tuple = ()
+        self.addresses: tuple = ()
+        self.sizes: tuple = ()
         self.table = self.work = None
-        self._host: tuple = ()  # the pinned sources, kept until the copies that read them are done
+        self._host: dict[str, torch.Tensor] = {}  # the pinned sources, kept until the next rebuild of each
+
+    def _to_device(self, name: str, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type == "cuda":
+            host = host.pin_memory()
+            self._host[name] = host
+        return host.to(device, non_blocking=True)
 
     def get(self, tensors: list[tuple], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = tuple((tup[0].numel(), *(t.data_ptr() for t in tup)) for tup in tensors)
-        if key != self.key:
-            rows = [[t.data_ptr() for t in tup] + [tup[0].numel()] for tup in tensors]
-            table = torch.tensor(rows, dtype=torch.int64)  # [N, ROW]
-            blocks = torch.tensor([triton.cdiv(r[-1], BLOCK) for r in rows], dtype=torch.int64)  # [N]
-            owner = torch.repeat_interleave(torch.arange(len(rows)), blocks)  # [W]
+        sizes = tuple(tup[0].numel() for tup in tensors)
+        addresses = tuple(t.data_ptr() for tup in tensors for t in tup)
+        if sizes != self.sizes:
+            blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in sizes], dtype=torch.int64)  # [N]
+            owner = torch.repeat_interleave(torch.arange(len(sizes)), blocks)  # [W]
             first = torch.cumsum(blocks, 0) - blocks  # [N]
             work = torch.stack([owner, torch.arange(owner.numel()) - first[owner]], dim=1).to(torch.int32)  # [W, 2]
-            if device.type == "cuda":
-                table, work = table.pin_memory(), work.pin_memory()
-                self._host = (table, work)
-            self.table = table.to(device, non_blocking=True)
-            self.work = work.to(device, non_blocking=True)
-            self.key = key
+            self.work, self.sizes = self._to_device("work", work, device), sizes
+            self.addresses = ()
+        if addresses != self.addresses:
+            rows = [[t.data_ptr() for t in tup] + [n] for tup, n in zip(tensors, sizes)]
+            self.table = self._to_device("table", torch.tensor(rows, dtype=torch.int64), device)  # [N, ROW]
+            self.addresses = addresses
         return self.table, self.work
 
 
