@@ -17,7 +17,8 @@ out-of-memory error ends only its row:
             moela-graphs-add  graphed, but with the earlier gradient scheme: gradients zeroed in place before each
                           step and every micro-batch's graph adding into them (`cuda_graphs.FIRST_ASSIGNS = False`;
                           `moela` lets the first micro-batch's graph assign them)
-            moela-bf16-moments  the recipe with `optim.moment_dtype=bfloat16` (moela's AdamW, bf16 moments)
+            moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
+                          moments, moela's AdamW)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -68,12 +69,12 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-bf16-moments", "moela-nomtp", "titan-compile", "hf",
+IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "titan-compile", "hf",
          "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
-               "moela-bf16-moments": ["optim.moment_dtype=bfloat16"],
+               "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
-MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-bf16-moments")  # bf16 and fp8 rows
+MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),

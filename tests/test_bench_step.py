@@ -375,15 +375,15 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nographs", "16k", "fp8_blockwise"), ("moela-nographs", "64k", "bf16"),
                       ("moela-nographs", "64k", "fp8_blockwise"), ("moela-graphs-add", "16k", "bf16"),
                       ("moela-graphs-add", "16k", "fp8_blockwise"), ("moela-graphs-add", "64k", "bf16"),
-                      ("moela-graphs-add", "64k", "fp8_blockwise"), ("moela-bf16-moments", "16k", "bf16"),
-                      ("moela-bf16-moments", "16k", "fp8_blockwise"), ("moela-bf16-moments", "64k", "bf16"),
-                      ("moela-bf16-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
+                      ("moela-graphs-add", "64k", "fp8_blockwise"), ("moela-fp32-moments", "16k", "bf16"),
+                      ("moela-fp32-moments", "16k", "fp8_blockwise"), ("moela-fp32-moments", "64k", "bf16"),
+                      ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
                       ("moela-nomtp", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-bf16-moments"))
+        assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments"))
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
@@ -391,7 +391,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         cfg = load_config(s["recipe_path"], s["overrides"])
         assert cfg.train.tokens_per_microbatch * cfg.train.grad_accum == 32768 or s["config"] == "small-64k"
         assert cfg.train.cuda_graphs == (s["label"] != "moela-nographs")
-        assert cfg.optim.moment_dtype == ("bfloat16" if s["label"] == "moela-bf16-moments" else "float32")
+        assert cfg.optim.moment_dtype == ("float32" if s["label"] == "moela-fp32-moments" else "bfloat16")
 
     v2 = step.plan_rows(["v2lite6-64k"], ["moela"], ["bf16"], "cuda", counts, "/tmp/r")[0]
     cfg = load_config(v2["recipe_path"], v2["overrides"]).model
