@@ -242,16 +242,22 @@ def test_the_trainer_with_bf16_moments_trains_skips_on_the_device_and_resumes_ex
         assert torch.equal(pa, pb), name
 
 
-def _sharded_steps(rank, world_size, expected):
+def _sharded_steps(rank, world_size, expected, moments):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
+
+    from moela.trainer.config import OptimConfig
+    from moela.trainer.optim import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
-    opt = AdamWMoments(model.parameters(), moment_dtype="bfloat16", **HYPER)
+    # what the trainer builds for sharded parameters on CUDA, with either moment dtype
+    built = build_optimizer(model, OptimConfig(moment_dtype=moments), "cuda")
+    assert isinstance(built, AdamWMoments) and built.defaults["moment_dtype"] == moments
+    opt = AdamWMoments(model.parameters(), moment_dtype=moments, **HYPER)
     for step in range(3):
         x = torch.randn(16, 12, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()  # every rank the same batch: the reduced gradient is the batch's
@@ -259,24 +265,27 @@ def _sharded_steps(rank, world_size, expected):
         opt.zero_grad()
     for (name, p), want in zip(model.named_parameters(), expected):
         assert isinstance(p, DTensor) and isinstance(opt.state[p]["exp_avg"], DTensor)
-        assert opt.state[p]["exp_avg"].to_local().dtype == torch.bfloat16
+        assert opt.state[p]["exp_avg"].to_local().dtype == adamw_moments.MOMENT_DTYPES[moments]
         torch.testing.assert_close(p.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_sharded_parameters_update_like_whole_ones():
-    """FSDP2 on two gloo ranks: each rank updates its shards of parameters and bf16 moments (DTensors), and the
-    gathered parameters after three steps equal one process's run on the whole model."""
+@pytest.mark.parametrize("moments", ["bfloat16", "float32"])
+def test_sharded_parameters_update_like_whole_ones(moments):
+    """FSDP2 on two gloo ranks: each rank updates its shards of parameters and moments (DTensors), and the
+    gathered parameters after three steps equal one process's run on the whole model. The trainer's optimizer for
+    sharded parameters on CUDA is this one with either moment dtype (torch's fused AdamW cannot skip on the device
+    for DTensors)."""
     from parallel_harness import spawn
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 33), torch.nn.Tanh(), torch.nn.Linear(33, 5))
-    opt = AdamWMoments(model.parameters(), moment_dtype="bfloat16", **HYPER)
+    opt = AdamWMoments(model.parameters(), moment_dtype=moments, **HYPER)
     for step in range(3):
         x = torch.randn(16, 12, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    spawn(_sharded_steps, 2, [p.detach().clone() for p in model.parameters()])
+    spawn(_sharded_steps, 2, [p.detach().clone() for p in model.parameters()], moments)
 
 
 def test_the_trainer_clips_through_the_step_as_it_would_clip_the_gradients(tmp_path, monkeypatch):

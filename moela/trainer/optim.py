@@ -6,7 +6,10 @@ Decisions:
   `e_score_correction_bias`); the output head decays unless it is tied to the embedding.
 - On CUDA the fused AdamW kernel is used (`optim.fused`); on CPU the default implementation, whose result the
   tests treat as the reference. `optim.moment_dtype: bfloat16` uses moela's AdamW with bf16 moments instead
-  (moela.trainer.adamw_moments).
+  (moela.trainer.adamw_moments), and so do sharded (DTensor) parameters on CUDA with fp32 moments: torch's fused
+  kernel cannot take the trainer's device-side skip flag for DTensors (a plain flag among DTensor operands), so
+  every FSDP2 step would read the flag on the host; moela's AdamW takes it, and equals torch's AdamW with fp32
+  moments (tests/test_adamw_moments.py).
 - The schedule is a `LambdaLR` over a multiplier object, a pure function of the recipe and the step: a resumed
   run rebuilds it at the checkpoint's step from its current settings (a raised `train.steps`, a new `optim.lr`)
   instead of loading the saved one, and re-applies the recipe's weight decay, betas and eps. Step i (0-based)
@@ -20,6 +23,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moela.trainer.adamw_moments import AdamWMoments
 from moela.trainer.config import OptimConfig, ScheduleConfig
@@ -56,10 +60,11 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) ->
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
-    if cfg.moment_dtype != "float32":
+    fused = cfg.fused and device_type == "cuda"
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if cfg.moment_dtype != "float32" or (fused and sharded):
         return AdamWMoments(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             eps=cfg.eps, moment_dtype=cfg.moment_dtype)
-    fused = cfg.fused and device_type == "cuda"
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
         fused=fused or None,

@@ -10,9 +10,11 @@ Decisions:
   weighting the host code did), stacked into one vector, so one micro-batch adds one small kernel.
 - A non-finite step (loss or gradient norm) is skipped without a host read where the optimizer can do it: fused
   AdamW takes a `found_inf` tensor (the mechanism `torch.amp.GradScaler` uses) and leaves parameters, moments and
-  its step count untouched when it is 1. The router-bias update is multiplied by the same flag. Plain (for-loop or
-  foreach) AdamW cannot take the flag, and sharded (DTensor) parameters would mix a plain flag into DTensor
-  kernels: those read the flag on the host, one synchronization per step (free on the CPU).
+  its step count untouched when it is 1; so does moela's AdamW (`moela.trainer.adamw_moments`), which the trainer
+  builds for bf16 moments and for sharded (DTensor) parameters on CUDA, where torch's fused kernel would mix the
+  plain flag into DTensor operands. The router-bias update is multiplied by the same flag. Plain (for-loop or
+  foreach) AdamW cannot take the flag: it reads the flag on the host, one synchronization per step (free on the
+  CPU).
 - The counts of skipped steps and of non-finite steps in a row are device tensors too, with the longest streak
   since the last read, so a streak that reaches `train.max_nonfinite_steps` and ends between two reads is still
   seen. The trainer checks it when it reads (every logging step), so a run with non-finite steps stops at most
@@ -63,7 +65,7 @@ def expert_imbalance_device(load: torch.Tensor | None, device: torch.device) -> 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` can be skipped by a device flag (see the module docstring)."""
-    if getattr(optimizer, "skips_on_found_inf", False):  # moela's AdamW (bf16 moments), sharded or not
+    if getattr(optimizer, "skips_on_found_inf", False):  # moela's AdamW, sharded or not
         return True
     if not optimizer.defaults.get("fused"):
         return False
