@@ -139,7 +139,7 @@ def test_groups_clipping_factor_and_odd_tensors_equal_torch_adamw_on_clipped_gra
         assert not got[3].grad.is_contiguous()
         norm_ref = clip_grad_norm_(ref, 1.0)
         norm_got = clip_grad_norm_(got, None)  # measures only: the gradients stay as they are
-        torch.testing.assert_close(norm_got, norm_ref, rtol=0, atol=0)
+        torch.testing.assert_close(norm_got, norm_ref, rtol=1e-6, atol=0)
         assert float(clip_factor(norm_got, 1.0)) < 1  # the clipping does something
         opt_got.grad_scale = clip_factor(norm_got, 1.0)
         opt_ref.step()

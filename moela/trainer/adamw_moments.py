@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor
 from moela.ops.triton_env import INTERPRET
 
 BLOCK = 2048  # elements per program
-ROW = 6  # a parameter's row in the launch table: addresses of p, g, m, v and the step count, then numel
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -142,8 +141,8 @@ def adamw_reference(p, g, m, v, step, found, scale=None, *, lr, beta1, beta2, ep
 
 
 class _LaunchTable:
-    """The device tables of one launch: a row per parameter (ROW int64: the addresses of its parameter, gradient,
-    moments and step count, and its size) and a work item per block (int32 pairs: row, block). The address table
+    """The device tables of one launch: a row per parameter (6 int64: the addresses of its parameter, gradient,
+    both moments and step count, then its size) and a work item per block (int32 pairs: row, block). The address table
     is rebuilt only when an address changes (the first step, a load, new gradient tensors: FSDP2's every step), the
     work list only when a size does; each costs one host-to-device copy from pinned memory, not a synchronization."""
 
@@ -171,7 +170,7 @@ class _LaunchTable:
             self.addresses = ()
         if addresses != self.addresses:
             rows = [[t.data_ptr() for t in tup] + [n] for tup, n in zip(tensors, sizes)]
-            self.table = self._to_device("table", torch.tensor(rows, dtype=torch.int64), device)  # [N, ROW]
+            self.table = self._to_device("table", torch.tensor(rows, dtype=torch.int64), device)  # [N, 6]
             self.addresses = addresses
         return self.table, self.work
 
