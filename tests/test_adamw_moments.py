@@ -360,3 +360,17 @@ def test_the_cuda_kernel_against_torch_adamw_and_the_float64_reference_without_a
         assert ((p.double().cpu() - r).norm() / r.norm()).item() < 1e-6
         m = opt16.state[p]["exp_avg"].double().cpu()
         assert ((m - mi).norm() / mi.norm()).item() < 2e-3
+
+
+def test_weight_copies_cached_for_a_step_are_recomputed_after_this_optimizers_step(path):
+    """FP8 weight copies are cached per optimizer step (moela.ops.weight_cache). The kernel writes the parameters
+    through their addresses, which bumps no version counter; the optimizer-step hook still invalidates them."""
+    from moela.ops import weight_cache
+
+    w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)))
+    opt = AdamWMoments([w], moment_dtype="bfloat16", **HYPER)
+    first = weight_cache.cached(w, "adamw-test", lambda v: v.detach().clone())
+    w.grad = torch.ones_like(w)
+    opt.step()
+    second = weight_cache.cached(w, "adamw-test", lambda v: v.detach().clone())
+    assert not torch.equal(first, second) and torch.equal(second, w.detach())
