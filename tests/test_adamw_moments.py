@@ -289,7 +289,7 @@ def test_sharded_parameters_update_like_whole_ones(moments):
 
 
 def test_the_trainer_clips_through_the_step_as_it_would_clip_the_gradients(tmp_path, monkeypatch):
-    """With a clip that binds, the trainer hands moela's AdamW the clipping factor; the weights after three steps
+    """With a clip that binds, the trainer hands moela's AdamW the clipping factor; the weights after two steps
     equal those of the same run clipping the gradients in place first (the optimizer told it cannot scale)."""
     from moela.trainer import Trainer
 
@@ -297,8 +297,8 @@ def test_the_trainer_clips_through_the_step_as_it_would_clip_the_gradients(tmp_p
     runs = {}
     for in_step in (True, False):
         monkeypatch.setattr(AdamWMoments, "scales_grads_in_step", in_step)
-        trainer = Trainer(_trainer_cfg(tmp_path / str(in_step), cache, 3, "optim.grad_clip=0.05"))
-        records = [trainer.train_step() for _ in range(3)]
+        trainer = Trainer(_trainer_cfg(tmp_path / str(in_step), cache, 2, "optim.grad_clip=0.05"))
+        records = [trainer.train_step() for _ in range(2)]
         assert all(r["grad_norm"] > 0.5 for r in records)  # the clip binds at every step
         assert (trainer.optimizer.grad_scale is not None) == in_step
         runs[in_step] = trainer.model.state_dict()
@@ -374,3 +374,44 @@ def test_weight_copies_cached_for_a_step_are_recomputed_after_this_optimizers_st
     opt.step()
     second = weight_cache.cached(w, "adamw-test", lambda v: v.detach().clone())
     assert not torch.equal(first, second) and torch.equal(second, w.detach())
+
+
+def test_a_run_resumes_across_moment_dtypes_with_its_moments(tmp_path):
+    """fp32 moments (torch's AdamW) -> bf16 (moela's) -> fp32, each a resume of the same run directory: the saved
+    moments load into the new optimizer's dtype (rounded to nearest going down, exact going up) with the step counts
+    and weights, each optimizer keeps its own group options (torch's AdamW stays decoupled), and training goes on."""
+    from moela.trainer import Trainer
+
+    cache, run = str(tmp_path / "cache"), tmp_path / "run"
+
+    def moments(trainer):
+        names = {p: n for n, p in trainer.model.named_parameters()}
+        return {names[p]: (s["exp_avg_sq"].clone(), float(s["step"])) for p, s in trainer.optimizer.state.items()}
+
+    first = Trainer(_trainer_cfg(run, cache, 2, "optim.moment_dtype=float32"))
+    first.fit()
+    assert type(first.optimizer) is torch.optim.AdamW
+    down = Trainer(_trainer_cfg(run, cache, 2))  # bf16 moments; at the checkpoint's step: loads, nothing to train
+    down.fit()
+    assert isinstance(down.optimizer, AdamWMoments) and down.step == 2
+    got = moments(down)
+    assert got.keys() == moments(first).keys()
+    for name, (v, step) in moments(first).items():
+        assert got[name][0].dtype == torch.bfloat16 and torch.equal(got[name][0], v.bfloat16()), name
+        assert got[name][1] == step == 2
+    for (name, a), b in zip(first.model.state_dict().items(), down.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    bf16 = Trainer(_trainer_cfg(run, cache, 4))  # two bf16 steps, saved at step 4
+    bf16.fit()
+    up = Trainer(_trainer_cfg(run, cache, 4, "optim.moment_dtype=float32"))
+    up.fit()
+    assert type(up.optimizer) is torch.optim.AdamW and up.step == 4
+    assert all(g["decoupled_weight_decay"] and not g["amsgrad"] for g in up.optimizer.param_groups)
+    got = moments(up)
+    for name, (v, step) in moments(bf16).items():
+        assert got[name][0].dtype == torch.float32 and torch.equal(got[name][0], v.float()), name
+        assert got[name][1] == step == 4
+    last = Trainer(_trainer_cfg(run, cache, 5, "optim.moment_dtype=float32"))
+    last.fit()
+    assert last.step == 5

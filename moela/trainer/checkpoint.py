@@ -33,7 +33,9 @@ Decisions:
   continuation (steps above the one just written: left behind by a resume from an explicit older `step-N`)
   before the oldest of the run's own history.
 - Model and optimizer state go through `get_state_dict` / `set_state_dict`, which key the optimizer state by
-  parameter name and handle FSDP2's DTensors, so resharded resume works.
+  parameter name and handle FSDP2's DTensors, so resharded resume works. A run resumes with the other AdamW
+  (`optim.moment_dtype` changed: torch's AdamW and moela's carry different param-group options): the options the
+  checkpoint lacks keep this optimizer's values, and the moments load into its dtype.
 - A rank with no trainer file of its own (resuming on more ranks than saved) takes rank 0's; its RNG streams then
   equal rank 0's, which only matters for layouts that draw different random numbers per rank.
 """
@@ -299,12 +301,27 @@ def _nonfinite(value: Any) -> bool:
     return not bool(torch.isfinite(local).all())
 
 
+def _keep_saved_group_options(optim_state: dict, path: Path, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Drop from the state dict DCP fills the param-group options the checkpoint does not hold, and return the
+    optimizer's own options of each group (restored after loading where the checkpoint had none). A run saved by
+    torch's AdamW (fp32 moments) resumes with moela's (bf16 moments, or sharded parameters on CUDA) and back: their
+    groups carry different options (`moment_dtype`; `amsgrad`, `fused`, ...), and DCP refuses a key it was asked
+    to fill but cannot find. The moments load into this optimizer's dtype (bf16 -> fp32 is exact)."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    for i, group in enumerate(optim_state.get("param_groups", [])):
+        for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
+            del group[key]
+    return own
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load model and optimizer in place (collectively) and return this rank's trainer state. Raises
     CorruptCheckpoint naming the tensors that hold NaN or inf (the model is then partly overwritten)."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
+    own_options = _keep_saved_group_options(optim_state, path, optimizer)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     bad = [f"model.{k}" for k, v in state["model"].items() if _nonfinite(v)]
@@ -316,6 +333,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                                 f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}), which no checkpoint of a "
                                 f"training run holds")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, options in zip(optimizer.param_groups, own_options):
+        for key, value in options.items():
+            group.setdefault(key, value)
     own = path / f"trainer-rank{_rank()}.pt"
     return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
 
