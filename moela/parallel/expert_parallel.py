@@ -75,6 +75,7 @@ from moela.parallel.ep_comm import (
     host_group,
     scatter_start,
 )
+from moela.parallel.mesh import local_shard
 
 DISPATCHES = ("auto", "gather", "alltoall")
 PAD_TO = 256  # padded token counts are multiples of this: few distinct shapes, and two chunks of 128-row blocks
@@ -91,10 +92,6 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _in_graph(y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
@@ -148,8 +145,8 @@ class ExpertParallelExperts(nn.Module):
         if w13.device.type != "meta":
             lo = ep_mesh.get_local_rank() * new.num_local
             with torch.no_grad():
-                _local(new.w13).copy_(w13[lo:lo + new.num_local])
-                _local(new.w2).copy_(w2[lo:lo + new.num_local])
+                local_shard(new.w13).copy_(w13[lo:lo + new.num_local])
+                local_shard(new.w2).copy_(w2[lo:lo + new.num_local])
         return new
 
     @torch.no_grad()
@@ -171,7 +168,7 @@ class ExpertParallelExperts(nn.Module):
         return self._cpu_group
 
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w13, w2 = _local(self.w13), _local(self.w2)  # [E_local, 2F, D], [E_local, D, F]
+        w13, w2 = local_shard(self.w13), local_shard(self.w2)  # [E_local, 2F, D], [E_local, D, F]
         if self.grad_scale != 1.0:
             w13, w2 = _ScaleGrad.apply(w13, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
         return w13, w2

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from moela.parallel.config import ParallelConfig
 
@@ -158,3 +159,8 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str) -> Parall
     if cfg.ep > 1:
         views["ep"] = world["dp_shard_in_ep", "cp"]._flatten("ep")
     return ParallelMesh(sizes, device_type, world, views)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: the local tensor of a DTensor, `t` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -60,11 +60,8 @@ from moela.ops.loss import cross_entropy
 from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather
 from moela.parallel.config import tensor_parallel_errors
 from moela.parallel.fsdp import transformer_blocks
+from moela.parallel.mesh import local_shard
 from moela.parallel.vocab_parallel import vocab_parallel_cross_entropy
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _SumFromGroup(torch.autograd.Function):
@@ -140,8 +137,8 @@ class GroupQKNorm:
 
     def __call__(self, q, k, q_weight, k_weight, eps):
         if self.allgather:
-            return qk_rms_norm_allgather(q, k, _local(q_weight), _local(k_weight), eps, self.group)
-        return qk_rms_norm(q, k, _local(q_weight), _local(k_weight), eps, group=self.group)
+            return qk_rms_norm_allgather(q, k, local_shard(q_weight), local_shard(k_weight), eps, self.group)
+        return qk_rms_norm(q, k, local_shard(q_weight), local_shard(k_weight), eps, group=self.group)
 
 
 class RowsToPartial(ParallelStyle):
@@ -283,7 +280,7 @@ class TensorParallel(nn.Module):
         """This rank's rows of the normalized hidden states h [T / tp, D] and its rows of the head (a DTensor)
         -> (summed CE over every token, and the full logits [T_unpadded, V] if asked)."""
         full = gather_tokens(h, self.group)  # [T, D]
-        w = _local(weight)  # [V / tp, D]
+        w = local_shard(weight)  # [V / tp, D]
         if want_logits:
             local = full @ w.t()  # [T, V / tp]
             logits = DTensor.from_local(local, self.mesh, [Shard(1)], run_check=False).full_tensor()  # [T, V]

@@ -5,7 +5,8 @@ Why: with fp32 master weights the fused fp32 AdamW moves 28 bytes per parameter 
 gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200
 (bench/results/step_32k_hf.json, step_32k_masked_cast.json), and its moments hold 8 bytes per parameter. bf16
 moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory. Measured in one
-H200 step: 3.7 ms against the fused kernel's 5.5, peak 25.7 against 28.2 GiB (bench/notes/step.md, run 9).
+H200 run of the `small` step: this kernel 3.59 ms against the fused kernel's 5.45, peak 25.7 against 28.2 GiB
+(bench/results/step_32k_bf16_moments.json; the history in bench/notes/step.md, runs 9 and 10).
 
 Decisions:
 - The update is computed in fp32 from the stored moments and the fp32 gradient; the new moments update the
@@ -20,10 +21,12 @@ Decisions:
 - One Triton launch per parameter group updates every parameter of the group (CUDA, and Triton's interpreter):
   the program reads its parameter's tensors' addresses from a device table (rebuilt only when an address changes),
   because one launch per tensor cost ~40 us of host time each, 8.7 ms a step for `small`'s ~200 tensors, more than
-  the kernels' 3.7 ms on the GPU (bench/notes/step.md, run 9). The same math in torch elsewhere.
+  the kernels' 3.7 ms on the GPU (bench/results/step_32k_bf16_moments_per_tensor.json). The same math in torch
+  elsewhere.
 - Gradient clipping's factor is applied as the step reads each gradient (`grad_scale`), so clipping costs no pass
-  that reads and writes every gradient (1.5 ms of `small`'s step as `_foreach_mul_`); the gradients themselves stay
-  unclipped (nothing reads them after the step).
+  that reads and writes every gradient (1.48 ms of `small`'s step as `_foreach_mul_`,
+  bench/results/step_32k_bf16_moments.json); the gradients themselves stay unclipped (nothing reads them after
+  the step).
 - Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
   with fused AdamW (`moela.trainer.step_metrics`): no host read. Sharded (DTensor) parameters update their local
   shards; the moments are DTensors like the parameters, so distributed checkpoints treat them as AdamW's.
@@ -38,17 +41,13 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.distributed.tensor import DTensor
 
 from moela.ops.triton_env import INTERPRET
+from moela.parallel.mesh import local_shard
 
 BLOCK = 2048  # elements per program
 MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @triton.jit
@@ -206,7 +205,7 @@ class AdamWMoments(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(_local(p).device)
+                state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(local_shard(p).device)
                 for key in ("exp_avg", "exp_avg_sq"):
                     if key in state:
                         state[key] = state[key].to(dtype)
@@ -227,12 +226,11 @@ class AdamWMoments(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(p).device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
                 steps.append(state["step"])
-                tup = (_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                       state["step"])
+                tup = (*(local_shard(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"])
                 if tup[0].numel():
                     key = (gi, tup[0].dtype, tup[1].dtype, tup[2].dtype, tup[0].device, _kernel_can_run(tup))
                     launches.setdefault(key, []).append(tup)
