@@ -100,9 +100,14 @@ def _reference(aq, as_, wq, ws, experts):
     return out
 
 
+MGROUPED = ["ws_128x128_s6", "ws_128x128_s6_pp"]  # the warpgroups in any order, and in turns
+KGROUPED = ["ws_128x128_s5", "ws_128x128_s5_pp"]
+
+
+@pytest.mark.parametrize("config", MGROUPED)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", ["odd experts", "many tiles per CTA", "data gradient"])
-def test_grouped_vs_float64(case, out_dtype, poisoned_empty):
+def test_grouped_vs_float64(case, out_dtype, config, poisoned_empty):
     e, t, topk, n, k, empty = {"odd experts": (5, 150, 2, 384, 640, (1,)),
                                "many tiles per CTA": (9, 1000, 3, 1280, 1024, (0, 4)),
                                "data gradient": (7, 333, 2, 512, 384, (6,))}[case]
@@ -118,7 +123,8 @@ def test_grouped_vs_float64(case, out_dtype, poisoned_empty):
     else:
         b, bs, _ = _weights(e, n, k, seed=3)
         ref = _reference(aq, as_, b, bs, lay.m_indices.clamp_min(0).long())
-    out = gemm_fp8.mgrouped_fp8(aq, as_, b, bs, lay.m_indices, lay.offsets, out_dtype=out_dtype, impl="gluon")
+    out = gemm_fp8.mgrouped_fp8(aq, as_, b, bs, lay.m_indices, lay.offsets, out_dtype=out_dtype, impl="gluon",
+                                config=config)
     tol = 3e-3 if out_dtype == torch.bfloat16 else 1e-3  # bf16 output rounding; the tensor cores' fp8 adder
     assert _rel(out[:used], ref[:used]) < tol
     assert torch.isnan(out[used:]).all()  # rows past the routed ones: not computed, not written
@@ -139,7 +145,8 @@ def test_one_group_any_row_count(m, poisoned_empty):
     assert out.shape == (m, n) and _rel(out, ref) < 1e-3
 
 
-def test_few_programs_and_no_routed_rows(poisoned_empty):
+@pytest.mark.parametrize("config", MGROUPED)
+def test_few_programs_and_no_routed_rows(config, poisoned_empty):
     """Three CTAs walking every tile (each CTA's ring wraps many times), and a routing that fills no row at all."""
     e, n, k = 3, 384, 512
     lay = _routing_layout(400, e, 1, (), seed=4)
@@ -147,7 +154,7 @@ def test_few_programs_and_no_routed_rows(poisoned_empty):
     aq, as_ = _activations(lay.m_pad, k, lay.m_indices >= 0, seed=5)
     wq, ws, _ = _weights(e, n, k, seed=6)
     out = torch.full((lay.m_pad, n), float("nan"), device="cuda")
-    gemm_fp8_gluon.mgrouped_fp8_ws(aq, as_, wq, ws, lay.m_indices, lay.offsets, out, num_programs=3)
+    gemm_fp8_gluon.mgrouped_fp8_ws(aq, as_, wq, ws, lay.m_indices, lay.offsets, out, num_programs=3, config=config)
     ref = _reference(aq, as_, wq, ws, lay.m_indices.clamp_min(0).long())
     assert _rel(out[:used], ref[:used]) < 1e-3 and torch.isnan(out[used:]).all()
     nothing = torch.zeros_like(lay.offsets)  # offsets[E] = 0: no tile to compute
@@ -156,15 +163,16 @@ def test_few_programs_and_no_routed_rows(poisoned_empty):
     assert torch.isnan(out).all()
 
 
+@pytest.mark.parametrize("config", KGROUPED)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_weight_gradient_vs_float64(out_dtype):
+def test_weight_gradient_vs_float64(out_dtype, config):
     """out[e] = dH_e^T X_e over each expert's tokens; odd expert count, two empty experts (zeros, not garbage)."""
     e, t, topk, n, k = 7, 500, 2, 384, 640
     lay = _routing_layout(t, e, topk, (0, 5), seed=12)
     valid = lay.m_indices >= 0
     aqt, ast = _columns(lay.m_pad, n, valid, seed=13)  # [n, M_pad]
     bqt, bst = _columns(lay.m_pad, k, valid, seed=14)  # [k, M_pad]
-    out = gemm_fp8.kgrouped_fp8(aqt, ast, bqt, bst, lay.offsets, out_dtype=out_dtype, impl="gluon")
+    out = gemm_fp8.kgrouped_fp8(aqt, ast, bqt, bst, lay.offsets, out_dtype=out_dtype, impl="gluon", config=config)
     ref = _weight_gradient_reference(aqt, ast, bqt, bst, lay.offsets)
     assert out.shape == (e, n, k) and torch.equal(out[0], torch.zeros_like(out[0])) and not out[5].any()
     assert _rel(out, ref) < (3e-3 if out_dtype == torch.bfloat16 else 1e-3)
@@ -183,14 +191,15 @@ def test_weight_gradient_one_group():
     assert out.shape == (1, n, k) and _rel(out, ref) < 1e-3
 
 
-def test_weight_gradient_few_programs():
+@pytest.mark.parametrize("config", KGROUPED)
+def test_weight_gradient_few_programs(config):
     """The grouped product over 5 experts (one empty) with three CTAs walking every tile: each program must read
     its tile's token range at the tile's start (the kernel once carried it across tiles and was wrong here)."""
     lay = _routing_layout(300, 5, 2, (3,), seed=15)
     aqt, ast = _columns(lay.m_pad, 256, lay.m_indices >= 0, seed=16)
     bqt, bst = _columns(lay.m_pad, 384, lay.m_indices >= 0, seed=17)
     out = torch.full((5, 256, 384), float("nan"), device="cuda")
-    gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(aqt, ast, bqt, bst, lay.offsets, out, num_programs=3)
+    gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(aqt, ast, bqt, bst, lay.offsets, out, num_programs=3, config=config)
     assert _rel(out, _weight_gradient_reference(aqt, ast, bqt, bst, lay.offsets)) < 1e-3
 
 

@@ -22,8 +22,11 @@ refills overlap the tensor cores. Here the CTA runs three partitions that meet o
 - two consumer warpgroups (the default partition and a worker; 232 registers each after setmaxnreg): warpgroup g
   owns rows [64g, 64g + 64) of the tile. Per step it waits on `ready`, issues the asynchronous wgmma of its 64 rows
   into an fp32 partial, waits for it, releases the slot (`empty` counts one arrival per warpgroup) and promotes
-  the partial with its row scales and the block scale. While one warpgroup promotes, the other's wgmma keeps the
-  tensor cores busy (DeepGEMM's schedule). Scales are read from global memory (L2) one step ahead, across tiles
+  the partial with its row scales and the block scale. The two warpgroups take turns issuing their products (two
+  turn barriers, `_wait_turn`; configs ending in `_pp`, the default): the products then run one after the other
+  and each warpgroup's promotion runs under the other's product. Left to themselves the two issue together, their
+  products finish together and both promote while the tensor cores wait (the unordered configs, kept for
+  comparison: bench/fp8.py times both). Scales are read from global memory (L2) one step ahead, across tiles
   too (the next tile's expert is read during the current tile), so no load latency sits between two steps. Each
   warpgroup stores its 64 x 128 result through its own shared-memory tile and a TMA store, and waits for that
   store only at its next tile's epilogue.
@@ -77,11 +80,13 @@ NUM_WARPS = 4  # the default partition: consumer warpgroup 0
 
 @dataclass(frozen=True)
 class GluonGemmConfig:
-    """GROUP row blocks per column block in the tile order, and the ring depth (stages; lowered at launch to what
-    shared memory holds next to the output tiles)."""
+    """GROUP row blocks per column block in the tile order, the ring depth (stages; lowered at launch to what
+    shared memory holds next to the output tiles), and whether the two consumer warpgroups take turns issuing
+    their products (`pingpong`, see _take_turn)."""
 
     group: int
     stages: int
+    pingpong: bool = False
 
 
 MGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
@@ -89,8 +94,10 @@ MGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
     "ws_128x128_s4": GluonGemmConfig(8, 4),
     "ws_128x128_s6_g16": GluonGemmConfig(16, 6),
     "ws_128x128_s6_g4": GluonGemmConfig(4, 6),
+    "ws_128x128_s6_pp": GluonGemmConfig(8, 6, True),
 }
-DEFAULT_MGROUPED = "ws_128x128_s6"
+DEFAULT_MGROUPED = "ws_128x128_s6_pp"
+UNORDERED_MGROUPED = "ws_128x128_s6"  # the default without ping-pong (bench/step.py's moela-fp8-unordered)
 
 
 def available(device: torch.device) -> bool:
@@ -100,8 +107,9 @@ def available(device: torch.device) -> bool:
 
 
 def shared_bytes(stages: int, out_bytes: int) -> int:
-    """Shared memory of one CTA: the ring (A and B tiles per stage), both warpgroups' output tiles, the barriers."""
-    return stages * (BM + BN) * BK + BM * BN * out_bytes + 2 * stages * 8
+    """Shared memory of one CTA: the ring (A and B tiles per stage), both warpgroups' output tiles, the barriers
+    (the ring's and the two turn barriers)."""
+    return stages * (BM + BN) * BK + BM * BN * out_bytes + (2 * stages + 2) * 8
 
 
 def fit_stages(stages: int, out_bytes: int) -> int:
@@ -117,6 +125,28 @@ if gluon is not None:
     _BK = gl.constexpr(BK)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+
+    @gluon.jit
+    def _wait_turn(turn, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong (CUTLASS's and FA3's ordered warpgroups): before issuing its step-`it` product, warpgroup WG
+        waits until the other one has issued its own product of the step before (warpgroup 0's first wait passes:
+        a fresh barrier's previous phase counts as complete). Issued in turn, the two products run one after the
+        other on the tensor cores, so each warpgroup's promotion runs under the other's product; without it both
+        issue at once, their products finish together and both promote while the tensor cores idle."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (it & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: warpgroup WG has issued its product; the other may issue its own (one arrival per step)."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _init_turns(turn):
+        """The two turn barriers (one arrival completes a phase); unused without ping-pong."""
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
 
     @gluon.constexpr_function
     def _acc_layout():
@@ -189,9 +219,9 @@ if gluon is not None:
         return as_ptr + rows * s_asm, (rows < M) & valid
 
     @gluon.jit
-    def _consumer(a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
+    def _consumer(a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
                   s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                  STAGES: gl.constexpr, WG: gl.constexpr):
+                  STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each tile; promotion in registers, TMA store. Scales
         come one step ahead, the next tile's expert during this tile and its first scales during this tile's last
         step, so no tile starts waiting on a global load."""
@@ -235,7 +265,9 @@ if gluon is not None:
                 mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
                 a_tile = a_ring.index(slot).slice(WG * 64, 64)  # [64, BK]
                 b_tile = b_ring.index(slot).permute((1, 0))  # [BK, BN], K-major
+                _wait_turn(turn, it, WG, PINGPONG)
                 partial = warpgroup_mma(a_tile, b_tile, partial, use_acc=False, is_async=True)
+                _pass_turn(turn, WG, PINGPONG)
                 partial = warpgroup_mma_wait(0, deps=(partial, ))
                 mbarrier.arrive(empty.index(slot), count=1)
                 # step 3: promotion, while the other warpgroup's product runs
@@ -253,7 +285,7 @@ if gluon is not None:
     @gluon.jit
     def _mgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E, s_asm, s_ask,
                             s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                            STAGES: gl.constexpr):
+                            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
         """Persistent: CTA p computes tiles p, p + NUM_PROGRAMS, ... of the filled rows' (M / 128) x (N / 128)
         tiles. a_desc [M, K] and b_desc [E * N, K] with [128, 128] blocks, c_desc [M, N] with [64, 128] blocks (one
         per consumer warpgroup); scales by pointer and strides."""
@@ -265,12 +297,14 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the producer's expect; the TMA bytes complete it
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        _init_turns(turn)
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
-                         s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0)),
-            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
-                         s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1)),
+            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N,
+                         K, E, s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
+            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N,
+                         K, E, s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS,
                          GROUPED, GROUP, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -319,5 +353,5 @@ def mgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         a_desc, b_desc, c_desc, a_scale, b_scale, m_indices if grouped else dummy, offsets if grouped else dummy,
         m, n, k, e, a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         grid, GROUPED=grouped, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
-        num_warps=NUM_WARPS)
+        PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
     return out

@@ -18,8 +18,9 @@ and 128 column scales into the slot's shared-memory scale buffers (cp.async, 4 b
 the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
 [128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
 64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
-releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element), while the
-other warpgroup's wgmma runs. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
+releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). With
+ping-pong (the `_pp` configs, the default; gemm_fp8_gluon's `_wait_turn`) the two issue their products in turns,
+so one's promotion (twice the m-grouped kernel's work per element) runs under the other's product. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
 Output tiles are written by TMA in out's dtype (fp32 for the weight gradient: 64 KB of output tiles, 4 ring
 stages of 33 KB; bf16: 5 stages).
 
@@ -57,8 +58,10 @@ KGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
     "ws_128x128_s5": GluonGemmConfig(8, 5),
     "ws_128x128_s3": GluonGemmConfig(8, 3),
     "ws_128x128_s5_g16": GluonGemmConfig(16, 5),
+    "ws_128x128_s5_pp": GluonGemmConfig(8, 5, True),
 }
-DEFAULT_KGROUPED = "ws_128x128_s5"
+DEFAULT_KGROUPED = "ws_128x128_s5_pp"
+UNORDERED_KGROUPED = "ws_128x128_s5"  # the default without ping-pong (bench/step.py's moela-fp8-unordered)
 
 
 def scale_slots(stages: int) -> int:
@@ -69,8 +72,9 @@ def scale_slots(stages: int) -> int:
 
 def shared_bytes(stages: int, out_bytes: int) -> int:
     """Shared memory of one CTA: per stage the A and B tiles, 2 x 128 fp32 scales per scale slot, the output tiles
-    and the barriers."""
-    return stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes + 2 * stages * 8
+    and the barriers (the ring's and the two turn barriers)."""
+    return (stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes
+            + (2 * stages + 2) * 8)
 
 
 def fit_stages(stages: int, out_bytes: int) -> int:
@@ -167,9 +171,9 @@ if ws.gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
+    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
                   NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                  WG: gl.constexpr):
+                  WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store."""
         acc_layout: gl.constexpr = ws._acc_layout()
         num_n = gl.cdiv(N, _BM)
@@ -191,7 +195,9 @@ if ws.gluon is not None:
                 # step 2: the fp8 product over the 128 tokens; wait for it and release the slot
                 a_tile = a_ring.index(slot).slice(WG * 64, 64)  # [64 rows of N, 128 tokens]
                 b_tile = b_ring.index(slot).permute((1, 0))  # [128 tokens, 128 columns of K], token-major
+                ws._wait_turn(turn, it, WG, PINGPONG)
                 partial = warpgroup_mma(a_tile, b_tile, partial, use_acc=False, is_async=True)
+                ws._pass_turn(turn, WG, PINGPONG)
                 partial = warpgroup_mma_wait(0, deps=(partial, ))
                 mbarrier.arrive(empty.index(slot), count=1)
                 # step 3: promotion by the outer product of the scales, while the other warpgroup's product runs
@@ -206,7 +212,8 @@ if ws.gluon is not None:
 
     @gluon.jit
     def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, off_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst,
-                            NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):
+                            NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+                            PINGPONG: gl.constexpr):
         """Persistent: CTA p computes tiles p, p + NUM_PROGRAMS, ... of the E x (N / 128) x (K / 128) output tiles.
         a_desc [N, M] and b_desc [K, M] with [128, 128] blocks, c_desc [E * N, K] with [64, 128] blocks; scales by
         pointer and strides."""
@@ -223,12 +230,14 @@ if ws.gluon is not None:
             # the producer's expect and its 32 lanes' cp.async arrivals; the TMA bytes complete it
             mbarrier.init(ready.index(i), count=1 + _LANES)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ws._init_turns(turn)
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
-                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0)),
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, N, K, M, E,
-                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
+                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
+                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N,
                          K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -260,5 +269,5 @@ def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale, n, k, m, e,
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid,
         GROUPED=offsets is not None, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
-        num_warps=NUM_WARPS)
+        PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
     return out
