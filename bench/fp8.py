@@ -5,7 +5,7 @@ Grouped (8 experts, balanced routing; the V3 expert shapes D 7168, F 2048 and th
 4096, 1024 and 256 rows per expert: fwd (A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per
 expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels ("fp8 triton <config>") and, on
 Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named config with --sweep, else the
-defaults (for Gluon the default, whose consumer warpgroups take turns, and its unordered twin); the cuBLAS per-expert provider (host bounds) as a reference row. Each FP8 row's relative error
+defaults (for Gluon also the default's twin whose consumer warpgroups take turns); the cuBLAS per-expert provider (host bounds) as a reference row. Each FP8 row's relative error
 is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
 V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
 
@@ -80,11 +80,11 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
                                                                                gluon_defaults)]
         return rows
 
-    # without --sweep: the Gluon default (ping-pong warpgroups) and its unordered twin, side by side
+    # without --sweep: the Gluon default and its twin whose warpgroups take turns (ping-pong), side by side
     mgrouped = (gemm_fp8.MGROUPED_CONFIGS, gemm_fp8.DEFAULT_MGROUPED, gemm_fp8_gluon.MGROUPED_CONFIGS,
-                [gemm_fp8_gluon.DEFAULT_MGROUPED, gemm_fp8_gluon.UNORDERED_MGROUPED])
+                [gemm_fp8_gluon.DEFAULT_MGROUPED, gemm_fp8_gluon.PINGPONG_MGROUPED])
     kgrouped = (gemm_fp8.KGROUPED_CONFIGS, gemm_fp8.DEFAULT_KGROUPED, gemm_fp8_gluon_kgrouped.KGROUPED_CONFIGS,
-                [gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED, gemm_fp8_gluon_kgrouped.UNORDERED_KGROUPED])
+                [gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED, gemm_fp8_gluon_kgrouped.PINGPONG_KGROUPED])
 
     def fwd(cfg, impl):
         return gemm_fp8.mgrouped_fp8(xq, xs, wq, ws, m_idx, offsets, config=cfg, impl=impl)

@@ -19,8 +19,6 @@ out-of-memory error ends only its row:
                           `moela` lets the first micro-batch's graph assign them)
             moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
                           moments, moela's AdamW)
-            moela-fp8-unordered  fp8 rows only: the Gluon FP8 GEMMs' consumer warpgroups issuing their products in
-                          any order (the configs before ping-pong, gemm_fp8_gluon's `_wait_turn`)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -71,13 +69,12 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-fp8-unordered", "moela-nomtp",
-         "titan-compile", "hf", "titan-eager")
+IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "titan-compile", "hf",
+         "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
-               "moela-fp32-moments": ["optim.moment_dtype=float32"], "moela-fp8-unordered": [],
+               "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
-FP8_ONLY = ("moela-fp8-unordered",)  # rows that differ from `moela` only in the FP8 kernels
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
@@ -93,8 +90,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
     for impl in impls:
         for config in configs:
             c = CONFIGS[config]
-            kept = recipes if impl in MOELA_ALL_RECIPES else ("fp8_blockwise", ) if impl in FP8_ONLY else ("bf16", )
-            for recipe in [r for r in recipes if r in kept]:
+            moela_recipes = impl in MOELA_ALL_RECIPES
+            for recipe in recipes if moela_recipes else [r for r in recipes if r == "bf16"]:
                 overrides = list(c["overrides"]) + [
                     f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",
                     "train.steps=1000", "train.eval_every=0", "checkpoint.every=0", "logging.progress_bar=never"]
@@ -103,8 +100,7 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"],
-                             "graph_first_assigns": impl != "moela-graphs-add",
-                             "gluon_pingpong": impl not in FP8_ONLY, **counts})
+                             "graph_first_assigns": impl != "moela-graphs-add", **counts})
     return rows
 
 

@@ -65,8 +65,7 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`) and
-    gluon_pingpong (False: the Gluon FP8 GEMMs' default configs set to their unordered twins)."""
+    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process) and graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -79,11 +78,6 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import gemm_fp8
 
         gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
-    if not spec.get("gluon_pingpong", True):
-        from moela.ops.moe import gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
-
-        gemm_fp8_gluon.DEFAULT_MGROUPED = gemm_fp8_gluon.UNORDERED_MGROUPED
-        gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED = gemm_fp8_gluon_kgrouped.UNORDERED_KGROUPED
     if not spec.get("graph_first_assigns", True):
         from moela.trainer import cuda_graphs
 

@@ -22,11 +22,11 @@ refills overlap the tensor cores. Here the CTA runs three partitions that meet o
 - two consumer warpgroups (the default partition and a worker; 232 registers each after setmaxnreg): warpgroup g
   owns rows [64g, 64g + 64) of the tile. Per step it waits on `ready`, issues the asynchronous wgmma of its 64 rows
   into an fp32 partial, waits for it, releases the slot (`empty` counts one arrival per warpgroup) and promotes
-  the partial with its row scales and the block scale. The two warpgroups take turns issuing their products (two
-  turn barriers, `_wait_turn`; configs ending in `_pp`, the default): the products then run one after the other
-  and each warpgroup's promotion runs under the other's product. Left to themselves the two issue together, their
-  products finish together and both promote while the tensor cores wait (the unordered configs, kept for
-  comparison: bench/fp8.py times both). Scales are read from global memory (L2) one step ahead, across tiles
+  the partial with its row scales and the block scale. The configs ending in `_pp` make the two warpgroups take
+  turns issuing their products (two turn barriers, `_wait_turn`), so that one's promotion must run under the
+  other's product; measured no faster than leaving the order to the hardware (bench/results/fp8_pingpong.md:
+  equal for this kernel, -4% for the weight gradient at 4096 rows per expert, +5% at 256), so the defaults leave
+  it off and bench/fp8.py times both. Scales are read from global memory (L2) one step ahead, across tiles
   too (the next tile's expert is read during the current tile), so no load latency sits between two steps. Each
   warpgroup stores its 64 x 128 result through its own shared-memory tile and a TMA store, and waits for that
   store only at its next tile's epilogue.
@@ -96,8 +96,8 @@ MGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
     "ws_128x128_s6_g4": GluonGemmConfig(4, 6),
     "ws_128x128_s6_pp": GluonGemmConfig(8, 6, True),
 }
-DEFAULT_MGROUPED = "ws_128x128_s6_pp"
-UNORDERED_MGROUPED = "ws_128x128_s6"  # the default without ping-pong (bench/step.py's moela-fp8-unordered)
+DEFAULT_MGROUPED = "ws_128x128_s6"
+PINGPONG_MGROUPED = "ws_128x128_s6_pp"  # the default with the warpgroups in turns: no faster (bench/fp8.py)
 
 
 def available(device: torch.device) -> bool:

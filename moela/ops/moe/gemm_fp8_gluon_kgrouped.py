@@ -18,9 +18,10 @@ and 128 column scales into the slot's shared-memory scale buffers (cp.async, 4 b
 the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
 [128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
 64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
-releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). With
-ping-pong (the `_pp` configs, the default; gemm_fp8_gluon's `_wait_turn`) the two issue their products in turns,
-so one's promotion (twice the m-grouped kernel's work per element) runs under the other's product. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
+releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). The `_pp`
+config orders the two warpgroups' products (gemm_fp8_gluon's `_wait_turn`) so that one's promotion, twice the
+m-grouped kernel's work per element, runs under the other's product: no faster at 4096 rows per expert
+(bench/results/fp8_pingpong.md), so the promotion is not what holds this kernel at ~1.1x bf16. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
 Output tiles are written by TMA in out's dtype (fp32 for the weight gradient: 64 KB of output tiles, 4 ring
 stages of 33 KB; bf16: 5 stages).
 
@@ -60,8 +61,8 @@ KGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
     "ws_128x128_s5_g16": GluonGemmConfig(16, 5),
     "ws_128x128_s5_pp": GluonGemmConfig(8, 5, True),
 }
-DEFAULT_KGROUPED = "ws_128x128_s5_pp"
-UNORDERED_KGROUPED = "ws_128x128_s5"  # the default without ping-pong (bench/step.py's moela-fp8-unordered)
+DEFAULT_KGROUPED = "ws_128x128_s5"
+PINGPONG_KGROUPED = "ws_128x128_s5_pp"  # the default with the warpgroups in turns: no faster (bench/fp8.py)
 
 
 def scale_slots(stages: int) -> int:
