@@ -427,6 +427,7 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
     batch = packed_batch(cfg.vocab_size, [13, 8], seed=8)
     ref, grads = _loss_and_grads(model, batch)
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 4 * cfg.vocab_size)
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
     monkeypatch.setattr(tr, "linear_cross_entropy", functools.partial(lce.linear_cross_entropy, backend="chunked"))
     out = model(batch)
     out.loss.backward()

@@ -112,6 +112,7 @@ def test_compiled_backends_match_reference_on_cuda():
 def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
     import moela.ops.linear_cross_entropy as lce
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 53)  # chunks of 5 rows: several chunks and a ragged tail
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
     h = torch.randn(23, 19, dtype=dtype, requires_grad=True)
     w = (torch.randn(53, 19, dtype=dtype) * 0.5).requires_grad_(True)
     labels = torch.randint(0, 53, (23,))
@@ -149,11 +150,35 @@ def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference():
     torch.testing.assert_close(wc, wr, rtol=3e-2, atol=3e-3)
 
 
+def test_linear_cross_entropy_chunk_rows_and_helpers():
+    """Chunks: CHUNK_ELEMENTS logits, never fewer than MIN_CHUNK_ROWS rows (a 102,400-token vocabulary made
+    655-row chunks). The matmul dtype follows autocast (not for float64). add_product_ sums a low-precision
+    product into a float32 accumulator (on CPU by forming it first)."""
+    import moela.ops.linear_cross_entropy as lce
+    assert lce.chunk_rows(4096) == lce.CHUNK_ELEMENTS // 4096 and lce.chunk_rows(102400) == lce.MIN_CHUNK_ROWS
+    h32, w32 = torch.randn(3, 4), torch.randn(5, 4)
+    assert lce.matmul_dtype(h32, w32) == torch.float32
+    assert lce.matmul_dtype(h32.double(), w32) == torch.float64
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lce.matmul_dtype(h32, w32) == torch.bfloat16
+        assert lce.matmul_dtype(h32.double(), w32.double()) == torch.float64
+    torch.manual_seed(3)
+    a, b = torch.randn(7, 9).bfloat16(), torch.randn(9, 6).bfloat16()
+    acc = torch.randn(7, 6)
+    want = acc.double() + a.double() @ b.double()
+    lce.add_product_(acc, a, b)
+    assert acc.dtype == torch.float32 and (acc.double() - want).abs().max() < 0.1  # one bf16 rounding of a @ b
+    a32, b32, acc32 = a.float(), b.float(), torch.zeros(7, 6)
+    lce.add_product_(acc32, a32, b32)
+    torch.testing.assert_close(acc32.double(), a32.double() @ b32.double(), rtol=1e-6, atol=1e-6)
+
+
 def test_linear_cross_entropy_chunked_skips_the_gradients_under_no_grad(monkeypatch):
     """Evaluation runs under no_grad with a weight that still requires grad: the chunked loss must not form the
     softmax gradients (two GEMMs and a [V, D] float32 buffer per call) that nobody will read."""
     import moela.ops.linear_cross_entropy as lce
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 5 * 53)
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
     h, w = torch.randn(23, 19), torch.randn(53, 19, requires_grad=True)
     labels = torch.randint(0, 53, (23,))
     expected = lce.linear_cross_entropy(h, w, labels, backend="reference").item()

@@ -3,13 +3,18 @@ CE(h @ weight^T, label), without ever holding the [T, V] logits.
 
 Backends:
 - `reference`: logits = h @ weight^T, then `cross_entropy_reference` (float32 softmax); the specification.
-- `chunked`: an autograd Function that walks the tokens in chunks of about 2^26 / V rows. For each chunk it forms
-  the logits (in the matmul's dtype, as the unfused head would: h's, or autocast's), and from them in one fused
-  pass (`chunk_loss_and_grad`, through Inductor on CUDA) the loss and the logit gradient softmax - onehot in the
-  logits' dtype, without ever writing float32 logits; right away it forms d h = G W and d W += G^T h (float32
-  accumulator, kept in the weight's dtype afterwards); backward only scales them by the incoming scalar gradient.
-  Peak extra memory is one chunk of logits and one of their gradient instead of T x V, and no logits are
-  recomputed in backward (Liger-Kernel's scheme).
+- `chunked`: an autograd Function that walks the tokens in chunks of 2^26 / V rows, but at least 4096
+  (`chunk_rows`). For each chunk it forms the logits (in the matmul's dtype, as the unfused head would: h's, or
+  autocast's; the weight cast to it once per call, not per chunk), and from them in one fused pass
+  (`chunk_loss_and_grad`, through Inductor on CUDA) the loss and the logit gradient softmax - onehot in the
+  logits' dtype, without ever writing float32 logits; right away it forms d h = G W and d W += G^T h into a
+  float32 accumulator (`add_product_`: on CUDA the GEMM adds into it itself), kept in the weight's dtype
+  afterwards; backward only scales them by the incoming scalar gradient. Peak extra memory is one chunk of logits
+  and one of their gradient instead of T x V, and no logits are recomputed in backward (Liger-Kernel's scheme).
+  Why at least 4096 rows and the in-GEMM accumulation: with V = 102,400 (DeepSeek-V2-Lite) 2^26 / V is 655 rows,
+  so 64k tokens made 100 chunks, each with three 655-row GEMMs, a [V, D] product written in bf16 and a second
+  pass adding it into the float32 accumulator, and a cast of the [V, D] weight: the non-GEMM kernels of the loss
+  took 24% of V2-Lite-6L's step (bench/results/step_v2lite6_bf16_moments.md).
   Runs on any device; `auto` picks it on CUDA.
 
 The result is a float32 scalar SUM (the model divides by the step's labelled-token count).
@@ -25,11 +30,39 @@ from moela.ops.compiled import compiled
 from moela.ops.dispatch import Dispatch
 from moela.ops.loss import IGNORE_INDEX, cross_entropy_reference
 
-CHUNK_ELEMENTS = 2 ** 26  # logits per chunk (256 MiB in float32)
+CHUNK_ELEMENTS = 2 ** 26  # logits per chunk (128 MiB in bf16)
+MIN_CHUNK_ROWS = 4096  # a large vocabulary's chunks still make full-size GEMMs (4096 x 102,400 bf16 logits: 800 MiB)
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # bf16 x bf16 -> float32 output (CUDA only)
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return cross_entropy_reference(h @ weight.t(), labels).sum()
+
+
+def chunk_rows(vocab: int) -> int:
+    """Token rows per chunk for a vocabulary of `vocab`: CHUNK_ELEMENTS logits, but at least MIN_CHUNK_ROWS."""
+    return max(1, CHUNK_ELEMENTS // vocab, MIN_CHUNK_ROWS)
+
+
+def matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of `h @ weight.t()` as the unfused head computes it: autocast's where autocast is on for h's device
+    (it leaves float64 alone), else the promoted dtype."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device) and torch.float64 not in (h.dtype, weight.dtype):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b for a float32 accumulator and operands of a lower precision (a and b of one dtype): on CUDA the
+    GEMM adds its float32 result into acc itself (`addmm` with out_dtype), so the product is never rounded to the
+    operands' dtype nor written and read again by a second pass; elsewhere the product is formed in the operands'
+    dtype and added (CPU has no mixed-dtype addmm)."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if acc.is_cuda and _ADDMM_OUT_DTYPE:
+        return torch.ops.aten.addmm.dtype_out(acc, a, b, acc.dtype, out=acc)
+    return acc.add_(a @ b)
 
 
 DISPATCH = Dispatch("linear_cross_entropy", LINEAR_CROSS_ENTROPY_BACKENDS)
@@ -68,20 +101,25 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, chunk_rows, want_grad):
         t = h.shape[0]
+        dtype = matmul_dtype(h, weight)
+        w = weight.to(dtype)  # [V, D], cast once (a no-op when it has the dtype)
         grad_h = torch.empty_like(h) if want_grad else None  # [T, D]
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if want_grad else None
         total = torch.zeros((), device=h.device, dtype=torch.float32)
         fused = h.is_cuda
         for a in range(0, t, chunk_rows):
-            hc, lab = h[a:a + chunk_rows], labels[a:a + chunk_rows]  # [C, D], [C]
-            mm = hc @ weight.t()  # [C, V] in the matmul's dtype (the autocast dtype under autocast)
+            hc, lab = h[a:a + chunk_rows].to(dtype), labels[a:a + chunk_rows]  # [C, D], [C]
+            mm = hc @ w.t()  # [C, V] in the matmul's dtype
             if not want_grad:
                 total += (chunk_loss_fused if fused else chunk_loss)(mm, lab)
                 continue
             loss, g = (chunk_loss_and_grad_fused if fused else chunk_loss_and_grad)(mm, lab)  # [], [C, V]
             total += loss
-            grad_h[a:a + chunk_rows] = g @ weight.to(g.dtype)  # [C, D]
-            grad_w += g.t() @ hc.to(g.dtype)  # [V, D], accumulated in float32
+            if grad_h.dtype == dtype:
+                torch.mm(g, w, out=grad_h[a:a + chunk_rows])  # [C, D], written in place
+            else:
+                grad_h[a:a + chunk_rows] = g @ w
+            add_product_(grad_w, g.t(), hc)  # [V, D] += G^T h in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 
@@ -92,11 +130,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 
 def linear_cross_entropy_chunked(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    chunk_rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_rows(weight.shape[0])
     # grad mode is always off inside Function.forward: decide here whether the gradients are needed at all (not
     # under no_grad, e.g. evaluation, where a parameter weight still has requires_grad set)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _ChunkedLinearCE.apply(h, weight, labels, chunk_rows, want_grad)
+    return _ChunkedLinearCE.apply(h, weight, labels, rows, want_grad)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moela.ops.linear_cross_entropy import add_product_
 from moela.ops.loss import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 2 ** 26  # logits per chunk and rank (256 MiB in float32)
@@ -58,7 +59,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 g.mul_(valid[:, None].float())
                 g = g.to(mm.dtype)  # [C, V_local]
                 grad_h[a:a + chunk_rows] = g @ weight  # [C, D], this shard's share
-                grad_w += g.t() @ hc  # [V_local, D]
+                add_product_(grad_w, g.t(), hc.to(g.dtype))  # [V_local, D] += G^T h in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 

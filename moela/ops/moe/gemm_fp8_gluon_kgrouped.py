@@ -21,8 +21,9 @@ the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads o
 releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). The `_pp`
 config orders the two warpgroups' products (gemm_fp8_gluon's `_wait_turn`) so that one's promotion, twice the
 m-grouped kernel's work per element, runs under the other's product: no faster at 4096 rows per expert
-(bench/results/fp8_pingpong.md), so the promotion is not what holds this kernel at ~1.1x bf16. Registers per consumer thread: 64 accumulators + 64 partial + 32 column scales.
-Output tiles are written by TMA in out's dtype (fp32 for the weight gradient: 64 KB of output tiles, 4 ring
+(bench/results/fp8_pingpong.md), so the promotion is not what holds this kernel at ~1.1x bf16. Registers per
+consumer thread: 64 accumulators + 64 partial + 32 column scales. Output tiles are written by TMA in out's dtype
+(fp32 for the weight gradient: 64 KB of output tiles, 4 ring
 stages of 33 KB; bf16: 5 stages).
 
 Tiles are scheduled persistently, expert-major (the CTAs in flight share one expert's token slices in L2), in
