@@ -42,6 +42,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,8 +106,12 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
 
 
 def _tail(path: Path, lines: int = 6) -> str:
+    """A failed row's log in one line: its last exception line first (the table cuts long messages, and a traceback's
+    last lines are often frames), then the last `lines` lines."""
     text = path.read_text(errors="replace").strip().splitlines() if path.exists() else []
-    return " | ".join(line.strip() for line in text[-lines:])
+    tail = " | ".join(line.strip() for line in text[-lines:])
+    raised = [line.strip() for line in text if re.match(r"[\w.]+(Error|Exception)\b", line.strip())]
+    return f"{raised[-1][:300]} | {tail}" if raised else tail
 
 
 def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float) -> list[dict]:

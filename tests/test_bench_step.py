@@ -362,6 +362,18 @@ def _step_module():
     return module
 
 
+def test_failed_row_names_its_exception_first(tmp_path):
+    """A row that dies in backward: the summary leads with the exception, not with the traceback's frames."""
+    step = _step_module()
+    log = tmp_path / "row.log"
+    log.write_text("Traceback (most recent call last):\n" + "  File \"x.py\", line 1, in f\n    g()\n" * 4
+                   + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.00 GiB.\n"
+                   + "  File \"y.py\", line 9, in h\n")
+    assert step._tail(log).startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 25.00 GiB. | ")
+    log.write_text("plain last line\n")
+    assert step._tail(log) == "plain last line"
+
+
 def test_plan_rows_peers_bf16_only_and_mtp_off():
     from moela.config import load_config
 
