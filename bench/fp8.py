@@ -93,8 +93,13 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
     def dgrad(cfg, impl):
         return gemm_fp8.mgrouped_fp8(hq, hs, wqt, ws.transpose(1, 2), m_idx, offsets, config=cfg, impl=impl)
 
-    def wgrad(cfg, impl):
-        return gemm_fp8.kgrouped_fp8(hqt, hst, xqt, xst, offsets, out_dtype=torch.bfloat16, config=cfg, impl=impl)
+    def wgrad(cfg, impl, scales=(hst, xst)):
+        return gemm_fp8.kgrouped_fp8(hqt, scales[0], xqt, scales[1], offsets, out_dtype=torch.bfloat16, config=cfg,
+                                     impl=impl)
+
+    # the same scales laid out token-block-major ([M/128, N] in memory, passed as the [N, M/128] view): a step's 128
+    # scales of one operand are then contiguous (one 512-byte read) instead of 128 reads M/128 x 4 bytes apart
+    by_block = (hst.t().contiguous().t(), xst.t().contiguous().t())
 
     cases = {
         "fwd": (lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32),
@@ -104,7 +109,9 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
                   impls(*mgrouped, dgrad),
                   lambda: cublas_mgrouped(hq, hs, wqt, ws.transpose(1, 2), bounds)),
         "wgrad": (lambda: torch._grouped_mm(h.t(), x, offs=offs32),
-                  impls(*kgrouped, wgrad),
+                  impls(*kgrouped, wgrad) + ([(f"fp8 gluon {gemm_fp8_gluon_kgrouped.DEFAULT_KGROUPED}, scales "
+                                               "token-block-major", lambda: wgrad(None, "gluon", by_block))]
+                                             if gluon else []),
                   lambda: cublas_kgrouped(hqt, hst, xqt, xst, bounds, torch.bfloat16)),
     }
     for name, (bf16_fn, rows, cublas) in cases.items():
