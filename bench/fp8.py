@@ -98,7 +98,9 @@ def grouped(per: int, sweep: bool, shape: str = "V3", e: int = 8):
                                      impl=impl)
 
     # the same scales laid out token-block-major ([M/128, N] in memory, passed as the [N, M/128] view): a step's 128
-    # scales of one operand are then contiguous (one 512-byte read) instead of 128 reads M/128 x 4 bytes apart
+    # scales of one operand are then contiguous (one 512-byte read) instead of 128 reads M/128 x 4 bytes apart. The
+    # Gluon launcher copies other layouts into this one (gemm_fp8_gluon_kgrouped.token_block_major), so this row
+    # differs from the default one by that copy: what a quantizer writing the layout itself would save
     by_block = (hst.t().contiguous().t(), xst.t().contiguous().t())
 
     cases = {

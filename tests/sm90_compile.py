@@ -256,7 +256,7 @@ def moe_gluon_gemm_kernels():
             cfg = kg.KGROUPED_CONFIGS[kg.DEFAULT_KGROUPED]
             out[f"moe_gluon fp8 wgrad ws {dtype}{tag}"] = compile_sm90(kg._kgrouped_ws_kernel, dict(
                 a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", off_ptr="*i64", N=n,
-                K=k, M=m, E=e, s_asn=m // 128, s_ast=1, s_bsk=m // 128, s_bst=1, NUM_PROGRAMS=132, GROUPED=True,
+                K=k, M=m, E=e, s_asn=1, s_ast=n, s_bsk=1, s_bst=k, NUM_PROGRAMS=132, GROUPED=True,  # token-block-major
                 GROUP=cfg.group, STAGES=kg.fit_stages(cfg.stages, nbytes), PINGPONG=pingpong),
                 num_warps=ws.NUM_WARPS, require=require + ("cp.async.mbarrier.arrive",))
     return out

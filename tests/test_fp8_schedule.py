@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from moela.ops.moe.gemm_fp8_gluon_kgrouped import ring_position, tile_blocks
+from moela.ops.moe.gemm_fp8_gluon_kgrouped import ring_position, tile_blocks, token_block_major
 
 LANES = 32  # the producer warp: each lane's scale copies arrive on the slot's ready barrier
 
@@ -105,3 +106,13 @@ def test_ring_agrees_across_tiles(programs, stages):
     (first, middle, last), several tiles per program; K > GROUP column blocks so bands matter."""
     offsets = [0, 0, 128, 384, 384, 768, 1920, 1920]
     _simulate(offsets, n=384, k=1280, programs=programs, stages=stages, group=2, seed=programs * 10 + stages)
+
+
+def test_weight_gradient_scales_token_block_major():
+    """The Gluon weight gradient's scales: the same values with the token blocks adjacent in memory; a tensor
+    already laid out so is passed through, not copied."""
+    torch.manual_seed(0)
+    s = torch.rand(384, 7)  # [rows, M/128], as the quantizers write it
+    t = token_block_major(s)
+    assert torch.equal(t, s) and t.stride() == (1, 384)
+    assert token_block_major(t) is t

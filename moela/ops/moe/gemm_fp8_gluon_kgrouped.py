@@ -13,9 +13,10 @@ tile (a row vector and a column vector per step): each consumer thread holds 2 r
 partial, so a step's scales are 2 + 32 values per thread.
 
 Partitions (as in the m-grouped kernel): the producer warp, per 128-token step, copies the step's 128 row scales
-and 128 column scales into the slot's shared-memory scale buffers (cp.async, 4 bytes each, tracked by the slot's
-`ready` barrier: cp.async.mbarrier.arrive.noinc, so the barrier's init count names all 33 arrivals of every phase,
-the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
+and 128 column scales into the slot's shared-memory scale buffers (cp.async of 4 consecutive scales a lane: the
+launcher hands the scales over token-block-major, `token_block_major`, so a step's 128 are contiguous; tracked by
+the slot's `ready` barrier: cp.async.mbarrier.arrive.noinc, so the barrier's init count names all 33 arrivals of
+every phase, the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
 [128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
 64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
 releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). The `_pp`
@@ -245,6 +246,16 @@ if ws.gluon is not None:
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
+def token_block_major(scale: torch.Tensor) -> torch.Tensor:
+    """scale [rows, M/128] with the token blocks adjacent in memory ([M/128, rows] storage, returned as the [rows,
+    M/128] view), copied only if it is not laid out so already. The producer warp then reads a step's 128 scales of
+    an operand as one contiguous 512-byte run (coalesced cp.async) instead of 128 reads M/128 x 4 bytes apart: the
+    weight gradient ran 1.17x faster at 8 x 4096 rows per expert and 1.16x at 256 with the same values in this
+    layout (bench/results/fp8_scale_layout.md). The scales are 1/128 of the operand's elements, so the copy is
+    small (4 MB for a [4096, 32768] operand)."""
+    return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
+
+
 def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     offsets: torch.Tensor | None, out: torch.Tensor, num_programs: int,
                     config: str | None = None) -> torch.Tensor:
@@ -262,6 +273,7 @@ def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     e = out.shape[0]
     if m == 0:  # no tokens: every expert's gradient is zero (a TMA descriptor needs a non-empty tensor)
         return out.zero_()
+    a_scale, b_scale = token_block_major(a_scale), token_block_major(b_scale)
     tile = ws.shared_layout(BM, BK, torch.float8_e4m3fn)
     a_desc = ws.TensorDescriptor.from_tensor(a, [BM, BK], tile)
     b_desc = ws.TensorDescriptor.from_tensor(b, [BN, BK], tile)
