@@ -5,9 +5,9 @@ Grouped (8 experts, balanced routing; the V3 expert shapes D 7168, F 2048 and th
 4096, 1024 and 256 rows per expert: fwd (A [M, D] @ W13_e^T), dgrad (dH [M, 2F] @ W13_e), wgrad (dH^T X per
 expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels ("fp8 triton <config>") and, on
 Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named config with --sweep, else the
-defaults (for Gluon also the default's twin whose consumer warpgroups take turns); the cuBLAS per-expert provider
-(host bounds) as a reference row. Each FP8 row's relative error
-is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
+defaults (for Gluon also the default's twin whose consumer warpgroups take turns, and for the weight gradient the
+default fed scales already token-block-major); the cuBLAS per-expert provider (host bounds) as a reference row.
+Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
 V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
 
   python bench/fp8.py [--quick] [--sweep] [--budget-s 170]

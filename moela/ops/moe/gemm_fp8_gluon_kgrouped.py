@@ -24,8 +24,7 @@ config orders the two warpgroups' products (gemm_fp8_gluon's `_wait_turn`) so th
 m-grouped kernel's work per element, runs under the other's product: no faster at 4096 rows per expert
 (bench/results/fp8_pingpong.md), so the promotion is not what holds this kernel at ~1.1x bf16. Registers per
 consumer thread: 64 accumulators + 64 partial + 32 column scales. Output tiles are written by TMA in out's dtype
-(fp32 for the weight gradient: 64 KB of output tiles, 4 ring
-stages of 33 KB; bf16: 5 stages).
+(fp32 for the weight gradient: 64 KB of output tiles, 4 ring stages of 33 KB; bf16: 5 stages).
 
 Tiles are scheduled persistently, expert-major (the CTAs in flight share one expert's token slices in L2), in
 grouped order inside an expert (bands of GROUP row blocks of N, walked column block by column block;
