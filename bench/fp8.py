@@ -7,8 +7,8 @@ expert) of ours vs bf16 torch._grouped_mm on the same shapes: the Triton kernels
 Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named config with --sweep, else the
 defaults (for Gluon also the default's twin whose consumer warpgroups take turns, and for the weight gradient the
 default fed scales already token-block-major); the cuBLAS per-expert provider (host bounds) as a reference row.
-Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small model's and
-V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
+Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16
+linear at the small model's and V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
 
   python bench/fp8.py [--quick] [--sweep] [--budget-s 170]
 --quick: the V3 shapes at 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the
