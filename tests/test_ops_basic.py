@@ -128,11 +128,16 @@ def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
     assert torch.allclose(lce.linear_cross_entropy(h, w, labels, backend="reference").double(), ref, rtol=1e-5)
 
 
-def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference():
-    """Under bf16 autocast (fp32 h, as the model's final norm gives it) the chunked loss and its gradients agree with
-    the reference head + cross-entropy run under the same autocast, to bf16 precision."""
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference(h_dtype, monkeypatch):
+    """Under bf16 autocast (fp32 h, as the model's final norm gives it, or bf16 h, whose gradient chunks the GEMM
+    writes in place) the chunked loss and its gradients agree with the reference head + cross-entropy run under the
+    same autocast, to bf16 precision, across chunks of 16 rows."""
     import moela.ops.linear_cross_entropy as lce
-    h = torch.randn(37, 64, requires_grad=True)
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 16 * 301)
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
+    torch.manual_seed(11)
+    h = torch.randn(37, 64, dtype=h_dtype, requires_grad=True)
     w = (torch.randn(301, 64) * 0.2).requires_grad_(True)
     labels = torch.randint(0, 301, (37,))
     labels[[0, 20]] = IGNORE_INDEX
@@ -145,7 +150,7 @@ def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference():
         out[backend] = (loss.item(), h.grad.clone(), w.grad.clone())
     (lr, hr, wr), (lc, hc, wc) = out["reference"], out["chunked"]
     assert math.isclose(lc, lr, rel_tol=1e-2)
-    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    assert h.grad.dtype == h_dtype and w.grad.dtype == torch.float32
     torch.testing.assert_close(hc, hr, rtol=3e-2, atol=3e-3)
     torch.testing.assert_close(wc, wr, rtol=3e-2, atol=3e-3)
 
