@@ -130,9 +130,9 @@ def test_linear_cross_entropy_chunked_matches_float64(dtype, monkeypatch):
 
 @pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])
 def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference(h_dtype, monkeypatch):
-    """Under bf16 autocast (fp32 h, as the model's final norm gives it, or bf16 h, whose gradient chunks the GEMM
-    writes in place) the chunked loss and its gradients agree with the reference head + cross-entropy run under the
-    same autocast, to bf16 precision, across chunks of 16 rows."""
+    """Under bf16 autocast (fp32 h, as the model's final norm gives it, or bf16 h) the chunked loss and its
+    gradients agree with the reference head + cross-entropy run under the same autocast, to bf16 precision, across
+    chunks of 16 rows."""
     import moela.ops.linear_cross_entropy as lce
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 16 * 301)
     monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)

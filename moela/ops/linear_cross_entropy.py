@@ -115,10 +115,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 continue
             loss, g = (chunk_loss_and_grad_fused if fused else chunk_loss_and_grad)(mm, lab)  # [], [C, V]
             total += loss
-            if grad_h.dtype == dtype:
-                torch.mm(g, w, out=grad_h[a:a + chunk_rows])  # [C, D], written in place
-            else:
-                grad_h[a:a + chunk_rows] = g @ w
+            grad_h[a:a + chunk_rows] = g @ w  # [C, D]
             add_product_(grad_w, g.t(), hc)  # [V, D] += G^T h in float32
         ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
