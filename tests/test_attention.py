@@ -141,7 +141,7 @@ def test_triton_queries_that_see_no_key(poisoned_empty, alibi):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("lens_q,lens_k,slope_scale", [([700], [1000], 1.0), ([40, 300], [40, 300], 3.0)])
+@pytest.mark.parametrize("lens_q,lens_k,slope_scale", [([330], [520], 1.0), ([40, 300], [40, 300], 3.0)])
 def test_triton_causal_alibi_split_fp32(poisoned_empty, lens_q, lens_k, slope_scale):
     """Causal ALiBi adds only the bias's column term to the scores and its row term to lse, both relative to a point
     in each program's block: many blocks between a query and its first keys, a longer k side, and steep slopes (up to
@@ -170,6 +170,22 @@ def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
     monkeypatch.setitem(triton_mod.SCHEDULE, "grid", "documents")
     check_against_float64([1, 0, 70, 45], [1, 0, 131, 45], 2, 48, 40, torch.float32, "cpu", True, True, seed=19,
                           backend="triton")
+
+
+@needs_interpreter
+def test_triton_forward_scale_per_score_matches_float64(poisoned_empty, monkeypatch):
+    """The forward's earlier form (every score scaled before the row maximum; bench/attention.py times it against
+    the default, which scales the maxima) still computes the same attention, and so does a negative scale, which
+    the launcher never folds."""
+    monkeypatch.setitem(triton_mod.SCHEDULE, "fold_scale", False)
+    check_against_float64([1, 70, 45], [1, 70, 45], 2, 48, 40, torch.float32, "cpu", True, False, seed=23,
+                          backend="triton")
+    monkeypatch.setitem(triton_mod.SCHEDULE, "fold_scale", True)
+    q, k, v, cu_q, cu_k, _, _, _ = make_case([33, 70], [33, 70], 2, 48, 40, torch.float32, "cpu", False, seed=29)
+    out, lse = mla_attention(q, k, v, cu_q, 70, softmax_scale=-0.3, return_lse=True, backend="triton")
+    want_out, want_lse = attention_reference(q, k, v, cu_q, cu_q, softmax_scale=-0.3)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -87,7 +87,7 @@ def test_layout_invariants(case):
 
     t, e, k = 153, 7, 3  # 459 (token, k) pairs: four 128-id chunks of the counting kernel, the last one partial
     if case == "many_experts":
-        t, e = 53, 130  # three 64-expert blocks of the histogram
+        t, e = 53, 70  # two 64-expert blocks of the histogram, the second partial
     ids = _routing(t, e, k)
     if case == "empty_experts":
         ids = ids % 3 * 2  # only experts 0, 2, 4 (with repeats across k, allowed)
@@ -106,8 +106,8 @@ def test_layout_invariants(case):
         assert torch.equal(getattr(fused, name), getattr(lay, name)), name
 
 
-@settings(max_examples=25, deadline=None)
-@given(t=st.integers(1, 300), e=st.integers(1, 40), k=st.integers(1, 8), seed=st.integers(0, 2 ** 31 - 1))
+@settings(max_examples=12, deadline=None)
+@given(t=st.integers(1, 150), e=st.integers(1, 40), k=st.integers(1, 8), seed=st.integers(0, 2 ** 31 - 1))
 def test_layout_invariants_random_routing(t, e, k, seed):
     from moela.ops.moe.permute import build_layout
 
@@ -290,8 +290,8 @@ def test_cublas_provider_whole_path_matches_triton(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", _cublas_contract_scaled_mm)
     monkeypatch.setattr(moe_providers, "cublas_blockwise_available", lambda device=None: True)
     # D = 512: GEMM1 forward and GEMM2 data gradient on cuBLAS; F = 384 (2F = 768): the other two m-grouped GEMMs
-    # fall back to Triton; both weight gradients on cuBLAS
-    prob = _problem(37, 512, 384, 5, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    # fall back to Triton; both weight gradients on cuBLAS; 3 experts (the interpreter's time grows with M_pad)
+    prob = _problem(37, 512, 384, 3, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
     # CPU (fp16, both GEMMs in fp32 through the interpreter): near-identical. CUDA (bf16; the fp8 tensor-core
     # GEMM and the contract's fp32 matmul round differently): GEMM1's bf16 output differs in the last bit, which
     # moves some SwiGLU outputs across an e4m3 rounding boundary (one e4m3 step is 6-12%)
