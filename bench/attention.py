@@ -128,10 +128,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
     "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
     "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
-    "triton, fwd scale per score (previous)": ({"fold_scale": False}, {}),
-    "triton, fwd 128x128 2 stages": ({}, {"fwd": (128, 128, 8, 2)}),
-    "triton, fwd 64x64 4 warps 4 stages": ({}, {"fwd": (64, 64, 4, 4)}),
-    "triton, fwd 128x32 4 stages": ({}, {"fwd": (128, 32, 8, 4)}),
 }
 
 

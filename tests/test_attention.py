@@ -172,22 +172,6 @@ def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
                           backend="triton")
 
 
-@needs_interpreter
-def test_triton_forward_scale_per_score_matches_float64(poisoned_empty, monkeypatch):
-    """The forward's earlier form (every score scaled before the row maximum; bench/attention.py times it against
-    the default, which scales the maxima) still computes the same attention, and so does a negative scale, which
-    the launcher never folds."""
-    monkeypatch.setitem(triton_mod.SCHEDULE, "fold_scale", False)
-    check_against_float64([1, 70, 45], [1, 70, 45], 2, 48, 40, torch.float32, "cpu", True, False, seed=23,
-                          backend="triton")
-    monkeypatch.setitem(triton_mod.SCHEDULE, "fold_scale", True)
-    q, k, v, cu_q, cu_k, _, _, _ = make_case([33, 70], [33, 70], 2, 48, 40, torch.float32, "cpu", False, seed=29)
-    out, lse = mla_attention(q, k, v, cu_q, 70, softmax_scale=-0.3, return_lse=True, backend="triton")
-    want_out, want_lse = attention_reference(q, k, v, cu_q, cu_q, softmax_scale=-0.3)
-    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("key_blocks", [True, False])
 def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):

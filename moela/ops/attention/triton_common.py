@@ -56,9 +56,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   fold_scale  the forward takes its row maxima on unscaled scores (triton_fwd._fwd_key_blocks); False: scales
-#             every score before the maximum (the earlier form, kept to time against)
-SCHEDULE = {"grid": "worklist", "fold_scale": True}
+SCHEDULE = {"grid": "worklist"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller

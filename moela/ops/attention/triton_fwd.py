@@ -14,7 +14,6 @@ import triton.language as tl
 from moela.ops.attention.triton_common import (
     LN2,
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -36,8 +35,8 @@ from moela.ops.triton_env import INTERPRET
 def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
                     q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-                    FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr,
-                    BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
     column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
     adds a row), so row_max holds the row maxima of the scores plus their row terms."""
@@ -55,12 +54,6 @@ def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_
             # new row maxima, then the probabilities relative to them
             max_new = tl.maximum(row_max, tl.max(scores, 1) + block_term)
             probs = tl.exp2(scores - (max_new - block_term)[:, None])  # [BM, BN]
-        elif FOLD_SCALE:
-            # maxima of the raw scores, scaled once per row; the scale then rides in one FFMA per score
-            raw = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST)
-            raw = _mask_and_bias(raw, q_pos, offs_n[None, :], k_len, slope, CAUSAL, False, MASK)
-            max_new = tl.maximum(row_max, tl.max(raw, 1) * qk_scale)
-            probs = tl.exp2(raw * qk_scale - max_new[:, None])  # [BM, BN]
         else:
             scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale
             scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, HAS_ALIBI, MASK)
@@ -89,7 +82,7 @@ def _fwd_kernel(
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -122,7 +115,7 @@ def _fwd_kernel(
         acc, row_sum, row_max = _fwd_key_blocks(
             acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m, q_shift,
             k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST,
-            UPCAST, FOLD_SCALE, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # normalize; lse in natural log, the causal ALiBi row term taken out once per row
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
@@ -162,6 +155,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], FOLD_SCALE=SCHEDULE["fold_scale"] and alibi_slopes is None and softmax_scale > 0,
-        **head_dim_blocks(d_qk, d_v), **cfg)
+        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse
