@@ -254,7 +254,8 @@ def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
     seen = {}
 
     def recording(q, k, v, cu, mx, **kw):
-        seen.update(q=q.detach().double(), k=k.detach().double(), scale=kw["softmax_scale"])
+        seen.update(q=q.detach().double(), k=k.detach().double(), v=v.detach().double(), scale=kw["softmax_scale"],
+                    v_contiguous=v.is_contiguous())
         return mla_attention(q, k, v, cu, mx, **kw)
     attn.core_attention = recording
     batch = packed_batch(cfg.vocab_size, [5, 13], seed=8)
@@ -289,9 +290,36 @@ def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
     k = torch.cat((k[..., :dn], rotate(k[..., dn:])), -1)
     torch.testing.assert_close(seen["q"], q, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(seen["k"], k, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(seen["v"], kv.view(t, h, -1)[..., dn:], rtol=1e-4, atol=1e-5)
+    assert seen["v_contiguous"]
     if qk_norm == "none":
         assert torch.equal(seen["k"][:, :1, dn:].expand(t, h, r), seen["k"][..., dn:])  # k_pe shared by the heads
     assert math.isclose(seen["scale"], (dn + r) ** -0.5 * (0.1 * 0.8 * math.log(4.0) + 1) ** 2, rel_tol=1e-12)
+
+
+def test_kv_up_projection_split_equals_fused(monkeypatch):
+    """The two GEMMs on views of wkv_b (the default) and the one GEMM with v copied out of its output (the earlier
+    form) give the same attention output and the same gradients, wkv_b's included, in float64."""
+    from moela.model import attention as attention_mod
+
+    torch.manual_seed(3)
+    cfg = _cfg(num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0)
+    model = build_model(cfg).double()
+    attn = model.layers[0].attn
+    batch = packed_batch(cfg.vocab_size, [6, 11, 1], seed=4)
+    ctx = model._context(batch, batch.num_targets())
+    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
+    dy = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
+    results = {}
+    for mode in ("fused", "split"):
+        monkeypatch.setitem(attention_mod.KV_UP_PROJECTION, "mode", mode)
+        attn.zero_grad()
+        xi = x.clone().requires_grad_()
+        out, _ = attn(xi, ctx)
+        out.backward(dy)
+        results[mode] = [out.detach(), xi.grad] + [p.grad.clone() for p in attn.parameters()]
+    for got, want in zip(results["split"], results["fused"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["fal", "fal_plus"])
