@@ -297,31 +297,6 @@ def test_mla_queries_and_keys_follow_the_formulas(qk_norm):
     assert math.isclose(seen["scale"], (dn + r) ** -0.5 * (0.1 * 0.8 * math.log(4.0) + 1) ** 2, rel_tol=1e-12)
 
 
-def test_kv_up_projection_split_equals_fused(monkeypatch):
-    """The two GEMMs on views of wkv_b (the default) and the one GEMM with v copied out of its output (the earlier
-    form) give the same attention output and the same gradients, wkv_b's included, in float64."""
-    from moela.model import attention as attention_mod
-
-    torch.manual_seed(3)
-    cfg = _cfg(num_hidden_layers=1, first_k_dense_replace=1, num_nextn_predict_layers=0)
-    model = build_model(cfg).double()
-    attn = model.layers[0].attn
-    batch = packed_batch(cfg.vocab_size, [6, 11, 1], seed=4)
-    ctx = model._context(batch, batch.num_targets())
-    x = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
-    dy = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=torch.float64)
-    results = {}
-    for mode in ("fused", "split"):
-        monkeypatch.setitem(attention_mod.KV_UP_PROJECTION, "mode", mode)
-        attn.zero_grad()
-        xi = x.clone().requires_grad_()
-        out, _ = attn(xi, ctx)
-        out.backward(dy)
-        results[mode] = [out.detach(), xi.grad] + [p.grad.clone() for p in attn.parameters()]
-    for got, want in zip(results["split"], results["fused"]):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
 @pytest.mark.parametrize("kind", ["fal", "fal_plus"])
 def test_fal_blocks_follow_the_formulas(kind):
     torch.manual_seed(4)

@@ -18,13 +18,6 @@ Decisions:
   applies it (`ctx.attend`): on this rank's own tokens, or under context parallelism on the keys of the whole
   group. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
   sum_t token_weight[t] * mean_h lse[h, t]**2, i.e. the mean over labelled tokens.
-- The kv up-projection runs as two GEMMs on views of `wkv_b`'s weight (each head's k_nope rows, then its v rows),
-  so k_nope and v come out contiguous: the attention gets v without a [T, H, Dv] copy out of one [T, H, Dn + Dv]
-  output, and the backward feeds the attention's dv to its GEMM directly instead of concatenating dk_nope and dv
-  into one gradient first. The weight slices (H x (Dn + Dv) x C, megabytes) are what gets copied instead. The one
-  GEMM on `wkv_b` remains where the module itself must run: FP8 linears, a tensor-parallel (DTensor) weight,
-  hooks on the module, or `KV_UP_PROJECTION["mode"] = "fused"` (the earlier form, timed against this one by
-  bench/step.py's `moela-nomtp-kvfused` row).
 - Tensor parallelism (`moela.parallel.tensor_parallel`) changes three attributes from outside: `n_heads` (the
   heads this rank holds), `gather_latents` (the latents [q input | c_kv | k_pe] are computed on this rank's
   tokens and all-gathered in one collective; a no-op by default) and `layer_qk_norm` (`qk_rms_norm` over the
@@ -69,10 +62,6 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     if rs.mscale and rs.mscale_all_dim:
         return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
     return yarn_mscale(rs.factor)
-
-
-# "split" (two GEMMs on views of wkv_b, the default) or "fused" (one GEMM and a copy of v; module docstring)
-KV_UP_PROJECTION = {"mode": "split"}
 
 
 def keep_latents(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -121,19 +110,6 @@ class MLA(nn.Module):
                                   self.q_qk_norm.weight, self.k_qk_norm.weight, self.q_qk_norm.eps)  # [T, H*Dqk]
         return q.view(t, h, self.qk_dim), k.view(t, h, self.qk_dim)  # [T, H, Dqk]
 
-    def _kv_up(self, c_kv: torch.Tensor, t: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """c_kv [T, C] -> k_nope [T, H, Dn], v [T, H, Dv] contiguous (module docstring: split or fused)."""
-        lin, dn, dv = self.wkv_b, self.nope_dim, self.v_dim
-        w = lin.weight
-        if (KV_UP_PROJECTION["mode"] == "fused" or lin.fp8 or hasattr(w, "device_mesh") or lin._forward_hooks
-                or lin._forward_pre_hooks):
-            k_nope, v = lin(c_kv).view(t, h, dn + dv).split([dn, dv], dim=-1)
-            return k_nope, v.contiguous()
-        w = w.view(h, dn + dv, w.shape[-1])  # [H, Dn + Dv, C]
-        k_nope = torch.nn.functional.linear(c_kv, w[:, :dn].reshape(h * dn, -1)).view(t, h, dn)
-        v = torch.nn.functional.linear(c_kv, w[:, dn:].reshape(h * dv, -1)).view(t, h, dv)
-        return k_nope, v
-
     def _attention(self, q: torch.Tensor, *args, **kwargs):
         """`core_attention` as a compiled block calls it (`call_op`)."""
         return call_op(self.core_attention, ATTENTION_DISPATCH, q, *args, **kwargs)
@@ -146,7 +122,8 @@ class MLA(nn.Module):
         q = self.wq(q_in) if self.q_lora_rank is None else self.wq_b(q_in)  # [T, H*Dqk]
         t, h = q.shape[0], self.n_heads
         q = q.view(t, h, self.qk_dim)  # [T, H, Dqk]
-        k_nope, v = self._kv_up(c_kv, t, h)  # [T, H, Dn], [T, H, Dv] (v contiguous)
+        kv = self.wkv_b(c_kv).view(t, h, self.nope_dim + self.v_dim)  # [T, H, Dn + Dv]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [T, H, Dn], [T, H, Dv]
         k_pe = k_pe.unsqueeze(1)  # [T, 1, R]
         if self.qk_norm_kind != "none":
             k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
@@ -159,7 +136,7 @@ class MLA(nn.Module):
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
-        res = ctx.attend(self._attention, q, k, v, ctx.cu_seqlens, ctx.max_seqlen, causal=True,
+        res = ctx.attend(self._attention, q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
                          softmax_scale=self.softmax_scale, return_lse=self.z_loss)
         if self.z_loss:
             out, lse = res  # [T, H, Dv], [H, T]
