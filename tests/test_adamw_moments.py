@@ -13,7 +13,7 @@ import torch
 from moela.trainer import adamw_moments
 from moela.trainer.adamw_moments import AdamWMoments
 
-SHAPES = [(37, 5), (129,), (3, 7, 11), (2050,)]  # the last one spans two kernel blocks
+SHAPES = [(37, 5), (129,), (3, 7, 11), (adamw_moments.BLOCK + 2,)]  # the last one spans two kernel blocks
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -120,7 +120,8 @@ def test_groups_clipping_factor_and_odd_tensors_equal_torch_adamw_on_clipped_gra
 
     def build(seed=0):
         g = torch.Generator().manual_seed(seed)
-        return [torch.randn(s, generator=g).requires_grad_() for s in [(37, 5), (0,), (129,), (9, 13), (2050,)]]
+        shapes = [(37, 5), (0,), (129,), (9, 13), (adamw_moments.BLOCK + 2,)]
+        return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
 
     def grads(step, params):
         g = torch.Generator().manual_seed(200 + step)
