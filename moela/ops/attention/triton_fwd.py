@@ -14,6 +14,7 @@ import triton.language as tl
 from moela.ops.attention.triton_common import (
     LN2,
     LOG2E,
+    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -27,25 +28,54 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
+    tma_ready,
 )
 from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
-def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
-                    q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+def _kv_descriptors(k_base, stride_kt, v_base, stride_vt, k_len, D_QK, D_V, HAS_D_REST: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
                     BLOCK_DV: tl.constexpr):
+    """TMA descriptors of one document's and head's keys (main and remainder columns) and values: rows past k_len
+    and columns past Dqk / Dv read as zeros, as the masked pointer loads do. At least one row, so that a document
+    without keys still has a valid descriptor (nothing is loaded through it)."""
+    rows = tl.maximum(k_len, 1)
+    k_main = tl.make_tensor_descriptor(k_base, shape=[rows, BLOCK_D_MAIN], strides=[stride_kt, 1],
+                                       block_shape=[BLOCK_N, BLOCK_D_MAIN])
+    k_rest = k_main
+    if HAS_D_REST:
+        k_rest = tl.make_tensor_descriptor(k_base + BLOCK_D_MAIN, shape=[rows, D_QK - BLOCK_D_MAIN],
+                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D_REST])
+    v = tl.make_tensor_descriptor(v_base, shape=[rows, D_V], strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
+    return k_main, k_rest, v
+
+
+@triton.jit
+def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, k_main_desc,
+                    k_rest_desc, v_desc, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale,
+                    D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                    HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
     column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
-    adds a row), so row_max holds the row maxima of the scores plus their row terms."""
+    adds a row), so row_max holds the row maxima of the scores plus their row terms. TMA: keys and values come
+    through the descriptors (_kv_descriptors), else through masked pointer loads."""
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # scores of this key block, [BM, BN], log2 domain
-        k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN,
-                                          BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
+        if TMA:
+            row = tl.cast(start_n, tl.int32)  # descriptor coordinates are 32-bit
+            k_main = k_main_desc.load([row, 0])  # [BN, D_MAIN]
+            k_rest = k_main
+            if HAS_D_REST:
+                k_rest = k_rest_desc.load([row, 0])  # [BN, D_REST]
+            if UPCAST:
+                k_main, k_rest = k_main.to(tl.float32), k_rest.to(tl.float32)
+        else:
+            k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST,
+                                              BLOCK_D_MAIN, BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
         q_pos = (offs_m + q_shift)[:, None]
         if HAS_ALIBI and CAUSAL:
             scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale + alibi_cols[None, :]
@@ -62,7 +92,12 @@ def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_
         # rescale what was accumulated under the old maxima, add this block
         alpha = tl.exp2(row_max - max_new)
         row_sum = row_sum * alpha + tl.sum(probs, 1)
-        v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        if TMA:
+            v = v_desc.load([row, 0])  # [BN, Dv]
+            if UPCAST:
+                v = v.to(tl.float32)
+        else:
+            v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
         acc = tl.dot(probs.to(v.dtype), v, acc * alpha[:, None])
         row_max = max_new
     return acc, row_sum, row_max
@@ -82,7 +117,7 @@ def _fwd_kernel(
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr,
+    WORKLIST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -105,6 +140,10 @@ def _fwd_kernel(
     n_full, end = _key_range(start_m, q_shift, k_len, CAUSAL, BLOCK_M, BLOCK_N)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
+    k_main_desc, k_rest_desc, v_desc = k_base, k_base, v_base  # unused without TMA
+    if TMA:
+        k_main_desc, k_rest_desc, v_desc = _kv_descriptors(k_base, stride_kt, v_base, stride_vt, k_len, D_QK, D_V,
+                                                           HAS_D_REST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # online softmax: the unmasked key blocks, then the masked ones
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -113,9 +152,9 @@ def _fwd_kernel(
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else end
         acc, row_sum, row_max = _fwd_key_blocks(
-            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m, q_shift,
-            k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST,
-            UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, k_main_desc, k_rest_desc,
+            v_desc, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL,
+            HAS_ALIBI, phase == 1, HAS_D_REST, UPCAST, TMA, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # normalize; lse in natural log, the causal ALiBi row term taken out once per row
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
@@ -140,6 +179,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if tq == 0 or n_docs == 0:
         return out, lse
     cfg = launch_config("fwd", d_qk, d_v)
+    tma = SCHEDULE["fwd_loads"] == "tma" and tma_ready(q.device, k, v, **head_dim_blocks(d_qk, d_v))
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)
     _fwd_kernel[grid](
@@ -155,5 +195,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
+        WORKLIST=schedule["WORKLIST"], TMA=tma, **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse
