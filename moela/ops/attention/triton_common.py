@@ -41,7 +41,6 @@ Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N do
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -58,7 +57,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
 #   fwd_loads "pointers": the forward loads keys and values by masked pointers (cp.async); "tma": through TMA
-#             descriptors built per program on the device (triton_fwd._kv_descriptors), where `tma_ready` allows
+#             descriptors of the whole tensors built on the host, where `tma_descriptors` allows
 SCHEDULE = {"grid": "worklist", "fwd_loads": "pointers"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
@@ -97,21 +96,20 @@ def launch_grid(cu_seqlens_q, cu_seqlens_k, n_tokens: int, max_seqlen: int, head
                                                                   WORKLIST=False)
 
 
-def _scratch(size: int, alignment: int, stream):
-    """Global scratch for the tensor descriptors the kernels build on the device (128 bytes each per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+def tma_descriptors(k, v, block_n: int, *, BLOCK_D_MAIN: int, BLOCK_D_REST: int, HAS_D_REST: bool, BLOCK_DV: int,
+                    **_) -> tuple | None:
+    """Host-built TMA descriptors of the whole k (main and remainder columns) and v, [T, H, D] each, one key
+    block of one head per load; None (the pointer loads) unless every row, head and column-block start is
+    16-byte aligned (TMA's rule) and the last dim contiguous."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-
-def tma_ready(device, k, v, *, BLOCK_D_MAIN: int, **_) -> bool:
-    """Whether the forward can read k and v through device-built TMA descriptors: every row, head and column-block
-    start 16-byte aligned (TMA's rule), the last dim contiguous; on CUDA also sets Triton's descriptor allocator
-    (a context variable: set in the calling thread). The interpreter runs descriptors without an allocator."""
     size = k.element_size()
-    ok = all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
-             and (t.stride(1) * size) % 16 == 0 for t in (k, v)) and (BLOCK_D_MAIN * size) % 16 == 0
-    if ok and device.type == "cuda":
-        triton.set_allocator(_scratch)
-    return ok
+    if not (all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+                and (t.stride(1) * size) % 16 == 0 for t in (k, v)) and (BLOCK_D_MAIN * size) % 16 == 0):
+        return None
+    main = TensorDescriptor.from_tensor(k[..., :BLOCK_D_MAIN], [block_n, 1, BLOCK_D_MAIN])
+    rest = TensorDescriptor.from_tensor(k[..., BLOCK_D_MAIN:], [block_n, 1, BLOCK_D_REST]) if HAS_D_REST else main
+    return main, rest, TensorDescriptor.from_tensor(v, [block_n, 1, BLOCK_DV])
 
 
 def head_dim_blocks(d_qk: int, d_v: int) -> dict:

@@ -28,49 +28,33 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
-    tma_ready,
+    tma_descriptors,
 )
 from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
-def _kv_descriptors(k_base, stride_kt, v_base, stride_vt, k_len, D_QK, D_V, HAS_D_REST: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
-    """TMA descriptors of one document's and head's keys (main and remainder columns) and values: rows past k_len
-    and columns past Dqk / Dv read as zeros, as the masked pointer loads do. At least one row, so that a document
-    without keys still has a valid descriptor (nothing is loaded through it)."""
-    rows = tl.maximum(k_len, 1)
-    k_main = tl.make_tensor_descriptor(k_base, shape=[rows, BLOCK_D_MAIN], strides=[stride_kt, 1],
-                                       block_shape=[BLOCK_N, BLOCK_D_MAIN])
-    k_rest = k_main
-    if HAS_D_REST:
-        k_rest = tl.make_tensor_descriptor(k_base + BLOCK_D_MAIN, shape=[rows, D_QK - BLOCK_D_MAIN],
-                                           strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D_REST])
-    v = tl.make_tensor_descriptor(v_base, shape=[rows, D_V], strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_DV])
-    return k_main, k_rest, v
-
-
-@triton.jit
 def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, k_main_desc,
-                    k_rest_desc, v_desc, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale,
-                    D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                    k_rest_desc, v_desc, k_row0, head, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot,
+                    alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
                     HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
     column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
     adds a row), so row_max holds the row maxima of the scores plus their row terms. TMA: keys and values come
-    through the descriptors (_kv_descriptors), else through masked pointer loads."""
+    through the whole-tensor descriptors ([T, H, D], rows from k_row0 on), else through masked pointer loads.
+    The descriptors read rows past the document's end from the next document (zeros past T), which the MASK phase's
+    scores exclude like the pointer loads' zeros."""
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # scores of this key block, [BM, BN], log2 domain
         if TMA:
-            row = tl.cast(start_n, tl.int32)  # descriptor coordinates are 32-bit
-            k_main = k_main_desc.load([row, 0])  # [BN, D_MAIN]
+            row = k_row0 + tl.cast(start_n, tl.int32)  # descriptor coordinates are 32-bit
+            k_main = k_main_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_D_MAIN)
             k_rest = k_main
             if HAS_D_REST:
-                k_rest = k_rest_desc.load([row, 0])  # [BN, D_REST]
+                k_rest = k_rest_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_D_REST)
             if UPCAST:
                 k_main, k_rest = k_main.to(tl.float32), k_rest.to(tl.float32)
         else:
@@ -93,7 +77,7 @@ def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_
         alpha = tl.exp2(row_max - max_new)
         row_sum = row_sum * alpha + tl.sum(probs, 1)
         if TMA:
-            v = v_desc.load([row, 0])  # [BN, Dv]
+            v = v_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_DV)
             if UPCAST:
                 v = v.to(tl.float32)
         else:
@@ -113,6 +97,7 @@ def _fwd_kernel(
     CU_Q,  # [N + 1] int32, document starts on the q side
     CU_K,  # [N + 1] int32, document starts on the k side
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
+    K_MAIN_DESC, K_REST_DESC, V_DESC,  # TMA: descriptors of K's main and remainder columns and of V, else any
     ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
@@ -140,10 +125,6 @@ def _fwd_kernel(
     n_full, end = _key_range(start_m, q_shift, k_len, CAUSAL, BLOCK_M, BLOCK_N)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
-    k_main_desc, k_rest_desc, v_desc = k_base, k_base, v_base  # unused without TMA
-    if TMA:
-        k_main_desc, k_rest_desc, v_desc = _kv_descriptors(k_base, stride_kt, v_base, stride_vt, k_len, D_QK, D_V,
-                                                           HAS_D_REST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # online softmax: the unmasked key blocks, then the masked ones
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -152,9 +133,10 @@ def _fwd_kernel(
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else end
         acc, row_sum, row_max = _fwd_key_blocks(
-            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, k_main_desc, k_rest_desc,
-            v_desc, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL,
-            HAS_ALIBI, phase == 1, HAS_D_REST, UPCAST, TMA, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, K_MAIN_DESC, K_REST_DESC,
+            V_DESC, k_start.to(tl.int32), head, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols,
+            qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST, UPCAST, TMA, BLOCK_N, BLOCK_D_MAIN,
+            BLOCK_D_REST, BLOCK_DV)
     # normalize; lse in natural log, the causal ALiBi row term taken out once per row
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
@@ -179,7 +161,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if tq == 0 or n_docs == 0:
         return out, lse
     cfg = launch_config("fwd", d_qk, d_v)
-    tma = SCHEDULE["fwd_loads"] == "tma" and tma_ready(q.device, k, v, **head_dim_blocks(d_qk, d_v))
+    blocks = head_dim_blocks(d_qk, d_v)
+    descs = tma_descriptors(k, v, cfg["BLOCK_N"], **blocks) if SCHEDULE["fwd_loads"] == "tma" else None
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)
     _fwd_kernel[grid](
@@ -191,9 +174,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         cu_seqlens_q,
         cu_seqlens_k,
         alibi_slopes if alibi_slopes is not None else lse,  # any pointer when there is no ALiBi
+        *(descs or (k, k, v)),
         schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], TMA=tma, **head_dim_blocks(d_qk, d_v), **cfg)
+        WORKLIST=schedule["WORKLIST"], TMA=descs is not None, **blocks, **cfg)
     return out, lse
