@@ -93,24 +93,20 @@ def attention_kernels():
     from moela.ops.attention.triton_common import CONFIGS, head_dim_blocks
 
     d_qk, d_v = 192, 128
-    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, WORKLIST=True, TMA=False,
+    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, WORKLIST=True,
                   **head_dim_blocks(d_qk, d_v))
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", SLOPES="*fp32",
-                ITEMS="*i32", n_items=1000, n_heads=16, K_MAIN_DESC="*bf16", K_REST_DESC="*bf16", V_DESC="*bf16")
-    bn_fwd, blocks = CONFIGS["fwd"]["wide"][1], head_dim_blocks(d_qk, d_v)
-    tma = dict(TMA=True, **{name: f"tensordesc<bf16[{bn_fwd}, 1, {blocks[block]}]>" for name, block in (
-        ("K_MAIN_DESC", "BLOCK_D_MAIN"), ("K_REST_DESC", "BLOCK_D_REST"), ("V_DESC", "BLOCK_DV"))})
+                ITEMS="*i32", n_items=1000, n_heads=16)
     strides = {f"stride_{t}{d}": s for t in ("q", "k", "dq", "dk") for d, s in (("t", 16 * d_qk), ("h", d_qk))}
     strides.update({f"stride_{t}{d}": s for t in ("v", "o", "do", "dv") for d, s in (("t", 16 * d_v), ("h", d_v))})
     strides["stride_lh"] = 4096
     grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
     for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
-                                ("attention fwd tma", triton_fwd._fwd_kernel, dict(Out="*bf16", **tma)),
                                 ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
                                 ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
-        args = {**ptrs, **strides, **common, **extra, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
+        args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}
         out[name] = compile_sm90(kernel, args, num_warps=warps, num_stages=stages)
     return out

@@ -172,18 +172,6 @@ def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
                           backend="triton")
 
 
-@needs_interpreter
-@pytest.mark.parametrize("d_qk,d_v,causal,alibi", [(192, 128, True, False), (48, 40, False, True)])
-def test_triton_forward_through_tma_descriptors_matches_float64(poisoned_empty, monkeypatch, d_qk, d_v, causal,
-                                                                 alibi):
-    """The forward reading keys and values through TMA descriptors of the whole tensors (SCHEDULE["fwd_loads"] =
-    "tma"; bench/attention.py times it against the pointer loads): rows past a document's end come from the next
-    document and must stay masked, columns past Dqk / Dv read as zeros, a document without tokens included."""
-    monkeypatch.setitem(triton_mod.SCHEDULE, "fwd_loads", "tma")
-    check_against_float64([1, 0, 70, 45], [1, 0, 70, 45], 2, d_qk, d_v, torch.float32, "cpu", causal, alibi,
-                          seed=31 + d_qk, backend="triton")
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("key_blocks", [True, False])
 def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):

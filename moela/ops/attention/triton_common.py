@@ -56,9 +56,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   fwd_loads "pointers": the forward loads keys and values by masked pointers (cp.async); "tma": through TMA
-#             descriptors of the whole tensors built on the host, where `tma_descriptors` allows
-SCHEDULE = {"grid": "worklist", "fwd_loads": "pointers"}
+SCHEDULE = {"grid": "worklist"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -94,22 +92,6 @@ def launch_grid(cu_seqlens_q, cu_seqlens_k, n_tokens: int, max_seqlen: int, head
     n_docs = cu_seqlens_q.numel() - 1
     return (triton.cdiv(max_seqlen, block), heads, n_docs), dict(ITEMS=cu_seqlens_q, n_items=0, n_heads=heads,
                                                                   WORKLIST=False)
-
-
-def tma_descriptors(k, v, block_n: int, *, BLOCK_D_MAIN: int, BLOCK_D_REST: int, HAS_D_REST: bool, BLOCK_DV: int,
-                    **_) -> tuple | None:
-    """Host-built TMA descriptors of the whole k (main and remainder columns) and v, [T, H, D] each, one key
-    block of one head per load; None (the pointer loads) unless every row, head and column-block start is
-    16-byte aligned (TMA's rule) and the last dim contiguous."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    size = k.element_size()
-    if not (all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
-                and (t.stride(1) * size) % 16 == 0 for t in (k, v)) and (BLOCK_D_MAIN * size) % 16 == 0):
-        return None
-    main = TensorDescriptor.from_tensor(k[..., :BLOCK_D_MAIN], [block_n, 1, BLOCK_D_MAIN])
-    rest = TensorDescriptor.from_tensor(k[..., BLOCK_D_MAIN:], [block_n, 1, BLOCK_D_REST]) if HAS_D_REST else main
-    return main, rest, TensorDescriptor.from_tensor(v, [block_n, 1, BLOCK_DV])
 
 
 def head_dim_blocks(d_qk: int, d_v: int) -> dict:

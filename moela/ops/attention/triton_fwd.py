@@ -14,7 +14,6 @@ import triton.language as tl
 from moela.ops.attention.triton_common import (
     LN2,
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -28,38 +27,25 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
-    tma_descriptors,
 )
 from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
-def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, k_main_desc,
-                    k_rest_desc, v_desc, k_row0, head, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot,
-                    alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-                    HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
+def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
+                    q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
     """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
     column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
-    adds a row), so row_max holds the row maxima of the scores plus their row terms. TMA: keys and values come
-    through the whole-tensor descriptors ([T, H, D], rows from k_row0 on), else through masked pointer loads.
-    The descriptors read rows past the document's end from the next document (zeros past T), which the MASK phase's
-    scores exclude like the pointer loads' zeros."""
+    adds a row), so row_max holds the row maxima of the scores plus their row terms."""
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         # scores of this key block, [BM, BN], log2 domain
-        if TMA:
-            row = k_row0 + tl.cast(start_n, tl.int32)  # descriptor coordinates are 32-bit
-            k_main = k_main_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_D_MAIN)
-            k_rest = k_main
-            if HAS_D_REST:
-                k_rest = k_rest_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_D_REST)
-            if UPCAST:
-                k_main, k_rest = k_main.to(tl.float32), k_rest.to(tl.float32)
-        else:
-            k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST,
-                                              BLOCK_D_MAIN, BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
+        k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN,
+                                          BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
         q_pos = (offs_m + q_shift)[:, None]
         if HAS_ALIBI and CAUSAL:
             scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale + alibi_cols[None, :]
@@ -76,12 +62,7 @@ def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_
         # rescale what was accumulated under the old maxima, add this block
         alpha = tl.exp2(row_max - max_new)
         row_sum = row_sum * alpha + tl.sum(probs, 1)
-        if TMA:
-            v = v_desc.load([row, head, 0]).reshape(BLOCK_N, BLOCK_DV)
-            if UPCAST:
-                v = v.to(tl.float32)
-        else:
-            v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
         acc = tl.dot(probs.to(v.dtype), v, acc * alpha[:, None])
         row_max = max_new
     return acc, row_sum, row_max
@@ -97,12 +78,11 @@ def _fwd_kernel(
     CU_Q,  # [N + 1] int32, document starts on the q side
     CU_K,  # [N + 1] int32, document starts on the k side
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
-    K_MAIN_DESC, K_REST_DESC, V_DESC,  # TMA: descriptors of K's main and remainder columns and of V, else any
     ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr, TMA: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -133,10 +113,9 @@ def _fwd_kernel(
         lo = 0 if phase == 0 else n_full
         hi = n_full if phase == 0 else end
         acc, row_sum, row_max = _fwd_key_blocks(
-            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, K_MAIN_DESC, K_REST_DESC,
-            V_DESC, k_start.to(tl.int32), head, lo, hi, offs_m, q_shift, k_len, slope, alibi_pivot, alibi_cols,
-            qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST, UPCAST, TMA, BLOCK_N, BLOCK_D_MAIN,
-            BLOCK_D_REST, BLOCK_DV)
+            acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m, q_shift,
+            k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST,
+            UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # normalize; lse in natural log, the causal ALiBi row term taken out once per row
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
@@ -161,8 +140,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     if tq == 0 or n_docs == 0:
         return out, lse
     cfg = launch_config("fwd", d_qk, d_v)
-    blocks = head_dim_blocks(d_qk, d_v)
-    descs = tma_descriptors(k, v, cfg["BLOCK_N"], **blocks) if SCHEDULE["fwd_loads"] == "tma" else None
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)
     _fwd_kernel[grid](
@@ -174,10 +151,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         cu_seqlens_q,
         cu_seqlens_k,
         alibi_slopes if alibi_slopes is not None else lse,  # any pointer when there is no ALiBi
-        *(descs or (k, k, v)),
         schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], TMA=descs is not None, **blocks, **cfg)
+        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse
