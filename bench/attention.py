@@ -128,8 +128,6 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
     "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
     "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
-    "triton, dq 64x64 (no spills on sm_90)": ({}, {"dq": (64, 64, 8, 3)}),
-    "triton, dq 128x32 (no spills on sm_90)": ({}, {"dq": (128, 32, 8, 3)}),
 }
 
 
