@@ -19,6 +19,8 @@ out-of-memory error ends only its row:
                           `moela` lets the first micro-batch's graph assign them)
             moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
                           moments, moela's AdamW)
+            moela-nomtp-ropecat  moela-nomtp with the query's RoPE out of place (split, rope, cat:
+                          `attention.Q_ROPE["mode"] = "cat"`; moela rotates its rotary columns in place)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -70,11 +72,12 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "titan-compile", "hf",
-         "titan-eager")
+IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
+         "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
-               "moela-nomtp": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
+               "moela-nomtp": ["model.num_nextn_predict_layers=0"],
+               "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
@@ -101,7 +104,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"],
-                             "graph_first_assigns": impl != "moela-graphs-add", **counts})
+                             "graph_first_assigns": impl != "moela-graphs-add",
+                             "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place", **counts})
     return rows
 
 

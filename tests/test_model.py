@@ -440,9 +440,12 @@ def test_fused_head_loss_path_equals_logits_path(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_auto_backends_match_reference_backends():
-    """float32 on CUDA: the fast paths that accept float32 (compiled small ops, chunked head + loss, and any
-    attention / expert kernels that support it) give the reference model's loss and gradients."""
+def test_cuda_auto_backends_match_reference_backends(monkeypatch):
+    """float32 on CUDA: the fast paths that accept float32 (compiled small ops, chunked head + loss, the query's
+    in-place RoPE, and any attention / expert kernels that support it) give the reference model's loss and
+    gradients (the reference: the out-of-place RoPE, reference attention and experts)."""
+    from moela.model import attention as attention_mod
+
     dtype = torch.float32
     torch.manual_seed(7)
     cfg = _cfg(hidden_size=128, num_attention_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
@@ -452,6 +455,7 @@ def test_cuda_auto_backends_match_reference_backends():
     batch = packed_batch(cfg.vocab_size, [37, 200, 5, 130], seed=9).to("cuda")
 
     def run(attn_backend, moe_backend):
+        monkeypatch.setitem(attention_mod.Q_ROPE, "mode", "cat" if attn_backend == "reference" else "in_place")
         for blk in list(model.layers) + [m.block for m in model.mtp]:
             blk.attn.core_attention.keywords["backend"] = attn_backend
             if isinstance(blk.ffn, MoE):

@@ -10,7 +10,8 @@ from pathlib import Path
 from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
-LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp") + PEERS
+LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat"
+              ) + PEERS
 
 
 def _versions() -> str:

@@ -65,7 +65,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process) and graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`)."""
+    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`) and
+    q_rope (`attention.Q_ROPE["mode"]`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -82,6 +83,10 @@ def run_row(spec: dict) -> dict:
         from moela.trainer import cuda_graphs
 
         cuda_graphs.FIRST_ASSIGNS = False
+    if spec.get("q_rope", "in_place") != "in_place":
+        from moela.model import attention
+
+        attention.Q_ROPE["mode"] = spec["q_rope"]
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 

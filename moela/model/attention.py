@@ -22,6 +22,10 @@ Decisions:
   heads this rank holds), `gather_latents` (the latents [q input | c_kv | k_pe] are computed on this rank's
   tokens and all-gathered in one collective; a no-op by default) and `layer_qk_norm` (`qk_rms_norm` over the
   heads of the whole group). Everything after the gather runs on all tokens with this rank's heads.
+- On CUDA the query's RoPE part is rotated in place in the projection's output, outside the compiled graph, and its
+  gradient rotated back in place (`moela.ops.rope_triton.rope_columns_`): no [T, H, Dqk] cat in either pass.
+  `Q_ROPE["mode"] = "cat"` restores the out-of-place form (split, rope, cat; the CPU path), which
+  `bench/step.py`'s `moela-nomtp-ropecat` row times against it.
 
 Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
 R = qk_rope_head_dim, C = kv_lora_rank.
@@ -35,13 +39,19 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import Linear, PackedContext, RMSNorm, call_op
+from moela.model.layers import Linear, PackedContext, RMSNorm, call_op, call_outside_graph
 from moela.ops.attention import mla_attention
 from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
 from moela.ops.qk_norm import qk_rms_norm
 from moela.ops.rope import rope, yarn_mscale
 
+try:
+    from moela.ops.rope_triton import rope_columns_
+except ImportError:  # no triton on this platform: the out-of-place RoPE of the query
+    rope_columns_ = None
+
 LATENT_NORM_EPS = 1e-6
+Q_ROPE = {"mode": "in_place"}  # or "cat" (module docstring)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -62,6 +72,11 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
     if rs.mscale and rs.mscale_all_dim:
         return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
     return yarn_mscale(rs.factor)
+
+
+def rotate_q_in_place(q: torch.Tensor) -> bool:
+    """Whether the query's RoPE part is rotated in place (`rope_columns_`, module docstring): on CUDA, by default."""
+    return Q_ROPE["mode"] == "in_place" and q.is_cuda and rope_columns_ is not None
 
 
 def keep_latents(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -128,14 +143,16 @@ class MLA(nn.Module):
         if self.qk_norm_kind != "none":
             k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
             q, k = self._qk_norm(q, k)
-            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
             k_nope, k_pe = k.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
+        k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
+        k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
+        if rotate_q_in_place(q):
+            q = call_outside_graph(rope_columns_, q, ctx.position_ids, ctx.inv_freq, self.nope_dim,
+                                   attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
         else:
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
-        q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]
-        k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
-        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
-        k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
+            q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]
+            q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dqk]
         res = ctx.attend(self._attention, q, k, v.contiguous(), ctx.cu_seqlens, ctx.max_seqlen, causal=True,
                          softmax_scale=self.softmax_scale, return_lse=self.z_loss)
         if self.z_loss:

@@ -1,0 +1,108 @@
+"""RoPE on a column slice of a [T, H, D] tensor, in place: `rope_columns_(x, position_ids, inv_freq, col0)`.
+
+MLA's query is [q_nope ; q_pe] per head, and only the last R columns rotate. Applied out of place, as
+`cat(q_nope, rope(q_pe))`, the forward writes the whole [T, H, Dqk] query again and the backward writes the whole
+gradient again to change its R rotary columns (Dqk = 192, R = 64: three times the bytes the rotation needs; the
+fused backward kernel Inductor made of it was 2.7 ms of a 110 ms `small` step, bench/notes/step.md). Here the
+forward rotates the rotary columns of the projection's output where they lie, and the backward rotates the same
+columns of the attention's query gradient back: R of the D columns are read and written, in both passes.
+
+Decisions:
+- The math is `moela.ops.rope.rope_reference`'s: interleaved pairs (2i, 2i+1), angles pos * inv_freq[i] in
+  float32, cos / sin times `attention_factor`, stored in x's dtype. The backward is the transposed rotation
+  (sin negated; the factor stays), applied to the float32-upcast gradient.
+- In place, and still an ordinary out-of-place op to autograd: the function returns a detached alias of its input,
+  rotated. Marking the input dirty instead would make autograd route the gradient of a view input (the
+  projection's output reshaped to heads) through CopySlices, which clones the whole gradient: the copy this op
+  exists to remove. The caller hands the input over and must not read it afterwards; if autograd had saved it for
+  another backward, the alias's shared version counter makes that backward fail loudly, never silently.
+- The gradient is rotated in place when it is a dense tensor of its own (what every attention backend returns);
+  otherwise (expanded, overlapping or non-contiguous) a contiguous copy is rotated.
+- One program handles BLOCK_T tokens and loops over the heads, so cos / sin are computed once per token.
+
+Shapes: T tokens, H heads, D columns per head, R rotary columns (even) starting at column col0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moela.ops.triton_env import INTERPRET
+
+BLOCK_T = 8 if INTERPRET else 32
+
+
+@triton.jit
+def _rope_columns_kernel(x_ptr, pos_ptr, inv_freq_ptr, T, H, stride_t, stride_h, col0, attention_factor,
+                         HALF: tl.constexpr, INVERSE: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """x[t, h, col0 + 2i : col0 + 2i + 2] rotated by pos[t] * inv_freq[i] (INVERSE: by minus that angle)."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    pairs = tl.arange(0, HALF_P2)
+    ok = (rows < T)[:, None] & (pairs < HALF)[None, :]
+    pos = tl.load(pos_ptr + rows, mask=rows < T, other=0).to(tl.float32)
+    freq = tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
+    ang = pos[:, None] * freq[None, :]  # [BLOCK_T, HALF_P2]
+    cos = tl.cos(ang) * attention_factor
+    sin = tl.sin(ang) * attention_factor
+    if INVERSE:
+        sin = -sin
+    even = x_ptr + rows[:, None] * stride_t + col0 + 2 * pairs[None, :]  # [BLOCK_T, HALF_P2] pointers, head 0
+    for h in range(H):
+        ptr = even + h * stride_h
+        x0 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32)
+        tl.store(ptr, (x0 * cos - x1 * sin).to(x_ptr.dtype.element_ty), mask=ok)
+        tl.store(ptr + 1, (x1 * cos + x0 * sin).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, col0: int,
+            attention_factor: float, inverse: bool) -> None:
+    t, h, _ = x.shape
+    if t == 0:
+        return
+    grid = (triton.cdiv(t, BLOCK_T),)
+    half = inv_freq.numel()
+    _rope_columns_kernel[grid](x, position_ids, inv_freq, t, h, x.stride(0), x.stride(1), col0,
+                               float(attention_factor), HALF=half, INVERSE=inverse,
+                               HALF_P2=triton.next_power_of_2(half), BLOCK_T=BLOCK_T)
+
+
+def _owns_dense_storage(g: torch.Tensor) -> bool:
+    return g.is_contiguous() and g.stride(-1) == 1 and not torch._debug_has_internal_overlap(g)
+
+
+class _RopeColumns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, position_ids, inv_freq, col0, attention_factor):
+        out = x.detach()  # the alias that is rotated and returned (module docstring)
+        _launch(out, position_ids, inv_freq, col0, attention_factor, inverse=False)
+        torch.autograd.graph.increment_version(out)  # a kernel's write does not bump it; the check needs it
+        ctx.save_for_backward(position_ids, inv_freq)
+        ctx.col0, ctx.attention_factor = col0, attention_factor
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        position_ids, inv_freq = ctx.saved_tensors
+        g = grad if _owns_dense_storage(grad) else grad.clone(memory_format=torch.contiguous_format)
+        _launch(g, position_ids, inv_freq, ctx.col0, ctx.attention_factor, inverse=True)
+        return g, None, None, None, None
+
+
+def rope_columns_(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, col0: int, *,
+                  attention_factor: float = 1.0) -> torch.Tensor:
+    """x [T, H, D] with columns col0 .. col0 + R rotated in place (R = 2 * inv_freq.numel()); returns x's alias.
+
+    Equal to `torch.cat((x[..., :col0], rope_reference(x[..., col0:col0 + R], ...), x[..., col0 + R:]), -1)` in
+    value and gradient. x must be a CUDA tensor (or any tensor under TRITON_INTERPRET=1) whose last dim is dense;
+    the caller must not use x again (module docstring)."""
+    r = 2 * inv_freq.numel()
+    if x.dim() != 3 or position_ids.shape != x.shape[:1] or not 0 <= col0 <= x.shape[-1] - r:
+        raise ValueError(f"rope_columns_ wants x [T, H, D], position_ids [T] and col0 + R <= D (R = {r}); got "
+                         f"{tuple(x.shape)}, {tuple(position_ids.shape)}, col0={col0}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"rope_columns_ needs x's last dim dense (stride 1), got strides {x.stride()}")
+    return _RopeColumns.apply(x, position_ids, inv_freq.to(device=x.device, dtype=torch.float32), col0,
+                              attention_factor)
