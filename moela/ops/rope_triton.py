@@ -18,7 +18,9 @@ Decisions:
   another backward, the alias's shared version counter makes that backward fail loudly, never silently.
 - The gradient is rotated in place when it is a dense tensor of its own (what every attention backend returns);
   otherwise (expanded, overlapping or non-contiguous) a contiguous copy is rotated.
-- One program handles BLOCK_T tokens and loops over the heads, so cos / sin are computed once per token.
+- One program per BLOCK_T tokens and head, each token's R columns one contiguous load and store (pairs split and
+  joined in registers). A first form looped over the heads in one program per token block and loaded the pairs'
+  halves with two stride-2 loads: 0.27 ms a call at small-32k, ~6x its bytes' time (bench/notes/step.md, run 16).
 
 Shapes: T tokens, H heads, D columns per head, R rotary columns (even) starting at column col0.
 """
@@ -31,16 +33,19 @@ import triton.language as tl
 
 from moela.ops.triton_env import INTERPRET
 
-BLOCK_T = 8 if INTERPRET else 32
+BLOCK_T = 8 if INTERPRET else 64
 
 
 @triton.jit
-def _rope_columns_kernel(x_ptr, pos_ptr, inv_freq_ptr, T, H, stride_t, stride_h, col0, attention_factor,
+def _rope_columns_kernel(x_ptr, pos_ptr, inv_freq_ptr, T, stride_t, stride_h, col0, attention_factor,
                          HALF: tl.constexpr, INVERSE: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr):
-    """x[t, h, col0 + 2i : col0 + 2i + 2] rotated by pos[t] * inv_freq[i] (INVERSE: by minus that angle)."""
+    """x[t, h, col0 + 2i : col0 + 2i + 2] rotated by pos[t] * inv_freq[i] (INVERSE: by minus that angle), for the
+    BLOCK_T tokens of program 0's index and head program 1's index. Each token's R columns are one contiguous load
+    and one contiguous store; the pairs are split and joined in registers."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     pairs = tl.arange(0, HALF_P2)
-    ok = (rows < T)[:, None] & (pairs < HALF)[None, :]
+    cols = tl.arange(0, 2 * HALF_P2)
+    ok = (rows < T)[:, None] & (cols < 2 * HALF)[None, :]  # [BLOCK_T, 2 * HALF_P2]
     pos = tl.load(pos_ptr + rows, mask=rows < T, other=0).to(tl.float32)
     freq = tl.load(inv_freq_ptr + pairs, mask=pairs < HALF, other=0.0).to(tl.float32)
     ang = pos[:, None] * freq[None, :]  # [BLOCK_T, HALF_P2]
@@ -48,25 +53,22 @@ def _rope_columns_kernel(x_ptr, pos_ptr, inv_freq_ptr, T, H, stride_t, stride_h,
     sin = tl.sin(ang) * attention_factor
     if INVERSE:
         sin = -sin
-    even = x_ptr + rows[:, None] * stride_t + col0 + 2 * pairs[None, :]  # [BLOCK_T, HALF_P2] pointers, head 0
-    for h in range(H):
-        ptr = even + h * stride_h
-        x0 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(ptr + 1, mask=ok, other=0.0).to(tl.float32)
-        tl.store(ptr, (x0 * cos - x1 * sin).to(x_ptr.dtype.element_ty), mask=ok)
-        tl.store(ptr + 1, (x1 * cos + x0 * sin).to(x_ptr.dtype.element_ty), mask=ok)
+    ptr = x_ptr + rows[:, None] * stride_t + tl.program_id(1).to(tl.int64) * stride_h + col0 + cols[None, :]
+    x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, HALF_P2, 2)))  # [BLOCK_T, HALF_P2] each: the pairs' two halves
+    y = tl.reshape(tl.join(x0 * cos - x1 * sin, x1 * cos + x0 * sin), (BLOCK_T, 2 * HALF_P2))
+    tl.store(ptr, y.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, col0: int,
             attention_factor: float, inverse: bool) -> None:
     t, h, _ = x.shape
-    if t == 0:
+    if t == 0 or h == 0:
         return
-    grid = (triton.cdiv(t, BLOCK_T),)
     half = inv_freq.numel()
-    _rope_columns_kernel[grid](x, position_ids, inv_freq, t, h, x.stride(0), x.stride(1), col0,
-                               float(attention_factor), HALF=half, INVERSE=inverse,
-                               HALF_P2=triton.next_power_of_2(half), BLOCK_T=BLOCK_T)
+    _rope_columns_kernel[(triton.cdiv(t, BLOCK_T), h)](
+        x, position_ids, inv_freq, t, x.stride(0), x.stride(1), col0, float(attention_factor), HALF=half,
+        INVERSE=inverse, HALF_P2=triton.next_power_of_2(half), BLOCK_T=BLOCK_T)
 
 
 def _owns_dense_storage(g: torch.Tensor) -> bool:
