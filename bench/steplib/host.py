@@ -5,6 +5,7 @@ dispatcher and the launch calls queue work more slowly than the GPU runs it. Two
 
 - launches per step, by the kernel families of `bench.steplib.kernels` (each launch costs host time whatever its
   size: two rows with equal kernel time and different launch counts differ in host time);
+- the kernels launched most often per step (with their family and device time per launch);
 - the CPU ops with the largest self time per step (torch.profiler's `self_cpu_time_total`: an op's time minus
   its children's), with their calls per step: `cudaLaunchKernel` / `cuLaunchKernelEx` (launches of ATen / Triton
   kernels), `aten::*` dispatch, autograd nodes, compiled graphs (`Torch-Compiled Region`, `CompiledFunction`).
@@ -29,6 +30,19 @@ def launches(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int) -> d
     out = {family: n / steps for family, n in counts.items()}
     out["total"] = len(kernels) / steps
     return out
+
+
+def most_launched(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top: int = 15) -> list[list]:
+    """The `top` kernels by launches per step: [name, family, launches per step, device us per launch]. Inside a
+    CUDA graph each launch still costs the GPU a gap of a few microseconds, so many small launches of one kernel
+    are a fusion candidate even when its time is small."""
+    totals: dict[str, list] = {}
+    for name, us, context in kernels:
+        entry = totals.setdefault(name[:120], [classify(name, context), 0, 0.0])
+        entry[1] += 1
+        entry[2] += us
+    biggest = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [[name, family, n / steps, us / n] for name, (family, n, us) in biggest]
 
 
 def host_ops(prof, steps: int, top: int = 10) -> list[list]:

@@ -128,6 +128,16 @@ def _launch_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _most_launched(rows: list[dict], top: int = 8) -> list[str]:
+    out = []
+    for r in _ok(rows):
+        ker = r.get("most_launched") or []
+        if ker:
+            names = "; ".join(f"`{n[:70]}` ({fam}) {per:,.0f} x {us:.1f} us" for n, fam, per, us in ker[:top])
+            out.append(f"- {r['config']} {r['impl']} {r['recipe']}: {names}")
+    return out
+
+
 def _host_ops(rows: list[dict], top: int = 6) -> list[str]:
     out = []
     for r in _ok(rows):
@@ -187,6 +197,10 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
         lines += ["", "## Host side: device launches per step by family, and the CPU ops with the most self time",
                   "", "Per step of the profiled run with CPU ops (`bench/steplib/host.py`; the profiler inflates "
                   "host times: compare rows).", ""] + launched + [""] + _host_ops(rows)
+    frequent = _most_launched(rows)
+    if frequent:
+        lines += ["", "## Kernels launched most often per step (name, family, launches x device time each)", ""
+                  ] + frequent
     checked = [r for r in _ok(rows) if r.get("sync_counter_check")]
     if checked:
         odd = [r for r in checked if r["sync_witness"] != "trace"]

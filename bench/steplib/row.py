@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from bench.steplib.host import host_ops, launches
+from bench.steplib.host import host_ops, launches, most_launched
 from bench.steplib.kernels import breakdown, device_kernels
 from bench.steplib.measure import SyncCounter, compiled_graphs, reported_syncs
 from bench.steplib.source import PackedDocs
@@ -106,7 +106,7 @@ def run_row(spec: dict) -> dict:
     peak_gib = memory_gib(device)
     step_s = statistics.median(times)
     busy = busy_profiled = profiled_step_ms = None
-    kernels, launched, host = {}, {}, []
+    kernels, launched, host, frequent = {}, {}, [], []
     if device.type == "cuda" and spec["profile_steps"]:
         prof, wall = _profiled(impl, device, spec["profile_steps"], with_cpu=False)
         # the kernels' union over as many unprofiled (median) steps: the profiler's per-launch cost lengthens a
@@ -118,6 +118,7 @@ def run_row(spec: dict) -> dict:
         events = device_kernels(prof)
         kernels = breakdown(events, spec["profile_steps"])
         launched, host = launches(events, spec["profile_steps"]), host_ops(prof, spec["profile_steps"])
+        frequent = most_launched(events, spec["profile_steps"])
         graphed = getattr(getattr(impl, "trainer", None), "graphed", None)
         if graphed is not None and graphed.graph is not None:
             # a replayed graph's kernels are launched by `cudaGraphLaunch`, which hides the ops that recorded them:
@@ -166,6 +167,7 @@ def run_row(spec: dict) -> dict:
         "doc_len_mean": mean_doc, "doc_len_median_drawn": source.median_len, "doc_len_max": source.max_doc_len,
         "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,
         "params": total, "active_params": active, "mtp_depth": cfg.model.num_nextn_predict_layers,
-        "kernel_breakdown": kernels, "launches_per_step": launched, "host_top_ops": host, "notes": impl.notes,
+        "kernel_breakdown": kernels, "launches_per_step": launched, "most_launched": frequent,
+        "host_top_ops": host, "notes": impl.notes,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
