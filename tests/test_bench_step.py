@@ -391,7 +391,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-fp32-moments", "16k", "fp8_blockwise"), ("moela-fp32-moments", "64k", "bf16"),
                       ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
                       ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-ropecat", "16k", "bf16"),
-                      ("moela-nomtp-ropecat", "64k", "bf16"),
+                      ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
+                      ("moela-nomtp-recast", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
@@ -399,6 +400,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments"))
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
+        assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
@@ -434,18 +436,18 @@ def test_report_tables_ratios_and_failures(tmp_path):
                                      for f in FAMILIES},
                 "launches_per_step": {"expert GEMM": 24.0, "copies/cat/casts": 1500.0, "total": 1524.0},
                 "host_top_ops": [["cuLaunchKernelEx", 12.5, 400.0], ["aten::mm", 3.0, 96.0]],
-                "most_launched": [["triton_poi_fused_copy_3", "copies/cat/casts", 240.0, 2.5]]}
+                "most_launched": [["triton_poi_fused_copy_3", "copies/cat/casts", 240.0, 2.5, ["aten::copy_ < f"]]]}
     rows = [row("moela-nomtp", 200e3, 8.3101), row("titan-compile", 160e3, 8.3105), row("hf", 50e3, 8.3098),
             {"config": "small-64k", "impl": "titan-eager", "recipe": "bf16", "error": "exit code 1: OutOfMemory"}]
     md = write_report(rows, tmp_path, command="python bench/step.py", date="2026-12-01",
                       counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
     assert (tmp_path / "step.json").exists() and (tmp_path / "step.md").read_text() == md
     assert "1.25x titan-compile" in md and "4.00x hf" in md and "failed: exit code 1: OutOfMemory" in md
-    assert "| small-64k | - | - | - | - | 8.3101 | - | 8.3105 | - | 8.3098 |" in md
+    assert "| small-64k | - | - | - | - | 8.3101 | - | - | 8.3105 | - | 8.3098 |" in md
     assert "7 (5 warned)" in md and "3 of 3 rows counted by the CUDA trace hooks" in md
     assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
     assert "`cuLaunchKernelEx` 12.5 ms (400 calls)" in md
-    assert "`triton_poi_fused_copy_3` (copies/cat/casts) 240 x 2.5 us" in md
+    assert "`triton_poi_fused_copy_3` (copies/cat/casts) 240 x 2.5 us < aten::copy_ < f" in md
 
 
 @pytest.fixture(scope="module")

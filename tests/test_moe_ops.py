@@ -457,6 +457,58 @@ def test_fp8_recipe_path_vs_float64_and_simulated_reference():
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_blockwise"])
+def test_backward_reads_the_forwards_weight_copies(recipe, monkeypatch):
+    """With the weight cache off (as while a CUDA graph is captured), a forward + backward casts / quantizes each
+    expert weight once: the backward reads the copies the forward made. Its output and gradients equal those of
+    the backward that makes its own copies (`WEIGHT_COPIES["saved"] = False`)."""
+    from moela.ops.moe import autograd as moe_autograd
+
+    made = []
+    monkeypatch.setattr(moe_autograd.weight_cache, "cached",
+                        lambda w, kind, compute: (made.append(kind), compute(w))[1])
+    prob = _problem(21, 256, 128, 3, 2, torch.bfloat16 if DEV == "cuda" else torch.float16)
+    saved = _run(*prob, recipe, "triton")
+    assert len(made) == 2, made  # w13 and w2, in the forward
+    made.clear()
+    monkeypatch.setitem(moe_autograd.WEIGHT_COPIES, "saved", False)
+    looked_up = _run(*prob, recipe, "triton")
+    assert len(made) == 4, made  # again in the backward
+    for name, a, b in zip(["y", "dx", "dw", "dw13", "dw2"], saved, looked_up):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("recipe,weight_dtype", [("bf16", torch.float32), ("bf16", None), ("fp8_blockwise", None)])
+def test_forward_op_fake_matches_real_outputs(recipe, weight_dtype):
+    """The compiler's view of the forward op (its fake implementation) gives every output the real shape and dtype,
+    weight copies included: cast weights, an empty placeholder where no cast is needed (weights already in x's
+    dtype), fp8 scales and transposed codes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moela.ops.moe.autograd import moe_experts_fwd
+
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    x, ids, w, w13, w2, _ = _problem(13, 256, 128, 3, 2, dtype)
+    w13, w2 = (t.to(weight_dtype or dtype) for t in (w13, w2))
+    real = moe_experts_fwd(x, ids, w, w13, w2, recipe, "triton")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = moe_experts_fwd(*(mode.from_tensor(t) for t in (x, ids, w, w13, w2)), recipe, "triton")
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+
+
+def test_cached_weight_copies_over_two_micro_batches():
+    """Parameters (the weight cache on): two micro-batches accumulate the gradients of both, each backward reading
+    the detached aliases of the cache's copies that its forward handed over."""
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    x, ids, w, w13, w2, g = _problem(17, 256, 128, 3, 2, dtype)
+    p13, p2 = torch.nn.Parameter(w13.clone()), torch.nn.Parameter(w2.clone())
+    for _ in range(2):
+        moe_experts(x, ids, w, p13, p2, recipe="bf16", backend="triton").backward(g.to(dtype))
+    once = _run(x, ids, w, w13, w2, g, "bf16", "triton")
+    assert torch.allclose(p13.grad, 2 * once[3], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(p2.grad, 2 * once[4], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_blockwise"])
 def test_empty_batch(recipe):
     """An expert-parallel rank can receive no rows: zeros out, zero weight gradients."""
     x, _, w, w13, w2, g = _problem(1, 128, 128, 3, 1, torch.bfloat16 if DEV == "cuda" else torch.float16)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.steplib.kernels import FAMILIES, classify
+from bench.steplib.kernels import FAMILIES, classify, launch_context
 
 
 def launches(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int) -> dict[str, float]:
@@ -33,16 +33,20 @@ def launches(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int) -> d
 
 
 def most_launched(kernels: list[tuple[str, float, tuple[str, ...]]], steps: int, top: int = 15) -> list[list]:
-    """The `top` kernels by launches per step: [name, family, launches per step, device us per launch]. Inside a
-    CUDA graph each launch still costs the GPU a gap of a few microseconds, so many small launches of one kernel
-    are a fusion candidate even when its time is small."""
+    """The `top` kernels by launches per step: [name, family, launches per step, device us per launch, the ops
+    that launched them (`launch_context`, most frequent first, up to three)]. Inside a CUDA graph each launch still
+    costs the GPU a gap of a few microseconds, so many small launches of one kernel are a fusion candidate even
+    when its time is small."""
     totals: dict[str, list] = {}
     for name, us, context in kernels:
-        entry = totals.setdefault(name[:120], [classify(name, context), 0, 0.0])
+        entry = totals.setdefault(name[:120], [classify(name, context), 0, 0.0, {}])
         entry[1] += 1
         entry[2] += us
+        where = launch_context(context)
+        entry[3][where] = entry[3].get(where, 0) + 1
     biggest = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-    return [[name, family, n / steps, us / n] for name, (family, n, us) in biggest]
+    return [[name, family, n / steps, us / n, [w for w, _ in sorted(ctx.items(), key=lambda kv: -kv[1])[:3]]]
+            for name, (family, n, us, ctx) in biggest]
 
 
 def host_ops(prof, steps: int, top: int = 10) -> list[list]:

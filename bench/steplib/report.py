@@ -10,8 +10,8 @@ from pathlib import Path
 from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
-LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat"
-              ) + PEERS
+LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
+              "moela-nomtp-recast") + PEERS
 
 
 def _versions() -> str:
@@ -133,7 +133,8 @@ def _most_launched(rows: list[dict], top: int = 8) -> list[str]:
     for r in _ok(rows):
         ker = r.get("most_launched") or []
         if ker:
-            names = "; ".join(f"`{n[:70]}` ({fam}) {per:,.0f} x {us:.1f} us" for n, fam, per, us in ker[:top])
+            names = "; ".join(f"`{k[0][:70]}` ({k[1]}) {k[2]:,.0f} x {k[3]:.1f} us"
+                              + (f" < {k[4][0][:60]}" if len(k) > 4 and k[4] and k[4][0] else "") for k in ker[:top])
             out.append(f"- {r['config']} {r['impl']} {r['recipe']}: {names}")
     return out
 

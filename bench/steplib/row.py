@@ -65,8 +65,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`) and
-    q_rope (`attention.Q_ROPE["mode"]`)."""
+    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
+    q_rope (`attention.Q_ROPE["mode"]`) and save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -87,6 +87,10 @@ def run_row(spec: dict) -> dict:
         from moela.model import attention
 
         attention.Q_ROPE["mode"] = spec["q_rope"]
+    if not spec.get("save_weight_copies", True):
+        from moela.ops.moe import autograd as moe_autograd
+
+        moe_autograd.WEIGHT_COPIES["saved"] = False
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 
@@ -129,7 +133,9 @@ def run_row(spec: dict) -> dict:
                 prof, _ = _profiled(impl, device, spec["profile_steps"], with_cpu=True)
             finally:
                 graphed.eager_replay = False
-            kernels = breakdown(device_kernels(prof), spec["profile_steps"])
+            events = device_kernels(prof)  # (not captured, so the weight cache hits where a replay recomputes)
+            kernels = breakdown(events, spec["profile_steps"])
+            frequent = most_launched(events, spec["profile_steps"])
 
     syncs = warned = None
     check, witness = {}, "not counted on the CPU"

@@ -7,10 +7,13 @@ Backward: combine backward (do = dy*w, d topk_weights, + row/column quant) -> dg
           (+ dh row/column quant, act column quant) -> wgrad GEMM2 -> dgrad GEMM1 -> x column quant (gathered)
           -> wgrad GEMM1 -> gather-sum of dx over k.
 FP8 (DeepSeek-V3): e4m3 everywhere a GEMM reads, fp32 scales (1x128 activations, 128x128 weights), fp32 accumulate,
-bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D] and the layout; act and permuted x are
-recomputed inside fused kernels. The weights' quantized copies (fp8: codes, scales and the transposed codes for the
-data gradient; bf16: the cast) come from moela.ops.weight_cache: computed once per optimizer step and looked up
-again by the backward.
+bf16 GEMM outputs. Saved for backward: x, h [M_pad, 2F], o [M_pad, D], the layout and the weights' copies the
+forward made (`WEIGHT_COPIES`); act and permuted x are recomputed inside fused kernels. The weights' copies (fp8:
+codes, scales and the transposed codes for the data gradient; bf16: the cast) come from moela.ops.weight_cache,
+computed once per optimizer step; the forward hands the backward the ones it used. Looking them up again in the
+backward hit the cache only outside CUDA-graph capture (the cache is off while capturing), so the graphed step cast
+or quantized every expert weight twice (bench/notes/step.md, run 17); `WEIGHT_COPIES["saved"] = False` restores
+the lookup, which `bench/step.py`'s `moela-nomtp-recast` row times.
 GEMM providers: `triton` (everything ours: for fp8 the persistent TMA kernels of moela.ops.moe.gemm_fp8, for bf16
 moela.ops.moe.gemm_triton), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped FP8 GEMM for
 forward and data gradient, ours for the weight gradient), `cublas` (FP8: cuBLAS's blockwise GEMM through
@@ -77,33 +80,62 @@ def _cast_weights(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight_cache.cached(w, f"cast_{dtype}", lambda v: v.to(dtype))
 
 
+WEIGHT_COPIES = {"saved": True}  # False: the backward looks the copies up again (module docstring)
+
+
+def _backward_weights(w13, w2, recipe, dtype):
+    """What the backward reads of the weights: fp8 (w13 scales, w13 transposed codes, w2 scales, w2 transposed
+    codes); bf16 (w13 cast, w2 cast, and two empty placeholders, so both recipes return four tensors)."""
+    if recipe == "fp8_blockwise":
+        _, w13s, w13qt = _fp8_weights(w13)  # [E, 2F/128, D/128], [E, D, 2F]
+        _, w2s, w2qt = _fp8_weights(w2)  # [E, D/128, F/128], [E, F, D]
+        return w13s, w13qt, w2s, w2qt
+    return _cast_weights(w13, dtype), _cast_weights(w2, dtype), w13.new_empty(0), w13.new_empty(0)
+
+
+def _as_outputs(copies, w13, w2, like):
+    """The weight copies as outputs of the forward op, which may alias neither its inputs nor each other: a copy
+    that is the weight itself (no cast needed) becomes an empty placeholder (the backward looks it up again, for
+    free), and the cache's tensors are handed out as detached aliases (a new tensor each call that shares the
+    cache's storage), so autograd never attaches a node to the cache's own objects."""
+    if any(c is w13 or c is w2 for c in copies):
+        return tuple(like.new_empty(0) for _ in copies)
+    return tuple(c.detach() if c.numel() else like.new_empty(0) for c in copies)
+
+
 def _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider):
+    """(y, h, o, layout, the weight copies the backward reads: `_backward_weights`'s four, from the same lookups
+    the forward's GEMMs used)."""
     e = w13.shape[0]
     fp8 = recipe == "fp8_blockwise"
     # [M_pad, D] (e4m3 with scales xs [M_pad, D/128] for fp8); the layout is built by the same launches
     xp, xs, lay = permute_align(x, topk_ids, e, quant="fp8_1x128" if fp8 else None)
     bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync of the forward
     if fp8:
-        w13q, w13s, _ = _fp8_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128]
-        w2q, w2s, _ = _fp8_weights(w2)  # [E, D, F], [E, D/128, F/128]
+        w13q, w13s, w13qt = _fp8_weights(w13)  # [E, 2F, D], [E, 2F/128, D/128], [E, D, 2F]
+        w2q, w2s, w2qt = _fp8_weights(w2)  # [E, D, F], [E, D/128, F/128], [E, F, D]
         h = _mgemm(provider, xp, w13q, lay, x.dtype, xs, w13s, bounds)  # [M_pad, 2F] bf16
         aq, as_ = swiglu_fwd(h, lay.m_indices, quant=True)  # [M_pad, F] e4m3, [M_pad, F/128]
         o = _mgemm(provider, aq, w2q, lay, x.dtype, as_, w2s, bounds)  # [M_pad, D] bf16
+        copies = (w13s, w13qt, w2s, w2qt)
     else:
-        h = _mgemm(provider, xp, _cast_weights(w13, x.dtype), lay, x.dtype)  # [M_pad, 2F]
+        w13c, w2c = _cast_weights(w13, x.dtype), _cast_weights(w2, x.dtype)  # [E, 2F, D], [E, D, F]
+        h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
         act, _ = swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
-        o = _mgemm(provider, act, _cast_weights(w2, x.dtype), lay, x.dtype)  # [M_pad, D]
+        o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
+        copies = (w13c, w2c, w13.new_empty(0), w13.new_empty(0))
     y = unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
-    return y, h, o, lay
+    return y, h, o, lay, copies
 
 
-def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provider):
+def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, wcopies, recipe, provider):
     k = lay.topk
     dy = dy.to(x.dtype)
     bounds = lay.expert_bounds() if provider == "cublas" else None  # the one host sync of the backward
+    if wcopies is None:
+        wcopies = _backward_weights(w13, w2, recipe, x.dtype)
     if recipe == "fp8_blockwise":
-        _, w13s, w13qt = _fp8_weights(w13)  # [E, 2F/128, D/128], [E, D, 2F]
-        _, w2s, w2qt = _fp8_weights(w2)  # [E, D/128, F/128], [E, F, D]
+        w13s, w13qt, w2s, w2qt = wcopies  # [E, 2F/128, D/128], [E, D, 2F], [E, D/128, F/128], [E, F, D]
         (doq, dos), (doqt, dost), dw = combine_bwd(dy, o, lay, topk_weights, quant=True)
         dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
         (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
@@ -112,7 +144,7 @@ def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provide
         _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
         dw13 = _kgemm(provider, dhqt, xqt, lay, w13.dtype, dhst, xst, bounds)  # [E, 2F, D]
     else:
-        w13c, w2c = _cast_weights(w13, x.dtype), _cast_weights(w2, x.dtype)
+        w13c, w2c = wcopies[:2]  # [E, 2F, D], [E, D, F] in x's dtype
         do, _, dw = combine_bwd(dy, o, lay, topk_weights, quant=False)  # [M_pad, D]
         dact = _mgemm(provider, do, w2c.transpose(1, 2), lay, dy.dtype)  # [M_pad, F]
         dh, _, act = swiglu_bwd(h, dact, lay.m_indices, quant=False)  # [M_pad, 2F], [M_pad, F]
@@ -128,10 +160,17 @@ def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provide
 def moe_experts_fwd(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, recipe: str, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor]:
-    """(y [T, D], and for the backward: h, o and the layout's m_indices, row_map, src, counts, offsets)."""
-    y, h, o, lay = _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider)
-    return y, h, o, lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets
+    """(y [T, D], and for the backward: h, o, the layout's m_indices, row_map, src, counts, offsets and the four
+    weight copies of `_backward_weights`, empty when `WEIGHT_COPIES["saved"]` is off)."""
+    y, h, o, lay, copies = _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider)
+    if WEIGHT_COPIES["saved"]:
+        wcopies = _as_outputs(copies, w13, w2, x)
+    else:
+        wcopies = tuple(x.new_empty(0) for _ in range(4))
+    return (y, h, o, lay.m_indices, lay.row_map, lay.src, lay.counts, lay.offsets, *wcopies)
 
 
 @moe_experts_fwd.register_fake
@@ -143,29 +182,44 @@ def _moe_experts_fwd_fake(x, topk_ids, topk_weights, w13, w2, recipe, provider):
     def ints(*shape, dtype=torch.int32):
         return x.new_empty(shape, dtype=dtype)
 
+    f = two_f // 2
+    if not WEIGHT_COPIES["saved"] or (recipe != "fp8_blockwise" and w13.dtype == x.dtype):
+        copies = tuple(x.new_empty(0) for _ in range(4))
+    elif recipe == "fp8_blockwise":
+        fp8 = torch.float8_e4m3fn
+        f32 = torch.float32
+        copies = (w13.new_empty(e, two_f // 128, d // 128, dtype=f32), w13.new_empty(e, d, two_f, dtype=fp8),
+                  w2.new_empty(e, d // 128, f // 128, dtype=f32), w2.new_empty(e, f, d, dtype=fp8))
+    else:
+        copies = (w13.new_empty(e, two_f, d, dtype=x.dtype), w2.new_empty(e, d, f, dtype=x.dtype), x.new_empty(0),
+                  x.new_empty(0))
     return (x.new_empty(t, d), x.new_empty(m, two_f), x.new_empty(m, d), ints(m), ints(t * k), ints(m),
-            ints(e, dtype=torch.int64), ints(e + 1, dtype=torch.int64))
+            ints(e, dtype=torch.int64), ints(e + 1, dtype=torch.int64), *copies)
 
 
 @torch.library.custom_op("moela::moe_experts_bwd", mutates_args=())
 def moe_experts_bwd(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, o: torch.Tensor, m_indices: torch.Tensor,
                     row_map: torch.Tensor, src: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                    recipe: str, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [T, D], d topk_weights [T, K], dw13 [E, 2F, D], dw2 [E, D, F])."""
+                    c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, recipe: str,
+                    provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [T, D], d topk_weights [T, K], dw13 [E, 2F, D], dw2 [E, D, F]); c0..c3 the forward's weight copies (all
+    empty: look them up)."""
     lay = Layout(m_indices, row_map, src, counts, offsets, topk_ids.shape[0], topk_ids.shape[1])
-    return _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, recipe, provider)
+    wcopies = None if c0.numel() == 0 else (c0, c1, c2, c3)
+    return _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, wcopies, recipe, provider)
 
 
 @moe_experts_bwd.register_fake
 def _moe_experts_bwd_fake(dy, x, topk_ids, topk_weights, w13, w2, h, o, m_indices, row_map, src, counts, offsets,
-                          recipe, provider):
+                          c0, c1, c2, c3, recipe, provider):
     return torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w13), torch.empty_like(w2)
 
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, recipe, provider = inputs
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, *output[1:])
+    ctx.mark_non_differentiable(*output[8:])
     ctx.meta = (recipe, provider)
 
 
