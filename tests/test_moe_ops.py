@@ -489,10 +489,11 @@ def test_forward_op_fake_matches_real_outputs(recipe, weight_dtype):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
     x, ids, w, w13, w2, _ = _problem(13, 256, 128, 3, 2, dtype)
     w13, w2 = (t.to(weight_dtype or dtype) for t in (w13, w2))
-    real = moe_experts_fwd(x, ids, w, w13, w2, recipe, "triton")
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = moe_experts_fwd(*(mode.from_tensor(t) for t in (x, ids, w, w13, w2)), recipe, "triton")
-    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+    for save in (True, False):
+        real = moe_experts_fwd(x, ids, w, w13, w2, recipe, "triton", save)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = moe_experts_fwd(*(mode.from_tensor(t) for t in (x, ids, w, w13, w2)), recipe, "triton", save)
+        assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real], save
 
 
 def test_cached_weight_copies_over_two_micro_batches():

@@ -13,7 +13,8 @@ codes, scales and the transposed codes for the data gradient; bf16: the cast) co
 computed once per optimizer step; the forward hands the backward the ones it used. Looking them up again in the
 backward hit the cache only outside CUDA-graph capture (the cache is off while capturing), so the graphed step cast
 or quantized every expert weight twice (bench/notes/step.md, run 17); `WEIGHT_COPIES["saved"] = False` restores
-the lookup, which `bench/step.py`'s `moela-nomtp-recast` row times.
+the lookup, which `bench/step.py`'s `moela-nomtp-recast` row times. The switch reaches the op as an argument
+(`save_copies`), so a compiled graph (and the compile caches on disk) keys on it.
 GEMM providers: `triton` (everything ours: for fp8 the persistent TMA kernels of moela.ops.moe.gemm_fp8, for bf16
 moela.ops.moe.gemm_triton), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped FP8 GEMM for
 forward and data gradient, ours for the weight gradient), `cublas` (FP8: cuBLAS's blockwise GEMM through
@@ -158,15 +159,16 @@ def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, wcopies, recipe
 
 @torch.library.custom_op("moela::moe_experts_fwd", mutates_args=())
 def moe_experts_fwd(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, recipe: str, provider: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                    w2: torch.Tensor, recipe: str, provider: str, save_copies: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor,
                                                                           torch.Tensor, torch.Tensor]:
     """(y [T, D], and for the backward: h, o, the layout's m_indices, row_map, src, counts, offsets and the four
-    weight copies of `_backward_weights`, empty when `WEIGHT_COPIES["saved"]` is off)."""
+    weight copies of `_backward_weights`, empty unless `save_copies`)."""
     y, h, o, lay, copies = _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider)
-    if WEIGHT_COPIES["saved"]:
+    if save_copies:
         wcopies = _as_outputs(copies, w13, w2, x)
     else:
         wcopies = tuple(x.new_empty(0) for _ in range(4))
@@ -174,7 +176,7 @@ def moe_experts_fwd(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 
 @moe_experts_fwd.register_fake
-def _moe_experts_fwd_fake(x, topk_ids, topk_weights, w13, w2, recipe, provider):
+def _moe_experts_fwd_fake(x, topk_ids, topk_weights, w13, w2, recipe, provider, save_copies):
     t, k = topk_ids.shape
     e, two_f, d = w13.shape
     m = build_layout_rows(t, k, e)
@@ -183,7 +185,7 @@ def _moe_experts_fwd_fake(x, topk_ids, topk_weights, w13, w2, recipe, provider):
         return x.new_empty(shape, dtype=dtype)
 
     f = two_f // 2
-    if not WEIGHT_COPIES["saved"] or (recipe != "fp8_blockwise" and w13.dtype == x.dtype):
+    if not save_copies or (recipe != "fp8_blockwise" and w13.dtype == x.dtype):
         copies = tuple(x.new_empty(0) for _ in range(4))
     elif recipe == "fp8_blockwise":
         fp8 = torch.float8_e4m3fn
@@ -217,7 +219,7 @@ def _moe_experts_bwd_fake(dy, x, topk_ids, topk_weights, w13, w2, h, o, m_indice
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, recipe, provider = inputs
+    x, topk_ids, topk_weights, w13, w2, recipe, provider, _ = inputs
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, *output[1:])
     ctx.mark_non_differentiable(*output[8:])
     ctx.meta = (recipe, provider)
@@ -226,7 +228,7 @@ def _setup_context(ctx, inputs, output):
 def _backward_rule(ctx, dy, *unused):
     recipe, provider = ctx.meta
     dx, dw, dw13, dw2 = moe_experts_bwd(dy, *ctx.saved_tensors, recipe, provider)
-    return dx, None, dw, dw13, dw2, None, None
+    return dx, None, dw, dw13, dw2, None, None, None
 
 
 moe_experts_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -235,4 +237,4 @@ moe_experts_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
 def moe_experts_fused(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor, recipe: str, provider: str) -> torch.Tensor:
     """The fused expert path: y [T, D] (differentiable in x, topk_weights, w13 and w2)."""
-    return moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, recipe, provider)[0]
+    return moe_experts_fwd(x, topk_ids, topk_weights, w13, w2, recipe, provider, WEIGHT_COPIES["saved"])[0]
