@@ -79,6 +79,15 @@ def test_input_saved_by_another_op_fails_loudly(device):
         y.sum().backward()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_tokens(device):
+    x = torch.zeros(0, 2, 8, device=device, requires_grad=True)
+    out = rope_triton.rope_columns_(x * 1, torch.zeros(0, dtype=torch.int32, device=device),
+                                    yarn_inv_freq(4, 10000.0).to(device), 4)
+    out.sum().backward()
+    assert out.shape == (0, 2, 8) and x.grad.shape == (0, 2, 8)
+
+
 def test_bad_shapes_are_named():
     x = torch.zeros(4, 2, 8)
     with pytest.raises(ValueError, match="col0"):
