@@ -16,8 +16,8 @@ Decisions:
   projection's output reshaped to heads) through CopySlices, which clones the whole gradient: the copy this op
   exists to remove. The caller hands the input over and must not read it afterwards; if autograd had saved it for
   another backward, the alias's shared version counter makes that backward fail loudly, never silently.
-- The gradient is rotated in place when it is a dense tensor of its own (what every attention backend returns);
-  otherwise (expanded, overlapping or non-contiguous) a contiguous copy is rotated.
+- The gradient is rotated in place when it is contiguous (what every attention backend returns); otherwise
+  (expanded or strided) a contiguous copy is rotated.
 - One program per BLOCK_T tokens and head, each token's R columns one contiguous load and store (pairs split and
   joined in registers). A first form looped over the heads in one program per token block and loaded the pairs'
   halves with two stride-2 loads: 0.27 ms a call at small-32k, ~6x its bytes' time (bench/notes/step.md, run 16).
@@ -71,10 +71,6 @@ def _launch(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
         INVERSE=inverse, HALF_P2=triton.next_power_of_2(half), BLOCK_T=BLOCK_T)
 
 
-def _owns_dense_storage(g: torch.Tensor) -> bool:
-    return g.is_contiguous() and g.stride(-1) == 1 and not torch._debug_has_internal_overlap(g)
-
-
 class _RopeColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, position_ids, inv_freq, col0, attention_factor):
@@ -88,7 +84,7 @@ class _RopeColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         position_ids, inv_freq = ctx.saved_tensors
-        g = grad if _owns_dense_storage(grad) else grad.clone(memory_format=torch.contiguous_format)
+        g = grad if grad.is_contiguous() else grad.clone(memory_format=torch.contiguous_format)
         _launch(g, position_ids, inv_freq, ctx.col0, ctx.attention_factor, inverse=True)
         return g, None, None, None, None
 

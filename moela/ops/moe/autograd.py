@@ -86,22 +86,22 @@ WEIGHT_COPIES = {"saved": True}  # False: the backward looks the copies up again
 
 def _backward_weights(w13, w2, recipe, dtype):
     """What the backward reads of the weights: fp8 (w13 scales, w13 transposed codes, w2 scales, w2 transposed
-    codes); bf16 (w13 cast, w2 cast, and two empty placeholders, so both recipes return four tensors)."""
+    codes); bf16 (w13 cast, w2 cast, None, None)."""
     if recipe == "fp8_blockwise":
         _, w13s, w13qt = _fp8_weights(w13)  # [E, 2F/128, D/128], [E, D, 2F]
         _, w2s, w2qt = _fp8_weights(w2)  # [E, D/128, F/128], [E, F, D]
         return w13s, w13qt, w2s, w2qt
-    return _cast_weights(w13, dtype), _cast_weights(w2, dtype), w13.new_empty(0), w13.new_empty(0)
+    return _cast_weights(w13, dtype), _cast_weights(w2, dtype), None, None
 
 
 def _as_outputs(copies, w13, w2, like):
     """The weight copies as outputs of the forward op, which may alias neither its inputs nor each other: a copy
-    that is the weight itself (no cast needed) becomes an empty placeholder (the backward looks it up again, for
-    free), and the cache's tensors are handed out as detached aliases (a new tensor each call that shares the
+    that is the weight itself (no cast needed) makes all four empty placeholders (the backward looks them up again,
+    for free), and the cache's tensors are handed out as detached aliases (a new tensor each call that shares the
     cache's storage), so autograd never attaches a node to the cache's own objects."""
     if any(c is w13 or c is w2 for c in copies):
         return tuple(like.new_empty(0) for _ in copies)
-    return tuple(c.detach() if c.numel() else like.new_empty(0) for c in copies)
+    return tuple(c.detach() for c in copies)
 
 
 def _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider):
@@ -124,7 +124,7 @@ def _forward(x, topk_ids, topk_weights, w13, w2, recipe, provider):
         h = _mgemm(provider, xp, w13c, lay, x.dtype)  # [M_pad, 2F]
         act, _ = swiglu_fwd(h, lay.m_indices, quant=False)  # [M_pad, F]
         o = _mgemm(provider, act, w2c, lay, x.dtype)  # [M_pad, D]
-        copies = (w13c, w2c, w13.new_empty(0), w13.new_empty(0))
+        copies = (w13c, w2c, x.new_empty(0), x.new_empty(0))  # the bf16 recipe's two placeholders
     y = unpermute_combine(o, lay, topk_weights, x.dtype)  # [T, D]
     return y, h, o, lay, copies
 
