@@ -23,6 +23,8 @@ out-of-memory error ends only its row:
                           `attention.Q_ROPE["mode"] = "cat"`; moela rotates its rotary columns in place)
             moela-nomtp-recast  moela-nomtp with the experts' backward casting / quantizing the weights again
                           (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
+            moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
+                          (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -75,12 +77,13 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-recast", "titan-compile", "hf", "titan-eager")
+         "moela-nomtp-recast", "moela-nomtp-nohandoff", "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
+               "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
+               "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
@@ -109,7 +112,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "median_doc_len": c["median_doc_len"],
                              "graph_first_assigns": impl != "moela-graphs-add",
                              "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
-                             "save_weight_copies": impl != "moela-nomtp-recast", **counts})
+                             "save_weight_copies": impl != "moela-nomtp-recast",
+                             "handoff_norms": impl != "moela-nomtp-nohandoff", **counts})
     return rows
 
 

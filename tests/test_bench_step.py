@@ -392,7 +392,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
                       ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-ropecat", "16k", "bf16"),
                       ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
-                      ("moela-nomtp-recast", "64k", "bf16"),
+                      ("moela-nomtp-recast", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
+                      ("moela-nomtp-nohandoff", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
@@ -401,6 +402,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
+        assert s["handoff_norms"] == (s["label"] != "moela-nomtp-nohandoff")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
@@ -443,7 +445,7 @@ def test_report_tables_ratios_and_failures(tmp_path):
                       counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
     assert (tmp_path / "step.json").exists() and (tmp_path / "step.md").read_text() == md
     assert "1.25x titan-compile" in md and "4.00x hf" in md and "failed: exit code 1: OutOfMemory" in md
-    assert "| small-64k | - | - | - | - | 8.3101 | - | - | 8.3105 | - | 8.3098 |" in md
+    assert "| small-64k | - | - | - | - | 8.3101 | - | - | - | 8.3105 | - | 8.3098 |" in md
     assert "7 (5 warned)" in md and "3 of 3 rows counted by the CUDA trace hooks" in md
     assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
     assert "`cuLaunchKernelEx` 12.5 ms (400 calls)" in md

@@ -82,13 +82,81 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
     ctx = model._context(batch, batch.targets_on_host)
     x = model.embed(batch.input_ids)
     moe_block = model.layers[1]
-    explained = torch._dynamo.explain(type(moe_block)._forward)(moe_block, x, ctx, None)
+    explained = torch._dynamo.explain(type(moe_block)._forward)(moe_block, x, ctx, None, None, None)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
     # where the opaque op was called from: MLA's attention (`_attention`, through the batch's attend seam) and the
     # routed experts
     sites = {(b.user_stack[-2].filename.rsplit("/", 1)[-1], b.user_stack[-2].name) for b in explained.break_reasons}
     assert sites == {("attention.py", "_attention"), ("moe.py", "forward")}, sites
+
+
+def _consumers(root: torch.Tensor, tensors: list[torch.Tensor]) -> list[int]:
+    """How many autograd edges of the graph behind `root` feed each tensor's gradient (2 or more: autograd adds
+    them in a kernel of its own)."""
+    edges, seen, stack = {}, set(), [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, index in node.next_functions:
+            if nxt is not None:
+                edges[(nxt, index)] = edges.get((nxt, index), 0) + 1
+                stack.append(nxt)
+    return [edges.get((t.grad_fn, t.output_nr), 0) for t in tensors]
+
+
+def test_compiled_blocks_hand_off_the_next_norm_so_no_gradient_is_added_between_pieces(monkeypatch):
+    """A block's input is read by its first compiled piece (attn_norm) and its last (the residual add) when the
+    attention between them is a graph break; autograd then adds the two gradients of every block output in a kernel
+    of its own. With the hand-off (`moela.model.block`) the block that makes x_next also makes the next norm of
+    it, so x_next feeds one compiled piece only, and the model computes the same loss and gradients."""
+    from moela.model import transformer
+
+    cfg = tiny_config(attention_backend="reference", moe_backend="reference", z_loss_coef=1e-3, aux_loss_coef=1e-2)
+    eager = build_model(cfg)
+    model = build_model(cfg)
+    model.load_state_dict(eager.state_dict())
+    compile_blocks(model, backend="aot_eager")  # AOTAutograd: each compiled piece is one node in the autograd graph
+    batch = pad_batch(packed_batch(cfg.vocab_size, [21, 9, 30], seed=5), 96, 48)
+    outputs = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+
+    def loss_and_grads(m):
+        m.zero_grad(set_to_none=True)
+        out = m(batch)
+        out.loss.backward()
+        return out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    ref, ref_grads = loss_and_grads(eager)
+    for handoff, want in ((False, 2), (True, 1)):
+        monkeypatch.setattr(transformer, "HANDOFF_NORMS", handoff)
+        outputs.clear()
+        assert all((norm is not None) == handoff for norm in model._handoffs())
+        out, grads = loss_and_grads(model)
+        # every block output but the last feeds the next block: two gradient edges without the hand-off, one with
+        assert _consumers(out.loss, outputs[:-1]) == [want] * (len(outputs) - 1), handoff
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+        assert grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run():
+    """Eager blocks, recomputed blocks and FAL blocks (which read their input in the first piece anyway) normalize
+    their own input; the last compiled block hands its output to the final norm."""
+    model = build_model(tiny_config(num_hidden_layers=3))
+    assert model._handoffs() == [None, None, None]  # not compiled
+    compile_blocks(model, backend="eager")
+    layers = model.layers
+    assert model._handoffs() == [layers[1].attn_norm, layers[2].attn_norm, model.norm]
+    layers[1].recompute = True
+    assert model._handoffs() == [None, None, model.norm]
+    fal = build_model(tiny_config(num_hidden_layers=3, block="fal"))
+    compile_blocks(fal, backend="eager")
+    assert fal._handoffs() == [None, None, fal.norm]
 
 
 def make_cfg(run_dir, *extra):
@@ -134,11 +202,40 @@ def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     ctx = model._context(batch, batch.targets_on_host)
     x = model.embed(batch.input_ids)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None)
+        explained = torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None, None,
+                                                                            None)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     print("graph breaks:", sorted({(b.user_stack[-1].filename.rsplit("/", 1)[-1], b.user_stack[-1].name)
                                    for b in explained.break_reasons}))
     assert all("torch.compiler.disable" in r for r in reasons), reasons
+
+
+@pytest.mark.gpu
+def test_cuda_blocks_hand_off_the_next_norm():
+    """With the CUDA kernels (attention a graph break, the query's RoPE rotated in place outside the graph, the
+    experts in the graph), each block output feeds one compiled piece only, and the loss equals the one without
+    the hand-off."""
+    from moela.model import transformer
+
+    cfg = tiny_config(**GPU_SHAPE)
+    model = build_model(cfg, "cuda")
+    compile_blocks(model, backend="aot_eager")
+    batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
+    outputs = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    losses = []
+    for handoff in (True, False):
+        transformer.HANDOFF_NORMS = handoff
+        outputs.clear()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(batch)
+        finally:
+            transformer.HANDOFF_NORMS = True
+        assert _consumers(out.loss, outputs[:-1]) == [1 if handoff else 2] * (len(outputs) - 1), handoff
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=0)  # bf16 autocast, another fusion
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
 LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-              "moela-nomtp-recast") + PEERS
+              "moela-nomtp-recast", "moela-nomtp-nohandoff") + PEERS
 
 
 def _versions() -> str:

@@ -66,7 +66,8 @@ def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
-    q_rope (`attention.Q_ROPE["mode"]`) and save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`)."""
+    q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`) and
+    handoff_norms (`transformer.HANDOFF_NORMS`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -91,6 +92,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import autograd as moe_autograd
 
         moe_autograd.WEIGHT_COPIES["saved"] = False
+    if not spec.get("handoff_norms", True):
+        from moela.model import transformer
+
+        transformer.HANDOFF_NORMS = False
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 

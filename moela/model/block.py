@@ -22,8 +22,19 @@ two. `side_stream` (a CUDA stream, FAL blocks on one GPU) runs the MLP on that s
 current one (`moela.model.streams`).
 
 A block returns
-(x_{l+1}, a1, z, aux, load): a1 is passed along the stack (None for standard models), z is the attention
-z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense). Returning
+(x_{l+1}, a1, z, aux, load, n_{l+1}): a1 is passed along the stack (None for standard models), z is the attention
+z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense), n_{l+1} the next
+consumer's norm of x_{l+1} when the caller hands it one (`next_norm`; else None).
+
+The norm hand-off (`normed`, `next_norm`; `Transformer` decides when): a compiled block whose attention is a graph
+break (the attention kernels and the in-place query RoPE run eagerly between the block's compiled pieces) reads x_l
+in two pieces, norm1 in the first and the residual add in the last, so autograd adds the two gradients of x_l
+(fp32 [T, D]) in a kernel of its own between them: 4.4 ms a step of `small` at 64k tokens, 12 launches
+(bench/results/step_shipped_rope_inplace.json, `aten::add_ < evaluate_function: CompiledFunctionBackward`).
+Handed off, block l computes norm1_{l+1}(x_{l+1}) in its last piece, where x_{l+1} is made (Inductor fuses the
+residual add and the norm into one kernel), and block l+1 reads x_{l+1} only in its residual add: the two
+gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. Same ops, same values.
+ Returning
 values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
 whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
 non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend`
@@ -48,7 +59,8 @@ from moela.model.layers import MLP, PackedContext, RMSNorm
 from moela.model.moe import MoE
 from moela.model.streams import run_beside
 
-BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None",
+                    "torch.Tensor | None"]
 
 
 def add_outputs(*outputs: torch.Tensor) -> torch.Tensor:
@@ -84,36 +96,47 @@ class Block(nn.Module):
             return self.ffn(x, ctx)
         return self.ffn(x), x.new_zeros((), dtype=torch.float32), None
 
-    def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None) -> BlockOutput:
-        """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load)."""
+    def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None, *,
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None) -> BlockOutput:
+        """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load, n_next).
+        `normed`: attn_norm(x), made by the block before (the norm hand-off, module docstring); `next_norm`: the
+        norm that reads x_next next, applied here (n_next = next_norm(x_next); None without it)."""
         fn = Block._forward if self.compile_backend is None else _compiled_forward(self.compile_backend)
         if self.recompute:
-            return checkpoint(fn, self, x, ctx, a1, use_reentrant=False)
-        return fn(self, x, ctx, a1)
+            return checkpoint(fn, self, x, ctx, a1, normed, next_norm, use_reentrant=False)
+        return fn(self, x, ctx, a1, normed, next_norm)
 
-    def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None) -> BlockOutput:
+    def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None, normed: torch.Tensor | None,
+                 next_norm: RMSNorm | None) -> BlockOutput:
+        # one frame: the attention is a graph break, and Dynamo compiles what follows a break inside a called
+        # function apart from what follows the call, so next_norm(x_next) must sit in the frame that makes x_next
+        n = self.attn_norm(x) if normed is None else normed  # [T, D]
         if self.kind == "fal" and a1 is not None:
             m_in = self.ffn_norm(x) + self.a1_norm(a1)  # [T, D]
             if self.side_stream is not None:
-                (a, z), (m, aux, load) = run_beside(lambda: self.attn(self.attn_norm(x), ctx),
+                (a, z), (m, aux, load) = run_beside(lambda: self.attn(n, ctx),
                                                     lambda: self._ffn(m_in, ctx), self.side_stream,
                                                     inputs=(m_in, ctx.doc_ids, ctx.doc_weight, ctx.real_tokens))
             else:
-                a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
+                a, z = self.attn(n, ctx)  # [T, D]
                 m, aux, load = self._ffn(m_in, ctx)  # [T, D]
-            return x + self.sum_partials(a, m), a1, z, aux, load
-        a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
+            x_next = x + self.sum_partials(a, m)  # [T, D]
+            return x_next, a1, z, aux, load, (None if next_norm is None else next_norm(x_next))
+        a, z = self.attn(n, ctx)  # [T, D]
         a = self.sum_partials(a)
         if self.kind == "standard":
             h = x + a  # [T, D]
             m, aux, load = self._ffn(self.ffn_norm(h), ctx)  # [T, D]
-            return h + self.sum_partials(m), (a if self.keeps_a1 else a1), z, aux, load
+            x_next = h + self.sum_partials(m)  # [T, D]
+            return (x_next, (a if self.keeps_a1 else a1), z, aux, load,
+                    None if next_norm is None else next_norm(x_next))
         if a1 is None:
             raise ValueError(f"a {self.kind} block needs a1, the first block's attention output; build the "
                              f"model with Transformer so block 1 provides it")
         h = x + a  # [T, D]
         m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
-        return h + self.sum_partials(m), a1, z, aux, load
+        x_next = h + self.sum_partials(m)  # [T, D]
+        return x_next, a1, z, aux, load, (None if next_norm is None else next_norm(x_next))
 
 
 @functools.cache

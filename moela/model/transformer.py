@@ -41,6 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.block import Block
@@ -51,6 +53,9 @@ from moela.model.output import ModelOutput
 from moela.ops.linear_cross_entropy import linear_cross_entropy
 from moela.ops.loss import cross_entropy
 from moela.ops.rope import yarn_inv_freq
+
+# False: every block normalizes its own input (bench/step.py's `moela-nomtp-nohandoff` row measures the difference)
+HANDOFF_NORMS = True
 
 
 class MTPModule(nn.Module):
@@ -65,11 +70,16 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, moe=cfg.mtp_is_moe)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext):
-        """h, emb [T, D] -> (h_d [T, D], z, aux, load)."""
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext, handoff: bool = False):
+        """h, emb [T, D] -> (h_d [T, D], norm(h_d) [T, D], z, aux, load). `handoff`: the block takes the norm of
+        its input from here and returns its output's norm (the norm hand-off, `moela.model.block`), which makes
+        its call the same compiled graph as the main stack's blocks."""
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # [T, D]
-        x, _, z, aux, load = self.block(x, ctx)
-        return x, z, aux, load
+        if handoff:
+            x, _, z, aux, load, normed = self.block(x, ctx, normed=self.block.attn_norm(x), next_norm=self.norm)
+            return x, normed, z, aux, load
+        x, _, z, aux, load, _ = self.block(x, ctx)
+        return x, self.norm(x), z, aux, load
 
 
 def shift_within_docs(x: torch.Tensor, doc_last: torch.Tensor, fill: int) -> torch.Tensor:
@@ -184,6 +194,31 @@ class Transformer(nn.Module):
                              doc_ids=doc_ids, token_weight=token_weight, doc_weight=doc_weight,
                              inv_freq=self.inv_freq, **seams)
 
+    def _handoffs(self) -> list[RMSNorm | None]:
+        """Per main layer, the norm it applies to its output for the next consumer (the norm hand-off,
+        `moela.model.block`): the next layer's `attn_norm`, the final `norm` after the last layer; None where
+        `_hands_off` says no or the next block is a FAL kind (it reads x in its first piece anyway) or recomputes
+        its activations."""
+        layers = list(self.layers)
+        out: list[RMSNorm | None] = []
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            norm = self.norm if nxt is None else nxt.attn_norm
+            ok = self._hands_off(layer, norm) and (nxt is None or (nxt.kind == "standard" and not nxt.recompute))
+            out.append(norm if ok else None)
+        return out
+
+    def _hands_off(self, block: Block, *norms: RMSNorm) -> bool:
+        """Whether `block` takes part in a hand-off of `norms` (the norm it applies to its output, and for an MTP
+        block the one applied to its input): not where it does not pay or cannot run - the block is not compiled
+        (eager autograd adds the two gradients either way), it recomputes its activations (the handed-off tensor
+        would be one more saved input), the model is sharded (FSDP2 or tensor parallelism: a norm of the next
+        unit is not gathered while this block runs, and its gradient would arrive after that unit's
+        reduce-scatter), or `HANDOFF_NORMS` is off (bench/step.py's `moela-nomtp-nohandoff` row)."""
+        return (HANDOFF_NORMS and self.tensor_parallel is None and block.compile_backend is not None
+                and not block.recompute and not isinstance(block, FSDPModule)
+                and not any(isinstance(n.weight, DTensor) for n in norms))
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [T, D] -> logits [T, V]."""
         return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
@@ -220,15 +255,15 @@ class Transformer(nn.Module):
         denom = _at_least_one(num_targets)
         ctx = self._context(batch, num_targets, part)
         h = self.embed(batch.input_ids)  # [T, D]
-        a1 = None
+        a1 = normed = None
         zs, auxs, loads = [], [], []
-        for layer in self.layers:
-            h, a1, z, aux, load = layer(h, ctx, a1)
+        for layer, next_norm in zip(self.layers, self._handoffs()):
+            h, a1, z, aux, load, normed = layer(h, ctx, a1, normed=normed, next_norm=next_norm)
             zs.append(z)
             if load is not None:
                 auxs.append(aux)
                 loads.append(load)
-        h = self.norm(h)  # [T, D]; also MTP depth 1's input h^0
+        h = self.norm(h) if normed is None else normed  # [T, D]; also MTP depth 1's input h^0
         lm_sum, logits = self._ce_sum(h, batch.labels, return_logits)
         lm_loss = lm_sum / denom
         metrics = {"lm_loss": lm_loss.detach()}
@@ -236,12 +271,13 @@ class Transformer(nn.Module):
         if self.mtp:
             mtp_sum = 0.0
             for module, (tokens, labels) in zip(self.mtp, targets):  # [T], [T]
-                h, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D]
+                handoff = self._hands_off(module.block, module.block.attn_norm, module.norm)
+                h, normed, z, aux, load = module(h, self.embed(tokens), ctx, handoff=handoff)  # [T, D] x 2
                 zs.append(z)
                 if load is not None:
                     auxs.append(aux)
                     loads.append(load)
-                mtp_sum = mtp_sum + self._ce_sum(module.norm(h), labels, False)[0]
+                mtp_sum = mtp_sum + self._ce_sum(normed, labels, False)[0]
             mtp_loss = mtp_sum / (denom * len(self.mtp))
             loss = loss + cfg.mtp_loss_weight * mtp_loss
             metrics["mtp_loss"] = mtp_loss.detach()
