@@ -45,16 +45,19 @@ def _syncs(r: dict) -> str:
 
 
 def _main_table(rows: list[dict]) -> list[str]:
-    out = ["| config | impl | recipe | tokens/s | MFU | GPU busy | peak GiB | host syncs / step | first step s "
-           "(from start / built) | recompiles after step 2 | step ms (min-max) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = ["| config | impl | recipe | tokens/s | MFU | tokens/s, MFU unsynced | GPU busy | peak GiB | "
+           "host syncs / step | first step s (from start / built) | recompiles after step 2 | step ms (min-max) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             out.append(f"| {r['config']} | {r['impl']} | {r['recipe']} | failed: {r['error'][:200]} "
-                       f"| | | | | | | |")
+                       f"| | | | | | | | |")
             continue
+        window = (f"{r['tokens_per_s_window']:,.0f}, {_f(r.get('mfu_window'), '.1%')}"
+                  if r.get("tokens_per_s_window") else "-")
         out.append(
             f"| {r['config']} | {r['impl']} | {r['recipe']} | {r['tokens_per_s']:,.0f} | {_f(r['mfu'], '.1%')} | "
+            f"{window} | "
             f"{_f(r['busy'], '.0%')} | {r['peak_gib']:.1f} | {_syncs(r)} | "
             f"{r['first_step_s_from_start']:.0f} / {r['first_step_s_from_built']:.0f} | "
             f"{r['recompiles_after_step2']} | {r['step_ms_median']:.0f} ({r['step_ms_min']:.0f}-"
@@ -72,7 +75,8 @@ def _ratios(rows: list[dict]) -> list[str]:
         peers = {p: mine[p]["tokens_per_s"] for p in PEERS if p in mine}
         if not peers:
             continue
-        text = ", ".join(f"{ours['tokens_per_s'] / v:.2f}x {p}" for p, v in peers.items())
+        text = ", ".join(f"{ours['tokens_per_s'] / v:.2f}x {p}{_window_ratio(ours, mine[p])}"
+                         for p, v in peers.items())
         titan = [p for p in ("titan-compile", "titan-eager") if p in mine]
         mem = ""
         if titan:
@@ -80,6 +84,13 @@ def _ratios(rows: list[dict]) -> list[str]:
             mem = f"; peak memory {ours['peak_gib']:.1f} GiB vs {best} {mine[best]['peak_gib']:.1f} GiB"
         out.append(f"- {config}: {ours['impl']} (bf16) is {text}{mem}")
     return out
+
+
+def _window_ratio(ours: dict, peer: dict) -> str:
+    """The same ratio at the trainer's pace (the unsynced windows), where both rows have one."""
+    if ours.get("tokens_per_s_window") and peer.get("tokens_per_s_window"):
+        return f" (unsynced {ours['tokens_per_s_window'] / peer['tokens_per_s_window']:.2f}x)"
+    return ""
 
 
 def _loss_table(rows: list[dict]) -> list[str]:
@@ -168,7 +179,8 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     lines = ["# Whole training step (bench/step.py)", "",
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
-             f"timed steps, {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only; busy = the "
+             f"timed steps (each waits for the device; \"unsynced\": as many more steps timed together, "
+             f"synchronized once at the end, the trainer's pace), {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only; busy = the "
              f"union of the kernels' intervals over as many median timed steps, since profiling lengthens a "
              f"host-bound step) and "
              f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "

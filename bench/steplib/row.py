@@ -7,7 +7,10 @@ Phases, in order (each step ends with a device synchronization outside what is m
    being built; the loss of step 1 (before any update) for the loss check;
 2. the remaining warm-up steps, then `steps` timed steps: tokens/s = tokens per step / median step time; MFU with
    the trainer's formula (`flops_per_token` at the token-weighted mean document length of the timed steps, over
-   the device's bf16 peak from `moela.trainer.metrics`); peak memory;
+   the device's bf16 peak from `moela.trainer.metrics`); then `steps` more in one window with a single
+   synchronization at its end (tokens_per_s_window, mfu_window: the trainer's pace, where the host runs ahead of
+   the device between logging steps; the timed steps above each wait for the device, so the host work between
+   steps shows as idle GPU there); peak memory;
 3. `profile_steps` steps under torch.profiler with CUDA activity only, for the GPU-busy share (the trainer's
    definition: the union of the kernels' intervals over the wall time; recording CPU ops too would slow the host
    and understate it for host-bound steps), then `profile_steps` more with CPU ops recorded, for the kernel-time
@@ -112,6 +115,13 @@ def run_row(spec: dict) -> dict:
         _step(impl, device)
         times.append(time.perf_counter() - start)
     seq_len, mean_doc = source.token_weighted_doc_len(), source.mean_doc_len()
+    # as many steps again, synchronized only after the last: the trainer's own pace, whose non-logging steps never
+    # wait for the device, so the host prepares (and for a graphed row launches) step n+1 while step n runs
+    start = time.perf_counter()
+    for _ in range(spec["steps"]):
+        impl.step()
+    _sync(device)
+    window_s = (time.perf_counter() - start) / spec["steps"]
     peak_gib = memory_gib(device)
     step_s = statistics.median(times)
     busy = busy_profiled = profiled_step_ms = None
@@ -166,6 +176,8 @@ def run_row(spec: dict) -> dict:
         "config": spec["config"], "impl": spec["label"], "recipe": spec["recipe"],
         "tokens_per_s": tokens_per_s,
         "mfu": flops_tok * tokens_per_s / peak_flops if peak_flops else None,
+        "tokens_per_s_window": source.tokens_per_step / window_s,
+        "mfu_window": flops_tok * source.tokens_per_step / window_s / peak_flops if peak_flops else None,
         "busy": busy, "busy_profiled": busy_profiled, "profiled_step_ms": profiled_step_ms,
         "peak_gib": peak_gib, "host_syncs_per_step": syncs,
         "sync_debug_warnings_per_step": warned, "sync_counter_check": check, "sync_witness": witness,
