@@ -180,7 +180,8 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
              f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
              f"timed steps (each waits for the device; \"unsynced\": as many more steps timed together, "
-             f"synchronized once at the end, the trainer's pace), {counts['profile_steps']} step(s) profiled for GPU busy (CUDA activity only; busy = the "
+             f"synchronized once at the end, the trainer's pace), {counts['profile_steps']} step(s) profiled for "
+             f"GPU busy (CUDA activity only; busy = the "
              f"union of the kernels' intervals over as many median timed steps, since profiling lengthens a "
              f"host-bound step) and "
              f"{counts['profile_steps']} more for the kernel breakdown (with CPU ops), {counts['sync_steps']} "
