@@ -82,7 +82,7 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
     ctx = model._context(batch, batch.targets_on_host)
     x = model.embed(batch.input_ids)
     moe_block = model.layers[1]
-    explained = torch._dynamo.explain(type(moe_block)._forward)(moe_block, x, ctx, None, None, None)
+    explained = torch._dynamo.explain(type(moe_block)._forward)(moe_block, x, ctx, None, None, None, None)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert reasons and all("torch.compiler.disable" in r for r in reasons), reasons
     # where the opaque op was called from: MLA's attention (`_attention`, through the batch's attend seam) and the
@@ -144,6 +144,42 @@ def test_compiled_blocks_hand_off_the_next_norm_so_no_gradient_is_added_between_
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_under_autocast_the_hand_off_is_in_the_projections_dtype_and_adds_no_graph(monkeypatch):
+    """Under bf16 autocast a block hands the next block its input norm in bf16 (what its projections read; they
+    would cast it on reading) and the final norm in float32 (the head and MTP read it as before); the MTP block
+    takes the same hand-off, so it shares the main blocks' graph: no more graphs than without the hand-off."""
+    from moela.model import transformer
+
+    cfg = tiny_config(attention_backend="reference", moe_backend="reference", num_hidden_layers=4)
+    assert cfg.num_nextn_predict_layers == 1
+    batch = pad_batch(packed_batch(cfg.vocab_size, [21, 9, 30], seed=7), 96, 48)
+    state = build_model(cfg).state_dict()
+    results = {}
+    for handoff in (False, True):
+        monkeypatch.setattr(transformer, "HANDOFF_NORMS", handoff)
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(cfg)
+        model.load_state_dict(state)
+        compile_blocks(model, backend="aot_eager")
+        dtypes = []
+        for layer in model.layers:
+            layer.register_forward_hook(lambda module, args, out, seen=dtypes: seen.append(
+                out[5] is not None and out[5].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(batch)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results[handoff] = (out.loss.detach(), grads, counters["stats"]["unique_graphs"], dtypes)
+    loss, grads, graphs, dtypes = results[True]
+    assert dtypes == [torch.bfloat16] * 3 + [torch.float32]
+    assert results[False][3] == [False] * 4
+    assert graphs == results[False][2]
+    torch.testing.assert_close(loss, results[False][0], rtol=1e-3, atol=0)  # bf16 autocast, other fusion order
+    for name, g in results[False][1].items():
+        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=name)
+
+
 def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run():
     """Eager blocks, recomputed blocks and FAL blocks (which read their input in the first piece anyway) normalize
     their own input; the last compiled block hands its output to the final norm."""
@@ -202,7 +238,7 @@ def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     ctx = model._context(batch, batch.targets_on_host)
     x = model.embed(batch.input_ids)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None, None,
+        explained = torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None, None, None,
                                                                             None)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     print("graph breaks:", sorted({(b.user_stack[-1].filename.rsplit("/", 1)[-1], b.user_stack[-1].name)

@@ -97,17 +97,20 @@ class Block(nn.Module):
         return self.ffn(x), x.new_zeros((), dtype=torch.float32), None
 
     def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None, *,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None) -> BlockOutput:
+                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
+                next_dtype: torch.dtype | None = None) -> BlockOutput:
         """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load, n_next).
         `normed`: attn_norm(x), made by the block before (the norm hand-off, module docstring); `next_norm`: the
-        norm that reads x_next next, applied here (n_next = next_norm(x_next); None without it)."""
+        norm that reads x_next next, applied here (n_next = next_norm(x_next); None without it), cast to
+        `next_dtype` if given (the dtype its consumers read: autocast's for the next block's projections, which
+        would cast it on reading anyway; the cast fuses into the norm's kernel and halves what is stored)."""
         fn = Block._forward if self.compile_backend is None else _compiled_forward(self.compile_backend)
         if self.recompute:
-            return checkpoint(fn, self, x, ctx, a1, normed, next_norm, use_reentrant=False)
-        return fn(self, x, ctx, a1, normed, next_norm)
+            return checkpoint(fn, self, x, ctx, a1, normed, next_norm, next_dtype, use_reentrant=False)
+        return fn(self, x, ctx, a1, normed, next_norm, next_dtype)
 
     def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None, normed: torch.Tensor | None,
-                 next_norm: RMSNorm | None) -> BlockOutput:
+                 next_norm: RMSNorm | None, next_dtype: torch.dtype | None) -> BlockOutput:
         # one frame: the attention is a graph break, and Dynamo compiles what follows a break inside a called
         # function apart from what follows the call, so next_norm(x_next) must sit in the frame that makes x_next
         n = self.attn_norm(x) if normed is None else normed  # [T, D]
@@ -121,22 +124,29 @@ class Block(nn.Module):
                 a, z = self.attn(n, ctx)  # [T, D]
                 m, aux, load = self._ffn(m_in, ctx)  # [T, D]
             x_next = x + self.sum_partials(a, m)  # [T, D]
-            return x_next, a1, z, aux, load, (None if next_norm is None else next_norm(x_next))
+            return x_next, a1, z, aux, load, _handed_off(x_next, next_norm, next_dtype)
         a, z = self.attn(n, ctx)  # [T, D]
         a = self.sum_partials(a)
         if self.kind == "standard":
             h = x + a  # [T, D]
             m, aux, load = self._ffn(self.ffn_norm(h), ctx)  # [T, D]
             x_next = h + self.sum_partials(m)  # [T, D]
-            return (x_next, (a if self.keeps_a1 else a1), z, aux, load,
-                    None if next_norm is None else next_norm(x_next))
+            return x_next, (a if self.keeps_a1 else a1), z, aux, load, _handed_off(x_next, next_norm, next_dtype)
         if a1 is None:
             raise ValueError(f"a {self.kind} block needs a1, the first block's attention output; build the "
                              f"model with Transformer so block 1 provides it")
         h = x + a  # [T, D]
         m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
         x_next = h + self.sum_partials(m)  # [T, D]
-        return x_next, a1, z, aux, load, (None if next_norm is None else next_norm(x_next))
+        return x_next, a1, z, aux, load, _handed_off(x_next, next_norm, next_dtype)
+
+
+def _handed_off(x_next: torch.Tensor, norm: RMSNorm | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """norm(x_next) in `dtype` (x_next's when None); None without a norm."""
+    if norm is None:
+        return None
+    out = norm(x_next)  # [T, D]
+    return out if dtype is None else out.to(dtype)
 
 
 @functools.cache

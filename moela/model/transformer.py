@@ -70,13 +70,17 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, moe=cfg.mtp_is_moe)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext, handoff: bool = False):
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext, handoff: bool = False,
+                cast: torch.dtype | None = None):
         """h, emb [T, D] -> (h_d [T, D], norm(h_d) [T, D], z, aux, load). `handoff`: the block takes the norm of
-        its input from here and returns its output's norm (the norm hand-off, `moela.model.block`), which makes
-        its call the same compiled graph as the main stack's blocks."""
+        its input from here (in `cast` if given, as the main stack hands it on) and returns its output's norm
+        (the norm hand-off, `moela.model.block`), which makes its call the same compiled graph as the main
+        stack's blocks."""
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # [T, D]
         if handoff:
-            x, _, z, aux, load, normed = self.block(x, ctx, normed=self.block.attn_norm(x), next_norm=self.norm)
+            normed = self.block.attn_norm(x)  # [T, D]
+            x, _, z, aux, load, normed = self.block(x, ctx, normed=normed if cast is None else normed.to(cast),
+                                                    next_norm=self.norm)
             return x, normed, z, aux, load
         x, _, z, aux, load, _ = self.block(x, ctx)
         return x, self.norm(x), z, aux, load
@@ -257,8 +261,12 @@ class Transformer(nn.Module):
         h = self.embed(batch.input_ids)  # [T, D]
         a1 = normed = None
         zs, auxs, loads = [], [], []
-        for layer, next_norm in zip(self.layers, self._handoffs()):
-            h, a1, z, aux, load, normed = layer(h, ctx, a1, normed=normed, next_norm=next_norm)
+        # a block's projections read its input norm in autocast's dtype (they would cast it on reading)
+        device = h.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self._handoffs())):
+            next_dtype = cast if i + 1 < len(self.layers) else None  # the final norm's output stays in h's dtype
+            h, a1, z, aux, load, normed = layer(h, ctx, a1, normed=normed, next_norm=next_norm, next_dtype=next_dtype)
             zs.append(z)
             if load is not None:
                 auxs.append(aux)
@@ -272,7 +280,7 @@ class Transformer(nn.Module):
             mtp_sum = 0.0
             for module, (tokens, labels) in zip(self.mtp, targets):  # [T], [T]
                 handoff = self._hands_off(module.block, module.block.attn_norm, module.norm)
-                h, normed, z, aux, load = module(h, self.embed(tokens), ctx, handoff=handoff)  # [T, D] x 2
+                h, normed, z, aux, load = module(h, self.embed(tokens), ctx, handoff=handoff, cast=cast)  # [T, D] x 2
                 zs.append(z)
                 if load is not None:
                     auxs.append(aux)
