@@ -33,7 +33,10 @@ in two pieces, norm1 in the first and the residual add in the last, so autograd 
 (bench/results/step_shipped_rope_inplace.json, `aten::add_ < evaluate_function: CompiledFunctionBackward`).
 Handed off, block l computes norm1_{l+1}(x_{l+1}) in its last piece, where x_{l+1} is made (Inductor fuses the
 residual add and the norm into one kernel), and block l+1 reads x_{l+1} only in its residual add: the two
-gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. Same ops, same values.
+gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. The handed-off norm is
+stored in the dtype its readers take (under autocast bf16: block l+1's projections would cast it on reading; the
+first form stored it in float32, which cost as many bytes as the add saved: +0.8% instead of the predicted +2%,
+bench/notes/step.md run 19). Same ops, same values.
  Returning
 values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
 whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
