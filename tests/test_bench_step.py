@@ -441,7 +441,7 @@ def test_report_tables_ratios_and_failures(tmp_path):
                 "most_launched": [["triton_poi_fused_copy_3", "copies/cat/casts", 240.0, 2.5, ["aten::copy_ < f"]]]}
     rows = [row("moela-nomtp", 200e3, 8.3101), row("titan-compile", 160e3, 8.3105), row("hf", 50e3, 8.3098),
             {"config": "small-64k", "impl": "titan-eager", "recipe": "bf16", "error": "exit code 1: OutOfMemory"}]
-    rows[0].update(tokens_per_s_window=210e3, mfu_window=0.21)
+    rows[0].update(tokens_per_s_window=210e3, mfu_window=0.21, first_step_compile_s=12.4)
     rows[1].update(tokens_per_s_window=150e3, mfu_window=0.15)
     md = write_report(rows, tmp_path, command="python bench/step.py", date="2026-12-01",
                       counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
@@ -449,6 +449,7 @@ def test_report_tables_ratios_and_failures(tmp_path):
     assert "1.25x titan-compile (unsynced 1.40x), 4.00x hf;" in md
     assert "failed: exit code 1: OutOfMemory" in md
     assert "| 200,000 | 20.0% | 210,000, 21.0% | 90% |" in md and "| 50,000 | 20.0% | - | 90% |" in md
+    assert "| 30 / 20; 12 | 0 |" in md and "| 30 / 20 | 0 |" in md  # compile seconds where recorded
     assert "| small-64k | - | - | - | - | 8.3101 | - | - | - | 8.3105 | - | 8.3098 |" in md
     assert "7 (5 warned)" in md and "3 of 3 rows counted by the CUDA trace hooks" in md
     assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
@@ -484,6 +485,7 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
     assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton"
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU
+    assert r["first_step_compile_s"] == 0.0  # the tiny recipe trains uncompiled on the CPU
     assert abs(r["first_step_loss"] - math.log(4096)) < 0.05
     assert r["first_step_s_from_start"] >= r["first_step_s_from_built"] > 0
     assert r["recompiles_after_step2"] == 0 and r["mfu"] is None and r["host_syncs_per_step"] is None

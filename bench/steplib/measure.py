@@ -110,3 +110,14 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with torch.compile so far: Dynamo's frames with their backend
+    (AOTAutograd, Inductor's code generation and its Triton compiles) and the compiled backward graphs. Not in it:
+    kernels compiled outside Inductor at their first call (moela's Triton kernels and their autotuning,
+    flash-attn-4's CuTe kernels)."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    spent = calculate_time_spent()
+    return float(spent.get("entire_frame_compile", 0.0) + spent.get("entire_backward_compile", 0.0))

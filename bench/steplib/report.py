@@ -46,7 +46,8 @@ def _syncs(r: dict) -> str:
 
 def _main_table(rows: list[dict]) -> list[str]:
     out = ["| config | impl | recipe | tokens/s | MFU | tokens/s, MFU unsynced | GPU busy | peak GiB | "
-           "host syncs / step | first step s (from start / built) | recompiles after step 2 | step ms (min-max) |",
+           "host syncs / step | first step s (from start / built; compiling) | recompiles after step 2 | "
+           "step ms (min-max) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
@@ -59,10 +60,15 @@ def _main_table(rows: list[dict]) -> list[str]:
             f"| {r['config']} | {r['impl']} | {r['recipe']} | {r['tokens_per_s']:,.0f} | {_f(r['mfu'], '.1%')} | "
             f"{window} | "
             f"{_f(r['busy'], '.0%')} | {r['peak_gib']:.1f} | {_syncs(r)} | "
-            f"{r['first_step_s_from_start']:.0f} / {r['first_step_s_from_built']:.0f} | "
+            f"{r['first_step_s_from_start']:.0f} / {r['first_step_s_from_built']:.0f}{_compiling(r)} | "
             f"{r['recompiles_after_step2']} | {r['step_ms_median']:.0f} ({r['step_ms_min']:.0f}-"
             f"{r['step_ms_max']:.0f}) |")
     return out
+
+
+def _compiling(r: dict) -> str:
+    """'; N' seconds of the first step spent in torch.compile, where the row recorded it."""
+    return f"; {r['first_step_compile_s']:.0f}" if r.get("first_step_compile_s") is not None else ""
 
 
 def _ratios(rows: list[dict]) -> list[str]:

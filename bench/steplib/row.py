@@ -4,7 +4,8 @@ it, count its host syncs, and return the row as a dict (written as JSON for the 
 Phases, in order (each step ends with a device synchronization outside what is measured):
 1. build (model, optimizer; for moela the whole `Trainer`), then step 1 and step 2: the time to the end of step 1
    from process start (`MOELA_BENCH_T0`, set by the parent just before it starts this process) and from the model
-   being built; the loss of step 1 (before any update) for the loss check;
+   being built, and how much of it torch.compile spent compiling (`compile_seconds`); the loss of step 1 (before
+   any update) for the loss check;
 2. the remaining warm-up steps, then `steps` timed steps: tokens/s = tokens per step / median step time; MFU with
    the trainer's formula (`flops_per_token` at the token-weighted mean document length of the timed steps, over
    the device's bf16 peak from `moela.trainer.metrics`); then `steps` more in one window with a single
@@ -31,7 +32,7 @@ import torch
 
 from bench.steplib.host import host_ops, launches, most_launched
 from bench.steplib.kernels import breakdown, device_kernels
-from bench.steplib.measure import SyncCounter, compiled_graphs, reported_syncs
+from bench.steplib.measure import SyncCounter, compile_seconds, compiled_graphs, reported_syncs
 from bench.steplib.source import PackedDocs
 from moela.config import load_config
 from moela.model import count_params, flops_per_token
@@ -74,6 +75,7 @@ def run_row(spec: dict) -> dict:
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
+    compiled_before = compile_seconds()  # zero in the row's own process; not in a test's
     device = torch.device(spec["device"])
     cfg = load_config(spec["recipe_path"], spec["overrides"])
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
@@ -104,6 +106,7 @@ def run_row(spec: dict) -> dict:
 
     first_loss = float(_step(impl, device))
     t_first = time.time()
+    first_compile_s = compile_seconds() - compiled_before  # the model build compiles nothing: all of it is step 1's
     _step(impl, device)
     graphs_after_2 = compiled_graphs()
     for _ in range(max(spec["warmup"] - 2, 0)):
@@ -182,6 +185,7 @@ def run_row(spec: dict) -> dict:
         "peak_gib": peak_gib, "host_syncs_per_step": syncs,
         "sync_debug_warnings_per_step": warned, "sync_counter_check": check, "sync_witness": witness,
         "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
+        "first_step_compile_s": first_compile_s,
         "recompiles_after_step2": compiled_graphs() - graphs_after_2,
         "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
