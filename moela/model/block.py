@@ -24,24 +24,23 @@ current one (`moela.model.streams`).
 A block returns
 (x_{l+1}, a1, z, aux, load, n_{l+1}): a1 is passed along the stack (None for standard models), z is the attention
 z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense), n_{l+1} the next
-consumer's norm of x_{l+1} when the caller hands it one (`next_norm`; else None).
+consumer's norm of x_{l+1} when the caller hands it one (`next_norm`; else None). Returning values instead of
+accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block whose `recompute` is
+set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a non-reentrant
+`torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend` names a
+torch.compile backend (set by `moela.trainer.compile.compile_blocks`) runs `_forward` compiled.
 
-The norm hand-off (`normed`, `next_norm`; `Transformer` decides when): a compiled block whose attention is a graph
-break (the attention kernels and the in-place query RoPE run eagerly between the block's compiled pieces) reads x_l
-in two pieces, norm1 in the first and the residual add in the last, so autograd adds the two gradients of x_l
-(fp32 [T, D]) in a kernel of its own between them: 4.4 ms a step of `small` at 64k tokens, 12 launches
-(bench/results/step_shipped_rope_inplace.json, `aten::add_ < evaluate_function: CompiledFunctionBackward`).
+The norm hand-off (`normed`, `next_norm`, `next_dtype`; `Transformer` decides when): a compiled block whose
+attention is a graph break (the attention kernels and the in-place query RoPE run eagerly between the block's
+compiled pieces) reads x_l in two pieces, norm1 in the first and the residual add in the last, so autograd adds the
+two gradients of x_l (fp32 [T, D]) in a kernel of its own between them: 4.4 ms a step of `small` at 64k tokens, 12
+launches (bench/results/step_shipped_rope_inplace.json, `aten::add_ < evaluate_function: CompiledFunctionBackward`).
 Handed off, block l computes norm1_{l+1}(x_{l+1}) in its last piece, where x_{l+1} is made (Inductor fuses the
 residual add and the norm into one kernel), and block l+1 reads x_{l+1} only in its residual add: the two
 gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. The handed-off norm is
 stored in the dtype its readers take (under autocast bf16: block l+1's projections would cast it on reading; the
 first form stored it in float32, which cost as many bytes as the add saved: +0.8% instead of the predicted +2%,
-bench/notes/step.md run 19). Same ops, same values.
- Returning
-values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block
-whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
-non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend`
-names a torch.compile backend (set by `moela.trainer.compile.compile_blocks`) runs `_forward` compiled.
+bench/notes/step.md run 19; in bf16 +1.5-2.0%, run 20). Same ops, same values.
 
 Shapes: T tokens, D hidden, E experts.
 """
