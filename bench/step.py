@@ -28,11 +28,14 @@ out-of-memory error ends only its row:
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
-weights. Per row: tokens/s (median step), MFU (the trainer's formula), GPU-busy share, peak memory, host syncs per
-step, time to the end of the first optimizer step (from process start / from model built), Dynamo recompilations
-after step 2, the first-step loss (printed side by side per config), and the kernel time by family. The time to
-the first step includes compilation with whatever the Triton and Inductor on-disk caches hold: the first row on a
-fresh machine pays the cold compile, later rows reuse the kernels earlier rows built.
+weights. Per row: tokens/s (median step) and MFU (the trainer's formula), both again over a window of as many
+steps synchronized once at its end (the trainer's pace, logging steps included), GPU-busy share, peak memory,
+host syncs per step, time to the end of the first optimizer step (from process start / from model built, and the
+part of it torch.compile spent compiling), Dynamo recompilations after step 2, the first-step loss (printed side
+by side per config), the kernel time by family and the kernels launched most often. The time to the first step
+includes compilation with whatever the Triton and Inductor on-disk caches hold: the first row on a fresh machine
+pays the cold compile, later rows reuse the kernels earlier rows built. `--steps N` sets the timed steps (three
+timed steps do not resolve differences under ~3%: A/B rows use 30, in both row orders).
 
 Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
                   [--quick] [--out-dir bench/results] [--log-dir DIR]
