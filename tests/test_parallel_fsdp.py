@@ -145,6 +145,7 @@ def _sharded_blocks_keep_their_norms(rank: int, world_size: int) -> None:
     from moela.trainer.compile import compile_blocks
 
     cfg, pcfg = tiny_config(**VISIBLE_TRAINING), ParallelConfig()
+    torch.manual_seed(0)
     model = apply_parallelism(build_model(cfg, "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
     compile_blocks(model, backend="eager")
     assert model._handoffs() == [None] * len(model.layers)
