@@ -25,17 +25,19 @@ out-of-memory error ends only its row:
                           (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
             moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
                           (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on)
+            moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
+                          the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
 weights. Per row: tokens/s (median step) and MFU (the trainer's formula), both again over a window of as many
 steps synchronized once at its end (the trainer's pace, logging steps included), GPU-busy share, peak memory,
-host syncs per step, time to the end of the first optimizer step (from process start / from model built, and the
-part of it torch.compile spent compiling), Dynamo recompilations after step 2, the first-step loss (printed side
-by side per config), the kernel time by family and the kernels launched most often. The time to the first step
-includes compilation with whatever the Triton and Inductor on-disk caches hold: the first row on a fresh machine
-pays the cold compile, later rows reuse the kernels earlier rows built. `--steps N` sets the timed steps (three
-timed steps do not resolve differences under ~3%: A/B rows use 30, in both row orders).
+host syncs per step, time to the end of the first optimizer step (from process start / from model built, the
+part of it torch.compile spent compiling, and the graphs it compiled), Dynamo recompilations after step 2, the
+first-step loss (printed side by side per config), the kernel time by family and the kernels launched most often.
+The time to the first step includes compilation with whatever the Triton and Inductor on-disk caches hold: the
+first row on a fresh machine pays the cold compile, later rows reuse the kernels earlier rows built. `--steps N`
+sets the timed steps (three timed steps do not resolve differences under ~3%: A/B rows use 30, in both row orders).
 
 Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
                   [--quick] [--out-dir bench/results] [--log-dir DIR]
@@ -80,13 +82,15 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-recast", "moela-nomtp-nohandoff", "titan-compile", "hf", "titan-eager")
+         "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "titan-compile", "hf",
+         "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
+               "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
+               "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
@@ -116,7 +120,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "graph_first_assigns": impl != "moela-graphs-add",
                              "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
                              "save_weight_copies": impl != "moela-nomtp-recast",
-                             "handoff_norms": impl != "moela-nomtp-nohandoff", **counts})
+                             "handoff_norms": impl != "moela-nomtp-nohandoff",
+                             "attention_in_graph": impl != "moela-nomtp-attnbreak", **counts})
     return rows
 
 

@@ -66,16 +66,17 @@ def run_with_grads(fn, q, k, v, dout, dlse):
 
 
 def check_against_float64(lens_q, lens_k, heads, d_qk, d_v, dtype, device, causal, alibi, seed, backend,
-                          ulps=0.0, slope_scale=1.0, with_lse=True):
-    """`with_lse`: the lse is returned and gets a random gradient (the z-loss path); else out alone."""
+                          ulps=0.0, slope_scale=1.0, with_lse=True, attention=mla_attention):
+    """`with_lse`: the lse is returned and gets a random gradient (the z-loss path); else out alone. `attention`:
+    the function under test, with mla_attention's signature."""
     q, k, v, cu_q, cu_k, slopes, dout, dlse = make_case(lens_q, lens_k, heads, d_qk, d_v, dtype, device, alibi, seed)
     if slopes is not None:
         slopes = slopes * slope_scale
     scale = 1.0 / math.sqrt(d_qk)
 
     def candidate(a, b, c):
-        res = mla_attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k), causal=causal,
-                            alibi_slopes=slopes, return_lse=with_lse, backend=backend)
+        res = attention(a, b, c, cu_q, max(lens_q), cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k), causal=causal,
+                        alibi_slopes=slopes, return_lse=with_lse, backend=backend)
         return res if with_lse else (res,)
 
     def naive(a, b, c):

@@ -393,7 +393,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-ropecat", "16k", "bf16"),
                       ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
                       ("moela-nomtp-recast", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
-                      ("moela-nomtp-nohandoff", "64k", "bf16"),
+                      ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
+                      ("moela-nomtp-attnbreak", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
@@ -403,6 +404,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
         assert s["handoff_norms"] == (s["label"] != "moela-nomtp-nohandoff")
+        assert s["attention_in_graph"] == (s["label"] != "moela-nomtp-attnbreak")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
@@ -441,7 +443,7 @@ def test_report_tables_ratios_and_failures(tmp_path):
                 "most_launched": [["triton_poi_fused_copy_3", "copies/cat/casts", 240.0, 2.5, ["aten::copy_ < f"]]]}
     rows = [row("moela-nomtp", 200e3, 8.3101), row("titan-compile", 160e3, 8.3105), row("hf", 50e3, 8.3098),
             {"config": "small-64k", "impl": "titan-eager", "recipe": "bf16", "error": "exit code 1: OutOfMemory"}]
-    rows[0].update(tokens_per_s_window=210e3, mfu_window=0.21, first_step_compile_s=12.4)
+    rows[0].update(tokens_per_s_window=210e3, mfu_window=0.21, first_step_compile_s=12.4, first_step_graphs=9)
     rows[1].update(tokens_per_s_window=150e3, mfu_window=0.15)
     md = write_report(rows, tmp_path, command="python bench/step.py", date="2026-12-01",
                       counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
@@ -449,8 +451,8 @@ def test_report_tables_ratios_and_failures(tmp_path):
     assert "1.25x titan-compile (unsynced 1.40x), 4.00x hf;" in md
     assert "failed: exit code 1: OutOfMemory" in md
     assert "| 200,000 | 20.0% | 210,000, 21.0% | 90% |" in md and "| 50,000 | 20.0% | - | 90% |" in md
-    assert "| 30 / 20; 12 | 0 |" in md and "| 30 / 20 | 0 |" in md  # compile seconds where recorded
-    assert "| small-64k | - | - | - | - | 8.3101 | - | - | - | 8.3105 | - | 8.3098 |" in md
+    assert "| 30 / 20; 12, 9 | 0 |" in md and "| 30 / 20 | 0 |" in md  # compile seconds and graphs where recorded
+    assert "| small-64k | - | - | - | - | 8.3101 | - | - | - | - | 8.3105 | - | 8.3098 |" in md
     assert "7 (5 warned)" in md and "3 of 3 rows counted by the CUDA trace hooks" in md
     assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
     assert "`cuLaunchKernelEx` 12.5 ms (400 calls)" in md

@@ -91,6 +91,48 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
     assert sites == {("attention.py", "_attention"), ("moe.py", "forward")}, sites
 
 
+def test_a_compiled_block_holds_its_attention_kernels_and_query_rope_in_its_graph(monkeypatch):
+    """With a backend that has separate forward and backward kernels (the Triton kernels, under the interpreter
+    here; flash-attn-4 on a GPU) the attention and the in-place query RoPE are ops of the block's graph
+    (`moela.ops.attention.graph`): on the CPU only the routed experts' reference still breaks it, and the compiled
+    model's loss and gradients equal the eager model's. `IN_GRAPH["attention"] = False` restores both breaks."""
+    from moela.model import attention as mla
+    from moela.ops.triton_env import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU")
+    monkeypatch.setattr(mla, "rotate_q_in_place", lambda q: True)  # the CUDA path's in-place RoPE, interpreted
+    cfg = tiny_config(attention_backend="triton", moe_backend="reference", z_loss_coef=1e-3, aux_loss_coef=1e-2)
+    eager = build_model(cfg)
+    batch = pad_batch(packed_batch(cfg.vocab_size, [21, 9, 30], seed=5), 96, 48)
+    ctx = eager._context(batch, batch.targets_on_host)
+    x = eager.embed(batch.input_ids)
+
+    def break_files(block):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(type(block)._forward)(block, x, ctx, None, None, None, None)
+        return {s.filename.rsplit("/", 1)[-1] for b in explained.break_reasons for s in b.user_stack[-2:]}
+
+    assert break_files(eager.layers[1]) == {"moe.py", "layers.py"}  # the experts, through call_op
+    monkeypatch.setitem(mla.IN_GRAPH, "attention", False)
+    assert {"attention.py", "moe.py"} <= break_files(eager.layers[1])
+    monkeypatch.setitem(mla.IN_GRAPH, "attention", True)
+    torch._dynamo.reset()
+    model = build_model(cfg)
+    model.load_state_dict(eager.state_dict())
+    compile_blocks(model, backend="aot_eager")
+    results = []
+    for m in (eager, model):
+        out = m(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _consumers(root: torch.Tensor, tensors: list[torch.Tensor]) -> list[int]:
     """How many autograd edges of the graph behind `root` feed each tensor's gradient (2 or more: autograd adds
     them in a kernel of its own)."""
@@ -229,9 +271,9 @@ def cuda_cfg(run_dir, *extra):
 
 @pytest.mark.gpu
 def test_compiled_cuda_blocks_break_only_at_opaque_ops():
-    """With the CUDA backends, every graph break in a MoE block is an op registered opaque (today: the attention
-    kernels; the routed experts are custom ops inside the graph) - none in the glue; printed so the log shows
-    which."""
+    """With the CUDA backends a MoE block is one graph: the attention (its op pair), the query's in-place RoPE and
+    the routed experts are custom ops inside it; any break would be an op registered opaque, never the glue
+    (printed so the log shows which)."""
     cfg = tiny_config(**GPU_SHAPE)
     model = build_model(cfg, "cuda")
     batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
@@ -244,15 +286,19 @@ def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     print("graph breaks:", sorted({(b.user_stack[-1].filename.rsplit("/", 1)[-1], b.user_stack[-1].name)
                                    for b in explained.break_reasons}))
     assert all("torch.compiler.disable" in r for r in reasons), reasons
+    assert explained.graph_count == 1 and not reasons, reasons
 
 
 @pytest.mark.gpu
-def test_cuda_blocks_hand_off_the_next_norm():
-    """With the CUDA kernels (attention a graph break, the query's RoPE rotated in place outside the graph, the
-    experts in the graph), each block output feeds one compiled piece only, and the loss equals the one without
-    the hand-off."""
+@pytest.mark.parametrize("attention_in_graph", [True, False])
+def test_cuda_blocks_hand_off_the_next_norm(monkeypatch, attention_in_graph):
+    """With the CUDA kernels, each block output feeds one compiled piece only: with the attention in the block's
+    graph in any case, with the attention and the query RoPE as graph breaks (`IN_GRAPH`) thanks to the hand-off;
+    the loss equals the one without the hand-off."""
+    from moela.model import attention as mla
     from moela.model import transformer
 
+    monkeypatch.setitem(mla.IN_GRAPH, "attention", attention_in_graph)
     cfg = tiny_config(**GPU_SHAPE)
     model = build_model(cfg, "cuda")
     compile_blocks(model, backend="aot_eager")
@@ -262,14 +308,12 @@ def test_cuda_blocks_hand_off_the_next_norm():
         layer.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
     losses = []
     for handoff in (True, False):
-        transformer.HANDOFF_NORMS = handoff
+        monkeypatch.setattr(transformer, "HANDOFF_NORMS", handoff)
         outputs.clear()
-        try:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(batch)
-        finally:
-            transformer.HANDOFF_NORMS = True
-        assert _consumers(out.loss, outputs[:-1]) == [1 if handoff else 2] * (len(outputs) - 1), handoff
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(batch)
+        want = 1 if handoff or attention_in_graph else 2
+        assert _consumers(out.loss, outputs[:-1]) == [want] * (len(outputs) - 1), handoff
         losses.append(out.loss.detach())
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-3, atol=0)  # bf16 autocast, another fusion
 

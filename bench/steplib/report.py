@@ -11,7 +11,7 @@ from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
 LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-              "moela-nomtp-recast", "moela-nomtp-nohandoff") + PEERS
+              "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak") + PEERS
 
 
 def _versions() -> str:
@@ -46,7 +46,7 @@ def _syncs(r: dict) -> str:
 
 def _main_table(rows: list[dict]) -> list[str]:
     out = ["| config | impl | recipe | tokens/s | MFU | tokens/s, MFU unsynced | GPU busy | peak GiB | "
-           "host syncs / step | first step s (from start / built; compiling) | recompiles after step 2 | "
+           "host syncs / step | first step s (from start / built; compiling, graphs) | recompiles after step 2 | "
            "step ms (min-max) |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -67,8 +67,12 @@ def _main_table(rows: list[dict]) -> list[str]:
 
 
 def _compiling(r: dict) -> str:
-    """'; N' seconds of the first step spent in torch.compile, where the row recorded it."""
-    return f"; {r['first_step_compile_s']:.0f}" if r.get("first_step_compile_s") is not None else ""
+    """'; N' seconds of the first step spent in torch.compile (', G graphs' it compiled), where the row recorded
+    them."""
+    if r.get("first_step_compile_s") is None:
+        return ""
+    graphs = f", {r['first_step_graphs']}" if r.get("first_step_graphs") is not None else ""
+    return f"; {r['first_step_compile_s']:.0f}{graphs}"
 
 
 def _ratios(rows: list[dict]) -> list[str]:

@@ -70,12 +70,12 @@ def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
-    q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`) and
-    handoff_norms (`transformer.HANDOFF_NORMS`)."""
+    q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
+    handoff_norms (`transformer.HANDOFF_NORMS`) and attention_in_graph (`attention.IN_GRAPH["attention"]`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
-    compiled_before = compile_seconds()  # zero in the row's own process; not in a test's
+    compiled_before, graphs_before = compile_seconds(), compiled_graphs()  # zero in the row's own process
     device = torch.device(spec["device"])
     cfg = load_config(spec["recipe_path"], spec["overrides"])
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
@@ -101,12 +101,17 @@ def run_row(spec: dict) -> dict:
         from moela.model import transformer
 
         transformer.HANDOFF_NORMS = False
+    if not spec.get("attention_in_graph", True):
+        from moela.model import attention
+
+        attention.IN_GRAPH["attention"] = False
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 
     first_loss = float(_step(impl, device))
     t_first = time.time()
     first_compile_s = compile_seconds() - compiled_before  # the model build compiles nothing: all of it is step 1's
+    first_graphs = compiled_graphs() - graphs_before
     _step(impl, device)
     graphs_after_2 = compiled_graphs()
     for _ in range(max(spec["warmup"] - 2, 0)):
@@ -186,6 +191,7 @@ def run_row(spec: dict) -> dict:
         "sync_debug_warnings_per_step": warned, "sync_counter_check": check, "sync_witness": witness,
         "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
         "first_step_compile_s": first_compile_s,
+        "first_step_graphs": first_graphs,
         "recompiles_after_step2": compiled_graphs() - graphs_after_2,
         "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),

@@ -22,10 +22,15 @@ Decisions:
   heads this rank holds), `gather_latents` (the latents [q input | c_kv | k_pe] are computed on this rank's
   tokens and all-gathered in one collective; a no-op by default) and `layer_qk_norm` (`qk_rms_norm` over the
   heads of the whole group). Everything after the gather runs on all tokens with this rank's heads.
-- On CUDA the query's RoPE part is rotated in place in the projection's output, outside the compiled graph, and its
-  gradient rotated back in place (`moela.ops.rope_triton.rope_columns_`): no [T, H, Dqk] cat in either pass.
-  `Q_ROPE["mode"] = "cat"` restores the out-of-place form (split, rope, cat; the CPU path), which
-  `bench/step.py`'s `moela-nomtp-ropecat` row times against it.
+- On CUDA the query's RoPE part is rotated in place in the projection's output, and its gradient rotated back in
+  place (`moela.ops.rope_triton.rope_columns_`): no [T, H, Dqk] cat in either pass. `Q_ROPE["mode"] = "cat"`
+  restores the out-of-place form (split, rope, cat; the CPU path), which `bench/step.py`'s `moela-nomtp-ropecat`
+  row times against it.
+- In a compiled block both are ops of the block's graph: the rotation a mutating torch.library op, the attention
+  the op pair of `moela.ops.attention.graph` whenever a backend with separate forward and backward kernels can run
+  it (flash-attn-4 or the Triton kernels; `traces_in_graph`), so a block compiles as one graph instead of five
+  pieces. `IN_GRAPH["attention"] = False` restores the graph breaks around both (bench/step.py's
+  `moela-nomtp-attnbreak` row).
 
 Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
 R = qk_rope_head_dim, C = kv_lora_rank.
@@ -42,6 +47,7 @@ from moela.model.config import ModelConfig
 from moela.model.layers import Linear, PackedContext, RMSNorm, call_op, call_outside_graph
 from moela.ops.attention import mla_attention
 from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
+from moela.ops.attention.graph import mla_attention_in_graph, traces_in_graph
 from moela.ops.qk_norm import qk_rms_norm
 from moela.ops.rope import rope, yarn_mscale
 
@@ -52,6 +58,7 @@ except ImportError:  # no triton on this platform: the out-of-place RoPE of the 
 
 LATENT_NORM_EPS = 1e-6
 Q_ROPE = {"mode": "in_place"}  # or "cat" (module docstring)
+IN_GRAPH = {"attention": True}  # False: attention and the in-place RoPE are graph breaks (module docstring)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -113,6 +120,7 @@ class MLA(nn.Module):
         self.softmax_scale = softmax_scale(cfg)
         self.attention_factor = rope_attention_factor(cfg)
         self.z_loss = cfg.z_loss_coef > 0
+        self.attention_backend = cfg.attention_backend
         self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend)
         self.gather_latents = keep_latents  # tensor parallelism's seams (module docstring)
         self.layer_qk_norm = qk_rms_norm
@@ -126,7 +134,12 @@ class MLA(nn.Module):
         return q.view(t, h, self.qk_dim), k.view(t, h, self.qk_dim)  # [T, H, Dqk]
 
     def _attention(self, q: torch.Tensor, *args, **kwargs):
-        """`core_attention` as a compiled block calls it (`call_op`)."""
+        """`core_attention` as a compiled block calls it: the graph's op pair where a kernel backend can run it, else
+        `call_op` (a graph break for the backends Dynamo cannot trace)."""
+        if IN_GRAPH["attention"] and torch.compiler.is_compiling() and traces_in_graph(
+                q.device.type, q.device.index, q.dtype, self.qk_dim, self.v_dim,
+                kwargs.get("alibi_slopes") is not None, self.attention_backend):
+            return mla_attention_in_graph(q, *args, backend=self.attention_backend, **kwargs)
         return call_op(self.core_attention, ATTENTION_DISPATCH, q, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +160,11 @@ class MLA(nn.Module):
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
         if rotate_q_in_place(q):
-            q = call_outside_graph(rope_columns_, q, ctx.position_ids, ctx.inv_freq, self.nope_dim,
-                                   attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
+            rope_args = (q, ctx.position_ids, ctx.inv_freq, self.nope_dim)
+            if IN_GRAPH["attention"]:  # traced into a compiled block's graph
+                q = rope_columns_(*rope_args, attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
+            else:
+                q = call_outside_graph(rope_columns_, *rope_args, attention_factor=self.attention_factor)
         else:
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
             q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]

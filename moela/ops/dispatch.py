@@ -65,19 +65,33 @@ class Dispatch:
         if backend not in self.names:
             raise ValueError(f"{self.op}: unknown backend {backend!r}; choose one of {', '.join(self.names)}")
 
-    def choose(self, backend: str, *args, reason: str = "", **kwargs) -> str:
+    def choose(self, backend: str, *args, reason: str = "", among: tuple[str, ...] | None = None, **kwargs) -> str:
         """The backend that runs this call: for "auto" the first candidate (registration order, or `rank`'s) whose
-        `auto(*args, **kwargs)` holds, else "reference"; a named one if it is registered here and accepts the call."""
+        `auto(*args, **kwargs)` holds, else "reference"; a named one if it is registered here and accepts the call.
+        `among`: the caller runs only these backends (a form of the op that needs kernels some backends lack); auto
+        skips the others, naming each it would have taken in the log, and falls back to "reference" only if
+        "reference" is among them."""
         self.check(backend)
         if backend == "auto":
             order = list(self.fast)
             if self.rank is not None:
                 order, why = self.rank(*args, **kwargs)
                 reason = ", ".join(part for part in (reason, why) if part)
-            chosen = next((name for name in order if name in self.fast and self.fast[name].auto(*args, **kwargs)),
-                          "reference")
+            usable = [name for name in order if name in self.fast and self.fast[name].auto(*args, **kwargs)]
+            if among is not None:
+                skipped = [name for name in usable if name not in among]
+                usable = [name for name in usable if name in among]
+                if skipped and (not usable or order.index(skipped[0]) < order.index(usable[0])):
+                    reason = ", ".join(part for part in (reason, f"{', '.join(skipped)} cannot run in this form "
+                                                                  f"of the op (it runs {', '.join(among)})") if part)
+                if not usable and "reference" not in among:
+                    raise RuntimeError(f"{self.op}: none of {', '.join(among)} can run this call; {reason}")
+            chosen = usable[0] if usable else "reference"
             self._log(chosen, f"auto, {reason}" if reason else "auto")
             return chosen
+        if among is not None and backend not in among:
+            raise ValueError(f"{self.op}: backend {backend!r} cannot run in this form of the op (it runs "
+                             f"{', '.join(among)})")
         if backend != "reference":
             fast = self.fast.get(backend)
             if fast is None:

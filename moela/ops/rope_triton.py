@@ -18,6 +18,8 @@ Decisions:
   another backward, the alias's shared version counter makes that backward fail loudly, never silently.
 - The gradient is rotated in place when it is contiguous (what every attention backend returns); otherwise
   (expanded or strided) a contiguous copy is rotated.
+- The launch is a torch.library op that mutates its input (`moela::rope_columns_`), so torch.compile traces this
+  autograd Function into a compiled block's graph (it was a graph break) and keeps both rotations in place.
 - One program per BLOCK_T tokens and head, each token's R columns one contiguous load and store (pairs split and
   joined in registers). A first form looped over the heads in one program per token block and loaded the pairs'
   halves with two stride-2 loads: 0.27 ms a call at small-32k, ~6x its bytes' time (bench/notes/step.md, run 16).
@@ -71,12 +73,24 @@ def _launch(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
         INVERSE=inverse, HALF_P2=triton.next_power_of_2(half), BLOCK_T=BLOCK_T)
 
 
+@torch.library.custom_op("moela::rope_columns_", mutates_args={"x"})
+def _rope_columns_op(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor, col0: int,
+                     attention_factor: float, inverse: bool) -> None:
+    """The kernel as an op that mutates x (module docstring): its call bumps x's version counter, and a compiled
+    graph holds it (Inductor writes in place into the buffer it mutates when nothing reads that buffer after)."""
+    _launch(x, position_ids, inv_freq, col0, attention_factor, inverse)
+
+
+@_rope_columns_op.register_fake
+def _rope_columns_fake(x, position_ids, inv_freq, col0, attention_factor, inverse) -> None:
+    return None
+
+
 class _RopeColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, position_ids, inv_freq, col0, attention_factor):
         out = x.detach()  # the alias that is rotated and returned (module docstring)
-        _launch(out, position_ids, inv_freq, col0, attention_factor, inverse=False)
-        torch.autograd.graph.increment_version(out)  # a kernel's write does not bump it; the check needs it
+        _rope_columns_op(out, position_ids, inv_freq, col0, attention_factor, False)
         ctx.save_for_backward(position_ids, inv_freq)
         ctx.col0, ctx.attention_factor = col0, attention_factor
         return out
@@ -85,7 +99,7 @@ class _RopeColumns(torch.autograd.Function):
     def backward(ctx, grad):
         position_ids, inv_freq = ctx.saved_tensors
         g = grad if grad.is_contiguous() else grad.clone(memory_format=torch.contiguous_format)
-        _launch(g, position_ids, inv_freq, ctx.col0, ctx.attention_factor, inverse=True)
+        _rope_columns_op(g, position_ids, inv_freq, ctx.col0, ctx.attention_factor, True)
         return g, None, None, None, None
 
 

@@ -68,7 +68,7 @@ def _rank(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, re
 DISPATCH = Dispatch("mla_attention", ATTENTION_BACKENDS, needs="triton", describe=_describe, rank=_rank)
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"mla_attention wants q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv]; got "
@@ -94,7 +94,7 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         cu_seqlens_k, max_seqlen_k = cu_seqlens_q, max_seqlen_q
     elif max_seqlen_k is None:
         max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     options = dict(causal=causal, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
     chosen = DISPATCH.choose(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=max_seqlen_k, return_lse=return_lse, **options)

@@ -75,6 +75,17 @@ def flash_mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                         return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
     Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
+    max_seqlen_q, max_seqlen_k, scale = triton_prepare(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k,
+                                                       max_seqlen_k, softmax_scale, alibi_slopes)
+    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                           alibi_slopes)
+
+
+def triton_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None,
+                   alibi_slopes: torch.Tensor | None) -> tuple[int, int, float]:
+    """The kernels' preconditions, checked with a clear error -> (max_seqlen_q, max_seqlen_k, softmax_scale) as the
+    launchers take them. Shared by the autograd Function above and the compiled-graph op (`graph.py`)."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
     for name, t, length in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
@@ -83,8 +94,7 @@ def flash_mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                              f"x {name}'s row stride {t.stride(0)} exceed 2^31; split long documents or use context "
                              f"parallelism")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, float(scale),
-                           alibi_slopes)
+    return max_seqlen_q, max_seqlen_k, float(scale)
 
 
 def triton_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:

@@ -114,6 +114,16 @@ def _score_mods(causal: bool, slopes: torch.Tensor) -> tuple[Callable, Callable]
     return alibi_score_mods(host_slopes(slopes), causal)
 
 
+def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, alibi_slopes: torch.Tensor | None) -> None:
+    problem = flash_problem(q, k, v, alibi_slopes)
+    if problem is not None:
+        raise RuntimeError(f"mla_attention backend 'flash': {problem} (or use backend='auto')")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise TypeError(f"{name} must be an int32 tensor on {q.device}; got {t.dtype} on {t.device}")
+
+
 @torch.compiler.disable
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                     cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, return_lse: bool, causal: bool,
@@ -121,12 +131,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The `flash` backend (mla_attention's arguments) -> (out [Tq, H, Dv], lse [H, Tq] float32 or None); both
     differentiable. Opaque to torch.compile (a graph break), as the Triton backend."""
-    problem = flash_problem(q, k, v, alibi_slopes)
-    if problem is not None:
-        raise RuntimeError(f"mla_attention backend 'flash': {problem} (or use backend='auto')")
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise TypeError(f"{name} must be an int32 tensor on {q.device}; got {t.dtype} on {t.device}")
+    _check_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     module, _ = _flash_module()
     tq = q.shape[0]
     n_docs = cu_seqlens_q.numel() - 1
@@ -144,3 +149,49 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                                              max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
                                              **options)  # [Tq, H, Dv], [H, Tq]
     return out, (lse if return_lse else None)
+
+
+# The forward and backward as two calls, for the compiled-graph op (`moela.ops.attention.graph`): flash-attn-4's own
+# `_flash_attn_fwd` / `_flash_attn_bwd`, called with the arguments its autograd Function (`FlashAttnVarlenFunc`)
+# passes them, so the kernels, tiles and numerics are the ones `flash_attention` runs. They are private to
+# flash-attn-4, hence the pinned version of the `[flash]` extra and the error below if they move.
+def _interface_function(name: str) -> Callable:
+    from flash_attn.cute import interface
+
+    fn = getattr(interface, name, None)
+    if fn is None:
+        raise RuntimeError(f"flash_attn.cute.interface at {interface.__file__} has no {name}, which the flash "
+                           f"backend calls inside compiled blocks; install the tested version with {INSTALL}")
+    return fn
+
+
+def _score_mod_options(causal: bool, alibi_slopes: torch.Tensor | None) -> dict:
+    if alibi_slopes is None:
+        return {}
+    score_mod, score_mod_bwd = _score_mods(causal, alibi_slopes)
+    return dict(score_mod=score_mod, score_mod_bwd=score_mod_bwd)
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
+                  cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool, softmax_scale: float,
+                  alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn-4's forward kernel -> (out [Tq, H, Dv], lse [H, Tq] float32); no autograd. Tq and Tk > 0."""
+    _check_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    out, lse, *_ = _interface_function("_flash_attn_fwd")(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k), softmax_scale=softmax_scale, causal=causal, softcap=0.0, return_lse=True,
+        **_score_mod_options(causal, alibi_slopes))
+    return out, lse
+
+
+def flash_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   max_seqlen_q: int, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool,
+                   softmax_scale: float, alibi_slopes: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn-4's backward kernels (dlse folded into its preprocess) -> (dq, dk, dv). Tq and Tk > 0."""
+    dq, dk, dv = _interface_function("_flash_attn_bwd")(
+        q, k, v, out, dout, lse, softmax_scale, causal, 0.0, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), dlse=dlse,
+        **_score_mod_options(causal, alibi_slopes))
+    return dq, dk, dv
