@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import time
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -620,3 +621,32 @@ def test_titan_stand_ins_apply_only_where_torch_lacks_the_feature(monkeypatch):
     assert titan._drop_separate_full_blocks() is True
     decoder.create_attention_mask("mod", 1, None, 8, 8, separate_full_blocks=True, BLOCK_SIZE=128)
     assert calls == [(("mod", 1, None, 8, 8), {"BLOCK_SIZE": 128})]
+
+
+def test_the_first_step_clock_times_the_compilers_where_they_are_called(monkeypatch):
+    """The clock's wrappers time each call of a wrapped compiler and pass its result through; its report lists
+    them with torch.compile's phases (from Dynamo's own timers), and the report renders both. `install` wraps the
+    real entry points (restored after the test) without changing what they return."""
+    import bench.steplib.first_step as first_step
+    from bench.steplib.report import _first_step_compilers
+    from moela.ops.attention import flash
+
+    clock = first_step.CompilerClock()
+    slow = clock._wrap("a compiler", lambda x: (time.sleep(0.05), x + 1)[1])
+    assert slow(1) == 2 and slow(2) == 3
+    torch._dynamo.reset()
+    torch.compile(lambda t: t.sin() + 1, backend="aot_eager")(torch.ones(3))
+    got = clock.report()
+    assert got["a compiler"][1] == 2 and 0.1 <= got["a compiler"][0] < 5
+    assert got["torch.compile phases"] and all(s >= 0 and n >= 1 for s, n in got["torch.compile phases"].values())
+    line = _first_step_compilers([{"config": "c", "impl": "moela", "recipe": "bf16", "first_step_compilers": got}])
+    assert line[0].startswith("- c moela bf16: a compiler 0.1 s (2); torch.compile phases: `")
+
+    triton_compiler = pytest.importorskip("triton.compiler")
+    from triton.runtime.autotuner import Autotuner
+
+    for owner, name in ((triton_compiler, "compile"), (Autotuner, "_bench"), (flash, "_flash_module")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    loaded = flash._flash_module()
+    clock.install()
+    assert flash._flash_module() == loaded and triton_compiler.compile.__wrapped__ is not None

@@ -225,6 +225,12 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     if frequent:
         lines += ["", "## Kernels launched most often per step (name, family, launches x device time each)", ""
                   ] + frequent
+    compilers = _first_step_compilers(rows)
+    if compilers:
+        lines += ["", "## First step: the compilers it ran (seconds, calls)", "",
+                  "Each timed where it is called (`bench/steplib/first_step.py`); torch.compile's phases are nested "
+                  "(a phase includes those it calls), the autotuner's seconds include the JIT compiles it "
+                  "triggers.", ""] + compilers
     checked = [r for r in _ok(rows) if r.get("sync_counter_check")]
     if checked:
         odd = [r for r in checked if r["sync_witness"] != "trace"]
@@ -241,6 +247,19 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _first_step_compilers(rows: list[dict]) -> list[str]:
+    out = []
+    for r in _ok(rows):
+        got = r.get("first_step_compilers")
+        if not got:
+            continue
+        own = "; ".join(f"{name} {v[0]:.1f} s ({v[1]})" for name, v in got.items() if name != "torch.compile phases")
+        phases = "; ".join(f"`{name}` {s:.1f} s ({n})" for name, (s, n) in got.get("torch.compile phases", {}).items())
+        out.append(f"- {r['config']} {r['impl']} {r['recipe']}: {own or 'no kernel compiles outside torch.compile'}"
+                   f"; torch.compile phases: {phases or '-'}")
+    return out
 
 
 def write_report(rows: list[dict], out_dir: Path, *, command: str, counts: dict, date: str) -> str:

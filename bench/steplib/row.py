@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from bench.steplib.first_step import CompilerClock
 from bench.steplib.host import host_ops, launches, most_launched
 from bench.steplib.kernels import breakdown, device_kernels
 from bench.steplib.measure import SyncCounter, compile_seconds, compiled_graphs, reported_syncs
@@ -105,6 +106,8 @@ def run_row(spec: dict) -> dict:
         from moela.model import attention
 
         attention.IN_GRAPH["attention"] = False
+    clock = CompilerClock()
+    clock.install()
     impl = build_impl(spec["impl"], cfg, source, device)
     t_built = time.time()
 
@@ -112,6 +115,7 @@ def run_row(spec: dict) -> dict:
     t_first = time.time()
     first_compile_s = compile_seconds() - compiled_before  # the model build compiles nothing: all of it is step 1's
     first_graphs = compiled_graphs() - graphs_before
+    first_compilers = clock.report()
     _step(impl, device)
     graphs_after_2 = compiled_graphs()
     for _ in range(max(spec["warmup"] - 2, 0)):
@@ -192,6 +196,7 @@ def run_row(spec: dict) -> dict:
         "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
         "first_step_compile_s": first_compile_s,
         "first_step_graphs": first_graphs,
+        "first_step_compilers": first_compilers,
         "recompiles_after_step2": compiled_graphs() - graphs_after_2,
         "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
