@@ -176,7 +176,7 @@ def test_compiled_blocks_hand_off_the_next_norm_so_no_gradient_is_added_between_
     for handoff, want in ((False, 2), (True, 1)):
         monkeypatch.setattr(transformer, "HANDOFF_NORMS", handoff)
         outputs.clear()
-        assert all((norm is not None) == handoff for norm in model._handoffs())
+        assert all((norm is not None) == handoff for norm in model._handoffs(model.embed(batch.input_ids)))
         out, grads = loss_and_grads(model)
         # every block output but the last feeds the next block: two gradient edges without the hand-off, one with
         assert _consumers(out.loss, outputs[:-1]) == [want] * (len(outputs) - 1), handoff
@@ -222,19 +222,31 @@ def test_under_autocast_the_hand_off_is_in_the_projections_dtype_and_adds_no_gra
         torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=name)
 
 
-def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run():
-    """Eager blocks, recomputed blocks and FAL blocks (which read their input in the first piece anyway) normalize
-    their own input; the last compiled block hands its output to the final norm."""
+def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run(monkeypatch):
+    """Where the attention is a graph break (the CPU's reference here), compiled blocks hand the next norm on, the
+    last one to the final norm; eager blocks, recomputed blocks and FAL blocks (which read their input in the first
+    piece anyway) normalize their own input. Where the blocks trace their attention (the Triton kernels, under the
+    interpreter here) none hands off: a block input's two readers are in one graph."""
+    from moela.model import attention as mla
+    from moela.ops.triton_env import INTERPRET
+
     model = build_model(tiny_config(num_hidden_layers=3))
-    assert model._handoffs() == [None, None, None]  # not compiled
+    x = torch.zeros(5, model.cfg.hidden_size)
+    assert model._handoffs(x) == [None, None, None]  # not compiled
     compile_blocks(model, backend="eager")
     layers = model.layers
-    assert model._handoffs() == [layers[1].attn_norm, layers[2].attn_norm, model.norm]
+    assert model._handoffs(x) == [layers[1].attn_norm, layers[2].attn_norm, model.norm]
     layers[1].recompute = True
-    assert model._handoffs() == [None, None, model.norm]
+    assert model._handoffs(x) == [None, None, model.norm]
     fal = build_model(tiny_config(num_hidden_layers=3, block="fal"))
     compile_blocks(fal, backend="eager")
-    assert fal._handoffs() == [None, None, fal.norm]
+    assert fal._handoffs(x) == [None, None, fal.norm]
+    if INTERPRET:
+        traced = build_model(tiny_config(num_hidden_layers=3, attention_backend="triton"))
+        compile_blocks(traced, backend="eager")
+        assert traced._handoffs(x) == [None, None, None]
+        monkeypatch.setitem(mla.IN_GRAPH, "attention", False)
+        assert traced._handoffs(x) == [traced.layers[1].attn_norm, traced.layers[2].attn_norm, traced.norm]
 
 
 def make_cfg(run_dir, *extra):
@@ -293,8 +305,8 @@ def test_compiled_cuda_blocks_break_only_at_opaque_ops():
 @pytest.mark.parametrize("attention_in_graph", [True, False])
 def test_cuda_blocks_hand_off_the_next_norm(monkeypatch, attention_in_graph):
     """With the CUDA kernels, each block output feeds one compiled piece only: with the attention in the block's
-    graph in any case, with the attention and the query RoPE as graph breaks (`IN_GRAPH`) thanks to the hand-off;
-    the loss equals the one without the hand-off."""
+    graph (no hand-off then), and with the attention and the query RoPE as graph breaks (`IN_GRAPH`) thanks to the
+    hand-off; the loss equals the one without the hand-off."""
     from moela.model import attention as mla
     from moela.model import transformer
 

@@ -133,6 +133,17 @@ class MLA(nn.Module):
                                   self.q_qk_norm.weight, self.k_qk_norm.weight, self.q_qk_norm.eps)  # [T, H*Dqk]
         return q.view(t, h, self.qk_dim), k.view(t, h, self.qk_dim)  # [T, H, Dqk]
 
+    def breaks_graph(self, x: torch.Tensor) -> bool:
+        """Whether a compiled block breaks its graph inside this attention for an input like x (its device; the
+        projections' dtype: autocast's, else x's): where `_attention` does not trace the kernels, or the projections
+        run FP8 outside the graph (`Linear`)."""
+        if not IN_GRAPH["attention"] or any(isinstance(m, Linear) and m.fp8 for m in self.modules()):
+            return True
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        return not traces_in_graph(kind, x.device.index, dtype, self.qk_dim, self.v_dim, False,
+                                   self.attention_backend)
+
     def _attention(self, q: torch.Tensor, *args, **kwargs):
         """`core_attention` as a compiled block calls it: the graph's op pair where a kernel backend can run it, else
         `call_op` (a graph break for the backends Dynamo cannot trace)."""

@@ -40,7 +40,10 @@ residual add and the norm into one kernel), and block l+1 reads x_{l+1} only in 
 gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. The handed-off norm is
 stored in the dtype its readers take (under autocast bf16: block l+1's projections would cast it on reading; the
 first form stored it in float32, which cost as many bytes as the add saved: +0.8% instead of the predicted +2%,
-bench/notes/step.md run 19; in bf16 +1.5-2.0%, run 20). Same ops, same values.
+bench/notes/step.md run 19; in bf16 +1.5-2.0%, run 20). Same ops, same values. Only where the attention is a graph
+break (`MLA.breaks_graph`): with the attention traced into the block's graph (`moela.ops.attention.graph`) both
+readers of x_l are in one graph and the hand-off changes nothing but the number of block variants to compile
+(run 22: the same tokens/s; run 23: 9 s less torch.compile in a cold first step without it).
 
 Shapes: T tokens, D hidden, E experts.
 """

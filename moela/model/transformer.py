@@ -198,30 +198,33 @@ class Transformer(nn.Module):
                              doc_ids=doc_ids, token_weight=token_weight, doc_weight=doc_weight,
                              inv_freq=self.inv_freq, **seams)
 
-    def _handoffs(self) -> list[RMSNorm | None]:
+    def _handoffs(self, x: torch.Tensor) -> list[RMSNorm | None]:
         """Per main layer, the norm it applies to its output for the next consumer (the norm hand-off,
-        `moela.model.block`): the next layer's `attn_norm`, the final `norm` after the last layer; None where
-        `_hands_off` says no or the next block is a FAL kind (it reads x in its first piece anyway) or recomputes
-        its activations."""
+        `moela.model.block`), for a stack whose input is like x: the next layer's `attn_norm`, the final `norm`
+        after the last layer; None where `_hands_off` says no or the next block is a FAL kind (it reads x in its
+        first piece anyway) or recomputes its activations."""
         layers = list(self.layers)
         out: list[RMSNorm | None] = []
         for i, layer in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             norm = self.norm if nxt is None else nxt.attn_norm
-            ok = self._hands_off(layer, norm) and (nxt is None or (nxt.kind == "standard" and not nxt.recompute))
+            ok = self._hands_off(layer, x, norm) and (nxt is None or (nxt.kind == "standard" and not nxt.recompute))
             out.append(norm if ok else None)
         return out
 
-    def _hands_off(self, block: Block, *norms: RMSNorm) -> bool:
+    def _hands_off(self, block: Block, x: torch.Tensor, *norms: RMSNorm) -> bool:
         """Whether `block` takes part in a hand-off of `norms` (the norm it applies to its output, and for an MTP
-        block the one applied to its input): not where it does not pay or cannot run - the block is not compiled
-        (eager autograd adds the two gradients either way), it recomputes its activations (the handed-off tensor
-        would be one more saved input), the model is sharded (FSDP2 or tensor parallelism: a norm of the next
-        unit is not gathered while this block runs, and its gradient would arrive after that unit's
-        reduce-scatter), or `HANDOFF_NORMS` is off (bench/step.py's `moela-nomtp-nohandoff` row)."""
+        block the one applied to its input) for an input like x: not where it does not pay or cannot run - the
+        blocks' attention is traced into their graphs (`MLA.breaks_graph`: a block input's two readers are then in
+        one graph, whose backward adds their gradients in its own kernels; the hand-off would only add a block
+        variant to compile, 9 s of a cold start, bench/notes/step.md run 23), the block is not compiled (eager
+        autograd adds the two gradients either way), it recomputes its activations (the handed-off tensor would be
+        one more saved input), the model is sharded (FSDP2 or tensor parallelism: a norm of the next unit is not
+        gathered while this block runs, and its gradient would arrive after that unit's reduce-scatter), or
+        `HANDOFF_NORMS` is off (bench/step.py's `moela-nomtp-nohandoff` row)."""
         return (HANDOFF_NORMS and self.tensor_parallel is None and block.compile_backend is not None
                 and not block.recompute and not isinstance(block, FSDPModule)
-                and not any(isinstance(n.weight, DTensor) for n in norms))
+                and not any(isinstance(n.weight, DTensor) for n in norms) and block.attn.breaks_graph(x))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [T, D] -> logits [T, V]."""
@@ -264,7 +267,7 @@ class Transformer(nn.Module):
         # a block's projections read its input norm in autocast's dtype (they would cast it on reading)
         device = h.device.type
         cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        for i, (layer, next_norm) in enumerate(zip(self.layers, self._handoffs())):
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self._handoffs(h))):
             next_dtype = cast if i + 1 < len(self.layers) else None  # the final norm's output stays in h's dtype
             h, a1, z, aux, load, normed = layer(h, ctx, a1, normed=normed, next_norm=next_norm, next_dtype=next_dtype)
             zs.append(z)
@@ -279,7 +282,7 @@ class Transformer(nn.Module):
         if self.mtp:
             mtp_sum = 0.0
             for module, (tokens, labels) in zip(self.mtp, targets):  # [T], [T]
-                handoff = self._hands_off(module.block, module.block.attn_norm, module.norm)
+                handoff = self._hands_off(module.block, h, module.block.attn_norm, module.norm)
                 h, normed, z, aux, load = module(h, self.embed(tokens), ctx, handoff=handoff, cast=cast)  # [T, D] x 2
                 zs.append(z)
                 if load is not None:
