@@ -347,3 +347,34 @@ def test_compiled_cuda_training_matches_eager_without_recompiles_or_syncs(tmp_pa
     compiled.evaluate()
     compiled.train_step()
     assert counters["stats"]["unique_graphs"] == evaluated
+
+
+def test_the_kernel_caches_share_one_root_on_disk_unless_set(tmp_path):
+    """Importing moela.ops points Inductor's, Triton's and flash-attn-4's caches under MOELA_CACHE_DIR
+    (flash-attn-4's is off by default), also after torch._dynamo wrote Inductor's /tmp default into the
+    environment; a variable the user set wins. A fresh interpreter, so that nothing imported earlier has read the
+    environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, os, torch, torch._dynamo\nimport moela.ops\nfrom moela.model import build_model\n"
+            "from moela.trainer.compile import compile_blocks\n"
+            "from factories import tiny_config\n"
+            "compile_blocks(build_model(tiny_config()), backend='eager')\n"
+            "print(json.dumps({k: os.environ.get(k) for k in ('TRITON_CACHE_DIR', 'TRITON_CACHE_AUTOTUNING', "
+            "'FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED', 'FLASH_ATTENTION_CUTE_DSL_CACHE_DIR', "
+            "'TORCHINDUCTOR_CACHE_DIR')}))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_CACHE", "FLASH_ATTENTION_CUTE",
+                                                                       "TORCHINDUCTOR_CACHE", "MOELA_CACHE"))}
+    env.update(MOELA_CACHE_DIR=str(tmp_path / "root"), TRITON_CACHE_AUTOTUNING="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    root = tmp_path / "root"
+    assert got == {"TRITON_CACHE_DIR": str(root / "triton"), "TRITON_CACHE_AUTOTUNING": "0",
+                   "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+                   "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(root / "flash_attn"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}

@@ -5,11 +5,11 @@ expert path are packages (`moela.ops.attention`, `moela.ops.moe`) whose `__init_
 `ops` imports nothing else from moela. Backend choice is per call (`backend="auto" | "reference" | ...`): the
 names are in `moela.ops.backends`, the choice in `moela.ops.dispatch`.
 
-Importing the package asks Triton to keep autotuning results on disk (TRITON_CACHE_AUTOTUNING, unless set): a
-kernel autotuned once on a machine starts with its best configuration in every later process, instead of
-benchmarking all of them during the first training step.
+Importing the package points the kernel caches at one directory on disk (`moela.ops.disk_caches`, unless the user
+set them): Triton's kernels with their autotuning results and flash-attn-4's compiled kernels, so a later process
+starts with what an earlier one compiled and tuned instead of redoing it during its first training step.
 """
 
-import os
+from moela.ops.disk_caches import use_disk_caches
 
-os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+use_disk_caches()

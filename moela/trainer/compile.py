@@ -16,15 +16,13 @@ Decisions:
   length bound never change; only the document count does, and the model marks it dynamic. Training compiles
   during the first micro-batch and never again; evaluation (no autograd) compiles its own graphs at its first
   batch, padded to the same shape, and reuses them.
-- Caches: Triton's autotuning results are kept on disk (TRITON_CACHE_AUTOTUNING, set in `moela.ops`), Inductor's
-  FX graph and autograd caches live in `~/.cache/moela/inductor` (TORCHINDUCTOR_CACHE_DIR unless set), so a
-  second start on the same machine skips compilation and autotuning.
+- Caches: every compiled kernel is kept on disk under one root (`moela.ops.disk_caches`: MOELA_CACHE_DIR, default
+  `~/.cache/moela`): Inductor's FX graph and autograd caches, moela's Triton kernels with their autotuning results,
+  flash-attn-4's CuTe kernels. A second start on the same machine (or on any machine sharing the root) skips
+  compilation and autotuning.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import torch
 
@@ -32,17 +30,9 @@ from moela.batch import PackedBatch, pad_batch
 from moela.ops.compiled import raise_recompile_limit
 from moela.parallel.fsdp import transformer_blocks
 
-INDUCTOR_CACHE = Path("~/.cache/moela/inductor")
-
-
-def use_compile_caches() -> None:
-    """Point Inductor's on-disk caches at a directory that outlives /tmp (unless the user chose one)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_CACHE.expanduser()))
-
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:
     """Run every transformer block of `model` (main stack and MTP) through torch.compile with `backend`."""
-    use_compile_caches()
     raise_recompile_limit()
     for block in transformer_blocks(model):
         if not hasattr(block, "compile_backend"):
