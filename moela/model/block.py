@@ -116,7 +116,7 @@ class Block(nn.Module):
 
     def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None, normed: torch.Tensor | None,
                  next_norm: RMSNorm | None, next_dtype: torch.dtype | None) -> BlockOutput:
-        # one frame: the attention is a graph break, and Dynamo compiles what follows a break inside a called
+        # one frame: where the attention is a graph break, Dynamo compiles what follows a break inside a called
         # function apart from what follows the call, so next_norm(x_next) must sit in the frame that makes x_next
         n = self.attn_norm(x) if normed is None else normed  # [T, D]
         if self.kind == "fal" and a1 is not None:

@@ -9,8 +9,11 @@ Decisions:
   eagerly around the blocks: a handful of ops per micro-batch.
 - One compiled function for all blocks (`Block._forward` compiled once per process, the block an input): layers
   of one kind share their graphs, so a 12-layer model compiles one dense and one MoE block, not twelve.
-- Kernels that torch.compile cannot trace yet (an op backend not registered `traceable` in `moela.ops.dispatch`,
-  expert parallelism's all-to-all) are graph breaks: they run eagerly between the compiled pieces of the block.
+- Kernels that torch.compile cannot trace (an op backend not registered `traceable` in `moela.ops.dispatch`,
+  expert parallelism's all-to-all, FP8 linears) are graph breaks: they run eagerly between the compiled pieces of
+  the block. The attention kernels (flash-attn-4, moela's Triton), the query's in-place RoPE and the routed experts
+  are custom ops inside the graph (`moela.ops.attention.graph`, `moela.ops.moe.autograd`): on CUDA a block is one
+  graph.
 - Shapes: a micro-batch is padded with filler documents to `train.tokens_per_microbatch` tokens and its
   `max_seqlen` set to the longest piece the loader can cut (`moela.batch.pad_batch`), so the token count and the
   length bound never change; only the document count does, and the model marks it dynamic. Training compiles

@@ -1,8 +1,9 @@
 """The `triton` backend of `mla_attention`: its preconditions, and the autograd Function around the forward and
 backward launchers (triton_fwd.py, triton_bwd.py).
 
-The entry is opaque to torch.compile (`torch.compiler.disable`): a compiled model breaks its graph around attention
-and runs these kernels eagerly, rather than depending on Dynamo tracing user Triton kernels.
+The eager entry is opaque to torch.compile (`torch.compiler.disable`), rather than depending on Dynamo tracing user
+Triton kernels; a compiled block holds the same launchers in its graph through the op pair of `graph.py`
+(`triton_prepare` checks their preconditions for both).
 """
 
 from __future__ import annotations

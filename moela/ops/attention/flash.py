@@ -130,7 +130,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlen
                     softmax_scale: float | None, alibi_slopes: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The `flash` backend (mla_attention's arguments) -> (out [Tq, H, Dv], lse [H, Tq] float32 or None); both
-    differentiable. Opaque to torch.compile (a graph break), as the Triton backend."""
+    differentiable. Opaque to torch.compile (a graph break), as the Triton backend; a compiled block calls
+    `flash_forward` / `flash_backward` through the op pair of `graph.py` instead."""
     _check_call(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     module, _ = _flash_module()
     tq = q.shape[0]

@@ -3,9 +3,11 @@ torch.library custom ops with fake implementations and an autograd formula, so a
 instead of breaking its graph around it (`mla_attention_in_graph`, used by `MLA` while torch.compile traces).
 
 Why: a graph break splits a compiled block into pieces that Dynamo, AOTAutograd and Inductor compile one by one,
-forward and backward, for every variant of the block (dense, MoE, the last block with the final norm, MTP,
-evaluation). With attention and the query's in-place RoPE as breaks a block was five graphs; a cold first step of
-`small` spent 42 of its 66 s in torch.compile (bench/notes/step.md, run 21). As ops of the graph they are one.
+forward and backward, for every variant of the block. With the attention and the query's in-place RoPE as breaks a
+block was five pieces; as ops of its graph it is one (`small`: 4 graphs to compile instead of 10). The pieces were
+not what a cold compile spent its time on (42 s either way, bench/notes/step.md runs 21-22) and the graphed step
+runs as fast (run 22, 24); what it bought is that a block's input no longer crosses pieces, so the norm hand-off
+that worked around that, and the block variant it cost (9 s of a cold compile, run 23), are gone.
 
 Decisions:
 - The backend is chosen when the op runs, on real tensors, by the same `DISPATCH.choose` an eager call makes (and
