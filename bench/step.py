@@ -24,7 +24,8 @@ out-of-memory error ends only its row:
             moela-nomtp-recast  moela-nomtp with the experts' backward casting / quantizing the weights again
                           (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
             moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
-                          (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on)
+                          (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on
+                          where their attention is a graph break, so the row differs from moela-nomtp only there)
             moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
