@@ -17,6 +17,7 @@ read them: `moela.ops` calls `use_disk_caches()` on import.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -26,10 +27,12 @@ def cache_root() -> Path:
 
 def use_disk_caches() -> None:
     """Set the kernel caches' environment variables to their defaults under `cache_root()`, unless set."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     root = cache_root()
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+    # Inductor's default, only where Inductor is loaded (then it may have written it); importing it here would
+    # load Triton with every recipe (moela.ops loads no kernels)
+    inductor = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    torch_default = inductor.default_cache_dir() if inductor is not None else None
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, torch_default):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
