@@ -245,6 +245,9 @@ def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run(monkeypatch):
         traced = build_model(tiny_config(num_hidden_layers=3, attention_backend="triton"))
         compile_blocks(traced, backend="eager")
         assert traced._handoffs(x) == [None, None, None]
+        fp8 = build_model(tiny_config(num_hidden_layers=3, attention_backend="triton", precision="fp8"))
+        compile_blocks(fp8, backend="eager")  # its projections run FP8 outside the graph: breaks, so it hands off
+        assert fp8._handoffs(x) == [fp8.layers[1].attn_norm, fp8.layers[2].attn_norm, fp8.norm]
         monkeypatch.setitem(mla.IN_GRAPH, "attention", False)
         assert traced._handoffs(x) == [traced.layers[1].attn_norm, traced.layers[2].attn_norm, traced.norm]
 
