@@ -36,12 +36,14 @@ steps synchronized once at its end (the trainer's pace, logging steps included),
 host syncs per step, time to the end of the first optimizer step (from process start / from model built, the
 part of it torch.compile spent compiling, and the graphs it compiled), Dynamo recompilations after step 2, the
 first-step loss (printed side by side per config), the kernel time by family and the kernels launched most often.
-The time to the first step includes compilation with whatever the Triton and Inductor on-disk caches hold: the
-first row on a fresh machine pays the cold compile, later rows reuse the kernels earlier rows built. `--steps N`
-sets the timed steps (three timed steps do not resolve differences under ~3%: A/B rows use 30, in both row orders).
+The time to the first step includes compilation with whatever the on-disk kernel caches hold (MOELA_CACHE_DIR:
+Inductor's, Triton's, flash-attn-4's): the first row on a fresh machine pays the cold compile, later rows reuse the
+kernels earlier rows built; `--cold` gives every row empty caches of its own, a cold first step on any machine.
+`--steps N` sets the timed steps (three timed steps do not resolve differences under ~3%: A/B rows use 30, in both
+row orders).
 
 Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
-                  [--quick] [--out-dir bench/results] [--log-dir DIR]
+                  [--quick] [--cold] [--out-dir bench/results] [--log-dir DIR]
       (CPU):  python bench/step.py --device cpu --quick
 Writes <out-dir>/step.md and <out-dir>/step.json; each row's output goes to <log-dir>/<row>.log. torchtitan
 0.3.0 must be importable for its rows (pip install --no-deps torchtitan==0.3.0 tyro spmd_types==0.2.3
@@ -135,8 +137,22 @@ def _tail(path: Path, lines: int = 6) -> str:
     return f"{raised[-1][:300]} | {tail}" if raised else tail
 
 
-def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float) -> list[dict]:
-    """Run each spec in a child process (`--row`), within `row_timeout` each and `budget` seconds in all."""
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR",
+                   "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
+
+
+def cold_env(env: dict, root: Path) -> dict:
+    """`env` for a row whose kernel caches start empty: MOELA_CACHE_DIR a new directory `root`, and the variables
+    that would point a cache elsewhere removed, so moela's defaults put every cache under it
+    (`moela.ops.disk_caches`)."""
+    out = {k: v for k, v in env.items() if k not in CACHE_VARIABLES}
+    out["MOELA_CACHE_DIR"] = str(root)
+    return out
+
+
+def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float, cold: bool = False) -> list[dict]:
+    """Run each spec in a child process (`--row`), within `row_timeout` each and `budget` seconds in all; with
+    `cold`, each with empty kernel caches of its own (`cold_env`)."""
     results, start = [], time.monotonic()
     for spec in specs:
         name = f"{spec['config']}_{spec['label']}_{spec['recipe']}"
@@ -149,6 +165,8 @@ def run_rows(specs: list[dict], log_dir: Path, row_timeout: float, budget: float
         log, out = log_dir / f"{name}.log", log_dir / f"{name}.json"
         out.unlink(missing_ok=True)
         env = dict(os.environ, MOELA_BENCH_T0=repr(time.time()))
+        if cold:
+            env = cold_env(env, Path(tempfile.mkdtemp(prefix=f"caches_{name}_", dir=log_dir)))
         cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec), "--row-out", str(out)]
         t = time.monotonic()
         with open(log, "w") as f:  # its own session: a timeout ends the row and its compile workers together
@@ -189,6 +207,8 @@ def main() -> None:
     ap.add_argument("--fp8-wgrad-impl", choices=("auto", "triton", "gluon"), default="auto",
                     help="the FP8 weight-gradient GEMM of the fp8 rows (gemm_fp8.AUTO_KGROUPED_IMPL; auto: the "
                          "shipped choice), to compare kernels inside the whole step")
+    ap.add_argument("--cold", action="store_true",
+                    help="every row starts with empty kernel caches of its own (a cold first step on any machine)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--log-dir", help="per-row logs (default: a new temporary folder)")
     ap.add_argument("--row-timeout-s", type=float, default=300.0)
@@ -226,7 +246,7 @@ def main() -> None:
     for spec in specs:
         spec["fp8_wgrad_impl"] = args.fp8_wgrad_impl
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
-    results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s)
+    results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
     command = "python bench/step.py " + " ".join(sys.argv[1:])
     md = write_report(results, Path(args.out_dir), command=command, counts=counts,
                       date=datetime.date.today().isoformat())

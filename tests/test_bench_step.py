@@ -650,3 +650,18 @@ def test_the_first_step_clock_times_the_compilers_where_they_are_called(monkeypa
     loaded = flash._flash_module()
     clock.install()
     assert flash._flash_module() == loaded and triton_compiler.compile.__wrapped__ is not None
+
+
+def test_cold_rows_get_empty_caches_of_their_own(tmp_path):
+    """`--cold`: a row's environment points every kernel cache at a new root and drops the variables that would
+    point one elsewhere; each row run that way gets a new directory of its own under the log directory."""
+    step = _step_module()
+    env = {"PATH": "/bin", "TRITON_CACHE_DIR": "/warm/triton", "TORCHINDUCTOR_CACHE_DIR": "/warm/inductor",
+           "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/warm/fa", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0",
+           "MOELA_CACHE_DIR": "/warm"}
+    assert step.cold_env(env, tmp_path / "c") == {"PATH": "/bin", "MOELA_CACHE_DIR": str(tmp_path / "c")}
+    counts = dict(warmup=2, steps=1, profile_steps=0, sync_steps=0)
+    specs = step.plan_rows(["tiny"], ["moela"], ["bf16"], "cpu", counts, str(tmp_path / "run"))
+    rows = step.run_rows(specs, tmp_path, row_timeout=600, budget=600, cold=True)
+    assert "error" not in rows[0], rows[0].get("error")
+    assert len(list(tmp_path.glob("caches_tiny_moela_bf16_*"))) == 1
