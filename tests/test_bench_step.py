@@ -643,13 +643,16 @@ def test_the_first_step_clock_times_the_compilers_where_they_are_called(monkeypa
     assert line[0].startswith("- c moela bf16: a compiler 0.1 s (2); torch.compile phases: `")
 
     triton_compiler = pytest.importorskip("triton.compiler")
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     from triton.runtime.autotuner import Autotuner
 
-    for owner, name in ((triton_compiler, "compile"), (Autotuner, "_bench"), (flash, "_flash_module")):
+    for owner, name in ((triton_compiler, "compile"), (Autotuner, "_bench"), (flash, "_flash_module"),
+                        (CachingAutotuner, "precompile"), (CachingAutotuner, "autotune_to_one_config")):
         monkeypatch.setattr(owner, name, getattr(owner, name))
     loaded = flash._flash_module()
     clock.install()
     assert flash._flash_module() == loaded and triton_compiler.compile.__wrapped__ is not None
+    assert CachingAutotuner.autotune_to_one_config.__wrapped__ is not None
 
 
 def test_cold_rows_get_empty_caches_of_their_own(tmp_path):

@@ -7,7 +7,9 @@ phases it calls). Outside it, a first step also compiles, at each kernel's first
   worker processes, which its phases cover);
 - Triton's autotuner benchmarking its configurations (`Autotuner._bench`, including the compiles it triggers, which
   the JIT line counts too);
-- flash-attn-4: importing it (the CuTe DSL) and compiling its kernels (`cutlass.cute.compile`).
+- flash-attn-4: importing it (the CuTe DSL) and compiling its kernels (`cutlass.cute.compile`);
+- Inductor's kernels at their first launch: loading the compiled variants (`CachingAutotuner.precompile`) and
+  benchmarking them to pick one (`autotune_to_one_config`), which a warm start reads from its cache.
 `CompilerClock.install()` wraps these entry points for the rest of the process (a benchmark row's own process);
 `report()` returns seconds and calls per entry, and the top torch.compile phases.
 """
@@ -42,6 +44,14 @@ class CompilerClock:
         timed.__wrapped__ = fn
         return timed
 
+    def _wrap_method(self, name: str, method):
+        def timed(obj, *args, **kwargs):
+            with self.timing(name):
+                return method(obj, *args, **kwargs)
+
+        timed.__wrapped__ = method
+        return timed
+
     def install(self) -> None:
         """Wrap the compilers' entry points (those that are importable here)."""
         try:
@@ -51,13 +61,16 @@ class CompilerClock:
             pass
         else:
             triton.compiler.compile = self._wrap("triton JIT compile", triton.compiler.compile)
-            bench = Autotuner._bench
-
-            def timed_bench(tuner, *args, **kwargs):
-                with self.timing("triton autotune"):
-                    return bench(tuner, *args, **kwargs)
-
-            Autotuner._bench = timed_bench
+            Autotuner._bench = self._wrap_method("triton autotune", Autotuner._bench)
+        try:
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except ImportError:
+            pass
+        else:
+            for method, name in (("precompile", "Inductor first-launch precompile"),
+                                 ("autotune_to_one_config", "Inductor first-launch tuning")):
+                if hasattr(CachingAutotuner, method):
+                    setattr(CachingAutotuner, method, self._wrap_method(name, getattr(CachingAutotuner, method)))
         from moela.ops.attention import flash
 
         load = flash._flash_module
