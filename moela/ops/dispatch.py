@@ -77,16 +77,20 @@ class Dispatch:
             if self.rank is not None:
                 order, why = self.rank(*args, **kwargs)
                 reason = ", ".join(part for part in (reason, why) if part)
-            usable = [name for name in order if name in self.fast and self.fast[name].auto(*args, **kwargs)]
-            if among is not None:
-                skipped = [name for name in usable if name not in among]
-                usable = [name for name in usable if name in among]
-                if skipped and (not usable or order.index(skipped[0]) < order.index(usable[0])):
-                    reason = ", ".join(part for part in (reason, f"{', '.join(skipped)} cannot run in this form "
-                                                                  f"of the op (it runs {', '.join(among)})") if part)
-                if not usable and "reference" not in among:
-                    raise RuntimeError(f"{self.op}: none of {', '.join(among)} can run this call; {reason}")
-            chosen = usable[0] if usable else "reference"
+            chosen, skipped = "reference", []
+            for name in order:  # the predicates of the candidates after the chosen one are not evaluated
+                if name not in self.fast or not self.fast[name].auto(*args, **kwargs):
+                    continue
+                if among is not None and name not in among:
+                    skipped.append(name)
+                    continue
+                chosen = name
+                break
+            if skipped:
+                reason = ", ".join(part for part in (reason, f"{', '.join(skipped)} cannot run in this form of the "
+                                                              f"op (it runs {', '.join(among)})") if part)
+            if chosen == "reference" and among is not None and "reference" not in among:
+                raise RuntimeError(f"{self.op}: none of {', '.join(among)} can run this call; {reason}")
             self._log(chosen, f"auto, {reason}" if reason else "auto")
             return chosen
         if among is not None and backend not in among:

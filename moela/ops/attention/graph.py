@@ -5,9 +5,10 @@ instead of breaking its graph around it (`mla_attention_in_graph`, used by `MLA`
 Why: a graph break splits a compiled block into pieces that Dynamo, AOTAutograd and Inductor compile one by one,
 forward and backward, for every variant of the block. With the attention and the query's in-place RoPE as breaks a
 block was five pieces; as ops of its graph it is one (`small`: 4 graphs to compile instead of 10). The pieces were
-not what a cold compile spent its time on (42 s either way, bench/notes/step.md runs 21-22) and the graphed step
-runs as fast (run 22, 24); what it bought is that a block's input no longer crosses pieces, so the norm hand-off
-that worked around that, and the block variant it cost (9 s of a cold compile, run 23), are gone.
+not what a cold compile spent its time on (42 s with and without them, bench/notes/step.md runs 21 and 22, two
+fresh machines) and the graphed step runs as fast (same-run pairs, runs 22 and 24); what it bought is that a
+block's input no longer crosses pieces, so the norm hand-off that worked around that, and the block variant it
+cost (9 s of a cold compile, run 23), are gone.
 
 Decisions:
 - The backend is chosen when the op runs, on real tensors, by the same `DISPATCH.choose` an eager call makes (and
@@ -38,26 +39,29 @@ import torch
 from moela.ops.attention.api import DISPATCH, check_inputs
 from moela.ops.attention.flash import flash_backward, flash_forward, flash_problem
 
-KERNEL_BACKENDS = ("flash", "triton")  # the backends with separate forward and backward kernels
+KERNEL_BACKENDS = ("flash", "triton")  # the backends with separate forward and backward kernels (`KERNELS`)
 
 
-def _kernels(name: str):
-    if name == "flash":
-        return flash_forward, flash_backward
+def _triton_forward(q, k, v, cu_q, max_q, cu_k, max_k, *, causal, softmax_scale, alibi_slopes):
+    """moela's forward launcher, flash_forward's signature (Triton imported on first use, as the backend is)."""
     from moela.ops.attention.autograd import triton_prepare
-    from moela.ops.attention.triton_bwd import attention_backward
     from moela.ops.attention.triton_fwd import attention_forward
 
-    def forward(q, k, v, cu_q, max_q, cu_k, max_k, *, causal, softmax_scale, alibi_slopes):
-        max_q, max_k, _ = triton_prepare(q, k, v, cu_q, max_q, cu_k, max_k, softmax_scale, alibi_slopes)
-        return attention_forward(q, k, v, cu_q, cu_k, max_q, causal=causal, softmax_scale=softmax_scale,
-                                 alibi_slopes=alibi_slopes)
+    max_q, max_k, _ = triton_prepare(q, k, v, cu_q, max_q, cu_k, max_k, softmax_scale, alibi_slopes)
+    return attention_forward(q, k, v, cu_q, cu_k, max_q, causal=causal, softmax_scale=softmax_scale,
+                             alibi_slopes=alibi_slopes)
 
-    def backward(dout, dlse, q, k, v, out, lse, cu_q, max_q, cu_k, max_k, *, causal, softmax_scale, alibi_slopes):
-        return attention_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                  softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
 
-    return forward, backward
+def _triton_backward(dout, dlse, q, k, v, out, lse, cu_q, max_q, cu_k, max_k, *, causal, softmax_scale,
+                     alibi_slopes):
+    """moela's backward launchers, flash_backward's signature."""
+    from moela.ops.attention.triton_bwd import attention_backward
+
+    return attention_backward(dout, dlse, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                              softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+
+
+KERNELS = {"flash": (flash_forward, flash_backward), "triton": (_triton_forward, _triton_backward)}
 
 
 def _choose(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, alibi_slopes, return_lse, backend) -> str:
@@ -78,7 +82,7 @@ def mla_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         return q.new_zeros(tq, h, v.shape[-1]), q.new_full((h, tq), -math.inf, dtype=torch.float32)
     chosen = _choose(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      alibi_slopes, return_lse, backend)
-    forward, _ = _kernels(chosen)
+    forward, _ = KERNELS[chosen]
     out, lse = forward(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, causal=causal,
                        softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
     return out.contiguous(), lse.contiguous()
@@ -102,7 +106,7 @@ def mla_attention_bwd(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Te
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     chosen = _choose(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      alibi_slopes, return_lse, backend)
-    _, backward = _kernels(chosen)
+    _, backward = KERNELS[chosen]
     dq, dk, dv = backward(dout.contiguous(), dlse, q, k, v, out, lse, cu_seqlens_q, max_seqlen_q, cu_seqlens_k,
                           max_seqlen_k, causal=causal, softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -134,12 +138,24 @@ def _backward(ctx, dout, dlse):
 mla_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+_TRACES: dict[tuple, bool] = {}  # traces_in_graph's answers: the registered backends are fixed at import
+
+
 @torch.compiler.assume_constant_result
 def traces_in_graph(device_type: str, device_index: int | None, dtype: torch.dtype, d_qk: int, d_v: int,
                     alibi: bool, backend: str) -> bool:
     """Whether a compiled graph traces this layer's attention as the op above (else it is a graph break), from the
     call's constant facts: a backend with separate kernels was asked for, or `auto` has one that can run it. Called
-    while Dynamo traces, which takes the answer as a constant (these facts are fixed for a layer)."""
+    while Dynamo traces, which takes the answer as a constant (these facts are fixed for a layer), and by the model's
+    forward (`MLA.breaks_graph`, once per layer): the answers are kept."""
+    key = (device_type, device_index, dtype, d_qk, d_v, alibi, backend)
+    if key not in _TRACES:
+        _TRACES[key] = _traces_in_graph(*key)
+    return _TRACES[key]
+
+
+def _traces_in_graph(device_type: str, device_index: int | None, dtype: torch.dtype, d_qk: int, d_v: int,
+                     alibi: bool, backend: str) -> bool:
     if backend in ("reference", "sdpa"):
         return False
     device = torch.device(device_type, device_index)
