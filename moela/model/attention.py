@@ -171,11 +171,10 @@ class MLA(nn.Module):
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
         if rotate_q_in_place(q):
-            rope_args = (q, ctx.position_ids, ctx.inv_freq, self.nope_dim)
-            if IN_GRAPH["attention"]:  # traced into a compiled block's graph
-                q = rope_columns_(*rope_args, attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
-            else:
-                q = call_outside_graph(rope_columns_, *rope_args, attention_factor=self.attention_factor)
+            # traced into a compiled block's graph, or a graph break where IN_GRAPH says so
+            rotate = rope_columns_ if IN_GRAPH["attention"] else functools.partial(call_outside_graph, rope_columns_)
+            q = rotate(q, ctx.position_ids, ctx.inv_freq, self.nope_dim,
+                       attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
         else:
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
             q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]
