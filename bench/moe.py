@@ -14,6 +14,8 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
   gemm    grouped GEMMs fwd / dgrad / wgrad: TFLOP/s of ours (FP8 blockwise, bf16) and of cuBLAS blockwise FP8
           (torch._scaled_mm per expert, the `cublas` provider) vs bf16 torch._grouped_mm and fp8 rowwise
           torch._scaled_grouped_mm.
+  wgrad_bf16  the bf16 expert weight gradient at the training step's shapes: torch._grouped_mm as the step calls it,
+          on token-contiguous copies, moela's Triton kernel (expert order, most rows first), uniform and skewed loads.
   fp8     the persistent FP8 grouped GEMMs and the FP8 linear vs bf16 (bench/fp8.py; its own files
           bench/results/fp8.json and fp8.md are written by `python bench/fp8.py`).
   layer   the whole expert layer forward+backward: fp8 (Triton GEMMs; cuBLAS GEMMs) vs bf16 path vs an eager
@@ -21,7 +23,7 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
 from the eager baseline (columns of the row), gemm and layer rows their relative error; every section runs under
 a time guard. Usage:
-  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,layer] [--quick] [--out bench/results/moe.md]
+  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,wgrad_bf16,layer] [--quick] [--out bench/results/moe.md]
 """
 
 from __future__ import annotations
@@ -442,6 +444,68 @@ def section_wgrad_cast(quick):
         del out, want
 
 
+def section_wgrad_bf16(quick):
+    """The bf16 expert weight gradient at the training step's shapes (`small` and V2-Lite at 64k tokens a step), as
+    the step calls it: out [E, N, K] fp32 = A[:, rows_e] @ B[:, rows_e]^T with both operands the row-major
+    activations read transposed (token-strided). torch._grouped_mm (+ the fp32 masked cast), the same on
+    token-contiguous copies (GEMM alone and with the copies), and moela's Triton kernel in expert order and with the
+    experts with the most rows launched first; the forward's m-grouped GEMM of the same FLOPs for reference. Expert
+    loads uniform and skewed (Zipf 1.2 popularity), since a k-grouped tile's work is its expert's row count."""
+    cases = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
+             ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
+    for name, t, e, k, n, kk in cases[:2] if quick else cases:
+        for skew in (False, True):
+            if out_of_time():
+                return
+            ids = routing(t, e, k, skew)
+            lay = build_layout(ids, e)
+            counts = lay.counts
+            case = f"{name} E{e} T{t} N{n} K{kk} {'skew' if skew else 'unif'} max/mean " \
+                   f"{(counts.max() / counts.float().mean()).item():.2f}"
+            m = lay.m_pad
+            g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)  # the output gradient rows [M_pad, N]
+            x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)  # the input rows [M_pad, K]
+            valid = (lay.m_indices >= 0)[:, None]
+            g, x = g * valid, x * valid  # padding rows are zeros, as the layer's are
+            flops = 2 * t * k * n * kk
+            offs32 = lay.offsets[1:].to(torch.int32)
+            ref = torch._grouped_mm(g.t(), x, offs=offs32).float()
+            ref[counts == 0] = 0
+            nrm = ref.norm()
+
+            def err(out):
+                return ((out.float() - ref).norm() / nrm).item()
+
+            w = torch.randn(e, n, kk, device="cuda", dtype=torch.bfloat16)
+            t_f = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32))
+            row("wgrad_bf16", case, "fwd-shaped m-grouped torch", t_f, flops / t_f / 1e9, "TFLOP/s")
+            t_bf = bench(lambda: moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32))
+            row("wgrad_bf16", case, "torch._grouped_mm + cast (step)", t_bf, flops / t_bf / 1e9, "TFLOP/s",
+                rel_err=err(moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32)))
+            t_g = bench(lambda: torch._grouped_mm(g.t(), x, offs=offs32))
+            row("wgrad_bf16", case, "torch._grouped_mm alone", t_g, flops / t_g / 1e9, "TFLOP/s")
+            gt, xt = g.t().contiguous(), x.t().contiguous()
+            t_k = bench(lambda: torch._grouped_mm(gt, xt.t(), offs=offs32))
+            row("wgrad_bf16", case, "torch, token-contiguous operands", t_k, flops / t_k / 1e9, "TFLOP/s",
+                vs_step=t_bf / t_k)
+            t_kc = bench(lambda: torch._grouped_mm(g.t().contiguous(), x.t().contiguous().t(), offs=offs32))
+            row("wgrad_bf16", case, "torch, + the two copies", t_kc, flops / t_kc / 1e9, "TFLOP/s",
+                vs_step=t_bf / t_kc)
+            t_o = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+            row("wgrad_bf16", case, "triton", t_o, flops / t_o / 1e9, "TFLOP/s", vs_step=t_bf / t_o,
+                rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32)))
+            order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
+            t_oo = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32,
+                                               order=torch.argsort(counts, descending=True).to(torch.int32)))
+            row("wgrad_bf16", case, "triton, most rows first", t_oo, flops / t_oo / 1e9, "TFLOP/s",
+                vs_step=t_bf / t_oo,
+                rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, order=order)))
+            t_ok = bench(lambda: kgrouped_gemm(gt, xt, lay.offsets, out_dtype=torch.float32, order=order))
+            row("wgrad_bf16", case, "triton, token-contiguous operands", t_ok, flops / t_ok / 1e9, "TFLOP/s",
+                vs_step=t_bf / t_ok)
+            del g, x, gt, xt, ref, w
+
+
 def section_layer(quick):
     cases = [("v3", 32, 8192, False), ("v3", 32, 8192, True), ("v2lite", 16, 16384, False)]
     for name, e, t, skew in cases[:1] if quick else cases:
@@ -588,6 +652,7 @@ def main():
              "permute_cfg": lambda: section_permute_configs(copy_gbs),
              "gemm": lambda: section_gemm(args.quick),
              "wgrad_cast": lambda: section_wgrad_cast(args.quick),
+             "wgrad_bf16": lambda: section_wgrad_bf16(args.quick),
              "fp8": lambda: __import__("fp8").run(args.quick, False, 170),
              "layer": lambda: section_layer(args.quick)}[sec]()
         except Exception as exc:  # a failing section must not hide the others' numbers

@@ -224,6 +224,30 @@ def test_kgrouped_gemm_vs_float64(fp8):
     assert (out[lay.counts == 0] == 0).all()
 
 
+def test_kgrouped_gemm_expert_order():
+    """The weight gradient with its experts' tiles launched in a given order (the most rows first) writes every
+    expert's own block: equal to float64 per expert, empty experts zero, for a non-trivial permutation."""
+    from moela.ops.moe.gemm_triton import kgrouped_gemm
+    from moela.ops.moe.permute import build_layout
+
+    torch.manual_seed(11)
+    e, n, k = 5, 136, 200  # sizes off the 128 grid: masked edges
+    ids = torch.tensor([0] * 130 + [2] * 40 + [3] * 257 + [4] * 3, device=DEV)[torch.randperm(430, device=DEV)]
+    lay = build_layout(ids[:, None], e)  # expert 1 empty; 3 spans three 128-row blocks
+    real = (lay.src >= 0)[:, None]
+    dy = torch.randn(lay.m_pad, n, device=DEV, dtype=torch.float16) * real
+    x = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real
+    order = torch.argsort(lay.counts, descending=True, stable=True).to(torch.int32)
+    assert order.tolist() == [3, 0, 2, 4, 1]
+    out = kgrouped_gemm(dy.t(), x.t(), lay.offsets, order=order)
+    ref = torch.zeros(e, n, k, dtype=torch.float64, device=DEV)
+    for ex in range(e):
+        rows = lay.m_indices.long() == ex
+        ref[ex] = dy.double()[rows].t() @ x.double()[rows]
+    assert _rel(out, ref) < 1e-5
+    assert (out[1] == 0).all()
+
+
 def _cublas_contract_scaled_mm(a, b, scale_a, scale_b, *, out_dtype, out=None):
     """CPU stand-in for `torch._scaled_mm` with DeepSeek blockwise scales that enforces cuBLASLt's layout contract
     (cuBLAS docs, "scaling factors layouts"; torch's checks): a [M, K] row-major, b [K, N] column-major; a's 1x128

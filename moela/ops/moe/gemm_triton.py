@@ -125,13 +125,14 @@ def _kgrouped_kernel(
     b_scale_ptr, stride_bsk, stride_bst,  # [K, M_pad/128] fp32 (FP8)
     c_ptr, stride_ce, stride_cn,  # [E, N, K], written
     offsets_ptr,  # [E + 1] int64 expert block starts (128-aligned)
-    N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr,
+    order_ptr,  # [E] int32: the expert of each grid row (ORDERED), e.g. the most rows first
+    N: tl.constexpr, K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, ORDERED: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BN, BK] tile of out_e = A[:, rows_e] @ B[:, rows_e]^T, reduced over expert e's rows in BT-token steps.
     Grid: (cdiv(N, BN) * cdiv(K, BK), E)."""
     pid_n, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(N, BN), tl.cdiv(K, BK), GROUP_M)
-    expert = tl.program_id(1)
+    expert = tl.load(order_ptr + tl.program_id(1)) if ORDERED else tl.program_id(1)
     rows_n = pid_n * BN + tl.arange(0, BN)
     cols_k = pid_k * BK + tl.arange(0, BK)
     offs_t = tl.arange(0, BT)
@@ -160,9 +161,12 @@ def _kgrouped_kernel(
 
 
 def kgrouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_scale: torch.Tensor | None = None,
-                  b_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  b_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                  order: torch.Tensor | None = None) -> torch.Tensor:
     """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned). a [N, M_pad],
-    b [K, M_pad] (any strides; FP8 operands token-contiguous with scales [N, M_pad/128], [K, M_pad/128])."""
+    b [K, M_pad] (any strides; FP8 operands token-contiguous with scales [N, M_pad/128], [K, M_pad/128]).
+    `order` [E] int32 (a permutation of the experts): the experts' tiles are launched in this order. A tile's work
+    is its expert's row count, so the most rows first keeps one large expert from running alone at the end."""
     n, m = a.shape
     k, m2 = b.shape
     e = offsets.numel() - 1
@@ -182,6 +186,6 @@ def kgrouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_
         b, b.stride(0), b.stride(1),
         b_scale, *((b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)),
         out, out.stride(0), out.stride(1),
-        offsets,
-        N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, BT=128 if fp8 else 64, BK=128)
+        offsets, offsets if order is None else order,
+        N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, ORDERED=order is not None, BT=128 if fp8 else 64, BK=128)
     return out
