@@ -28,6 +28,8 @@ out-of-memory error ends only its row:
                           where their attention is a graph break, so the row differs from moela-nomtp only there)
             moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
+            moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
+                          `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
@@ -85,15 +87,16 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "titan-compile", "hf",
-         "titan-eager")
+         "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
+         "moela-wgrad-triton", "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"]}  # label -> recipe overrides
+               "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
+               "moela-wgrad-torch": [], "moela-wgrad-triton": []}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise")
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
@@ -124,7 +127,9 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
                              "save_weight_copies": impl != "moela-nomtp-recast",
                              "handoff_norms": impl != "moela-nomtp-nohandoff",
-                             "attention_in_graph": impl != "moela-nomtp-attnbreak", **counts})
+                             "attention_in_graph": impl != "moela-nomtp-attnbreak",
+                             "bf16_wgrad_impl": impl.removeprefix("moela-wgrad-") if "-wgrad-" in impl else None,
+                             **counts})
     return rows
 
 

@@ -395,12 +395,16 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
                       ("moela-nomtp-recast", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
                       ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
-                      ("moela-nomtp-attnbreak", "64k", "bf16"),
+                      ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
+                      ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
+                      ("moela-wgrad-triton", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments"))
+        assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments",
+                                              "moela-wgrad-torch", "moela-wgrad-triton"))
+        assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
@@ -492,6 +496,9 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
     assert abs(r["first_step_loss"] - math.log(4096)) < 0.05
     assert r["first_step_s_from_start"] >= r["first_step_s_from_built"] > 0
     assert r["recompiles_after_step2"] == 0 and r["mfu"] is None and r["host_syncs_per_step"] is None
+    # the timed steps' expert load: max over mean is at least 1 and at most E / top-k (an expert takes a token once)
+    low, high = r["expert_imbalance_range"]
+    assert 1.0 <= low <= r["expert_imbalance"] <= high <= 8 / 2
 
 
 def _tiny_config(*extra):

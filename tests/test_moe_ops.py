@@ -450,12 +450,20 @@ def _problem(t, d, f, e, k, dtype, skew=False):
     return x, ids, w, w13, w2, torch.randn(t, d, device=DEV)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bf16_recipe_path_vs_float64(backend):
+@pytest.mark.parametrize("backend,wgrad", [("triton", "triton"), ("torch", "torch"), ("torch", "triton")])
+def test_bf16_recipe_path_vs_float64(backend, wgrad, monkeypatch):
+    """`wgrad`: the weight gradient's GEMM under the torch provider (`BF16_WGRAD`; the triton provider's is ours)."""
+    from moela.ops.moe import autograd as moe_autograd
+    from moela.ops.moe.gemm_triton import kgrouped_gemm
+
+    monkeypatch.setitem(moe_autograd.BF16_WGRAD, "impl", wgrad)
+    ours = []
+    monkeypatch.setattr(moe_autograd, "kgrouped_gemm", lambda *a, **kw: ours.append(1) or kgrouped_gemm(*a, **kw))
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
     prob = _problem(29, 256, 128, 4, 3, dtype, skew=backend == "torch")
     exact = _exact_grads(*prob)
     got = _run(*prob, "bf16", backend)
+    assert len(ours) == (2 if wgrad == "triton" else 0)  # both weight gradients (w2, w13) on the GEMM asked for
     ref = _run(*prob, "bf16", "reference")  # float32 math, output in x's dtype
     names = ["y", "dx", "dw", "dw13", "dw2"]
     # slack: four units of roundoff of x's dtype (the fused path keeps its GEMM outputs h and o in it, the reference

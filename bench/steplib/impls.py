@@ -43,9 +43,19 @@ class MoelaStep:
         self.trainer.train_loader = TrainerLoader(source)
         self.model = self.trainer.model
         self.notes: list[str] = []
+        self.records: list[dict] = []  # train_step's records; their device numbers are read at logging steps
 
     def step(self) -> float:
-        return self.trainer.train_step()["lm_loss"]
+        record = self.trainer.train_step()
+        self.records.append(record)
+        return record["lm_loss"]
+
+    def expert_imbalance(self, first: int) -> list[float]:
+        """The trainer's expert imbalance (mean over MoE layers of the most loaded expert's tokens over the mean) of
+        the steps since record `first`: the k-grouped weight-gradient GEMM's tiles take as long as their expert's
+        rows, so the step's speed depends on it. Reads the pending records (one device read)."""
+        self.trainer._read_pending()
+        return [r["expert_imbalance"] for r in self.records[first:] if r.get("expert_imbalance") is not None]
 
 
 class PeerStep:

@@ -11,7 +11,8 @@ from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
 LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-              "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak") + PEERS
+              "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
+              "moela-wgrad-triton") + PEERS
 
 
 def _versions() -> str:
@@ -240,6 +241,15 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
                   f"the CUDA trace hooks."] + [
                   f"- {r['config']} {r['impl']} {r['recipe']}: {r['sync_witness']} (check {r['sync_counter_check']})"
                   for r in odd]
+    loads = [r for r in _ok(rows) if r.get("expert_imbalance") is not None]
+    if loads:
+        lines += ["", "## Expert load in the timed steps", "",
+                  "The trainer's `expert_imbalance`: the most loaded expert's tokens over the mean, averaged over the "
+                  "MoE layers (1.0 = balanced); the mean over the timed steps (min-max). A weight-gradient tile "
+                  "takes as long as its expert's rows, so a skewed load slows the k-grouped GEMM "
+                  "(bench/results/moe_wgrad_bf16.md).", ""] + [
+                  f"- {r['config']} {r['impl']} {r['recipe']}: {r['expert_imbalance']:.2f} "
+                  f"({r['expert_imbalance_range'][0]:.2f}-{r['expert_imbalance_range'][1]:.2f})" for r in loads]
     walls = [r["row_wall_s"] for r in rows if "row_wall_s" in r]
     if walls:
         lines += ["", f"{len(walls)} rows ran in {sum(walls):.0f} s (slowest {max(walls):.0f} s)."]

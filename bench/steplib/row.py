@@ -72,7 +72,8 @@ def run_row(spec: dict) -> dict:
     median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
-    handoff_norms (`transformer.HANDOFF_NORMS`) and attention_in_graph (`attention.IN_GRAPH["attention"]`)."""
+    handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
+    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -98,6 +99,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import autograd as moe_autograd
 
         moe_autograd.WEIGHT_COPIES["saved"] = False
+    if spec.get("bf16_wgrad_impl"):
+        from moela.ops.moe import autograd as moe_autograd
+
+        moe_autograd.BF16_WGRAD["impl"] = spec["bf16_wgrad_impl"]
     if not spec.get("handoff_norms", True):
         from moela.model import transformer
 
@@ -121,6 +126,7 @@ def run_row(spec: dict) -> dict:
     for _ in range(max(spec["warmup"] - 2, 0)):
         _step(impl, device)
     source.reset_length_stats()
+    first_record = len(getattr(impl, "records", ()))
     times = []
     for _ in range(spec["steps"]):
         start = time.perf_counter()
@@ -134,6 +140,7 @@ def run_row(spec: dict) -> dict:
         impl.step()
     _sync(device)
     window_s = (time.perf_counter() - start) / spec["steps"]
+    imbalance = impl.expert_imbalance(first_record) if hasattr(impl, "expert_imbalance") else []
     peak_gib = memory_gib(device)
     step_s = statistics.median(times)
     busy = busy_profiled = profiled_step_ms = None
@@ -201,6 +208,8 @@ def run_row(spec: dict) -> dict:
         "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),
         "tokens_per_step": source.tokens_per_step, "grad_accum": cfg.train.grad_accum,
+        "expert_imbalance": statistics.mean(imbalance) if imbalance else None,
+        "expert_imbalance_range": [min(imbalance), max(imbalance)] if imbalance else None,
         "rows_x_row_len": [spec["rows"], spec["row_len"]], "doc_len_token_weighted": seq_len,
         "doc_len_mean": mean_doc, "doc_len_median_drawn": source.median_len, "doc_len_max": source.max_doc_len,
         "flops_per_token": flops_tok, "model_tflops": flops_tok * tokens_per_s / 1e12,

@@ -16,12 +16,21 @@ or quantized every expert weight twice (bench/notes/step.md, run 17); `WEIGHT_CO
 the lookup, which `bench/step.py`'s `moela-nomtp-recast` row times. The switch reaches the op as an argument
 (`save_copies`), so a compiled graph (and the compile caches on disk) keys on it.
 GEMM providers: `triton` (everything ours: for fp8 the persistent TMA kernels of moela.ops.moe.gemm_fp8, for bf16
-moela.ops.moe.gemm_triton), `torch` (bf16 `torch._grouped_mm`), `deep_gemm` (DeepGEMM's m-grouped FP8 GEMM for
+moela.ops.moe.gemm_triton), `torch` (bf16 `torch._grouped_mm`; its weight gradient by `BF16_WGRAD`, below),
+`deep_gemm` (DeepGEMM's m-grouped FP8 GEMM for
 forward and data gradient, ours for the weight gradient), `cublas` (FP8: cuBLAS's blockwise GEMM through
 `torch._scaled_mm`, one per expert, for all six GEMMs; Hopper; an m-grouped GEMM whose K/128 is not a multiple of 4
 runs on ours). Every provider but `cublas` reads the expert bounds on the device: no host sync, every buffer sized
 by the static bound M_pad, so the ops can be captured in a CUDA graph; `cublas` reads them on the host (one sync
 in the forward, one in the backward).
+The bf16 weight gradient (k-grouped: one output tile per expert and weight block, reduced over the expert's rows,
+so a tile's work is its expert's row count) runs on moela's Triton kernel under the `torch` provider too
+(`BF16_WGRAD["impl"]`, "torch" to use `torch._grouped_mm`): torch's CUTLASS kernel is persistent with a static
+tile-to-SM assignment, so a skewed expert load leaves SMs idle behind the tiles of the busiest experts, while the
+Triton grid is handed out to SMs as they free up. Measured side by side at the training step's shapes (64k tokens,
+bench/results/moe_wgrad_bf16.md): uniform loads Triton 0.95x torch at `small`, 0.97-1.12x at V2-Lite; skewed loads
+(the busiest expert 6.6-9.7x the mean) 1.31-1.48x at `small`, 1.02-1.11x at V2-Lite; and the step: see
+bench/notes/step.md, run 27.
 Compiling: `moela::moe_experts_fwd` / `moela::moe_experts_bwd` are torch.library custom ops with fake
 implementations (output shapes from T, K, E, D, F alone), so torch.compile keeps them as single nodes.
 
@@ -62,9 +71,12 @@ def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=No
     return mgrouped_fp8(a, a_scale, b, b_scale, lay.m_indices, lay.offsets, out_dtype=out_dtype)
 
 
+BF16_WGRAD = {"impl": "triton"}  # the bf16 weight gradient under the `torch` provider (module docstring)
+
+
 def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
     if a_scale is None:
-        if provider == "torch":
+        if provider == "torch" and BF16_WGRAD["impl"] == "torch":
             return torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
         return kgrouped_gemm(a, b, lay.offsets, out_dtype=out_dtype)
     if provider == "cublas":
