@@ -16,6 +16,8 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
           torch._scaled_grouped_mm.
   wgrad_bf16  the bf16 expert weight gradient at the training step's shapes: torch._grouped_mm as the step calls it,
           on token-contiguous copies, moela's Triton kernel (expert order, most rows first), uniform and skewed loads.
+  wgrad_fp8  the FP8 weight gradient (the Gluon kernel) at the same shapes and loads: its tiles dealt with the
+          experts by load (default) and in index order, beside bf16 torch and Triton.
   fp8     the persistent FP8 grouped GEMMs and the FP8 linear vs bf16 (bench/fp8.py; its own files
           bench/results/fp8.json and fp8.md are written by `python bench/fp8.py`).
   layer   the whole expert layer forward+backward: fp8 (Triton GEMMs; cuBLAS GEMMs) vs bf16 path vs an eager
@@ -23,7 +25,7 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
 from the eager baseline (columns of the row), gemm and layer rows their relative error; every section runs under
 a time guard. Usage:
-  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,wgrad_bf16,layer] [--quick] [--out bench/results/moe.md]
+  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,wgrad_bf16,wgrad_fp8,layer] [--quick] [--out bench/results/moe.md]
 """
 
 from __future__ import annotations
@@ -506,6 +508,56 @@ def section_wgrad_bf16(quick):
             del g, x, gt, xt, ref, w
 
 
+def section_wgrad_fp8(quick):
+    """The FP8 expert weight gradient (the Gluon k-grouped kernel the fp8_blockwise step runs) at the training step's
+    shapes, uniform and skewed loads: its tiles dealt along the snake with the experts by load (the default), and
+    along the snake in expert-index order; the bf16 torch._grouped_mm (statically scheduled) and moela's Triton
+    bf16 kernel on the same rows for reference. The FP8 operands are quantized once, outside the timing (the layer's
+    fused kernels produce them)."""
+    from moela.ops.moe import gemm_fp8, gemm_fp8_gluon_kgrouped
+
+    cases = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
+             ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, t, e, k, n, kk in cases[:2] if quick else cases:
+        for skew in (False, True):
+            if out_of_time():
+                return
+            ids = routing(t, e, k, skew)
+            lay = build_layout(ids, e)
+            counts = lay.counts
+            case = f"{name} E{e} T{t} N{n} K{kk} {'skew' if skew else 'unif'} max/mean " \
+                   f"{(counts.max() / counts.float().mean()).item():.2f}"
+            valid = (lay.m_indices >= 0)[:, None]
+            g = torch.randn(lay.m_pad, n, device="cuda", dtype=torch.bfloat16) * valid
+            x = torch.randn(lay.m_pad, kk, device="cuda", dtype=torch.bfloat16) * valid
+            _, (gq, gs) = quant_rows_cols(g, rowwise=False)  # token-contiguous [N, M_pad] e4m3, scales along tokens
+            _, (xq, xs) = quant_rows_cols(x, rowwise=False)
+            flops = 2 * t * k * n * kk
+            t_bf = bench(lambda: moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32))
+            row("wgrad_fp8", case, "bf16 torch._grouped_mm + cast", t_bf, flops / t_bf / 1e9, "TFLOP/s")
+            t_tr = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+            row("wgrad_fp8", case, "bf16 triton", t_tr, flops / t_tr / 1e9, "TFLOP/s", vs_torch=t_bf / t_tr)
+            ref = gemm_fp8.kgrouped_fp8(gq, gs, xq, xs, lay.offsets, out_dtype=torch.float32, impl="triton")
+            nrm = ref.norm()
+            got = gemm_fp8.kgrouped_fp8(gq, gs, xq, xs, lay.offsets, out_dtype=torch.float32, impl="gluon")
+            t_g = bench(lambda: gemm_fp8.kgrouped_fp8(gq, gs, xq, xs, lay.offsets, out_dtype=torch.float32,
+                                                      impl="gluon"))
+            row("wgrad_fp8", case, "fp8 gluon, snake, experts by load", t_g, flops / t_g / 1e9, "TFLOP/s",
+                vs_torch=t_bf / t_g, vs_triton_bf16=t_tr / t_g, rel_diff_triton_fp8=((got - ref).norm() / nrm).item())
+            index_order = torch.arange(e, device="cuda", dtype=torch.int32)
+
+            def in_index_order():
+                out = torch.empty(e, n, kk, device="cuda", dtype=torch.float32)
+                return gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(gq, gs, xq, xs, lay.offsets, out, sms,
+                                                               order=index_order)
+
+            t_i = bench(in_index_order)
+            row("wgrad_fp8", case, "fp8 gluon, snake, index order", t_i, flops / t_i / 1e9, "TFLOP/s",
+                vs_torch=t_bf / t_i, rel_diff_triton_fp8=((in_index_order() - ref).norm() / nrm).item())
+            del g, x, gq, xq, ref, got
+
+
 def section_layer(quick):
     cases = [("v3", 32, 8192, False), ("v3", 32, 8192, True), ("v2lite", 16, 16384, False)]
     for name, e, t, skew in cases[:1] if quick else cases:
@@ -653,6 +705,7 @@ def main():
              "gemm": lambda: section_gemm(args.quick),
              "wgrad_cast": lambda: section_wgrad_cast(args.quick),
              "wgrad_bf16": lambda: section_wgrad_bf16(args.quick),
+             "wgrad_fp8": lambda: section_wgrad_fp8(args.quick),
              "fp8": lambda: __import__("fp8").run(args.quick, False, 170),
              "layer": lambda: section_layer(args.quick)}[sec]()
         except Exception as exc:  # a failing section must not hide the others' numbers

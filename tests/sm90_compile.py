@@ -125,9 +125,16 @@ def moe_kernels():
         stride_asm=k // 128, stride_ask=1, stride_be=n * k, stride_bn=k, stride_bk=1, stride_bse=n * k // 2 ** 14,
         stride_bsn=k // 128, stride_bsk=1, stride_cm=n, BM=128, **fp8, **tile), **opts)}
     out["moe kgrouped fp8"] = compile_sm90(gemm_triton._kgrouped_kernel, dict(
-        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", offsets_ptr="*i64", stride_an=16384, stride_at=1, stride_bk=16384,
-        stride_bt=1, stride_asn=128, stride_ast=1, stride_bsk=128, stride_bst=1, stride_ce=n * k, stride_cn=k, BT=128,
-        **fp8, **tile), **opts)
+        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", offsets_ptr="*i64", order_ptr="*i32", stride_an=16384, stride_at=1,
+        stride_bk=16384, stride_bt=1, stride_asn=128, stride_ast=1, stride_bsk=128, stride_bst=1, stride_ce=n * k,
+        stride_cn=k, BT=128, ORDERED=False, **fp8, **tile), **opts)
+    # the bf16 weight gradient as the training step launches it: both operands the row-major activations read
+    # transposed (token-strided), fp32 output
+    out["moe kgrouped bf16"] = compile_sm90(gemm_triton._kgrouped_kernel, dict(
+        a_ptr="*bf16", b_ptr="*bf16", offsets_ptr="*i64", order_ptr="*i32", stride_an=1, stride_at=n, stride_bk=1,
+        stride_bt=k, a_scale_ptr="*bf16", stride_asn=0, stride_ast=0, b_scale_ptr="*bf16", stride_bsk=0,
+        stride_bst=0, c_ptr="*fp32", stride_ce=n * k, stride_cn=k, N=n, K=k, FP8=False, UPCAST=False, ORDERED=False,
+        BT=64, BK=128, **tile), **opts)
     return out
 
 
@@ -255,10 +262,10 @@ def moe_gluon_gemm_kernels():
             PINGPONG=cfg.pingpong), num_warps=ws.NUM_WARPS, require=require)
         cfg = kg.KGROUPED_CONFIGS[kg.DEFAULT_KGROUPED]
         out[f"moe_gluon fp8 wgrad ws {dtype}"] = compile_sm90(kg._kgrouped_ws_kernel, dict(
-            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", off_ptr="*i64", N=n,
-            K=k, M=m, E=e, s_asn=1, s_ast=n, s_bsk=1, s_bst=k, NUM_PROGRAMS=132, GROUPED=True,  # token-block-major
-            GROUP=cfg.group, STAGES=kg.fit_stages(cfg.stages, nbytes), PINGPONG=cfg.pingpong),
-            num_warps=ws.NUM_WARPS, require=require + ("cp.async.mbarrier.arrive",))
+            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", off_ptr="*i64",
+            order_ptr="*i32", N=n, K=k, M=m, E=e, s_asn=1, s_ast=n, s_bsk=1, s_bst=k,  # scales token-block-major
+            NUM_PROGRAMS=132, GROUPED=True, GROUP=cfg.group, STAGES=kg.fit_stages(cfg.stages, nbytes),
+            PINGPONG=cfg.pingpong), num_warps=ws.NUM_WARPS, require=require + ("cp.async.mbarrier.arrive",))
     return out
 
 

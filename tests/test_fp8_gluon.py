@@ -191,15 +191,19 @@ def test_weight_gradient_one_group():
     assert out.shape == (1, n, k) and _rel(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("order", ["by_load", "reversed"])
 @pytest.mark.parametrize("config", KGROUPED)
-def test_weight_gradient_few_programs(config):
+def test_weight_gradient_few_programs(config, order):
     """The grouped product over 5 experts (one empty) with three CTAs walking every tile: each program must read
-    its tile's token range at the tile's start (the kernel once carried it across tiles and was wrong here)."""
+    its tile's token range at the tile's start (the kernel once carried it across tiles and was wrong here); the
+    experts' tiles dealt in the default order (most tokens first) or in another permutation."""
     lay = _routing_layout(300, 5, 2, (3,), seed=15)
     aqt, ast = _columns(lay.m_pad, 256, lay.m_indices >= 0, seed=16)
     bqt, bst = _columns(lay.m_pad, 384, lay.m_indices >= 0, seed=17)
     out = torch.full((5, 256, 384), float("nan"), device="cuda")
-    gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(aqt, ast, bqt, bst, lay.offsets, out, num_programs=3, config=config)
+    perm = None if order == "by_load" else torch.arange(4, -1, -1, device="cuda", dtype=torch.int32)
+    gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(aqt, ast, bqt, bst, lay.offsets, out, num_programs=3, config=config,
+                                            order=perm)
     assert _rel(out, _weight_gradient_reference(aqt, ast, bqt, bst, lay.offsets)) < 1e-3
 
 

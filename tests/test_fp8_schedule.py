@@ -12,7 +12,14 @@ import random
 import pytest
 import torch
 
-from moela.ops.moe.gemm_fp8_gluon_kgrouped import ring_position, tile_blocks, token_block_major
+from moela.ops.moe.gemm_fp8_gluon_kgrouped import (
+    experts_by_load,
+    ring_position,
+    snake_index,
+    snake_rounds,
+    tile_blocks,
+    token_block_major,
+)
 
 LANES = 32  # the producer warp: each lane's scale copies arrive on the slot's ready barrier
 
@@ -25,6 +32,56 @@ def test_every_tile_once(n, k, e, group):
     assert sorted(seen) == [(x, a, b) for x in range(e) for a in range(num_n) for b in range(num_k)]
     first = seen[:min(group, num_n)]  # a band's first column block: GROUP row blocks sharing one B tile
     assert {b for _, _, b in first} == {0} and len({a for _, a, _ in first}) == len(first)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 7, 132])
+@pytest.mark.parametrize("num_tiles", [1, 5, 7, 131, 132, 133, 264, 265, 1000])
+def test_snake_deals_every_position_once(programs, num_tiles):
+    """Each program's rounds (snake_rounds of them, positions snake_index) cover 0..num_tiles-1 exactly once, and a
+    program's positions rise round by round (its tiles stay in list order)."""
+    dealt = []
+    for p in range(programs):
+        mine = [snake_index(i, p, programs) for i in range(snake_rounds(p, programs, num_tiles))]
+        assert mine == sorted(mine) and all(0 <= x < num_tiles for x in mine)
+        dealt += mine
+    assert sorted(dealt) == list(range(num_tiles))
+
+
+def _cta_work(work, programs, order, snake, per_e):
+    """Total work per program: tiles of the experts in `order` (expert-major, `work[e]` per tile of expert e,
+    per_e tiles each), dealt by the snake or statically (tile t on program t mod programs, experts in index
+    order)."""
+    tiles = [order[i // per_e] for i in range(len(work) * per_e)] if snake else \
+        [i // per_e for i in range(len(work) * per_e)]
+    load = [0] * programs
+    for p in range(programs):
+        if snake:
+            for i in range(snake_rounds(p, programs, len(tiles))):
+                load[p] += work[tiles[snake_index(i, p, programs)]]
+        else:
+            load[p] = sum(work[tiles[t]] for t in range(p, len(tiles), programs))
+    return load
+
+
+@pytest.mark.parametrize("per_e", [64, 32])
+def test_snake_balances_skewed_experts(per_e):
+    """Zipf-like expert loads (the busiest expert ~6x the mean, as the synthetic training step's router at its
+    initial weights) at `small`'s FP8 weight gradients (32 experts, 64 or 32 tiles each, 132 SMs): dealt
+    busiest-expert-first along the snake, no program carries more than the mean plus one largest tile; dealt
+    statically in index order, the busiest program carries over 1.2x the snake's."""
+    torch.manual_seed(0)
+    e, programs = 32, 132
+    counts = (torch.arange(1, e + 1, dtype=torch.float64) ** -1.2)[torch.randperm(e)]
+    counts = (counts / counts.mean() * 1024).round().to(torch.int64)  # tokens per expert, mean 1024
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    order = experts_by_load(offsets).tolist()
+    assert [counts[x] for x in order] == sorted(counts.tolist(), reverse=True)
+    work = counts.tolist()
+    mean = sum(work) * per_e / programs
+    snake, static = _cta_work(work, programs, order, True, per_e), _cta_work(work, programs, order, False, per_e)
+    assert sum(snake) == sum(static) == sum(work) * per_e
+    assert max(snake) <= mean + max(work)
+    assert max(static) > 1.2 * max(snake)
 
 
 class Barrier:
@@ -46,8 +103,14 @@ class Barrier:
 
 
 def _program(p, programs, num_n, num_k, e, blocks, group):
-    """(tile, expert, row block, column block, token blocks) of program p's tiles, in the kernel's order."""
-    for tile in range(p, e * num_n * num_k, programs):
+    """(tile, expert, row block, column block, token blocks) of program p's tiles, in the kernel's order: the snake
+    over the experts by load (the kernel's `_round_tile`)."""
+    per_e, num_tiles = num_n * num_k, e * num_n * num_k
+    sizes = torch.tensor([b - a for a, b in blocks])
+    order = torch.argsort(sizes, descending=True, stable=True).tolist()
+    for i in range(snake_rounds(p, programs, num_tiles)):
+        idx = snake_index(i, p, programs)
+        tile = order[idx // per_e] * per_e + idx % per_e
         x, nb, kb = tile_blocks(tile, num_n, num_k, group)
         yield tile, x, nb, kb, range(*blocks[x])
 

@@ -30,6 +30,13 @@ Tiles are scheduled persistently, expert-major (the CTAs in flight share one exp
 grouped order inside an expert (bands of GROUP row blocks of N, walked column block by column block;
 tile_blocks, the same arithmetic in Python for tests/test_fp8_schedule.py). A tile's length is its expert's
 token count, read on the device by every partition at the tile's start; no host sync, capturable in a CUDA graph.
+Since a tile's work is its expert's token count, the experts are taken in `order` (the launcher's default: most
+tokens first, a device-side sort of the offsets' differences) and the tiles dealt to the CTAs in rounds that
+alternate direction (`snake_index`: round i gives position p of the list to CTA p when i is even, to CTA P-1-p when
+odd), so each CTA gets one long and one short tile per pair of rounds. With the experts in index order and tile t
+on CTA t mod P, the CTAs that drew the busiest experts' tiles set the kernel's time: at 64k tokens of `small` with
+a skewed load (the busiest expert 5.6x the mean) the bf16 weight gradient on a statically scheduled persistent
+kernel (torch's CUTLASS) ran at 368 TFLOP/s, 630 on a dynamically scheduled one (bench/notes/step.md, runs 25-27).
 The range is not read one tile ahead and carried to the next tile: Triton 3.6's Gluon front end does not carry a
 value reassigned after a nested loop when it feeds that loop's bounds (the reassignment is dropped), so every
 tile would reduce over its program's first tile's tokens.
@@ -103,6 +110,22 @@ def tile_blocks(tile, num_n, num_k, GROUP):
     return tile // per_e, first_n + r % size, r // size
 
 
+def snake_index(i, p, programs):
+    """Program p's position in the tile list in its round i: p in even rounds, programs - 1 - p in odd ones."""
+    odd = i % 2
+    return i * programs + p + odd * (programs - 1 - 2 * p)
+
+
+def snake_rounds(p, programs, num_tiles):
+    """How many rounds program p takes part in: all cdiv(num_tiles, programs) but the last one if its position in
+    the last (partial) round lies past the list's end. num_tiles >= 1."""
+    rounds = (num_tiles + programs - 1) // programs
+    last = rounds - 1
+    rem = num_tiles - last * programs  # tiles in the last round, 1..programs
+    pos = p + (last % 2) * (programs - 1 - 2 * p)
+    return rounds - (pos + programs - rem) // programs
+
+
 def ring_position(step, STAGES):
     """The ring slot of a program's step-th token block and the parity of the slot's barrier phase it uses: the
     producer and both consumer warpgroups count every step of every tile of their program, so the three agree
@@ -113,6 +136,8 @@ def ring_position(step, STAGES):
 if ws.gluon is not None:
     _scale_slots = gluon.constexpr_function(scale_slots)
     _tile_blocks = gluon.jit(tile_blocks)
+    _snake_index = gluon.jit(snake_index)
+    _snake_rounds = gluon.jit(snake_rounds)
     _ring_position = gluon.jit(ring_position)
     _BM = gl.constexpr(BM)
     _BN = gl.constexpr(BN)
@@ -128,6 +153,15 @@ if ws.gluon is not None:
         return e, nb * _BM, kb * _BN
 
     @gluon.jit
+    def _round_tile(i, num_tiles, per_e, order_ptr, NUM_PROGRAMS, GROUPED: gl.constexpr):
+        """This CTA's tile in round i: its position in the balanced list (experts in `order`), as a tile index of
+        the expert-major numbering (tile // per_e = the expert)."""
+        idx = _snake_index(i, gl.program_id(0), NUM_PROGRAMS)
+        if GROUPED:
+            idx = gl.load(order_ptr + idx // per_e) * per_e + idx % per_e
+        return idx
+
+    @gluon.jit
     def _token_blocks(off_ptr, tile, per_e, M, GROUPED: gl.constexpr):
         """[first, end) token blocks of the tile's expert (offsets are 128-aligned), or all of M with one group."""
         if GROUPED:
@@ -140,8 +174,8 @@ if ws.gluon is not None:
         return start, end
 
     @gluon.jit
-    def _producer(a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N, K, M,
-                  E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
+    def _producer(a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, order_ptr,
+                  N, K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
                   STAGES: gl.constexpr):
         """One warp: per token block of every tile of this CTA, claim the next slot; copy the block's row and column
         scales (cp.async) and load the A and B tiles (TMA) into it."""
@@ -152,7 +186,8 @@ if ws.gluon is not None:
         num_tiles = E * num_n * num_k
         step_bytes: gl.constexpr = (_BM + _BN) * _BK
         it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        for i in range(0, _snake_rounds(gl.program_id(0), NUM_PROGRAMS, num_tiles)):
+            tile = _round_tile(i, num_tiles, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
             start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             rows_ok = n0 + idx < N
@@ -173,8 +208,8 @@ if ws.gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
-                  NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N, K, M,
+                  E, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                   WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store."""
         acc_layout: gl.constexpr = ws._acc_layout()
@@ -183,7 +218,8 @@ if ws.gluon is not None:
         num_tiles = E * num_n * num_k
         partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
         it = 0  # steps consumed: the producer's count, step for step
-        for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        for i in range(0, _snake_rounds(gl.program_id(0), NUM_PROGRAMS, num_tiles)):
+            tile = _round_tile(i, num_tiles, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
             start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
@@ -213,10 +249,11 @@ if ws.gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, off_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst,
-                            NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                            PINGPONG: gl.constexpr):
-        """Persistent: CTA p computes tiles p, p + NUM_PROGRAMS, ... of the E x (N / 128) x (K / 128) output tiles.
+    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, off_ptr, order_ptr, N, K, M, E, s_asn, s_ast,
+                            s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
+                            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        """Persistent: CTA p computes its positions of the E x (N / 128) x (K / 128) output tiles, in the balanced
+        order (module docstring; order_ptr [E] int32, read when GROUPED).
         a_desc [N, M] and b_desc [K, M] with [128, 128] blocks, c_desc [E * N, K] with [64, 128] blocks; scales by
         pointer and strides."""
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK], a_desc.layout)
@@ -236,12 +273,12 @@ if ws.gluon is not None:
         ws._init_turns(turn)
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
-                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, N, K, M, E,
-                         NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
-            (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, N,
-                         K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N,
+                         K, M, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N,
+                         K, M, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr,
+                         order_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -255,12 +292,19 @@ def token_block_major(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
 
 
+def experts_by_load(offsets: torch.Tensor) -> torch.Tensor:
+    """[E] int32: the experts, most (padded) tokens first: the order the kernel deals their tiles in. On the device,
+    no host sync."""
+    return torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True).to(torch.int32)
+
+
 def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                     offsets: torch.Tensor | None, out: torch.Tensor, num_programs: int,
-                    config: str | None = None) -> torch.Tensor:
+                    config: str | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
     """Fill out [E, N, K] (bf16 or fp32) as moela.ops.moe.gemm_fp8.kgrouped_fp8 does; that function checks the
     operands (a [N, M] and b [K, M] e4m3 contiguous, scales fp32 with any strides, N a multiple of 128 when
-    grouped). num_programs: the persistent grid's size (the SM count)."""
+    grouped). num_programs: the persistent grid's size (the SM count). order: [E] int32, a permutation of the
+    experts to deal their tiles in (default `experts_by_load(offsets)`)."""
     name = config or DEFAULT_KGROUPED
     if name not in KGROUPED_CONFIGS:
         raise ValueError(f"unknown Gluon FP8 GEMM config {name!r}; choose one of {', '.join(KGROUPED_CONFIGS)}")
@@ -278,8 +322,11 @@ def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     b_desc = ws.TensorDescriptor.from_tensor(b, [BN, BK], tile)
     c_desc = ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN], ws.shared_layout(64, BN, out.dtype))
     grid = max(1, min(num_programs, e * -(-n // BM) * -(-k // BN)))
+    if offsets is not None and order is None:
+        order = experts_by_load(offsets)
     _kgrouped_ws_kernel[(grid, )](
-        a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale, n, k, m, e,
+        a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale,
+        order if offsets is not None else a_scale, n, k, m, e,
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid,
         GROUPED=offsets is not None, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
         PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
