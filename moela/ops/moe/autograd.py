@@ -45,6 +45,7 @@ from moela.ops import weight_cache
 from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
 from moela.ops.moe.combine import combine_bwd, unpermute_combine
 from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
+from moela.ops.moe.gemm_fp8_gluon_kgrouped import experts_by_load
 from moela.ops.moe.gemm_library import (
     cublas_k_blocks_ok,
     cublas_kgrouped,
@@ -74,14 +75,14 @@ def _mgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=No
 BF16_WGRAD = {"impl": "triton"}  # the bf16 weight gradient under the `torch` provider (module docstring)
 
 
-def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None):
+def _kgemm(provider, a, b, lay, out_dtype, a_scale=None, b_scale=None, bounds=None, order=None):
     if a_scale is None:
         if provider == "torch" and BF16_WGRAD["impl"] == "torch":
             return torch_kgrouped(a, b, lay.offsets, lay.counts, out_dtype)
         return kgrouped_gemm(a, b, lay.offsets, out_dtype=out_dtype)
     if provider == "cublas":
         return cublas_kgrouped(a, a_scale, b, b_scale, bounds, out_dtype)
-    return kgrouped_fp8(a, a_scale, b, b_scale, lay.offsets, out_dtype=out_dtype)
+    return kgrouped_fp8(a, a_scale, b, b_scale, lay.offsets, out_dtype=out_dtype, order=order)
 
 
 def _fp8_weights(w: torch.Tensor):
@@ -152,10 +153,11 @@ def _backward(dy, x, topk_ids, topk_weights, w13, w2, h, o, lay, wcopies, recipe
         (doq, dos), (doqt, dost), dw = combine_bwd(dy, o, lay, topk_weights, quant=True)
         dact = _mgemm(provider, doq, w2qt, lay, dy.dtype, dos, w2s.transpose(1, 2), bounds)  # [M_pad, F]
         (dhq, dhs), (dhqt, dhst), (aqt, ast) = swiglu_bwd(h, dact, lay.m_indices, quant=True)
-        dw2 = _kgemm(provider, doqt, aqt, lay, w2.dtype, dost, ast, bounds)  # [E, D, F]
+        order = experts_by_load(lay.offsets) if provider != "cublas" else None  # the two weight gradients' deal
+        dw2 = _kgemm(provider, doqt, aqt, lay, w2.dtype, dost, ast, bounds, order)  # [E, D, F]
         dxp = _mgemm(provider, dhq, w13qt, lay, dy.dtype, dhs, w13s.transpose(1, 2), bounds)  # [M_pad, D]
         _, (xqt, xst) = quant_rows_cols(x, rowwise=False, src=lay.src, gather_div=k)  # [D, M_pad]
-        dw13 = _kgemm(provider, dhqt, xqt, lay, w13.dtype, dhst, xst, bounds)  # [E, 2F, D]
+        dw13 = _kgemm(provider, dhqt, xqt, lay, w13.dtype, dhst, xst, bounds, order)  # [E, 2F, D]
     else:
         w13c, w2c = wcopies[:2]  # [E, 2F, D], [E, D, F] in x's dtype
         do, _, dw = combine_bwd(dy, o, lay, topk_weights, quant=False)  # [M_pad, D]

@@ -326,13 +326,15 @@ def _kgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, N, K, M, 
 
 def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32,
-                 config: str | None = None, impl: str = "auto") -> torch.Tensor:
+                 config: str | None = None, impl: str = "auto", order: torch.Tensor | None = None) -> torch.Tensor:
     """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned, on the device);
     without offsets one group over all M columns (out [1, N, K]). a [N, M], b [K, M] e4m3, token-contiguous rows
     (M a multiple of 16: TMA rows are 16-byte aligned; columns past the real tokens must hold zero codes or lie past
     M); scales fp32 along tokens a_scale [N, ceil(M/128)], b_scale [K, ceil(M/128)] (any strides). Grouped: N a
     multiple of 128 (a tile never spans two experts' outputs). impl: "triton", "gluon" (sm_90,
-    moela.ops.moe.gemm_fp8_gluon_kgrouped) or "auto"; config: a name of the chosen implementation's table."""
+    moela.ops.moe.gemm_fp8_gluon_kgrouped) or "auto"; config: a name of the chosen implementation's table.
+    order: the Gluon kernel's expert order (`gemm_fp8_gluon_kgrouped.experts_by_load(offsets)` when None; a caller
+    with two weight gradients over one layout sorts once)."""
     n, m = a.shape
     k, m2 = b.shape
     if m2 != m or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -348,7 +350,7 @@ def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
             raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of 128 for the grouped weight gradient")
         out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
         return gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(a, a_scale, b, b_scale, offsets, out,
-                                                       _num_sms(a.device.index or 0), config)
+                                                       _num_sms(a.device.index or 0), config, order)
     cfg = _config(config, KGROUPED_CONFIGS, DEFAULT_KGROUPED)
     if grouped and n % cfg.bm:
         raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of {cfg.bm} for the grouped weight gradient")
