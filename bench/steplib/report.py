@@ -105,11 +105,14 @@ def _window_ratio(ours: dict, peer: dict) -> str:
 
 
 def _loss_table(rows: list[dict]) -> list[str]:
-    out = ["| config | " + " | ".join(LOSS_IMPLS) + " |", "| --- |" + " --- |" * len(LOSS_IMPLS)]
+    """One column per implementation that ran (bf16), in LOSS_IMPLS order."""
+    ran = {r["impl"] for r in _ok(rows) if r["recipe"] == "bf16"}
+    impls = [i for i in LOSS_IMPLS if i in ran]
+    out = ["| config | " + " | ".join(impls) + " |", "| --- |" + " --- |" * len(impls)]
     for config in dict.fromkeys(r["config"] for r in rows):
         got = {r["impl"]: r["first_step_loss"] for r in _ok(rows) if r["config"] == config and r["recipe"] == "bf16"}
         if got:
-            out.append(f"| {config} | " + " | ".join(_f(got.get(i), ".4f") for i in LOSS_IMPLS) + " |")
+            out.append(f"| {config} | " + " | ".join(_f(got.get(i), ".4f") for i in impls) + " |")
     return out
 
 
