@@ -133,6 +133,62 @@ def test_a_compiled_block_holds_its_attention_kernels_and_query_rope_in_its_grap
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_compiled_block_holds_its_fp8_linears_in_its_graph(monkeypatch):
+    """`precision: fp8` with the FP8 kernels (the Triton path, under the interpreter here; the CUDA default where the
+    features tile): the linears are the op pair `moela::fp8_linear_fwd` / `_bwd` inside the block's graph, so with
+    the attention's kernels traced too only the experts' CPU reference breaks a MoE block, no block hands its next
+    norm on, and the compiled model's loss and every gradient equal the eager model's. Linears the kernels cannot
+    tile (MLA's 128 -> 80 wkv_a here) train in bf16 (`fp8_linear`'s auto path; off here, since the CPU's auto is the
+    reference)."""
+    from moela.model import attention as mla
+    from moela.model.layers import Linear
+    from moela.ops.fp8_linear import fp8_tileable
+    from moela.ops.triton_env import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU")
+    monkeypatch.setattr(mla, "rotate_q_in_place", lambda q: True)
+    cfg = tiny_config(**{**GPU_SHAPE, "q_lora_rank": 128}, num_hidden_layers=2, attention_backend="triton",
+                      moe_backend="reference", precision="fp8")
+
+    def fp8_kernels_where_they_tile(model):
+        on = []
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and m.fp8:
+                m.fp8 = fp8_tileable(m.in_features, m.out_features)
+                m.fp8_backend = "triton"
+                on += [name] if m.fp8 else []
+        return on
+
+    eager = build_model(cfg)
+    on = fp8_kernels_where_they_tile(eager)
+    assert {"layers.0.attn.wq_a", "layers.0.attn.wo", "layers.1.ffn.shared_experts.w2", "mtp.0.eh_proj"} <= set(on)
+    batch = pad_batch(packed_batch(cfg.vocab_size, [21, 9, 30], seed=5), 96, 48)
+    ctx = eager._context(batch, batch.targets_on_host)
+    x = eager.embed(batch.input_ids)
+    explained = torch._dynamo.explain(type(eager.layers[1])._forward)(eager.layers[1], x, ctx, None, None, None,
+                                                                        None)
+    sites = {(b.user_stack[-2].filename.rsplit("/", 1)[-1], b.user_stack[-2].name, b.user_stack[-1].name)
+             for b in explained.break_reasons}
+    assert sites == {("moe.py", "forward", "call_op")}, sites  # only the experts (MoE.forward -> call_op)
+    torch._dynamo.reset()
+    model = build_model(cfg)
+    fp8_kernels_where_they_tile(model)
+    model.load_state_dict(eager.state_dict())
+    compile_blocks(model, backend="aot_eager")
+    assert model._handoffs(x) == [None, None]
+    results = []
+    for m in (eager, model):
+        out = m(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys() and "layers.0.attn.wo.weight" in grads
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def _consumers(root: torch.Tensor, tensors: list[torch.Tensor]) -> list[int]:
     """How many autograd edges of the graph behind `root` feed each tensor's gradient (2 or more: autograd adds
     them in a kernel of its own)."""

@@ -128,6 +128,32 @@ def test_fp8_linear_triton_matches_the_reference(t):
     assert rel(y, exact) < 0.05 and w.grad.dtype == torch.float32
 
 
+def test_opcheck_of_the_fp8_linear_op_pair():
+    """torch.library's checks of `moela::fp8_linear_fwd` / `_bwd` (the Triton path, interpreted here): schema, the
+    fake implementations' shapes and strides against the real outputs (T padded to 128 inside), the autograd
+    registration, AOT dispatch of the backward op (torch's schema check, and AOT dispatch of the forward, run
+    arithmetic on the e4m3 codes that torch's CPU lacks); and the op's outputs are fresh tensors, not the weight
+    cache's own objects."""
+    from moela.ops import weight_cache
+    from moela.ops.fp8_linear import fp8_linear_bwd, fp8_linear_fwd
+
+    torch.manual_seed(3)
+    x = torch.randn(200, 256, dtype=torch.float16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(384, 256) * 0.05)
+    torch.library.opcheck(torch.ops.moela.fp8_linear_fwd.default, (x, w),
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+    with torch.no_grad():
+        y, xqt, xst, ws, wqt = fp8_linear_fwd(x, w)
+    assert y.shape == (200, 384) and xqt.shape == (256, 256) and xst.shape == (256, 2) and wqt.shape == (256, 384)
+    cached = weight_cache.cached(w, "fp8_blockwise", lambda v: None)  # the forward's entry
+    assert cached is not None and wqt is not cached[2] and wqt.data_ptr() == cached[2].data_ptr()
+    dy = torch.randn(200, 384, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.moela.fp8_linear_bwd.default, (dy, xqt, xst, ws, wqt, w.detach()),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    dx, dw = fp8_linear_bwd(dy, xqt, xst, ws, wqt, w)
+    assert dx.shape == x.shape and dx.dtype == x.dtype and dw.shape == w.shape and dw.dtype == torch.float32
+
+
 def test_fp8_linear_rejects_untileable_features_for_triton():
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_linear(torch.randn(4, 96), torch.nn.Parameter(torch.randn(128, 96)), backend="triton")

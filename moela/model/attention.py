@@ -135,9 +135,10 @@ class MLA(nn.Module):
 
     def breaks_graph(self, x: torch.Tensor) -> bool:
         """Whether a compiled block breaks its graph inside this attention for an input like x (its device; the
-        projections' dtype: autocast's, else x's): where `_attention` does not trace the kernels, or the projections
-        run FP8 outside the graph (`Linear`)."""
-        if not IN_GRAPH["attention"] or any(isinstance(m, Linear) and m.fp8 for m in self.modules()):
+        projections' dtype: autocast's, else x's): where `_attention` does not trace the kernels, or an FP8
+        projection runs outside the graph (`Linear.fp8_in_graph`)."""
+        if not IN_GRAPH["attention"] or any(isinstance(m, Linear) and m.fp8 and not m.fp8_in_graph(x)
+                                            for m in self.modules()):
             return True
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype

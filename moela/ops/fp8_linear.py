@@ -11,7 +11,10 @@ dtype (fp32 master weights stay fp32). Backends:
   row codes (for the next GEMM) and its transposed column codes (for the weight gradient; saved for backward in
   place of x, at half x's bytes); the weight's codes, scales and transposed codes once per optimizer step
   (moela.ops.weight_cache); the GEMMs are moela.ops.moe.gemm_fp8's persistent TMA kernels with one group. The
-  token dim is padded to a multiple of 128 inside the quantization (zero rows), so any T works.
+  token dim is padded to a multiple of 128 inside the quantization (zero rows), so any T works. Forward and
+  backward are the torch.library ops `moela::fp8_linear_fwd` / `moela::fp8_linear_bwd` (fake implementations,
+  an autograd formula), so a compiled block holds its FP8 linears as ops of its graph instead of breaking around
+  them; the weight cache is consulted when the op runs, on the real parameter, as the expert path's is.
 `auto`: `triton` on CUDA for features that are multiples of 128 (the quantization kernels' tiles), else the
 plain bf16 linear (no FP8 for a layer the kernels cannot tile, e.g. MLA's wkv_a with 512 + 64 outputs).
 
@@ -92,36 +95,92 @@ def _fp8_weight(w: torch.Tensor):
     return weight_cache.cached(w, "fp8_blockwise", compute)
 
 
-class _TritonFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        from moela.ops.moe.gemm_fp8 import mgrouped_fp8
+def _rows_padded(t: int) -> int:
+    """M: the quantized activations' rows, T rounded up to a multiple of 128 (at least 128)."""
+    return (max(t, 1) + 127) // 128 * 128
 
-        t = x.shape[0]
-        src = _padded_rows(t, x.device)
-        (xq, xs), (xqt, xst) = _quant_act(x, src)  # [M, K], [M, K/128]; [K, M], [K, M/128]
-        wq, ws, _ = _fp8_weight(w)
-        y = mgrouped_fp8(xq, xs, wq, ws, out_dtype=x.dtype)[:t]  # [T, N]
-        ctx.save_for_backward(xqt, xst, src, w)
-        ctx.x_dtype = x.dtype
-        return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
+@torch.library.custom_op("moela::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] (bf16/fp16, contiguous) @ weight [N, K]^T -> (y [T, N] in x's dtype; for the backward: x's
+    transposed column codes xqt [K, M] e4m3 and scales xst [K, M/128], the weight's scales ws [N/128, K/128] and
+    transposed codes wqt [K, N]), M = T padded to 128. The weight's codes come from the per-step cache
+    (`_fp8_weight`), looked up here, when the op runs, on the real parameter; its scales and transposed codes are
+    handed to the backward as detached aliases of the cache's tensors (outputs may alias no input and no other
+    output; a lookup in the backward would miss under CUDA-graph capture, where the cache is off)."""
+    from moela.ops.moe.gemm_fp8 import mgrouped_fp8
 
-        xqt, xst, src, w = ctx.saved_tensors
-        t = dy.shape[0]
-        _, ws, wqt = _fp8_weight(w)
-        (dyq, dys), (dyqt, dyst) = _quant_act(dy.to(ctx.x_dtype).contiguous(), src)  # [M, N]; [N, M]
-        dx = mgrouped_fp8(dyq, dys, wqt, ws.t(), out_dtype=ctx.x_dtype)[:t]  # [T, K]
-        dw = kgrouped_fp8(dyqt, dyst, xqt, xst, out_dtype=w.dtype)[0]  # [N, K]
-        return dx, dw
+    t = x.shape[0]
+    src = _padded_rows(t, x.device)
+    (xq, xs), (xqt, xst) = _quant_act(x, src)  # [M, K], [M, K/128]; [K, M], [K, M/128]
+    wq, ws, wqt = _fp8_weight(weight)
+    y = mgrouped_fp8(xq, xs, wq, ws, out_dtype=x.dtype)[:t]  # [T, N]
+    return y, xqt.contiguous(), xst.contiguous(), ws.detach(), wqt.detach()
+
+
+@fp8_linear_fwd.register_fake
+def _fp8_linear_fwd_fake(x, weight):
+    t, k = x.shape
+    n = weight.shape[0]
+    m = _rows_padded(t)
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    return (x.new_empty(t, n), x.new_empty(k, m, dtype=e4m3), x.new_empty(k, m // 128, dtype=f32),
+            weight.new_empty(n // 128, k // 128, dtype=f32), weight.new_empty(k, n, dtype=e4m3))
+
+
+@torch.library.custom_op("moela::fp8_linear_bwd", mutates_args=())
+def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xst: torch.Tensor, ws: torch.Tensor, wqt: torch.Tensor,
+                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [T, K] in dy's dtype, dW [N, K] in the weight's dtype) from dy [T, N] (the forward's output dtype,
+    contiguous) and the forward's saved codes; `weight` only gives dW's dtype."""
+    from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
+
+    t = dy.shape[0]
+    (dyq, dys), (dyqt, dyst) = _quant_act(dy, _padded_rows(t, dy.device))  # [M, N]; [N, M]
+    dx = mgrouped_fp8(dyq, dys, wqt, ws.t(), out_dtype=dy.dtype)[:t]  # [T, K]
+    dw = kgrouped_fp8(dyqt, dyst, xqt, xst, out_dtype=weight.dtype)[0]  # [N, K]
+    return dx, dw
+
+
+@fp8_linear_bwd.register_fake
+def _fp8_linear_bwd_fake(dy, xqt, xst, ws, wqt, weight):
+    return dy.new_empty(dy.shape[0], xqt.shape[0]), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight = inputs
+    _, xqt, xst, ws, wqt = output
+    ctx.save_for_backward(xqt, xst, ws, wqt, weight)
+    ctx.mark_non_differentiable(xqt, xst, ws, wqt)
+    ctx.x_dtype = x.dtype
+
+
+def _backward_rule(ctx, dy, *unused):
+    xqt, xst, ws, wqt, weight = ctx.saved_tensors
+    return fp8_linear_bwd(dy.to(ctx.x_dtype).contiguous(), xqt, xst, ws, wqt, weight)
+
+
+fp8_linear_fwd.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 def fp8_tileable(in_features: int, out_features: int) -> bool:
     """Whether the Triton kernels tile this layer (both feature counts multiples of 128)."""
     return in_features % 128 == 0 and out_features % 128 == 0
+
+
+def runs_kernels(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether `fp8_linear(x, weight, backend=backend)` runs the op pair (the Triton path), which a compiled graph
+    can hold; the other paths (the reference, the bf16 linear of an untileable layer) run outside the graph. Decided
+    from what does not change between a layer's calls: the backend, x's device and its dtype under autocast, the
+    weight's shape."""
+    if backend == "triton":
+        return True
+    if backend != "auto" or not x.is_cuda:
+        return False
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    return fp8_tileable(weight.shape[1], weight.shape[0]) and dtype in (torch.bfloat16, torch.float16)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -148,7 +207,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") 
             raise ValueError(f"fp8_linear backend 'triton' needs in and out features that are multiples of 128; got "
                              f"{k} -> {n}; use backend='auto' (bf16 for this layer) or 'reference'")
         with torch.autocast(x.device.type, enabled=False):
-            y = _TritonFn.apply(x2.contiguous(), weight)
+            y = fp8_linear_fwd(x2.contiguous(), weight)[0]
     else:
         with torch.autocast(x.device.type, enabled=False):
             y = fp8_linear_reference(x2, weight)
