@@ -153,7 +153,7 @@ if ws.gluon is not None:
         return e, nb * _BM, kb * _BN
 
     @gluon.jit
-    def _round_tile(i, num_tiles, per_e, order_ptr, NUM_PROGRAMS, GROUPED: gl.constexpr):
+    def _round_tile(i, per_e, order_ptr, NUM_PROGRAMS, GROUPED: gl.constexpr):
         """This CTA's tile in round i: its position in the balanced list (experts in `order`), as a tile index of
         the expert-major numbering (tile // per_e = the expert)."""
         idx = _snake_index(i, gl.program_id(0), NUM_PROGRAMS)
@@ -187,7 +187,7 @@ if ws.gluon is not None:
         step_bytes: gl.constexpr = (_BM + _BN) * _BK
         it = 0  # steps issued by this CTA: slot it % STAGES, pass it // STAGES over the ring
         for i in range(0, _snake_rounds(gl.program_id(0), NUM_PROGRAMS, num_tiles)):
-            tile = _round_tile(i, num_tiles, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
+            tile = _round_tile(i, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
             start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             rows_ok = n0 + idx < N
@@ -219,7 +219,7 @@ if ws.gluon is not None:
         partial = gl.zeros([64, _BN], gl.float32, acc_layout)  # one step's wgmma result
         it = 0  # steps consumed: the producer's count, step for step
         for i in range(0, _snake_rounds(gl.program_id(0), NUM_PROGRAMS, num_tiles)):
-            tile = _round_tile(i, num_tiles, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
+            tile = _round_tile(i, num_n * num_k, order_ptr, NUM_PROGRAMS, GROUPED)
             e, n0, k0 = _tile_origin(tile, num_n, num_k, GROUP)
             start, end = _token_blocks(off_ptr, tile, num_n * num_k, M, GROUPED)
             acc = gl.zeros([64, _BN], gl.float32, acc_layout)
