@@ -31,7 +31,8 @@ out-of-memory error ends only its row:
             moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
                           `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
-  recipes   bf16, fp8_blockwise (moela rows only; the peers have no FP8 experts)
+  recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
+            features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
 All rows of a config read the same synthetic packed documents (bench/steplib/source.py) and start from the same
 weights. Per row: tokens/s (median step) and MFU (the trainer's formula), both again over a window of as many
 steps synchronized once at its end (the trainer's pace, logging steps included), GPU-busy share, peak memory,
@@ -98,7 +99,9 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
                "moela-wgrad-torch": [], "moela-wgrad-triton": []}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
-RECIPES = ("bf16", "fp8_blockwise")
+RECIPES = ("bf16", "fp8_blockwise", "fp8")
+RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
+                    "fp8": ["model.precision=fp8"]}
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
          "quick": dict(warmup=3, steps=3, profile_steps=1, sync_steps=1)}
@@ -115,8 +118,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
             c = CONFIGS[config]
             moela_recipes = impl in MOELA_ALL_RECIPES
             for recipe in recipes if moela_recipes else [r for r in recipes if r == "bf16"]:
-                overrides = list(c["overrides"]) + [
-                    f"model.moe_recipe={recipe}", f"train.device={device}", f"train.run_dir={run_dir}",
+                overrides = list(c["overrides"]) + RECIPE_OVERRIDES[recipe] + [
+                    f"train.device={device}", f"train.run_dir={run_dir}",
                     "train.steps=1000", "train.eval_every=0", "checkpoint.every=0", "logging.progress_bar=never"]
                 overrides += MOELA_IMPLS.get(impl, ["model.num_nextn_predict_layers=0"])
                 rows.append({"config": config, "impl": "moela" if impl in MOELA_IMPLS else impl, "label": impl,
@@ -203,7 +206,8 @@ def main() -> None:
     ap.add_argument("--configs", help=f"comma list of {', '.join(CONFIGS)} (default: all but tiny on cuda, tiny "
                                       f"on cpu)")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
-    ap.add_argument("--recipes", help="comma list of bf16, fp8_blockwise (default: both on cuda, bf16 on cpu)")
+    ap.add_argument("--recipes", help="comma list of bf16, fp8_blockwise, fp8 (default: bf16,fp8_blockwise on cuda, "
+                                      "bf16 on cpu)")
     ap.add_argument("--device", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true", help="fewer steps per row: a smoke run")
     for key in STEPS["default"]:
@@ -233,7 +237,7 @@ def main() -> None:
         sys.exit("bench/step.py: --device cuda but no CUDA device is visible; use --device cpu for the smoke run")
     configs = (args.configs or ("tiny" if device == "cpu" else "small-16k,small-64k,v2lite6-64k")).split(",")
     impls = args.impls.split(",")
-    recipes = (args.recipes or ("bf16" if device == "cpu" else ",".join(RECIPES))).split(",")
+    recipes = (args.recipes or ("bf16" if device == "cpu" else "bf16,fp8_blockwise")).split(",")
     for kind, given, known in (("config", configs, CONFIGS), ("impl", impls, IMPLS), ("recipe", recipes, RECIPES)):
         bad = [g for g in given if g not in known]
         if bad:

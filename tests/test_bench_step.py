@@ -414,9 +414,15 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
         cfg = load_config(s["recipe_path"], s["overrides"])
+        assert cfg.model.expert_recipe == s["recipe"] and not cfg.model.fp8_linears
         assert cfg.train.tokens_per_microbatch * cfg.train.grad_accum == 32768 or s["config"] == "small-64k"
         assert cfg.train.cuda_graphs == (s["label"] != "moela-nographs")
         assert cfg.optim.moment_dtype == ("float32" if s["label"] == "moela-fp32-moments" else "bfloat16")
+
+    fp8 = step.plan_rows(["small-64k"], ["moela", "titan-compile"], ["bf16", "fp8"], "cuda", counts, "/tmp/r")
+    assert [(s["label"], s["recipe"]) for s in fp8] == [("moela", "bf16"), ("moela", "fp8"), ("titan-compile", "bf16")]
+    model_fp8 = load_config(fp8[1]["recipe_path"], fp8[1]["overrides"]).model
+    assert model_fp8.precision == "fp8" and model_fp8.fp8_linears and model_fp8.expert_recipe == "fp8_blockwise"
 
     v2 = step.plan_rows(["v2lite6-64k"], ["moela"], ["bf16"], "cuda", counts, "/tmp/r")[0]
     cfg = load_config(v2["recipe_path"], v2["overrides"]).model
