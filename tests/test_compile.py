@@ -91,6 +91,22 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
     assert sites == {("attention.py", "_attention"), ("moe.py", "forward")}, sites
 
 
+def _assert_same_loss_and_grads(eager, compiled, batch) -> dict:
+    """One forward + backward of each model on `batch`: the compiled model's loss and every gradient equal the eager
+    model.s within float32 rounding. Returns the gradients."""
+    results = []
+    for m in (eager, compiled):
+        out = m(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    return grads
+
+
 def test_a_compiled_block_holds_its_attention_kernels_and_query_rope_in_its_graph(monkeypatch):
     """With a backend that has separate forward and backward kernels (the Triton kernels, under the interpreter
     here; flash-attn-4 on a GPU) the attention and the in-place query RoPE are ops of the block's graph
@@ -121,16 +137,7 @@ def test_a_compiled_block_holds_its_attention_kernels_and_query_rope_in_its_grap
     model = build_model(cfg)
     model.load_state_dict(eager.state_dict())
     compile_blocks(model, backend="aot_eager")
-    results = []
-    for m in (eager, model):
-        out = m(batch)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (ref, ref_grads), (loss, grads) = results
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
-    assert grads.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_loss_and_grads(eager, model, batch)
 
 
 def test_a_compiled_block_holds_its_fp8_linears_in_its_graph(monkeypatch):
@@ -177,16 +184,7 @@ def test_a_compiled_block_holds_its_fp8_linears_in_its_graph(monkeypatch):
     model.load_state_dict(eager.state_dict())
     compile_blocks(model, backend="aot_eager")
     assert model._handoffs(x) == [None, None]
-    results = []
-    for m in (eager, model):
-        out = m(batch)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (ref, ref_grads), (loss, grads) = results
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
-    assert grads.keys() == ref_grads.keys() and "layers.0.attn.wo.weight" in grads
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert "layers.0.attn.wo.weight" in _assert_same_loss_and_grads(eager, model, batch)
 
 
 def _consumers(root: torch.Tensor, tensors: list[torch.Tensor]) -> list[int]:
