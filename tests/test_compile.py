@@ -93,7 +93,7 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
 
 def _assert_same_loss_and_grads(eager, compiled, batch) -> dict:
     """One forward + backward of each model on `batch`: the compiled model's loss and every gradient equal the eager
-    model.s within float32 rounding. Returns the gradients."""
+    model's within float32 rounding. Returns the gradients."""
     results = []
     for m in (eager, compiled):
         out = m(batch)
