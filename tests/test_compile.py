@@ -388,6 +388,39 @@ def test_cuda_blocks_hand_off_the_next_norm(monkeypatch, attention_in_graph):
 
 
 @pytest.mark.gpu
+def test_compiled_cuda_fp8_blocks_are_one_graph_and_match_eager():
+    """`precision: fp8` with the CUDA kernels: the FP8 linears' op pair, the experts and the attention are ops of a
+    MoE block's one graph, and the Inductor-compiled model's loss and gradients match the eager model's (bf16
+    autocast: Inductor fuses the glue around the ops differently, so the FP8 codes of a few elements may differ;
+    relative tolerances of the FP8 recipe)."""
+    cfg = tiny_config(**GPU_SHAPE, num_hidden_layers=2, precision="fp8")
+    eager = build_model(cfg, "cuda")
+    assert any(getattr(m, "fp8", False) for m in eager.modules())
+    batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
+    ctx = eager._context(batch, batch.targets_on_host)
+    x = eager.embed(batch.input_ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(type(eager.layers[1])._forward)(eager.layers[1], x, ctx, None, None, None,
+                                                                            None)
+    assert explained.graph_count == 1 and not explained.break_reasons, explained.break_reasons
+    torch._dynamo.reset()
+    model = build_model(cfg, "cuda")
+    model.load_state_dict(eager.state_dict())
+    compile_blocks(model)
+    results = []
+    for m in (eager, model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (ref, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref, rtol=1e-2, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert (grads[name].float() - g.float()).norm() <= 0.05 * g.float().norm() + 1e-6, name
+
+
+@pytest.mark.gpu
 def test_compiled_cuda_training_matches_eager_without_recompiles_or_syncs(tmp_path):
     eager = Trainer(cuda_cfg(tmp_path / "a"))
     compiled = Trainer(cuda_cfg(tmp_path / "b", "train.compile=true"))
