@@ -323,7 +323,9 @@ def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_st
     for rec in records:
         ref = eager.train_step()
         for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "expert_imbalance"):
-            assert rec[key] == pytest.approx(ref[key], rel=2e-5), (rec["step"], key)
+            # the compiled blocks add gradients in another order (the norm hand-off): float32 rounding that grows
+            # over the steps and differs by CPU (4.4e-5 of the grad norm at step 2 on a Xeon of the GPU machine)
+            assert rec[key] == pytest.approx(ref[key], rel=2e-4), (rec["step"], key)
     before_eval = counters["stats"]["unique_graphs"]
     compiled.evaluate()
     after_first = counters["stats"]["unique_graphs"]

@@ -559,6 +559,17 @@ def test_auto_backend_on_cpu_is_reference():
     torch.testing.assert_close(y, moe_experts(x, ids, w, w13, w2, recipe="fp8_blockwise", backend="reference"))
 
 
+def test_the_deep_gemm_probe_traces_without_a_graph_break():
+    """`auto` asks whether DeepGEMM imports on every MoE call, inside torch.compile's trace too (a CUDA MoE block
+    is one graph): the answer is a constant probed at import, so Dynamo traces it without running an import."""
+    from moela.ops.moe.gemm_library import DEEP_GEMM_IMPORTS, deep_gemm_available
+
+    torch.manual_seed(0)
+    x = torch.randn(3)
+    traced = torch.compile(lambda t: t + float(deep_gemm_available()), fullgraph=True, backend="eager")
+    torch.testing.assert_close(traced(x), x + float(DEEP_GEMM_IMPORTS and torch.cuda.is_available()))
+
+
 def test_fast_backend_rejects_layouts_past_int32_offsets():
     t, d, f = 300_000, 128, 4096  # 2.4M padded rows x 2F = 8192 columns > 2^31
     x = torch.zeros(1, d, dtype=torch.float16).expand(t, d)

@@ -14,6 +14,7 @@ caller). `torch._grouped_mm` exists on torch 2.11 CUDA and on torch 2.13 CPU (th
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
@@ -33,13 +34,24 @@ def torch_kgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, coun
     return masked_cast(out, counts, out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def deep_gemm_available() -> bool:  # cached: a failed import is retried on every call otherwise
+def _deep_gemm_imports() -> bool:
+    """Whether `import deep_gemm` works; imported only when installed (find_spec does not import)."""
+    if importlib.util.find_spec("deep_gemm") is None:
+        return False
     try:
         import deep_gemm  # noqa: F401
-    except ImportError:
+    except Exception:  # ImportError, or a build that fails to load its library
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+# Probed once, at import: `auto` asks on every MoE call, also inside torch.compile's trace, which ignores an
+# lru_cache and would run the import there (a graph break in every MoE block of an FP8 model).
+DEEP_GEMM_IMPORTS = _deep_gemm_imports()
+
+
+def deep_gemm_available() -> bool:
+    return DEEP_GEMM_IMPORTS and torch.cuda.is_available()
 
 
 def deep_gemm_mgrouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
