@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from moela.batch import PackedBatch
 from moela.ops.dispatch import Dispatch
-from moela.ops.fp8_linear import fp8_linear, runs_kernels
+from moela.ops.fp8_linear import fp8_linear, traceable
 from moela.ops.norm import rms_norm
 from moela.ops.swiglu import swiglu
 
@@ -49,8 +49,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Linear):
     """Bias-free linear layer (y = x W^T), weight [out, in]; with `fp8` in DeepSeek-V3's FP8 recipe
     (moela.ops.fp8_linear: every GEMM of forward and backward in e4m3 with blockwise scales, `fp8_backend` its
-    backend). The FP8 kernels are ops a compiled graph holds; the reference (the CPU under `auto`) and the bf16
-    fallback of an untileable layer run outside the graph."""
+    backend). The FP8 kernels are ops a compiled graph holds, and so is the bf16 linear of an untileable layer on
+    CUDA; the reference (the CPU under `auto`) runs outside the graph."""
 
     fp8_backend = "auto"
 
@@ -60,7 +60,7 @@ class Linear(nn.Linear):
 
     def fp8_in_graph(self, x: torch.Tensor) -> bool:
         """Whether this FP8 layer's call on an input like x runs inside a compiled graph."""
-        return runs_kernels(x, self.weight, self.fp8_backend)
+        return traceable(x, self.weight, self.fp8_backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:

@@ -169,18 +169,12 @@ def fp8_tileable(in_features: int, out_features: int) -> bool:
     return in_features % 128 == 0 and out_features % 128 == 0
 
 
-def runs_kernels(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> bool:
-    """Whether `fp8_linear(x, weight, backend=backend)` runs the op pair (the Triton path), which a compiled graph
-    can hold; the other paths (the reference, the bf16 linear of an untileable layer) run outside the graph. Decided
-    from what does not change between a layer's calls: the backend, x's device and its dtype under autocast, the
-    weight's shape."""
-    if backend == "triton":
-        return True
-    if backend != "auto" or not x.is_cuda:
-        return False
-    kind = x.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return fp8_tileable(weight.shape[1], weight.shape[0]) and dtype in (torch.bfloat16, torch.float16)
+def traceable(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether a compiled graph can hold `fp8_linear(x, weight, backend=backend)`: the Triton op pair, and on CUDA
+    under `auto` also the bf16 linear of a layer the kernels cannot tile (MLA's kv_a at kv_lora_rank + rope = 320
+    features in `small`: left outside, it was a graph break in every attention). The reference (the CPU under
+    `auto`) runs outside. Decided from what does not change between a layer's calls: the backend and x's device."""
+    return backend == "triton" or (backend == "auto" and x.is_cuda)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
