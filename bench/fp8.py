@@ -8,9 +8,11 @@ Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named c
 defaults (for Gluon also the default's twin whose consumer warpgroups take turns, and the default fed its
 activation scales token-block-major); the cuBLAS per-expert provider (host bounds) as a reference row.
 Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16
-linear at the small model's and V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation.
+linear at the small model's and V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation, and
+where the weight gradient is split over token ranges (`fp8_linear.wgrad_splits`) the same unsplit; section
+`small_linears`: the small model's other FP8 linears (few output tiles: the split's cases).
 
-  python bench/fp8.py [--quick] [--sweep] [--budget-s 170]
+  python bench/fp8.py [--quick] [--sweep] [--budget-s 170] [--sections grouped,dense,small_linears]
 --quick: the V3 shapes at 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the
 full run with --sweep fits ~4 minutes on one H200.
 """
@@ -28,6 +30,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from moela.ops import fp8_linear as fp8_linear_mod
 from moela.ops.fp8_linear import fp8_linear
 from moela.ops.moe import gemm_fp8, gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
@@ -167,23 +170,41 @@ def dense(name: str, t: int, k: int, n: int):
 
     t_bf = bench(bf16)
     add(case, "bf16 F.linear", t_bf, flops)
+    splits = fp8_linear_mod.wgrad_splits(n, k, -(-t // 128) * 128, gemm_fp8.sm_count(x.device))
     for impl in ("triton", "gluon") if gemm_fp8_gluon.available(x.device) else ("triton",):
         with auto_impl(impl), torch.autocast("cuda", torch.bfloat16):
             err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
-            add(case, f"fp8_linear (weights cached, {impl} GEMMs)", bench(fp8), flops, t_bf, err)
+            add(case, f"fp8_linear (weights cached, {impl} GEMMs, wgrad in {splits} token ranges)", bench(fp8),
+                flops, t_bf, err)
+        if splits > 1:  # the same without the weight gradient's split-K
+            saved = fp8_linear_mod.MIN_SPLIT_TOKENS
+            fp8_linear_mod.MIN_SPLIT_TOKENS = 1 << 40
+            try:
+                with auto_impl(impl):
+                    add(case, f"fp8_linear (weights cached, {impl} GEMMs, wgrad unsplit)", bench(fp8), flops, t_bf)
+            finally:
+                fp8_linear_mod.MIN_SPLIT_TOKENS = saved
 
 
-def run(quick: bool, sweep: bool, budget_s: float) -> None:
-    """Every case (the FP8 section of bench/moe.py calls this too)."""
+DENSE_SHAPES = [("small dense FFN", 65536, 1024, 2816), ("small wq_b", 65536, 384, 1536),
+                ("v2-lite dense FFN", 65536, 2048, 10944), ("v2-lite wkv_b", 65536, 512, 4096)]
+# the rest of `small`'s FP8 linears at 64k tokens: the weight gradients with few output tiles
+SMALL_LINEARS = [("small wq_a", 65536, 1024, 384), ("small wo", 65536, 1024, 1024),
+                 ("small shared w1", 65536, 1024, 512), ("small shared w2", 65536, 512, 1024)]
+
+
+def run(quick: bool, sweep: bool, budget_s: float, sections: tuple[str, ...] = ("grouped", "dense")) -> None:
+    """Every case of the sections (the FP8 section of bench/moe.py calls this too)."""
     deadline = time.time() + budget_s
     torch.manual_seed(0)
-    for shape in ("V3",) if quick else tuple(EXPERT_SHAPES):
-        for per in (4096, 256) if quick else (4096, 1024, 256):
-            if time.time() < deadline:
-                grouped(per, sweep, shape)
-    shapes = [("small dense FFN", 65536, 1024, 2816), ("small wq_b", 65536, 384, 1536),
-              ("v2-lite dense FFN", 65536, 2048, 10944), ("v2-lite wkv_b", 65536, 512, 4096)]
-    for shape in shapes[:1] if quick else shapes:
+    if "grouped" in sections:
+        for shape in ("V3",) if quick else tuple(EXPERT_SHAPES):
+            for per in (4096, 256) if quick else (4096, 1024, 256):
+                if time.time() < deadline:
+                    grouped(per, sweep, shape)
+    shapes = (DENSE_SHAPES[:1] if quick else DENSE_SHAPES) if "dense" in sections else []
+    shapes += SMALL_LINEARS if "small_linears" in sections else []
+    for shape in shapes:
         if time.time() < deadline:
             dense(*shape)
 
@@ -194,15 +215,18 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="every named config of the grouped GEMMs")
     ap.add_argument("--budget-s", type=float, default=170)
     ap.add_argument("--out", default="bench/results/fp8")
+    ap.add_argument("--sections", default="grouped,dense",
+                    help="comma-separated: grouped, dense, small_linears (the small model's other FP8 linears)")
     args = ap.parse_args()
-    run(args.quick, args.sweep, args.budget_s)
+    run(args.quick, args.sweep, args.budget_s, tuple(args.sections.split(",")))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(ROWS, indent=1) + "\n")
     lines = ["# FP8 GEMMs vs bf16 (`bench/fp8.py`)", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
              f"torch {torch.__version__}, triton {triton.__version__}; median of do_bench. Command: "
-             f"`python bench/fp8.py {' '.join(f'--{k}' for k, v in vars(args).items() if v is True)}`", "",
+             f"`python bench/fp8.py {' '.join(f'--{k}' for k, v in vars(args).items() if v is True)} --sections "
+             f"{args.sections}`", "",
              "| case | impl | ms | TFLOP/s | vs bf16 | rel err vs bf16 |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in ROWS:
         err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
