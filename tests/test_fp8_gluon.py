@@ -287,4 +287,4 @@ def test_fp8_linear_weight_gradient_split_over_token_ranges():
         leaf = torch.nn.Parameter(w.clone())
         (fn(x, leaf, backend="triton") if fn is fp8_linear else fn(x, leaf)).backward(dy)
         grads.append(leaf.grad)
-    assert _rel(grads[0], grads[1]) < 1e-3  # as the grouped weight gradient against float64 above
+    assert _rel(grads[0], grads[1]) < 1e-4
