@@ -269,22 +269,3 @@ def test_expert_path_and_fp8_linear_with_the_gluon_kernels(monkeypatch):
 
     for got, want in zip(run("gluon"), run("triton")):
         assert _rel(got, want) < 1e-3
-
-
-def test_fp8_linear_weight_gradient_split_over_token_ranges():
-    """The FP8 linear's weight gradient split over token ranges on the GPU (`small`'s q down-projection 1024 -> 384:
-    24 output tiles, so the split fills the SMs): equal to the reference's simulated-quantization gradient."""
-    from moela.ops.fp8_linear import fp8_linear, fp8_linear_reference, wgrad_splits
-
-    torch.manual_seed(5)
-    t = 8000
-    assert wgrad_splits(384, 1024, 8064, gemm_fp8.sm_count(torch.device("cuda"))) > 1
-    x = torch.randn(t, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(384, 1024, device="cuda") / 32
-    dy = torch.randn(t, 384, device="cuda", dtype=torch.bfloat16)
-    grads = []
-    for fn in (fp8_linear, fp8_linear_reference):
-        leaf = torch.nn.Parameter(w.clone())
-        (fn(x, leaf, backend="triton") if fn is fp8_linear else fn(x, leaf)).backward(dy)
-        grads.append(leaf.grad)
-    assert _rel(grads[0], grads[1]) < 1e-4

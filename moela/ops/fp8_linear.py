@@ -2,8 +2,7 @@
 
 - forward  y [T, N]  = x [T, K] (1x128 groups along K) @ W [N, K] (128x128 blocks)^T
 - dgrad    dx [T, K] = dy [T, N] (1x128 along N) @ W (the same codes and scales, transposed)
-- wgrad    dW [N, K] = dy^T [N, T] (1x128 along tokens) @ x^T [K, T] (1x128 along tokens)^T, split over token
-           ranges where its output tiles are too few to fill the GPU (`wgrad_splits`)
+- wgrad    dW [N, K] = dy^T [N, T] (1x128 along tokens) @ x^T [K, T] (1x128 along tokens)^T
 fp32 accumulation with promotion every 128 of the reduction; y and dx in the activation dtype, dW in the weight's
 dtype (fp32 master weights stay fp32). Backends:
 - `reference`: quantize -> dequantize in torch (moela.ops.moe.quant: the codes the kernels produce), GEMMs in fp32;
@@ -101,19 +100,6 @@ def _rows_padded(t: int) -> int:
     return (max(t, 1) + 127) // 128 * 128
 
 
-MIN_SPLIT_TOKENS = 2048  # the fewest tokens a weight-gradient split reduces over (16 blocks of 128)
-
-
-def wgrad_splits(n: int, k: int, m: int, sms: int, min_tokens: int | None = None) -> int:
-    """How many token ranges the weight gradient dW [N, K] = dy^T x is split into (split-K over the tokens): its
-    128x128 output tiles are few next to the SMs in most layers (`small`'s q down-projection 1024 -> 384 has 24
-    tiles for 132 SMs, each reducing over all 64k tokens), so each range is a group of the k-grouped GEMM and the
-    [S, N, K] fp32 partial sums are added. As many ranges as fill the SMs once, each of at least `min_tokens`
-    (MIN_SPLIT_TOKENS)."""
-    tiles = max(1, (n // 128) * (k // 128))
-    return max(1, min(sms // tiles, m // (MIN_SPLIT_TOKENS if min_tokens is None else min_tokens)))
-
-
 @torch.library.custom_op("moela::fp8_linear_fwd", mutates_args=())
 def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -148,20 +134,13 @@ def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xst: torch.Tensor, ws: t
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [T, K] in dy's dtype, dW [N, K] in the weight's dtype) from dy [T, N] (the forward's output dtype,
     contiguous) and the forward's saved codes; `weight` only gives dW's dtype."""
-    from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8, sm_count
+    from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
 
     t = dy.shape[0]
     (dyq, dys), (dyqt, dyst) = _quant_act(dy, _padded_rows(t, dy.device))  # [M, N]; [N, M]
     dx = mgrouped_fp8(dyq, dys, wqt, ws.t(), out_dtype=dy.dtype)[:t]  # [T, K]
-    n, (k, m) = dyqt.shape[0], xqt.shape
-    splits = wgrad_splits(n, k, m, sm_count(dy.device))
-    if splits == 1:
-        return dx, kgrouped_fp8(dyqt, dyst, xqt, xst, out_dtype=weight.dtype)[0]  # [N, K]
-    # split-K: the token blocks in `splits` equal ranges as the k-grouped GEMM's groups, summed in fp32
-    bounds = torch.arange(splits + 1, device=dy.device) * (m // 128) // splits * 128  # [S + 1], 128-aligned
-    order = torch.arange(splits, device=dy.device, dtype=torch.int32)  # equal ranges: no sort
-    parts = kgrouped_fp8(dyqt, dyst, xqt, xst, bounds, out_dtype=torch.float32, order=order)  # [S, N, K]
-    return dx, parts.sum(0).to(weight.dtype)
+    dw = kgrouped_fp8(dyqt, dyst, xqt, xst, out_dtype=weight.dtype)[0]  # [N, K]
+    return dx, dw
 
 
 @fp8_linear_bwd.register_fake

@@ -108,13 +108,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def sm_count(device: torch.device) -> int:
-    """The persistent grids' size: the device's SM count (INTERPRETER_SMS off CUDA)."""
-    return INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
-
-
 def _grid_size(device: torch.device, tiles: int) -> int:
-    return max(1, min(sm_count(device), tiles))
+    sms = INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
+    return max(1, min(sms, tiles))
 
 
 def _alloc(size: int, alignment: int, stream):
