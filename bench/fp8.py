@@ -8,9 +8,8 @@ Hopper, the warp-specialized Gluon kernels ("fp8 gluon <config>"), every named c
 defaults (for Gluon also the default's twin whose consumer warpgroups take turns, and the default fed its
 activation scales token-block-major); the cuBLAS per-expert provider (host bounds) as a reference row.
 Each FP8 row's relative error is measured against the bf16 result. Dense: fp8_linear forward+backward vs the bf16
-linear at the small model's and V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation, and
-where the weight gradient is split over token ranges (`fp8_linear.wgrad_splits`) the same unsplit; section
-`small_linears`: the small model's other FP8 linears (few output tiles: the split's cases).
+linear at the small model's and V2-Lite's dense shapes (64k tokens), with the GEMMs of either implementation; section
+`small_linears`: the small model's other FP8 linears (weight gradients of few output tiles).
 
   python bench/fp8.py [--quick] [--sweep] [--budget-s 170] [--sections grouped,dense,small_linears]
 --quick: the V3 shapes at 4096 and 256 rows per expert, the default configs, one dense shape (under a minute); the
@@ -30,7 +29,6 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from moela.ops import fp8_linear as fp8_linear_mod
 from moela.ops.fp8_linear import fp8_linear
 from moela.ops.moe import gemm_fp8, gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
@@ -170,20 +168,10 @@ def dense(name: str, t: int, k: int, n: int):
 
     t_bf = bench(bf16)
     add(case, "bf16 F.linear", t_bf, flops)
-    splits = fp8_linear_mod.wgrad_splits(n, k, -(-t // 128) * 128, gemm_fp8.sm_count(x.device))
     for impl in ("triton", "gluon") if gemm_fp8_gluon.available(x.device) else ("triton",):
         with auto_impl(impl), torch.autocast("cuda", torch.bfloat16):
             err = rel(fp8_linear(x, w), torch.nn.functional.linear(x, w))
-            add(case, f"fp8_linear (weights cached, {impl} GEMMs, wgrad in {splits} token ranges)", bench(fp8),
-                flops, t_bf, err)
-        if splits > 1:  # the same without the weight gradient's split-K
-            saved = fp8_linear_mod.MIN_SPLIT_TOKENS
-            fp8_linear_mod.MIN_SPLIT_TOKENS = 1 << 40
-            try:
-                with auto_impl(impl):
-                    add(case, f"fp8_linear (weights cached, {impl} GEMMs, wgrad unsplit)", bench(fp8), flops, t_bf)
-            finally:
-                fp8_linear_mod.MIN_SPLIT_TOKENS = saved
+            add(case, f"fp8_linear (weights cached, {impl} GEMMs)", bench(fp8), flops, t_bf, err)
 
 
 DENSE_SHAPES = [("small dense FFN", 65536, 1024, 2816), ("small wq_b", 65536, 384, 1536),
