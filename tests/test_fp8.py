@@ -175,7 +175,8 @@ def test_moe_experts_compiles_without_graph_breaks():
     eager = fn(x, w)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, w)
     compiled.float().sum().backward()
-    assert torch.equal(compiled, eager) and x.grad is not None and w13.grad.abs().sum() > 0
+    # the same ops on the same inputs: equal unless another torch's trace moves an ulp, which can flip an FP8 code
+    assert rel(compiled, eager) < 1e-3 and x.grad is not None and w13.grad.abs().sum() > 0
 
 
 def test_precision_recipe_puts_fp8_on_the_named_linears():

@@ -34,7 +34,7 @@ def test_reference_ignores_empty_slots():
     got = _run(x, ids, w, w13, w2, g, "bf16", "reference")
     exact = _exact_grads(x, ids, w, w13, w2, g)
     for name, a, b in zip(["y", "dx", "dw", "dw13", "dw2"], got, exact):
-        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)  # float32 weights vs float64
     assert (got[2][ids < 0] == 0).all()
 
 

@@ -151,8 +151,9 @@ def test_linear_cross_entropy_chunked_under_autocast_matches_the_reference(h_dty
     (lr, hr, wr), (lc, hc, wc) = out["reference"], out["chunked"]
     assert math.isclose(lc, lr, rel_tol=1e-2)
     assert h.grad.dtype == h_dtype and w.grad.dtype == torch.float32
-    torch.testing.assert_close(hc, hr, rtol=3e-2, atol=3e-3)
-    torch.testing.assert_close(wc, wr, rtol=3e-2, atol=3e-3)
+    # bf16 autocast: CPUs with native bf16 take other matmul kernels (80% of atol 3e-3 used on AVX-512)
+    torch.testing.assert_close(hc, hr, rtol=3e-2, atol=1e-2)
+    torch.testing.assert_close(wc, wr, rtol=3e-2, atol=1e-2)
 
 
 def test_linear_cross_entropy_chunk_rows_and_helpers():

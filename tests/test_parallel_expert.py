@@ -72,7 +72,7 @@ def _check_routing(rank: int, world_size: int, routing: str) -> None:
     ref.backward(grad_y)
     mesh = build_mesh(ParallelConfig(ep=world_size), world_size, "cpu")
     lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
-    tol = dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=1e-4, atol=1e-5)  # float32 over gloo against float64: summation order varies by CPU
     for dispatch, chunks in DISPATCHES:
         ep = ep_module(mesh, w13, w2, rank, dispatch=dispatch, chunks=chunks)
         lo_e, n_e = rank * ep.num_local, ep.num_local

@@ -33,7 +33,7 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
         if pcfg.ep > 1:
             experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
             assert len(experts) == 3 and experts[0].w13.to_local().shape[0] < cfg.n_routed_experts, layout
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6,
                                    msg=lambda m, layout=layout: f"{layout}: {m}")
         assert state.keys() == ref_state.keys(), layout
         for name, value in ref_state.items():

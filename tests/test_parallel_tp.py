@@ -56,7 +56,7 @@ def _run(rank: int, world_size: int, cases, device: str = "cpu") -> None:
         device = f"cuda:{rank}" if device == "cuda" else device
         model, losses, grads, state = train_parallel(config(**overrides), ParallelConfig(**layout), world_size,
                                                      STEPS, vocab=VOCAB, device=device, record_grads=True)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6,
                                    msg=lambda m, what=what: f"{what}: {m}")
         assert grads.keys() == ref_grads.keys() and state.keys() == ref_state.keys(), what
         for kind, got, expected in (("grad", grads, ref_grads), ("final", state, ref_state)):
