@@ -92,15 +92,22 @@ def test_graph_breaks_of_a_compiled_block_are_only_the_opaque_ops():
     assert sites == {("attention.py", "_attention"), ("moe.py", "forward")}, sites
 
 
+def _losses_and_grads(models, batch, autocast: str | None = None) -> list[tuple[torch.Tensor, dict]]:
+    """One forward + backward of each model on `batch` (under bf16 autocast on device `autocast`): its loss and
+    gradients."""
+    results = []
+    for m in models:
+        with torch.autocast(autocast or "cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+            out = m(batch)
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    return results
+
+
 def _assert_same_loss_and_grads(eager, compiled, batch) -> dict:
     """One forward + backward of each model on `batch`: the compiled model's loss and every gradient equal the eager
     model's within float32 rounding. Returns the gradients."""
-    results = []
-    for m in (eager, compiled):
-        out = m(batch)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (ref, ref_grads), (loss, grads) = results
+    (ref, ref_grads), (loss, grads) = _losses_and_grads((eager, compiled), batch)
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
@@ -342,6 +349,18 @@ def cuda_cfg(run_dir, *extra):
                     "train.steps=100", *extra)
 
 
+def _cuda_batch(cfg):
+    return pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
+
+
+def _explain_cuda_moe_block(model, batch):
+    """torch._dynamo.explain of the first MoE block's forward under bf16 autocast."""
+    ctx = model._context(batch, batch.targets_on_host)
+    x = model.embed(batch.input_ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None, None, None, None)
+
+
 @pytest.mark.gpu
 def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     """With the CUDA backends a MoE block is one graph: the attention (its op pair), the query's in-place RoPE and
@@ -349,12 +368,7 @@ def test_compiled_cuda_blocks_break_only_at_opaque_ops():
     (printed so the log shows which)."""
     cfg = tiny_config(**GPU_SHAPE)
     model = build_model(cfg, "cuda")
-    batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
-    ctx = model._context(batch, batch.targets_on_host)
-    x = model.embed(batch.input_ids)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(type(model.layers[1])._forward)(model.layers[1], x, ctx, None, None, None,
-                                                                            None)
+    explained = _explain_cuda_moe_block(model, _cuda_batch(cfg))
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     print("graph breaks:", sorted({(b.user_stack[-1].filename.rsplit("/", 1)[-1], b.user_stack[-1].name)
                                    for b in explained.break_reasons}))
@@ -375,7 +389,7 @@ def test_cuda_blocks_hand_off_the_next_norm(monkeypatch, attention_in_graph):
     cfg = tiny_config(**GPU_SHAPE)
     model = build_model(cfg, "cuda")
     compile_blocks(model, backend="aot_eager")
-    batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
+    batch = _cuda_batch(cfg)
     outputs = []
     for layer in model.layers:
         layer.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
@@ -400,24 +414,14 @@ def test_compiled_cuda_fp8_blocks_are_one_graph_and_match_eager():
     moves a few codes, and a small gradient (a norm weight's) by up to 8% (run 30 of bench/notes/step.md)."""
     cfg = tiny_config(**GPU_SHAPE, num_hidden_layers=2, precision="fp8")
     eager = build_model(cfg, "cuda")
-    batch = pad_batch(packed_batch(cfg.vocab_size, [50, 90, 30], seed=1), 256, 128).to("cuda")
-    ctx = eager._context(batch, batch.targets_on_host)
-    x = eager.embed(batch.input_ids)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        explained = torch._dynamo.explain(type(eager.layers[1])._forward)(eager.layers[1], x, ctx, None, None, None,
-                                                                            None)
+    batch = _cuda_batch(cfg)
+    explained = _explain_cuda_moe_block(eager, batch)
     assert explained.graph_count == 1 and not explained.break_reasons, explained.break_reasons
     torch._dynamo.reset()
     model = build_model(cfg, "cuda")
     model.load_state_dict(eager.state_dict())
     compile_blocks(model, backend="aot_eager")
-    results = []
-    for m in (eager, model):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = m(batch)
-        out.loss.backward()
-        results.append((out.loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (ref, ref_grads), (loss, grads) = results
+    (ref, ref_grads), (loss, grads) = _losses_and_grads((eager, model), batch, autocast="cuda")
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=0)
     assert grads.keys() == ref_grads.keys()
     got = torch.cat([grads[n].float().flatten() for n in ref_grads])
