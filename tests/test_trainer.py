@@ -343,3 +343,29 @@ def test_profiling_window_interrupted_by_a_stop_leaves_no_output(tmp_path, cache
     SignalAtStep(make_cfg(tmp_path, cache_dir, "logging.profile_steps=[2,5]", "train.steps=6"), at=3).fit()
     assert not (tmp_path / "profile").exists()
     assert all(json.loads(line)["kind"] != "profile" for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_the_build(monkeypatch):
+    """A recipe asking for FP8 on a GPU older than compute capability 8.9 (an A100 here, by its reported capability)
+    stops with what was asked, why and the fix, not inside the first FP8 GEMM's compilation; bf16, and FP8 experts
+    simulated by the reference backend, pass; the CPU and Hopper run the kernels."""
+    from moela.model.config import ModelConfig
+    from moela.ops.fp8_device import fp8_device_problem
+    from moela.trainer.loop import check_fp8_device
+
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    assert "compute capability 8.0" in fp8_device_problem(gpu) and fp8_device_problem(torch.device("cpu")) is None
+    for asked in (dict(precision="fp8"), dict(precision="fp8_experts"), dict(moe_recipe="fp8_blockwise")):
+        with pytest.raises(InputError, match=r"model\.(precision|moe_recipe): fp8.*A100.*8\.0.*model\.precision: bf16"):
+            check_fp8_device(ModelConfig(**asked), gpu)
+    check_fp8_device(ModelConfig(), gpu)
+    check_fp8_device(ModelConfig(precision="fp8_experts", moe_backend="reference"), gpu)
+    with pytest.raises(InputError, match="precision: fp8"):  # FP8 linears have no simulated backend in a recipe
+        check_fp8_device(ModelConfig(precision="fp8", moe_backend="reference"), gpu)
+    check_fp8_device(ModelConfig(precision="fp8"), torch.device("cpu"))
+    capability["value"] = (9, 0)
+    check_fp8_device(ModelConfig(precision="fp8"), gpu)
+    assert fp8_device_problem(gpu) is None

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moela.ops import weight_cache
+from moela.ops.fp8_device import fp8_device_problem
 from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
 
 FP8_LINEAR_BACKENDS = ("auto", "reference", "triton")
@@ -197,6 +198,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") 
         else:
             backend = "triton"
     if backend == "triton":
+        if problem := fp8_device_problem(x.device):
+            raise RuntimeError(f"fp8_linear backend 'triton': {problem}; use a bf16 linear, or backend='reference' "
+                               f"(FP8 simulated in torch, slow)")
         if not fp8_tileable(k, n):
             raise ValueError(f"fp8_linear backend 'triton' needs in and out features that are multiples of 128; got "
                              f"{k} -> {n}; use backend='auto' (bf16 for this layer) or 'reference'")

@@ -41,6 +41,8 @@ from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
+from moela.model.config import ModelConfig
+from moela.ops.fp8_device import fp8_device_problem
 from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
@@ -73,6 +75,24 @@ from moela.trainer.stopping import StopRequest
 from moela.trainer.summary import run_summary
 
 FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
+
+
+def check_fp8_device(model_cfg: ModelConfig, device: torch.device) -> None:
+    """A recipe that asks for FP8 on a GPU without FP8 tensor cores fails here, before the model is built, with the
+    fix, instead of inside the first FP8 GEMM's compilation (moela.ops.fp8_device). The reference backends
+    simulate FP8 on any device: experts under `model.moe_backend: reference` pass when no FP8 linear is asked for."""
+    if model_cfg.expert_recipe == "bf16" and not model_cfg.fp8_linears:
+        return
+    if model_cfg.moe_backend == "reference" and not model_cfg.fp8_linears:
+        return
+    problem = fp8_device_problem(device)
+    if problem:
+        asked = f"model.precision: {model_cfg.precision}" if model_cfg.precision != "bf16" else \
+            "model.moe_recipe: fp8_blockwise"
+        simulate = "" if model_cfg.fp8_linears else \
+            ", or simulate the FP8 experts with model.moe_backend: reference (slow)"
+        raise InputError(f"{asked}: {problem}. Train in bf16 (model.precision: bf16, model.moe_recipe: bf16) on "
+                         f"this GPU{simulate}")
 
 
 class Trainer:
@@ -133,6 +153,7 @@ class Trainer:
                              f"{self.tokenizer.vocab_size} tokens; set model.vocab_size >= "
                              f"{self.tokenizer.vocab_size}")
         seed_everything(cfg.train.seed)
+        check_fp8_device(cfg.model, self.device)
         self.model = self._build_model()
         self.static_shapes = None
         if cfg.train.compile:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moela.ops.fp8_device import fp8_device_problem
 from moela.ops.moe.autograd import moe_experts_fused
 from moela.ops.moe.gemm_library import cublas_blockwise_available, deep_gemm_available
 from moela.ops.moe.layout import build_layout_rows
@@ -26,7 +27,7 @@ def _shapes_ok(x, w13):
 
 
 def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
-    return x.is_cuda and _shapes_ok(x, w13)
+    return x.is_cuda and _shapes_ok(x, w13) and (recipe == "bf16" or fp8_device_problem(x.device) is None)
 
 
 def _supported_torch(x, topk_ids, topk_weights, w13, w2, *, recipe):
@@ -51,6 +52,9 @@ def _impl(provider):
         if provider == "torch" and recipe != "bf16":
             raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
                              "backend='triton', 'cublas' or 'deep_gemm' for fp8_blockwise")
+        if recipe == "fp8_blockwise" and (problem := fp8_device_problem(x.device)):
+            raise RuntimeError(f"moe_experts backend {provider!r}, recipe 'fp8_blockwise': {problem}; use "
+                               f"recipe='bf16', or backend='reference' (FP8 simulated in torch, slow)")
         if provider == "cublas" and recipe != "fp8_blockwise":
             raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
                              "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
