@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from moela.batch import PackedBatch
 from moela.ops.dispatch import Dispatch
@@ -64,10 +65,33 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8:
+            if isinstance(self.weight, DTensor):
+                return self._fp8_sharded(x)
             if self.fp8_in_graph(x):
                 return fp8_linear(x, self.weight, backend=self.fp8_backend)
             return call_outside_graph(fp8_linear, x, self.weight, backend=self.fp8_backend)
         return super().forward(x)
+
+    def _fp8_sharded(self, x: torch.Tensor) -> torch.Tensor:
+        """The FP8 linear of a tensor-parallel layer (a DTensor weight): each rank multiplies its shards, and the
+        result carries the placement F.linear's would. Column-parallel (weight rows sharded, x replicated): this
+        rank's output features; row-parallel (weight columns sharded, x's features sharded alike): a partial sum.
+        A shard whose features are multiples of 128 quantizes in the same 1x128 groups and 128x128 blocks as the
+        whole weight, so the ranks compute what one process does. The shard is a new tensor each call, which the
+        per-step weight cache does not hold: its FP8 codes are computed each forward."""
+        w = self.weight
+        (placement,) = w.placements
+        if not isinstance(placement, Shard) or placement.dim not in (0, 1):
+            raise ValueError(f"FP8 linear under tensor parallelism: weight placement {w.placements} is neither "
+                             f"column- (Shard(0)) nor row-parallel (Shard(1)); use model.precision: fp8_experts")
+        if isinstance(x, DTensor):  # column-parallel: this rank's part of x's gradient is a partial sum
+            local = x.to_local(grad_placements=(Partial(),) if placement.dim == 0 else None)
+        else:
+            local = x
+        y = call_outside_graph(fp8_linear, local, w.to_local(), backend=self.fp8_backend) \
+            if not self.fp8_in_graph(local) else fp8_linear(local, w.to_local(), backend=self.fp8_backend)
+        out = Shard(y.dim() - 1) if placement.dim == 0 else Partial()
+        return DTensor.from_local(y, w.device_mesh, (out,), run_check=False)
 
     def reset_parameters(self) -> None:
         """Values come from `Transformer.init_weights`; nothing to do at construction (meta-device friendly)."""
