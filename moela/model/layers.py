@@ -80,7 +80,7 @@ class Linear(nn.Linear):
         whole weight, so the ranks compute what one process does. The shard is a new tensor each call, which the
         per-step weight cache does not hold: its FP8 codes are computed each forward."""
         w = self.weight
-        (placement,) = w.placements
+        placement = w.placements[0] if len(w.placements) == 1 else None
         if not isinstance(placement, Shard) or placement.dim not in (0, 1):
             raise ValueError(f"FP8 linear under tensor parallelism: weight placement {w.placements} is neither "
                              f"column- (Shard(0)) nor row-parallel (Shard(1)); use model.precision: fp8_experts")
