@@ -27,6 +27,7 @@ Decisions:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import signal
 import time
@@ -95,6 +96,20 @@ def check_fp8_device(model_cfg: ModelConfig, device: torch.device) -> None:
                          f"this GPU{simulate}")
 
 
+def check_moe_backend(model_cfg: ModelConfig, device: torch.device) -> None:
+    """A named fast MoE backend this machine cannot run fails before the model is built, with the fix, instead of
+    inside the first forward: each runs CUDA kernels on bf16/fp16 activations (the CPU trains in float32), and
+    `deep_gemm` needs its package. What the recipe itself rules out is `Config.validate`'s."""
+    name = model_cfg.moe_backend
+    if name in ("auto", "reference"):
+        return
+    fix = "use model.moe_backend: auto (the fastest backend the run can use, logged) or reference"
+    if device.type != "cuda":
+        raise InputError(f"model.moe_backend: {name!r} runs CUDA kernels and this run is on the {device.type}; {fix}")
+    if name == "deep_gemm" and importlib.util.find_spec("deep_gemm") is None:
+        raise InputError(f"model.moe_backend: 'deep_gemm' needs the deep_gemm package, which is not installed; {fix}")
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -154,6 +169,7 @@ class Trainer:
                              f"{self.tokenizer.vocab_size}")
         seed_everything(cfg.train.seed)
         check_fp8_device(cfg.model, self.device)
+        check_moe_backend(cfg.model, self.device)
         self.model = self._build_model()
         self.static_shapes = None
         if cfg.train.compile:
