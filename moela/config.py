@@ -57,7 +57,7 @@ class Config:
         """What a named fast MoE backend (`moela.ops.moe.providers`) cannot run in this recipe, found before the
         first forward raises it from inside the model: each needs hidden_size and moe_intermediate_size multiples of
         128; `torch` runs bf16 experts only, `cublas` FP8 only. What the machine lacks (a GPU, the deep_gemm
-        package) is the trainer's check (`moela.trainer.loop.check_moe_backend`): a run's recipe stays loadable
+        package) is the trainer's check (`moela.trainer.loop.check_backends`): a run's recipe stays loadable
         on another machine."""
         name, model = self.model.moe_backend, self.model
         if name in ("auto", "reference"):

@@ -371,22 +371,31 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_the_build(monke
     assert fp8_device_problem(gpu) is None
 
 
-def test_a_named_moe_backend_this_machine_cannot_run_is_refused_before_the_build(monkeypatch):
+def test_a_named_backend_this_machine_cannot_run_is_refused_before_the_build(monkeypatch):
     """The fast MoE backends run CUDA kernels: named on the CPU (which trains in float32), or `deep_gemm` without
-    its package, the trainer stops with the fix before building the model; `auto` and `reference` run anywhere."""
+    its package, the trainer stops with the fix before building the model; so for the attention's sdpa, flash and
+    triton (which the interpreter runs on the CPU); `auto` and `reference` run anywhere."""
     import importlib.util
 
     from moela.model.config import ModelConfig
-    from moela.trainer.loop import check_moe_backend
+    from moela.trainer import loop
+    from moela.trainer.loop import check_backends
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     for name in ("triton", "torch", "cublas", "deep_gemm"):
         with pytest.raises(InputError, match=f"model.moe_backend: '{name}' runs CUDA kernels .* on the cpu; use "
                                              f"model.moe_backend: auto"):
-            check_moe_backend(ModelConfig(moe_backend=name), cpu)
+            check_backends(ModelConfig(moe_backend=name), cpu)
+    monkeypatch.setattr(loop, "INTERPRET", False)
+    for name in ("sdpa", "flash", "triton"):
+        with pytest.raises(InputError, match=f"model.attention_backend: '{name}' runs CUDA kernels .* on the cpu"):
+            check_backends(ModelConfig(attention_backend=name), cpu)
+        check_backends(ModelConfig(attention_backend=name), gpu)
+    monkeypatch.setattr(loop, "INTERPRET", True)
+    check_backends(ModelConfig(attention_backend="triton"), cpu)
     for name in ("auto", "reference"):
-        check_moe_backend(ModelConfig(moe_backend=name), cpu)
-    check_moe_backend(ModelConfig(moe_backend="triton"), gpu)
+        check_backends(ModelConfig(moe_backend=name, attention_backend=name), cpu)
+    check_backends(ModelConfig(moe_backend="triton"), gpu)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(InputError, match="'deep_gemm' needs the deep_gemm package"):
-        check_moe_backend(ModelConfig(moe_backend="deep_gemm"), gpu)
+        check_backends(ModelConfig(moe_backend="deep_gemm"), gpu)

@@ -44,6 +44,7 @@ from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.model.config import ModelConfig
 from moela.ops.fp8_device import fp8_device_problem
+from moela.ops.triton_env import INTERPRET
 from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
@@ -96,18 +97,24 @@ def check_fp8_device(model_cfg: ModelConfig, device: torch.device) -> None:
                          f"this GPU{simulate}")
 
 
-def check_moe_backend(model_cfg: ModelConfig, device: torch.device) -> None:
-    """A named fast MoE backend this machine cannot run fails before the model is built, with the fix, instead of
-    inside the first forward: each runs CUDA kernels on bf16/fp16 activations (the CPU trains in float32), and
-    `deep_gemm` needs its package. What the recipe itself rules out is `Config.validate`'s."""
+def check_backends(model_cfg: ModelConfig, device: torch.device) -> None:
+    """A named backend this machine cannot run fails before the model is built, with the fix, instead of inside the
+    first forward. The fast MoE backends run CUDA kernels on bf16/fp16 activations (the CPU trains in float32) and
+    `deep_gemm` needs its package; the attention's `sdpa` and `flash` run on CUDA, `triton` too, or on the CPU in
+    Triton's interpreter (TRITON_INTERPRET=1, the tests). What the recipe itself rules out is `Config.validate`'s."""
+    on = device.type
     name = model_cfg.moe_backend
-    if name in ("auto", "reference"):
-        return
     fix = "use model.moe_backend: auto (the fastest backend the run can use, logged) or reference"
-    if device.type != "cuda":
-        raise InputError(f"model.moe_backend: {name!r} runs CUDA kernels and this run is on the {device.type}; {fix}")
+    if name not in ("auto", "reference") and on != "cuda":
+        raise InputError(f"model.moe_backend: {name!r} runs CUDA kernels and this run is on the {on}; {fix}")
     if name == "deep_gemm" and importlib.util.find_spec("deep_gemm") is None:
         raise InputError(f"model.moe_backend: 'deep_gemm' needs the deep_gemm package, which is not installed; {fix}")
+    name = model_cfg.attention_backend
+    fix = "use model.attention_backend: auto (the fastest backend the run can use, logged) or reference"
+    if name in ("sdpa", "flash", "triton") and on != "cuda" and not (name == "triton" and INTERPRET):
+        interpreted = " (Triton interprets them on the CPU under TRITON_INTERPRET=1)" if name == "triton" else ""
+        raise InputError(f"model.attention_backend: {name!r} runs CUDA kernels and this run is on the {on}"
+                         f"{interpreted}; {fix}")
 
 
 class Trainer:
@@ -169,7 +176,7 @@ class Trainer:
                              f"{self.tokenizer.vocab_size}")
         seed_everything(cfg.train.seed)
         check_fp8_device(cfg.model, self.device)
-        check_moe_backend(cfg.model, self.device)
+        check_backends(cfg.model, self.device)
         self.model = self._build_model()
         self.static_shapes = None
         if cfg.train.compile:
