@@ -16,12 +16,15 @@ dtype (fp32 master weights stay fp32). Backends:
   an autograd formula), so a compiled block holds its FP8 linears as ops of its graph instead of breaking around
   them; the weight cache is consulted when the op runs, on the real parameter, as the expert path's is.
 `auto`: `triton` on CUDA for features that are multiples of 128 (the quantization kernels' tiles), else the
-plain bf16 linear (no FP8 for a layer the kernels cannot tile, e.g. MLA's wkv_a with 512 + 64 outputs).
+plain bf16 linear (no FP8 for a layer the kernels cannot tile, e.g. MLA's wkv_a with 512 + 64 outputs; nor on a GPU
+without FP8 tensor cores, logged once: the tools can evaluate an FP8 run there, the trainer refuses to train one).
 
 Shapes: T tokens, K in features, N out features.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,14 @@ from moela.ops.fp8_device import fp8_device_problem
 from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
 
 FP8_LINEAR_BACKENDS = ("auto", "reference", "triton")
+log = logging.getLogger("moela.ops")
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.add(message)
+        log.warning(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,7 +191,8 @@ def traceable(x: torch.Tensor, weight: torch.Tensor, backend: str = "auto") -> b
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T in DeepSeek-V3's FP8 recipe -> [..., N] (x's dtype, or the autocast dtype).
-    `auto`: `triton` on CUDA where the features tile (else the bf16 linear), `reference` on CPU."""
+    `auto`: `triton` on CUDA where the features tile and the GPU has FP8 tensor cores (else the bf16 linear),
+    `reference` on CPU."""
     if backend not in FP8_LINEAR_BACKENDS:
         raise ValueError(f"fp8_linear: unknown backend {backend!r}; choose one of {', '.join(FP8_LINEAR_BACKENDS)}")
     n, k = weight.shape
@@ -194,6 +206,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") 
         if not x.is_cuda:
             backend = "reference"
         elif not fp8_tileable(k, n) or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, weight.to(x.dtype))
+        elif problem := fp8_device_problem(x.device):  # e.g. generating from an FP8 run on an A100
+            _log_once(f"fp8_linear: the bf16 linear ({problem})")
             return F.linear(x, weight.to(x.dtype))
         else:
             backend = "triton"
