@@ -202,7 +202,7 @@ def run(quick: bool, sweep: bool, budget_s: float, sections: tuple[str, ...] = (
                 if time.time() < deadline:
                     grouped(per, sweep, shape)
     shapes = (DENSE_SHAPES[:1] if quick else DENSE_SHAPES) if "dense" in sections else []
-    shapes += SMALL_LINEARS if "small_linears" in sections else []
+    shapes = shapes + (SMALL_LINEARS if "small_linears" in sections else [])
     for shape in shapes:
         if time.time() < deadline:
             dense(*shape)
