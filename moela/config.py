@@ -15,6 +15,7 @@ from pathlib import Path
 from moela.configlib import OVERRIDE_SOURCE, ConfigError, dump, load, parse_override, to_dict
 from moela.data.config import DataConfig
 from moela.model.config import MODEL_PRESETS, ModelConfig
+from moela.ops.backends import moe_backend_problems
 from moela.parallel.config import ParallelConfig, tensor_parallel_errors
 from moela.trainer.config import CheckpointConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig, WandbConfig
 
@@ -54,26 +55,14 @@ class Config:
         return errors + self._moe_backend_errors()
 
     def _moe_backend_errors(self) -> list[str]:
-        """What a named fast MoE backend (`moela.ops.moe.providers`) cannot run in this recipe, found before the
-        first forward raises it from inside the model: each needs hidden_size and moe_intermediate_size multiples of
-        128; `torch` runs bf16 experts only, `cublas` FP8 only. What the machine lacks (a GPU, the deep_gemm
-        package) is the trainer's check (`moela.trainer.loop.check_backends`): a run's recipe stays loadable
+        """What a named fast MoE backend cannot run in this recipe (`moela.ops.backends.moe_backend_problems`),
+        found before the first forward raises it from inside the model. What the machine lacks (a GPU, the
+        deep_gemm package) is the trainer's check (`moela.trainer.device_checks`): a run's recipe stays loadable
         on another machine."""
-        name, model = self.model.moe_backend, self.model
-        if name in ("auto", "reference"):
-            return []
-        errors = []
-        if model.hidden_size % 128 or model.moe_intermediate_size % 128:
-            errors.append(f"model.moe_backend: {name!r} needs hidden_size and moe_intermediate_size multiples of "
-                          f"128, got {model.hidden_size} and {model.moe_intermediate_size}; use auto (the fastest "
-                          f"backend the run can use, logged) or reference")
-        if name == "torch" and model.expert_recipe != "bf16":
-            errors.append("model.moe_backend: 'torch' (torch._grouped_mm) runs bf16 experts only, and the recipe asks "
-                          "for FP8 experts; use triton or auto")
-        if name == "cublas" and model.expert_recipe == "bf16":
-            errors.append("model.moe_backend: 'cublas' (blockwise FP8 torch._scaled_mm) runs FP8 experts only; set "
-                          "model.precision: fp8_experts, or use torch, triton or auto for bf16 experts")
-        return errors
+        model = self.model
+        return [f"model.moe_backend: {model.moe_backend!r} {problem}; or use auto (the fastest backend the run can "
+                f"use, logged)" for problem in moe_backend_problems(model.moe_backend, model.expert_recipe,
+                                                                     model.hidden_size, model.moe_intermediate_size)]
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

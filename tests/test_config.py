@@ -289,11 +289,11 @@ def test_a_named_moe_backend_the_recipe_rules_out_is_a_recipe_error():
     recipe errors naming the fix, not a ValueError from inside the first forward. `auto` and `reference` run
     anything."""
     errors = errors_of(None, ["model.moe_backend=cublas"])  # the default model: 128 wide, experts 64
-    assert any("'cublas' needs hidden_size and moe_intermediate_size multiples of 128, got 128 and 64" in e
+    assert any("'cublas' needs D and F (hidden_size, moe_intermediate_size) multiples of 128, got D=128, F=64" in e
                for e in errors)
-    assert any("'cublas' (blockwise FP8 torch._scaled_mm) runs FP8 experts only" in e for e in errors)
+    assert any("'cublas' (blockwise FP8 torch._scaled_mm) runs only recipe='fp8_blockwise'" in e for e in errors)
     wide = ["model.hidden_size=256", "model.moe_intermediate_size=128"]
-    assert any("'torch' (torch._grouped_mm) runs bf16 experts only" in e
+    assert any("'torch' (torch._grouped_mm) runs only recipe='bf16'" in e
                for e in errors_of(None, ["model.moe_backend=torch", "model.precision=fp8_experts", *wide]))
     for name in ("triton", "deep_gemm"):
         load_config(None, [f"model.moe_backend={name}", "model.precision=fp8", *wide])

@@ -351,7 +351,7 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_the_build(monke
     simulated by the reference backend, pass; the CPU and Hopper run the kernels."""
     from moela.model.config import ModelConfig
     from moela.ops.fp8_device import fp8_device_problem
-    from moela.trainer.loop import check_fp8_device
+    from moela.trainer.device_checks import check_fp8_device
 
     capability = {"value": (8, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
@@ -378,20 +378,20 @@ def test_a_named_backend_this_machine_cannot_run_is_refused_before_the_build(mon
     import importlib.util
 
     from moela.model.config import ModelConfig
-    from moela.trainer import loop
-    from moela.trainer.loop import check_backends
+    from moela.trainer import device_checks
+    from moela.trainer.device_checks import check_backends
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     for name in ("triton", "torch", "cublas", "deep_gemm"):
         with pytest.raises(InputError, match=f"model.moe_backend: '{name}' runs CUDA kernels .* on the cpu; use "
                                              f"model.moe_backend: auto"):
             check_backends(ModelConfig(moe_backend=name), cpu)
-    monkeypatch.setattr(loop, "INTERPRET", False)
+    monkeypatch.setattr(device_checks, "INTERPRET", False)
     for name in ("sdpa", "flash", "triton"):
         with pytest.raises(InputError, match=f"model.attention_backend: '{name}' runs CUDA kernels .* on the cpu"):
             check_backends(ModelConfig(attention_backend=name), cpu)
         check_backends(ModelConfig(attention_backend=name), gpu)
-    monkeypatch.setattr(loop, "INTERPRET", True)
+    monkeypatch.setattr(device_checks, "INTERPRET", True)
     check_backends(ModelConfig(attention_backend="triton"), cpu)
     for name in ("auto", "reference"):
         check_backends(ModelConfig(moe_backend=name, attention_backend=name), cpu)

@@ -17,3 +17,20 @@ LINEAR_CROSS_ENTROPY_BACKENDS = ("auto", "reference", "chunked")
 ROUTER_BACKENDS = ("auto", "reference", "triton")
 QK_NORM_BACKENDS = ("auto", "reference", "triton")
 LATENT_ATTENTION_BACKENDS = ("auto", "reference", "triton")
+
+
+def moe_backend_problems(backend: str, recipe: str, d: int, f: int) -> list[str]:
+    """What a named fast MoE backend cannot run in this model, each as "backend ... (what does)": shapes D (hidden)
+    and F (expert FFN width) and the recipe. The one statement of these rules: `moe_experts` raises the first, a
+    recipe's validation lists them all (without importing a kernel)."""
+    if backend in ("auto", "reference"):
+        return []
+    problems = []
+    if d % 128 or f % 128:
+        problems.append(f"needs D and F (hidden_size, moe_intermediate_size) multiples of 128, got D={d}, F={f} "
+                        f"(reference runs any)")
+    if backend == "torch" and recipe != "bf16":
+        problems.append("(torch._grouped_mm) runs only recipe='bf16' (fp8_blockwise: triton, cublas or deep_gemm)")
+    if backend == "cublas" and recipe != "fp8_blockwise":
+        problems.append("(blockwise FP8 torch._scaled_mm) runs only recipe='fp8_blockwise' (bf16: torch or triton)")
+    return problems

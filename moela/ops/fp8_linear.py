@@ -202,6 +202,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") 
         x = x.to(torch.get_autocast_dtype(x.device.type))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    if backend == "triton" and (problem := fp8_device_problem(x.device)):
+        raise RuntimeError(f"fp8_linear backend 'triton': {problem}; use a bf16 linear, or backend='reference' "
+                           f"(FP8 simulated in torch, slow)")
     if backend == "auto":
         if not x.is_cuda:
             backend = "reference"
@@ -213,9 +216,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto") 
         else:
             backend = "triton"
     if backend == "triton":
-        if problem := fp8_device_problem(x.device):
-            raise RuntimeError(f"fp8_linear backend 'triton': {problem}; use a bf16 linear, or backend='reference' "
-                               f"(FP8 simulated in torch, slow)")
         if not fp8_tileable(k, n):
             raise ValueError(f"fp8_linear backend 'triton' needs in and out features that are multiples of 128; got "
                              f"{k} -> {n}; use backend='auto' (bf16 for this layer) or 'reference'")

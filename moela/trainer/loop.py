@@ -27,7 +27,6 @@ Decisions:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import signal
 import time
@@ -42,13 +41,11 @@ from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
-from moela.model.config import ModelConfig
-from moela.ops.fp8_device import fp8_device_problem
-from moela.ops.triton_env import INTERPRET
 from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
 from moela.trainer.cuda_graphs import GraphedMicroBatch
+from moela.trainer.device_checks import check_backends, check_fp8_device
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
 from moela.trainer.errors import InputError, TrainingError
 from moela.trainer.init_from import load_initial_weights
@@ -77,44 +74,6 @@ from moela.trainer.stopping import StopRequest
 from moela.trainer.summary import run_summary
 
 FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
-
-
-def check_fp8_device(model_cfg: ModelConfig, device: torch.device) -> None:
-    """A recipe that asks for FP8 on a GPU without FP8 tensor cores fails here, before the model is built, with the
-    fix, instead of inside the first FP8 GEMM's compilation (moela.ops.fp8_device). The reference backends
-    simulate FP8 on any device: experts under `model.moe_backend: reference` pass when no FP8 linear is asked for."""
-    if model_cfg.expert_recipe == "bf16" and not model_cfg.fp8_linears:
-        return
-    if model_cfg.moe_backend == "reference" and not model_cfg.fp8_linears:
-        return
-    problem = fp8_device_problem(device)
-    if problem:
-        asked = f"model.precision: {model_cfg.precision}" if model_cfg.precision != "bf16" else \
-            "model.moe_recipe: fp8_blockwise"
-        simulate = "" if model_cfg.fp8_linears else \
-            ", or simulate the FP8 experts with model.moe_backend: reference (slow)"
-        raise InputError(f"{asked}: {problem}. Train in bf16 (model.precision: bf16, model.moe_recipe: bf16) on "
-                         f"this GPU{simulate}")
-
-
-def check_backends(model_cfg: ModelConfig, device: torch.device) -> None:
-    """A named backend this machine cannot run fails before the model is built, with the fix, instead of inside the
-    first forward. The fast MoE backends run CUDA kernels on bf16/fp16 activations (the CPU trains in float32) and
-    `deep_gemm` needs its package; the attention's `sdpa` and `flash` run on CUDA, `triton` too, or on the CPU in
-    Triton's interpreter (TRITON_INTERPRET=1, the tests). What the recipe itself rules out is `Config.validate`'s."""
-    on = device.type
-    name = model_cfg.moe_backend
-    fix = "use model.moe_backend: auto (the fastest backend the run can use, logged) or reference"
-    if name not in ("auto", "reference") and on != "cuda":
-        raise InputError(f"model.moe_backend: {name!r} runs CUDA kernels and this run is on the {on}; {fix}")
-    if name == "deep_gemm" and importlib.util.find_spec("deep_gemm") is None:
-        raise InputError(f"model.moe_backend: 'deep_gemm' needs the deep_gemm package, which is not installed; {fix}")
-    name = model_cfg.attention_backend
-    fix = "use model.attention_backend: auto (the fastest backend the run can use, logged) or reference"
-    if name in ("sdpa", "flash", "triton") and on != "cuda" and not (name == "triton" and INTERPRET):
-        interpreted = " (Triton interprets them on the CPU under TRITON_INTERPRET=1)" if name == "triton" else ""
-        raise InputError(f"model.attention_backend: {name!r} runs CUDA kernels and this run is on the {on}"
-                         f"{interpreted}; {fix}")
 
 
 class Trainer:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moela.ops.backends import moe_backend_problems
 from moela.ops.fp8_device import fp8_device_problem
 from moela.ops.moe.autograd import moe_experts_fused
 from moela.ops.moe.gemm_library import cublas_blockwise_available, deep_gemm_available
@@ -22,8 +23,8 @@ from moela.ops.moe.layout import build_layout_rows
 
 
 def _shapes_ok(x, w13):
-    d, f = x.shape[1], w13.shape[1] // 2
-    return d % 128 == 0 and f % 128 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+    return not moe_backend_problems("triton", "bf16", x.shape[1], w13.shape[1] // 2) and \
+        x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _supported_triton(x, topk_ids, topk_weights, w13, w2, *, recipe):
@@ -46,18 +47,15 @@ def _supported_deep_gemm(x, topk_ids, topk_weights, w13, w2, *, recipe):
 
 def _impl(provider):
     def run(x, topk_ids, topk_weights, w13, w2, *, recipe):
-        if not _shapes_ok(x, w13):
-            raise ValueError(f"moe_experts backend {provider!r} needs D and F multiples of 128 and x in bf16/fp16; "
-                             f"got D={x.shape[1]}, F={w13.shape[1] // 2}, dtype {x.dtype}; use backend='reference'")
-        if provider == "torch" and recipe != "bf16":
-            raise ValueError("moe_experts backend 'torch' (torch._grouped_mm) runs only recipe='bf16'; use "
-                             "backend='triton', 'cublas' or 'deep_gemm' for fp8_blockwise")
+        problems = moe_backend_problems(provider, recipe, x.shape[1], w13.shape[1] // 2)
+        if problems:
+            raise ValueError(f"moe_experts backend {provider!r} {problems[0]}")
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"moe_experts backend {provider!r} needs x in bf16/fp16, got {x.dtype}; use "
+                             f"backend='reference'")
         if recipe == "fp8_blockwise" and (problem := fp8_device_problem(x.device)):
             raise RuntimeError(f"moe_experts backend {provider!r}, recipe 'fp8_blockwise': {problem}; use "
                                f"recipe='bf16', or backend='reference' (FP8 simulated in torch, slow)")
-        if provider == "cublas" and recipe != "fp8_blockwise":
-            raise ValueError("moe_experts backend 'cublas' (blockwise FP8 torch._scaled_mm) runs only "
-                             "recipe='fp8_blockwise'; use backend='torch' or 'triton' for bf16")
         if provider == "cublas" and not cublas_blockwise_available(x.device if x.is_cuda else None):
             raise RuntimeError("moe_experts backend 'cublas' needs a Hopper GPU (compute capability 9.x) and torch "
                                ">= 2.10 (cuBLAS blockwise FP8); use backend='triton'")
