@@ -36,7 +36,8 @@ alternate direction (`snake_index`: round i gives position p of the list to CTA 
 odd), so each CTA gets one long and one short tile per pair of rounds. With the experts in index order and tile t
 on CTA t mod P, the CTAs that drew the busiest experts' tiles set the kernel's time: at 64k tokens of `small` with
 a skewed load (the busiest expert 5.6x the mean) the bf16 weight gradient on a statically scheduled persistent
-kernel (torch's CUTLASS) ran at 368 TFLOP/s, 612-633 on a dynamically scheduled one (bench/notes/step.md, runs 25-27).
+kernel (torch's CUTLASS) took 26.9 ms a step, a dynamically scheduled one 16.2 ms (bench/results/step_64k_wgrad_a.json,
+bench/notes/step.md, runs 25-27).
 The range is not read one tile ahead and carried to the next tile: Triton 3.6's Gluon front end does not carry a
 value reassigned after a nested loop when it feeds that loop's bounds (the reassignment is dropped), so every
 tile would reduce over its program's first tile's tokens.
