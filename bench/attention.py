@@ -11,7 +11,7 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  ALiBi: B=2 S=8192; the lognormal packing
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
-schedule variants (`VARIANTS`: the previous per-document grid, the fused backward at several tiles) as extra rows on
+schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes) as extra rows on
 the cases marked for them, so one run times them all.
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
@@ -126,10 +126,8 @@ def all_cases() -> list[Case]:
 # launch moela used before the work list; the others are candidates for the defaults in triton_common.py.
 VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
-    "triton, fused bwd 32x128 (dq by bulk reduce-add)": ({"backward": "fused"}, {}),
-    "triton, fused bwd 32x128 2 stages": ({"backward": "fused"}, {"fused": (32, 128, 8, 2)}),
-    "triton, fused bwd 64x128 2 stages": ({"backward": "fused"}, {"fused": (64, 128, 8, 2)}),
-    "triton, fused bwd 64x64 4 warps": ({"backward": "fused"}, {"fused": (64, 64, 4, 2)}),
+    "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
+    "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
 }
 
 

@@ -102,10 +102,8 @@ def attention_kernels():
     strides["stride_lh"] = 4096
     grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
-    dkdv = dict(DK="*bf16", DV="*bf16", DQA="*fp32", n_q_tokens=65536, **grads)
     for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
-                                ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DQ_ADD="", **dkdv)),
-                                ("attention fused", triton_bwd._bwd_dkdv_kernel, dict(DQ_ADD="tma", **dkdv)),
+                                ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
                                 ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}

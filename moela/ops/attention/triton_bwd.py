@@ -16,7 +16,6 @@ import triton.language as tl
 
 from moela.ops.attention.triton_common import (
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -30,7 +29,7 @@ from moela.ops.attention.triton_common import (
     launch_config,
     launch_grid,
 )
-from moela.ops.triton_env import INTERPRET, set_descriptor_allocator
+from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
@@ -59,20 +58,14 @@ def _bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_blocks(dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_qt, dout_base, stride_dot, lse_base,
-                       delta_base, dq_base, stride_dqt, dq_main_desc, dq_rest_desc, q_row0, sm_scale, lo, hi, offs_n,
-                       q_shift, q_len, slope, alibi_pivot, alibi_keys, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
-                       HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-                       DQ_ADD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D_MAIN: tl.constexpr,
-                       BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
+                       delta_base, lo, hi, offs_n, q_shift, q_len, slope, alibi_pivot, alibi_keys, qk_scale, D_QK,
+                       D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
+                       HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Accumulates dk, dv of one key block over the query blocks [lo, hi). Transposed tiles: rows are keys [BN],
     columns queries [BM]. MASK is the causal mask only: keys past the document are computed from zero-filled loads
     and never stored. Causal ALiBi: alibi_keys [BN] are the keys' column terms; the queries' row terms join their
-    lse.
-
-    DQ_ADD (the fused backward) also adds each query block's share of dq, sm_scale * ds k, into the fp32 buffer
-    behind dq_base: "tma" by the descriptors' bulk reduce-add (rows q_row0 + offs_m), "pointer" by per-element
-    atomics (the interpreter, which has no bulk reduce), "" not at all (the split backward). Rows past the document
-    add zeros: their ds is zero (dO and delta load as zero there)."""
+    lse."""
     offs_dv = tl.arange(0, BLOCK_DV)
     k_pos = offs_n[:, None]
     for start_m in range(lo, hi, BLOCK_M):
@@ -101,25 +94,6 @@ def _dkdv_query_blocks(dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_q
         dk_main = tl.dot(dscores_t, q_main, dk_main)
         if HAS_D_REST:
             dk_rest = tl.dot(dscores_t, q_rest, dk_rest)
-        if DQ_ADD != "":
-            dscores = tl.trans(dscores_t)  # [BM, BN]
-            dq_main = tl.dot(dscores, k_main.to(dscores.dtype)) * sm_scale  # [BM, D_MAIN] fp32
-            if HAS_D_REST:
-                dq_rest = tl.dot(dscores, k_rest.to(dscores.dtype)) * sm_scale
-            if DQ_ADD == "tma":
-                row = (q_row0 + start_m).to(tl.int32)
-                dq_main_desc.atomic_add([row, 0], dq_main)
-                if HAS_D_REST:
-                    dq_rest_desc.atomic_add([row, 0], dq_rest)
-            else:
-                rows = offs_m[:, None] < q_len
-                offs_d = tl.arange(0, BLOCK_D_MAIN)
-                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], dq_main,
-                              mask=rows & (offs_d[None, :] < D_QK), sem="relaxed")
-                if HAS_D_REST:
-                    offs_d = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_REST)
-                    tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], dq_rest,
-                                  mask=rows & (offs_d[None, :] < D_QK), sem="relaxed")
     return dk_main, dk_rest, dv
 
 
@@ -134,7 +108,6 @@ def _bwd_dkdv_kernel(
     stride_lh,  # head stride of LSE and DELTA
     DK, stride_dkt, stride_dkh,  # [Tk, H, Dqk], written
     DV, stride_dvt, stride_dvh,  # [Tk, H, Dv], written
-    DQA, n_q_tokens,  # [Tq, H, Dqk] fp32, zeroed, accumulated (DQ_ADD), and Tq
     CU_Q,  # [N + 1] int32
     CU_K,  # [N + 1] int32
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
@@ -143,12 +116,12 @@ def _bwd_dkdv_kernel(
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr, DQ_ADD: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (key block, head, document): dk and dv of BN keys, and with DQ_ADD their share of dq (the fused
-    backward). Grid: the work list's key blocks x H, or (cdiv(max Lk, BN), H, N)."""
+    """Program (key block, head, document): dk and dv of BN keys. Grid: the work list's key blocks x H, or
+    (cdiv(max Lk, BN), H, N)."""
     doc, pid_n, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, False)
     if doc < 0:
         return
@@ -182,19 +155,6 @@ def _bwd_dkdv_kernel(
     dout_base = DOut + q_start * stride_dot + head * stride_doh
     lse_base = LSE + head * stride_lh + q_start
     delta_base = DELTA + head * stride_lh + q_start
-    # the fused backward's dq: this head's [Tq, Dqk] slice of the fp32 buffer (two descriptors: Dqk's main and
-    # rest columns, each clipped at Dqk and at Tq by the bulk reduce)
-    stride_dqt = n_heads * D_QK
-    dq_base = DQA + q_start * stride_dqt + head * D_QK
-    dq_main_desc = 0
-    dq_rest_desc = 0
-    if DQ_ADD == "tma":
-        dq_main_desc = tl.make_tensor_descriptor(DQA + head * D_QK, shape=[n_q_tokens, BLOCK_D_MAIN],
-                                                 strides=[stride_dqt, 1], block_shape=[BLOCK_M, BLOCK_D_MAIN])
-        if HAS_D_REST:
-            dq_rest_desc = tl.make_tensor_descriptor(DQA + head * D_QK + BLOCK_D_MAIN,
-                                                     shape=[n_q_tokens, D_QK - BLOCK_D_MAIN],
-                                                     strides=[stride_dqt, 1], block_shape=[BLOCK_M, BLOCK_D_REST])
     dk_main = tl.zeros([BLOCK_N, BLOCK_D_MAIN], dtype=tl.float32)
     dk_rest = tl.zeros([BLOCK_N, BLOCK_D_REST], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -203,9 +163,8 @@ def _bwd_dkdv_kernel(
         last = mid if phase == 0 else q_len
         dk_main, dk_rest, dv = _dkdv_query_blocks(
             dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_qt, dout_base, stride_dot, lse_base, delta_base,
-            dq_base, stride_dqt, dq_main_desc, dq_rest_desc, q_start, sm_scale, first, last, offs_n, q_shift, q_len,
-            slope, alibi_pivot, alibi_keys, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 0, HAS_D_REST, UPCAST,
-            DQ_ADD, BLOCK_M, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            first, last, offs_n, q_shift, q_len, slope, alibi_pivot, alibi_keys, qk_scale, D_QK, D_V, CAUSAL,
+            HAS_ALIBI, phase == 0, HAS_D_REST, UPCAST, BLOCK_M, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     dk_base = DK + k_start * stride_dkt + head * stride_dkh
     _store_rows(dk_base, dk_main * sm_scale, offs_n, k_len, stride_dkt, tl.arange(0, BLOCK_D_MAIN), D_QK)
     if HAS_D_REST:
@@ -329,19 +288,17 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
                        softmax_scale: float, alibi_slopes: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the preprocess, then the dk/dv and dq kernels (SCHEDULE["backward"] "split") or the one kernel
-    that also adds dq into an fp32 buffer ("fused"). dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
+    """Launches the preprocess, then the dk/dv and dq kernels.
+    dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
     n_docs = cu_seqlens_q.numel() - 1
-    fused = SCHEDULE["backward"] == "fused"
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if k.shape[0]:
         dk.zero_()  # keys outside every document (none in a well-formed batch) get zero gradient
         dv.zero_()
     if tq == 0 or n_docs == 0:
-        return dq.zero_().to(q.dtype), dk, dv
+        return dq.zero_(), dk, dv
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta = torch.empty_like(lse)  # [H, Tq]
     if dlse is not None:
@@ -366,22 +323,15 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
     scales = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                  **blocks)
-    # bulk reduce-add needs 16-byte aligned rows and column offsets; the interpreter has none
-    dq_add = ("pointer" if INTERPRET or d_qk % 4 else "tma") if fused else ""
-    if dq_add == "tma":
-        set_descriptor_allocator(q.device)
-    cfg = launch_config("fused" if fused else "dkdv", d_qk, d_v)
+    cfg = launch_config("dkdv", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, k.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
                                  key_blocks=True, causal=causal)
     _bwd_dkdv_kernel[grid](
         *inputs,
         dk, dk.stride(0), dk.stride(1),
         dv, dv.stride(0), dv.stride(1),
-        dq, tq,
         cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], DQ_ADD=dq_add, **flags, **cfg)
-    if fused:
-        return dq.to(q.dtype), dk, dv
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
     cfg = launch_config("dq", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)

@@ -56,10 +56,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   backward  "split": a dk/dv kernel and a dq kernel that recomputes the scores (deterministic);
-#             "fused": the dk/dv kernel also adds dq into an fp32 buffer by bulk reduce-add (one score pass; dq's
-#             sum order then depends on the programs' timing, so it is not bitwise reproducible)
-SCHEDULE = {"grid": "worklist", "backward": "split"}
+SCHEDULE = {"grid": "worklist"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -68,10 +65,9 @@ CONFIGS = {
     "fwd": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
     "dkdv": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
     "dq": {"narrow": (128, 64, 8, 3), "wide": (128, 64, 8, 3), "xwide": (64, 64, 4, 2)},
-    "fused": {"narrow": (32, 128, 8, 3), "wide": (32, 128, 8, 3), "xwide": (32, 64, 4, 2)},
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
-INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1), "fused": (32, 64, 4, 1)}
+INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 
 
 def head_class(d_qk: int, d_v: int) -> str:
