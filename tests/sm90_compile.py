@@ -102,7 +102,8 @@ def attention_kernels():
     strides["stride_lh"] = 4096
     grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
-    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
+    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16", OVERLAP=False)),
+                                ("attention fwd overlap", triton_fwd._fwd_kernel, dict(Out="*bf16", OVERLAP=True)),
                                 ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
                                 ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]

@@ -56,7 +56,9 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-SCHEDULE = {"grid": "worklist"}
+#   fwd_overlap  True: the forward issues the next key block's scores before this block's softmax (the
+#             unmasked blocks; `triton_fwd._fwd_key_blocks`); False: one block at a time
+SCHEDULE = {"grid": "worklist", "fwd_overlap": False}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
