@@ -182,9 +182,11 @@ def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
 ])
 def test_triton_forward_overlap_matches_float64(poisoned_empty, monkeypatch, overlap, lens, d_qk, d_v, causal,
                                                 alibi):
-    """The forward with the next key block's scores issued before this block's softmax (`fwd_overlap`) and without:
-    documents long enough for several unmasked key blocks, Dqk with and without a remainder, ALiBi."""
+    """The forward with the next key block's scores issued before this block's softmax (`fwd_overlap`) and without,
+    with the dK/dV kernel's v dO^T issued first (`bwd_early_dp`) or last: documents long enough for several
+    unmasked key blocks, Dqk with and without a remainder, ALiBi."""
     monkeypatch.setitem(triton_mod.SCHEDULE, "fwd_overlap", overlap)
+    monkeypatch.setitem(triton_mod.SCHEDULE, "bwd_early_dp", overlap)
     check_against_float64(lens, lens, 2, d_qk, d_v, torch.float32, "cpu", causal, alibi, seed=sum(lens) + d_qk,
                           backend="triton")
 
@@ -345,8 +347,10 @@ def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dt
 ])
 def test_triton_gpu_forward_overlap(poisoned_empty, monkeypatch, overlap, d_qk, d_v, lens_q, lens_k, causal, alibi,
                                     dtype):
-    """Both forms of the forward's key-block loop (`fwd_overlap`) against float64 on the GPU."""
+    """Both forms of the forward's key-block loop (`fwd_overlap`) and of the dK/dV kernel's order (`bwd_early_dp`)
+    against float64 on the GPU."""
     monkeypatch.setitem(triton_mod.SCHEDULE, "fwd_overlap", overlap)
+    monkeypatch.setitem(triton_mod.SCHEDULE, "bwd_early_dp", overlap)
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q) + 2,
                           backend="triton")
 

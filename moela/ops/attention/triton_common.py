@@ -58,7 +58,8 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
 #   fwd_overlap  True: the forward issues the next key block's scores before this block's softmax (the
 #             unmasked blocks; `triton_fwd._fwd_key_blocks`); False: one block at a time
-SCHEDULE = {"grid": "worklist", "fwd_overlap": False}
+#   bwd_early_dp  True: the dK/dV kernel issues v dO^T before the scores (`triton_bwd._dkdv_query_blocks`)
+SCHEDULE = {"grid": "worklist", "fwd_overlap": False, "bwd_early_dp": False}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
