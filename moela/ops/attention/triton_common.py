@@ -175,6 +175,17 @@ def _scores(a_main, a_rest, b_main, b_rest, HAS_D_REST: tl.constexpr):
 
 
 @triton.jit
+def _scores_rest_first(a_main, a_rest, b_main, b_rest, HAS_D_REST: tl.constexpr):
+    """_scores with Dqk's remainder product first and its main part last, as one chain (the second product takes
+    the first's result as accumulator). Triton waits at once for a product whose result feeds other operations but
+    leaves the last product of a chain in flight across a loop's back edge, so a pipelined loop that issues the next
+    block's scores this way runs the main part's product (two thirds of 192) under this block's softmax."""
+    if HAS_D_REST:
+        return tl.dot(a_main, tl.trans(b_main), tl.dot(a_rest, tl.trans(b_rest)))
+    return tl.dot(a_main, tl.trans(b_main))
+
+
+@triton.jit
 def _mask_and_bias(scores, q_pos, k_pos, k_len, slope, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
                    MASK: tl.constexpr):
     """scores [R, C] in the log2 domain; q_pos [R, 1] query positions on the k side, k_pos [1, C] key positions."""

@@ -23,6 +23,7 @@ from moela.ops.attention.triton_common import (
     _load_split_rows,
     _mask_and_bias,
     _scores,
+    _scores_rest_first,
     _store_rows,
     _work_item,
     head_dim_blocks,
@@ -63,18 +64,6 @@ def _fwd_block(acc, row_sum, row_max, scores, start_n, offs_m, q_shift, k_len, v
 
 
 @triton.jit
-def _scores_rest_first(q_main, q_rest, k_base, start_n, k_len, stride_kt, D_QK, HAS_D_REST: tl.constexpr,
-                       UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr,
-                       BLOCK_D_REST: tl.constexpr):
-    """Raw scores q k^T [BM, BN] of the key block at start_n, Dqk's remainder product first, its main part last."""
-    k_main, k_rest = _load_split_rows(k_base, start_n + tl.arange(0, BLOCK_N), k_len, stride_kt, D_QK, HAS_D_REST,
-                                      UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
-    if HAS_D_REST:
-        return tl.dot(q_main, tl.trans(k_main), tl.dot(q_rest, tl.trans(k_rest)))
-    return tl.dot(q_main, tl.trans(k_main))
-
-
-@triton.jit
 def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
                     q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
@@ -86,14 +75,15 @@ def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_
     the tensor cores compute q k^T of block j + 1 while the warps exponentiate block j (FA3's intra-warpgroup
     overlap, written as a software pipeline by hand: the scores are carried from one iteration to the next)."""
     if OVERLAP and hi - lo >= 2 * BLOCK_N:
-        # Triton waits for a product whose result feeds another product's accumulator, but leaves the last product
-        # of such a chain in flight across the loop's back edge: the narrow Dqk remainder goes first, the main part
-        # last, so the main part's product of block j + 1 runs under block j's softmax
-        scores = _scores_rest_first(q_main, q_rest, k_base, lo, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST, BLOCK_N,
-                                    BLOCK_D_MAIN, BLOCK_D_REST)  # [BM, BN], raw
+        # the chain "remainder first, main part last" (triton_common._scores_rest_first): the main part's product
+        # of block j + 1 runs under block j's softmax
+        k_main, k_rest = _load_split_rows(k_base, lo + tl.arange(0, BLOCK_N), k_len, stride_kt, D_QK, HAS_D_REST,
+                                          UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
+        scores = _scores_rest_first(q_main, q_rest, k_main, k_rest, HAS_D_REST)  # [BM, BN], raw
         for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
-            scores_next = _scores_rest_first(q_main, q_rest, k_base, start_n + BLOCK_N, k_len, stride_kt, D_QK,
-                                             HAS_D_REST, UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST)
+            k_main, k_rest = _load_split_rows(k_base, start_n + BLOCK_N + tl.arange(0, BLOCK_N), k_len, stride_kt,
+                                              D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)
+            scores_next = _scores_rest_first(q_main, q_rest, k_main, k_rest, HAS_D_REST)
             acc, row_sum, row_max = _fwd_block(
                 acc, row_sum, row_max, scores, start_n, offs_m, q_shift, k_len, v_base, stride_vt, slope,
                 alibi_pivot, alibi_cols, qk_scale, D_V, CAUSAL, HAS_ALIBI, MASK, UPCAST, BLOCK_N, BLOCK_DV)
