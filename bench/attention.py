@@ -11,8 +11,8 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  ALiBi: B=2 S=8192; the lognormal packing
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
-schedule variants (`VARIANTS`: the previous per-document grid, the overlapped forward at several tiles, the
-dK/dV kernel's order) as extra rows on the cases marked for them, so one run times them all.
+schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes) as extra rows on
+the cases marked for them, so one run times them all.
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
 sum(L^2) (Dqk + Dv), bwd 2 H sum(L^2) (3 Dqk + 2 Dv), halved for causal), the first call's wall time (flash-attn-4
@@ -126,11 +126,8 @@ def all_cases() -> list[Case]:
 # launch moela used before the work list; the others are candidates for the defaults in triton_common.py.
 VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
-    "triton, forward overlap (fwd_overlap)": ({"fwd_overlap": True}, {}),
-    "triton, forward overlap, fwd 128x32 3 stages": ({"fwd_overlap": True}, {"fwd": (128, 32, 8, 3)}),
-    "triton, forward overlap, fwd 128x64 2 stages": ({"fwd_overlap": True}, {"fwd": (128, 64, 8, 2)}),
-    "triton, dK/dV v dO^T first (bwd_early_dp)": ({"bwd_early_dp": True}, {}),
-    "triton, forward overlap + bwd_early_dp": ({"fwd_overlap": True, "bwd_early_dp": True}, {}),
+    "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
+    "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
 }
 
 

@@ -102,14 +102,10 @@ def attention_kernels():
     strides["stride_lh"] = 4096
     grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
-    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16", OVERLAP=False)),
-                                ("attention fwd overlap", triton_fwd._fwd_kernel, dict(Out="*bf16", OVERLAP=True)),
-                                ("attention dkdv", triton_bwd._bwd_dkdv_kernel,
-                                 dict(DK="*bf16", DV="*bf16", EARLY_DP=False, **grads)),
-                                ("attention dkdv early_dp", triton_bwd._bwd_dkdv_kernel,
-                                 dict(DK="*bf16", DV="*bf16", EARLY_DP=True, **grads)),
+    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
+                                ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
                                 ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
-        bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]  # "attention KERNEL [variant]"
+        bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}
         out[name] = compile_sm90(kernel, args, num_warps=warps, num_stages=stages)

@@ -173,24 +173,6 @@ def test_triton_per_document_grid_matches_float64(poisoned_empty, monkeypatch):
                           backend="triton")
 
 
-@needs_interpreter
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("lens,d_qk,d_v,causal,alibi", [
-    ([1, 7, 129, 300], 192, 128, True, False),
-    ([5, 260, 33], 192, 128, True, True),
-    ([200, 64], 64, 64, False, True),
-])
-def test_triton_forward_overlap_matches_float64(poisoned_empty, monkeypatch, overlap, lens, d_qk, d_v, causal,
-                                                alibi):
-    """The forward with the next key block's scores issued before this block's softmax (`fwd_overlap`) and without,
-    with the dK/dV kernel's v dO^T issued first (`bwd_early_dp`) or last: documents long enough for several
-    unmasked key blocks, Dqk with and without a remainder, ALiBi."""
-    monkeypatch.setitem(triton_mod.SCHEDULE, "fwd_overlap", overlap)
-    monkeypatch.setitem(triton_mod.SCHEDULE, "bwd_early_dp", overlap)
-    check_against_float64(lens, lens, 2, d_qk, d_v, torch.float32, "cpu", causal, alibi, seed=sum(lens) + d_qk,
-                          backend="triton")
-
-
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("key_blocks", [True, False])
 def test_worklist_holds_every_block_once_costliest_first(causal, key_blocks):
@@ -334,24 +316,6 @@ def test_triton_gpu_heads_times_documents_above_grid_y_limit():
 ])
 def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dtype):
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q),
-                          backend="triton")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal,alibi,dtype", [
-    (192, 128, [1, 300, 1500, 4000, 77], [1, 300, 1500, 4000, 77], True, True, torch.bfloat16),
-    (192, 128, [1000, 3000], [3000, 4096], True, False, torch.bfloat16),
-    (128, 128, [1024, 513], [1024, 513], False, True, torch.float16),
-    (112, 72, [333, 1200], [333, 1200], True, False, torch.bfloat16),
-])
-def test_triton_gpu_forward_overlap(poisoned_empty, monkeypatch, overlap, d_qk, d_v, lens_q, lens_k, causal, alibi,
-                                    dtype):
-    """Both forms of the forward's key-block loop (`fwd_overlap`) and of the dK/dV kernel's order (`bwd_early_dp`)
-    against float64 on the GPU."""
-    monkeypatch.setitem(triton_mod.SCHEDULE, "fwd_overlap", overlap)
-    monkeypatch.setitem(triton_mod.SCHEDULE, "bwd_early_dp", overlap)
-    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, dtype, "cuda", causal, alibi, seed=sum(lens_q) + 2,
                           backend="triton")
 
 

@@ -16,7 +16,6 @@ import triton.language as tl
 
 from moela.ops.attention.triton_common import (
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -61,17 +60,12 @@ def _bwd_preprocess_kernel(
 def _dkdv_query_blocks(dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_qt, dout_base, stride_dot, lse_base,
                        delta_base, lo, hi, offs_n, q_shift, q_len, slope, alibi_pivot, alibi_keys, qk_scale, D_QK,
                        D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK: tl.constexpr,
-                       HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, EARLY_DP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
-                       BLOCK_DV: tl.constexpr):
+                       HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Accumulates dk, dv of one key block over the query blocks [lo, hi). Transposed tiles: rows are keys [BN],
     columns queries [BM]. MASK is the causal mask only: keys past the document are computed from zero-filled loads
     and never stored. Causal ALiBi: alibi_keys [BN] are the keys' column terms; the queries' row terms join their
-    lse.
-
-    EARLY_DP: v dO^T - delta is issued first. Triton waits for a product whose result other operations read right
-    after issuing it, and a wait takes every product in flight with it: issued after dV's product (the other order),
-    it held dV's product back before ds; issued first, dV's product runs under ds's arithmetic."""
+    lse."""
     offs_dv = tl.arange(0, BLOCK_DV)
     k_pos = offs_n[:, None]
     for start_m in range(lo, hi, BLOCK_M):
@@ -79,11 +73,6 @@ def _dkdv_query_blocks(dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_q
         q_main, q_rest = _load_split_rows(q_base, offs_m, q_len, stride_qt, D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN,
                                           BLOCK_D_REST)  # [BM, D_MAIN], [BM, D_REST]
         q_pos = (offs_m + q_shift)[None, :]
-        dout = _load_rows(dout_base, offs_m, q_len, stride_dot, offs_dv, D_V, UPCAST)  # [BM, Dv]
-        delta = tl.load(delta_base + offs_m, mask=offs_m < q_len, other=0.0)  # [BM]
-        if EARLY_DP:
-            # v dO^T - delta, issued before the scores and their exponentials, the subtraction as its accumulator
-            dprobs_t = tl.dot(v, tl.trans(dout), tl.zeros([v.shape[0], BLOCK_M], tl.float32) - delta[None, :])
         # probabilities p^T [BN, BM] from the recomputed scores and the saved lse
         lse_log2 = tl.load(lse_base + offs_m, mask=offs_m < q_len, other=0.0) * LOG2E  # [BM]
         if HAS_ALIBI and CAUSAL:
@@ -97,10 +86,11 @@ def _dkdv_query_blocks(dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_q
         if MASK:
             probs_t = tl.where(k_pos <= q_pos, probs_t, 0.0)
         # dv += p^T dO;  ds^T = p^T * (v dO^T - delta);  dk += ds^T q
+        dout = _load_rows(dout_base, offs_m, q_len, stride_dot, offs_dv, D_V, UPCAST)  # [BM, Dv]
         dv = tl.dot(probs_t.to(dout.dtype), dout, dv)
-        if not EARLY_DP:
-            dprobs_t = tl.dot(v, tl.trans(dout)) - delta[None, :]  # [BN, BM]
-        dscores_t = (probs_t * dprobs_t).to(q_main.dtype)
+        delta = tl.load(delta_base + offs_m, mask=offs_m < q_len, other=0.0)  # [BM]
+        dprobs_t = tl.dot(v, tl.trans(dout))  # [BN, BM]
+        dscores_t = (probs_t * (dprobs_t - delta[None, :])).to(q_main.dtype)
         dk_main = tl.dot(dscores_t, q_main, dk_main)
         if HAS_D_REST:
             dk_rest = tl.dot(dscores_t, q_rest, dk_rest)
@@ -126,7 +116,7 @@ def _bwd_dkdv_kernel(
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr, EARLY_DP: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -174,7 +164,7 @@ def _bwd_dkdv_kernel(
         dk_main, dk_rest, dv = _dkdv_query_blocks(
             dk_main, dk_rest, dv, k_main, k_rest, v, q_base, stride_qt, dout_base, stride_dot, lse_base, delta_base,
             first, last, offs_n, q_shift, q_len, slope, alibi_pivot, alibi_keys, qk_scale, D_QK, D_V, CAUSAL,
-            HAS_ALIBI, phase == 0, HAS_D_REST, UPCAST, EARLY_DP, BLOCK_M, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            HAS_ALIBI, phase == 0, HAS_D_REST, UPCAST, BLOCK_M, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     dk_base = DK + k_start * stride_dkt + head * stride_dkh
     _store_rows(dk_base, dk_main * sm_scale, offs_n, k_len, stride_dkt, tl.arange(0, BLOCK_D_MAIN), D_QK)
     if HAS_D_REST:
@@ -341,7 +331,7 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
         dk, dk.stride(0), dk.stride(1),
         dv, dv.stride(0), dv.stride(1),
         cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], EARLY_DP=SCHEDULE["bwd_early_dp"], **flags, **cfg)
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
     cfg = launch_config("dq", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)

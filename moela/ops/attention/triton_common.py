@@ -56,10 +56,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 # variant in one process):
 #   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
 #             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   fwd_overlap  True: the forward issues the next key block's scores before this block's softmax (the
-#             unmasked blocks; `triton_fwd._fwd_key_blocks`); False: one block at a time
-#   bwd_early_dp  True: the dK/dV kernel issues v dO^T before the scores (`triton_bwd._dkdv_query_blocks`)
-SCHEDULE = {"grid": "worklist", "fwd_overlap": False, "bwd_early_dp": False}
+SCHEDULE = {"grid": "worklist"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -172,17 +169,6 @@ def _scores(a_main, a_rest, b_main, b_rest, HAS_D_REST: tl.constexpr):
     if HAS_D_REST:
         scores = tl.dot(a_rest, tl.trans(b_rest), scores)
     return scores
-
-
-@triton.jit
-def _scores_rest_first(a_main, a_rest, b_main, b_rest, HAS_D_REST: tl.constexpr):
-    """_scores with Dqk's remainder product first and its main part last, as one chain (the second product takes
-    the first's result as accumulator). Triton waits at once for a product whose result feeds other operations but
-    leaves the last product of a chain in flight across a loop's back edge, so a pipelined loop that issues the next
-    block's scores this way runs the main part's product (two thirds of 192) under this block's softmax."""
-    if HAS_D_REST:
-        return tl.dot(a_main, tl.trans(b_main), tl.dot(a_rest, tl.trans(b_rest)))
-    return tl.dot(a_main, tl.trans(b_main))
 
 
 @triton.jit

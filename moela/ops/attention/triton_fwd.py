@@ -14,7 +14,6 @@ import triton.language as tl
 from moela.ops.attention.triton_common import (
     LN2,
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -23,7 +22,6 @@ from moela.ops.attention.triton_common import (
     _load_split_rows,
     _mask_and_bias,
     _scores,
-    _scores_rest_first,
     _store_rows,
     _work_item,
     head_dim_blocks,
@@ -34,71 +32,39 @@ from moela.ops.triton_env import INTERPRET
 
 
 @triton.jit
-def _fwd_block(acc, row_sum, row_max, scores, start_n, offs_m, q_shift, k_len, v_base, stride_vt, slope,
-               alibi_pivot, alibi_cols, qk_scale, D_V, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               MASK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """One key block of the online softmax: raw scores q k^T [BM, BN] of keys start_n.. -> scaled, masked, biased,
-    exponentiated against the new row maxima, and accumulated with the block's values. Causal ALiBi: the column
-    term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two adds
-    a row), so row_max holds the row maxima of the scores plus their row terms."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    q_pos = (offs_m + q_shift)[:, None]
-    if HAS_ALIBI and CAUSAL:
-        scores = scores * qk_scale + alibi_cols[None, :]
-        scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, False, MASK)
-        block_term = _alibi_term(start_n, alibi_pivot, slope)
-        # new row maxima, then the probabilities relative to them
-        max_new = tl.maximum(row_max, tl.max(scores, 1) + block_term)
-        probs = tl.exp2(scores - (max_new - block_term)[:, None])  # [BM, BN]
-    else:
-        scores = scores * qk_scale
-        scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, HAS_ALIBI, MASK)
-        max_new = tl.maximum(row_max, tl.max(scores, 1))
-        probs = tl.exp2(scores - max_new[:, None])  # [BM, BN]
-    # rescale what was accumulated under the old maxima, add this block
-    alpha = tl.exp2(row_max - max_new)
-    row_sum = row_sum * alpha + tl.sum(probs, 1)
-    v = _load_rows(v_base, offs_n, k_len, stride_vt, tl.arange(0, BLOCK_DV), D_V, UPCAST)  # [BN, Dv]
-    acc = tl.dot(probs.to(v.dtype), v, acc * alpha[:, None])
-    return acc, row_sum, max_new
-
-
-@triton.jit
 def _fwd_key_blocks(acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m,
                     q_shift, k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL: tl.constexpr,
                     HAS_ALIBI: tl.constexpr, MASK: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-                    OVERLAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr,
-                    BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask).
-
-    OVERLAP (for ranges of two blocks or more): the next block's scores are issued before this block's softmax, so
-    the tensor cores compute q k^T of block j + 1 while the warps exponentiate block j (FA3's intra-warpgroup
-    overlap, written as a software pipeline by hand: the scores are carried from one iteration to the next)."""
-    if OVERLAP and hi - lo >= 2 * BLOCK_N:
-        # the chain "remainder first, main part last" (triton_common._scores_rest_first): the main part's product
-        # of block j + 1 runs under block j's softmax
-        k_main, k_rest = _load_split_rows(k_base, lo + tl.arange(0, BLOCK_N), k_len, stride_kt, D_QK, HAS_D_REST,
-                                          UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
-        scores = _scores_rest_first(q_main, q_rest, k_main, k_rest, HAS_D_REST)  # [BM, BN], raw
-        for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
-            k_main, k_rest = _load_split_rows(k_base, start_n + BLOCK_N + tl.arange(0, BLOCK_N), k_len, stride_kt,
-                                              D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)
-            scores_next = _scores_rest_first(q_main, q_rest, k_main, k_rest, HAS_D_REST)
-            acc, row_sum, row_max = _fwd_block(
-                acc, row_sum, row_max, scores, start_n, offs_m, q_shift, k_len, v_base, stride_vt, slope,
-                alibi_pivot, alibi_cols, qk_scale, D_V, CAUSAL, HAS_ALIBI, MASK, UPCAST, BLOCK_N, BLOCK_DV)
-            scores = scores_next
-        acc, row_sum, row_max = _fwd_block(
-            acc, row_sum, row_max, scores, hi - BLOCK_N, offs_m, q_shift, k_len, v_base, stride_vt, slope,
-            alibi_pivot, alibi_cols, qk_scale, D_V, CAUSAL, HAS_ALIBI, MASK, UPCAST, BLOCK_N, BLOCK_DV)
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            k_main, k_rest = _load_split_rows(k_base, start_n + tl.arange(0, BLOCK_N), k_len, stride_kt, D_QK,
-                                              HAS_D_REST, UPCAST, BLOCK_D_MAIN, BLOCK_D_REST)
-            scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST)  # [BM, BN], raw
-            acc, row_sum, row_max = _fwd_block(
-                acc, row_sum, row_max, scores, start_n, offs_m, q_shift, k_len, v_base, stride_vt, slope,
-                alibi_pivot, alibi_cols, qk_scale, D_V, CAUSAL, HAS_ALIBI, MASK, UPCAST, BLOCK_N, BLOCK_DV)
+                    BLOCK_N: tl.constexpr, BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Online softmax over the key blocks [lo, hi) (MASK: they need the causal / length mask). Causal ALiBi: the
+    column term of key start_n + n is alibi_cols[n] + block_term, the block's scalar moved onto the row maximum (two
+    adds a row), so row_max holds the row maxima of the scores plus their row terms."""
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # scores of this key block, [BM, BN], log2 domain
+        k_main, k_rest = _load_split_rows(k_base, offs_n, k_len, stride_kt, D_QK, HAS_D_REST, UPCAST, BLOCK_D_MAIN,
+                                          BLOCK_D_REST)  # [BN, D_MAIN], [BN, D_REST]
+        q_pos = (offs_m + q_shift)[:, None]
+        if HAS_ALIBI and CAUSAL:
+            scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale + alibi_cols[None, :]
+            scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, False, MASK)
+            block_term = _alibi_term(start_n, alibi_pivot, slope)
+            # new row maxima, then the probabilities relative to them
+            max_new = tl.maximum(row_max, tl.max(scores, 1) + block_term)
+            probs = tl.exp2(scores - (max_new - block_term)[:, None])  # [BM, BN]
+        else:
+            scores = _scores(q_main, q_rest, k_main, k_rest, HAS_D_REST) * qk_scale
+            scores = _mask_and_bias(scores, q_pos, offs_n[None, :], k_len, slope, CAUSAL, HAS_ALIBI, MASK)
+            max_new = tl.maximum(row_max, tl.max(scores, 1))
+            probs = tl.exp2(scores - max_new[:, None])  # [BM, BN]
+        # rescale what was accumulated under the old maxima, add this block
+        alpha = tl.exp2(row_max - max_new)
+        row_sum = row_sum * alpha + tl.sum(probs, 1)
+        v = _load_rows(v_base, offs_n, k_len, stride_vt, offs_dv, D_V, UPCAST)  # [BN, Dv]
+        acc = tl.dot(probs.to(v.dtype), v, acc * alpha[:, None])
+        row_max = max_new
     return acc, row_sum, row_max
 
 
@@ -116,7 +82,7 @@ def _fwd_kernel(
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr, OVERLAP: tl.constexpr,
+    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -149,7 +115,7 @@ def _fwd_kernel(
         acc, row_sum, row_max = _fwd_key_blocks(
             acc, row_sum, row_max, q_main, q_rest, k_base, stride_kt, v_base, stride_vt, lo, hi, offs_m, q_shift,
             k_len, slope, alibi_pivot, alibi_cols, qk_scale, D_QK, D_V, CAUSAL, HAS_ALIBI, phase == 1, HAS_D_REST,
-            UPCAST, OVERLAP and phase == 0, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
+            UPCAST, BLOCK_N, BLOCK_D_MAIN, BLOCK_D_REST, BLOCK_DV)
     # normalize; lse in natural log, the causal ALiBi row term taken out once per row
     empty = row_sum == 0.0
     out = acc / tl.where(empty, 1.0, row_sum)[:, None]  # [BM, Dv]
@@ -189,5 +155,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], OVERLAP=SCHEDULE["fwd_overlap"], **head_dim_blocks(d_qk, d_v), **cfg)
+        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
     return out, lse
