@@ -343,6 +343,25 @@ def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_st
     assert counters["stats"]["unique_graphs"] == after_first >= before_eval
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compiled_run_says_what_its_first_step_does_and_what_it_took(tmp_path, monkeypatch, capsys, compiled):
+    """Before the first step a compiled run names the wait and the cache root; after it, the step's seconds; once.
+    An eager run prints neither."""
+    monkeypatch.setattr(trainer_loop, "compile_blocks", functools.partial(compile_blocks, backend="eager"))
+    monkeypatch.setenv("MOELA_CACHE_DIR", str(tmp_path / "kernels"))
+    extra = ["train.compile=true"] if compiled else []
+    Trainer(make_cfg(tmp_path / "run", "train.steps=3", "train.eval_every=0", *extra)).fit()
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if line.startswith("train.compile: the first step compiles")]
+    firsts = [line for line in out.splitlines() if line.startswith("step 1 done ")]
+    if compiled:
+        assert len(notices) == 1 and str(tmp_path / "kernels") in notices[0]
+        assert len(firsts) == 1 and float(firsts[0].split()[3]) > 0
+        assert out.index(notices[0]) < out.index(firsts[0])
+    else:
+        assert notices == [] and firsts == []
+
+
 def cuda_cfg(run_dir, *extra):
     return make_cfg(run_dir, *tiny_overrides(num_hidden_layers=2, **GPU_SHAPE), "train.device=cuda",
                     "train.tokens_per_microbatch=1024", "data.max_doc_len=256", "logging.log_every=100",

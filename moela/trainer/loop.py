@@ -62,6 +62,7 @@ from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_sc
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
+from moela.trainer.startup import compile_notice, first_step_line
 from moela.trainer.step_metrics import (
     TAIL_KEYS,
     NonfiniteCounters,
@@ -228,11 +229,18 @@ class Trainer:
             writer.echo(legend)
         self.stop_request.install()
         profiler = StepProfiler(cfg.logging.profile_steps, self.run_dir, self.env.rank, self.device.type == "cuda")
+        notice = compile_notice(cfg.train.compile)
+        if notice:
+            writer.echo(notice)
         try:
             last_saved = self.step if resume is not None else -1
+            loop_start = time.perf_counter()
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
                 record = self.train_step()
+                if notice:  # the first step of this process
+                    writer.echo(first_step_line(self.step, time.perf_counter() - loop_start))
+                    notice = None
                 if profiler.active:  # its window's wall time must include the device work
                     self._settle()
                 window = profiler.after_step(self.step, record["step_time_s"])
