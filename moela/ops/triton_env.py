@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -31,16 +30,3 @@ def require_interpreter_support() -> None:
         raise ImportError(f"TRITON_INTERPRET=1 runs moela's Triton kernels only with triton >= {need} (installed: "
                           f"{triton.__version__}, whose interpreter rejects loop bounds loaded from memory); "
                           f"install triton>={need} or unset TRITON_INTERPRET")
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    """Global scratch for the tensor descriptors kernels build on the device (`tl.make_tensor_descriptor`, 128
-    bytes each per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def set_descriptor_allocator(device: torch.device) -> None:
-    """Before launching a kernel that builds tensor descriptors on the device. Triton keeps its allocator in a
-    context variable: set it in the calling thread (autograd's backward runs in its own threads)."""
-    if device.type == "cuda":
-        triton.set_allocator(_descriptor_scratch)

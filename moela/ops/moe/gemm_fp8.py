@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from moela.ops.moe import gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
-from moela.ops.triton_env import INTERPRET, set_descriptor_allocator
+from moela.ops.triton_env import INTERPRET
 
 INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
 
@@ -111,6 +111,18 @@ def _num_sms(device_index: int) -> int:
 def _grid_size(device: torch.device, tiles: int) -> int:
     sms = INTERPRETER_SMS if device.type != "cuda" else _num_sms(device.index or 0)
     return max(1, min(sms, tiles))
+
+
+def _alloc(size: int, alignment: int, stream):
+    """Global scratch for the tensor descriptors the kernels build on the device (128 bytes each per program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_allocator(device: torch.device) -> None:
+    """Triton keeps its allocator in a context variable: set it in the calling thread (autograd's backward runs in
+    its own threads)."""
+    if device.type == "cuda":
+        triton.set_allocator(_alloc)
 
 
 @triton.jit
@@ -244,7 +256,7 @@ def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
     tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
     grid = _grid_size(a.device, tiles)
-    set_descriptor_allocator(a.device)
+    _set_allocator(a.device)
     dummy = a_scale
     _mgrouped_fp8_kernel[(grid,)](
         a, a_scale, b, b_scale, out, m_indices if grouped else dummy, offsets if grouped else dummy, m, n, k, e,
@@ -345,7 +357,7 @@ def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
     out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
     tiles = e * triton.cdiv(n, cfg.bm) * triton.cdiv(k, cfg.bn)
     grid = _grid_size(a.device, tiles)
-    set_descriptor_allocator(a.device)
+    _set_allocator(a.device)
     _kgrouped_fp8_kernel[(grid,)](
         a, a_scale, b, b_scale, out, offsets if grouped else a_scale, n, k, m, e, a_scale.stride(0),
         a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid, GROUPED=grouped, INTERP=INTERPRET,
