@@ -433,6 +433,7 @@ def test_compiled_cuda_fp8_blocks_are_one_graph_and_match_eager():
     moves a few codes, and a small gradient (a norm weight's) by up to 8% (run 30 of bench/notes/step.md)."""
     cfg = tiny_config(**GPU_SHAPE, num_hidden_layers=2, precision="fp8")
     eager = build_model(cfg, "cuda")
+    assert any(getattr(m, "fp8", False) for m in eager.modules())
     batch = _cuda_batch(cfg)
     explained = _explain_cuda_moe_block(eager, batch)
     assert explained.graph_count == 1 and not explained.break_reasons, explained.break_reasons

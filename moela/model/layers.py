@@ -67,10 +67,14 @@ class Linear(nn.Linear):
         if self.fp8:
             if isinstance(self.weight, DTensor):
                 return self._fp8_sharded(x)
-            if self.fp8_in_graph(x):
-                return fp8_linear(x, self.weight, backend=self.fp8_backend)
-            return call_outside_graph(fp8_linear, x, self.weight, backend=self.fp8_backend)
+            return self._fp8(x, self.weight)
         return super().forward(x)
+
+    def _fp8(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fp8_linear inside the compiled graph where it can be traced, else outside it."""
+        if self.fp8_in_graph(x):
+            return fp8_linear(x, weight, backend=self.fp8_backend)
+        return call_outside_graph(fp8_linear, x, weight, backend=self.fp8_backend)
 
     def _fp8_sharded(self, x: torch.Tensor) -> torch.Tensor:
         """The FP8 linear of a tensor-parallel layer (a DTensor weight): each rank multiplies its shards, and the
@@ -88,8 +92,7 @@ class Linear(nn.Linear):
             local = x.to_local(grad_placements=(Partial(),) if placement.dim == 0 else None)
         else:
             local = x
-        y = call_outside_graph(fp8_linear, local, w.to_local(), backend=self.fp8_backend) \
-            if not self.fp8_in_graph(local) else fp8_linear(local, w.to_local(), backend=self.fp8_backend)
+        y = self._fp8(local, w.to_local())
         out = Shard(y.dim() - 1) if placement.dim == 0 else Partial()
         return DTensor.from_local(y, w.device_mesh, (out,), run_check=False)
 

@@ -19,9 +19,7 @@ def check_fp8_device(model_cfg: ModelConfig, device: torch.device) -> None:
     """A recipe that asks for FP8 on a GPU without FP8 tensor cores fails here, before the model is built, with the
     fix, instead of inside the first FP8 GEMM's compilation (moela.ops.fp8_device). The reference backends
     simulate FP8 on any device: experts under `model.moe_backend: reference` pass when no FP8 linear is asked for."""
-    if model_cfg.expert_recipe == "bf16" and not model_cfg.fp8_linears:
-        return
-    if model_cfg.moe_backend == "reference" and not model_cfg.fp8_linears:
+    if not model_cfg.fp8_linears and (model_cfg.expert_recipe == "bf16" or model_cfg.moe_backend == "reference"):
         return
     problem = fp8_device_problem(device)
     if problem:
