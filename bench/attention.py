@@ -11,7 +11,7 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  ALiBi: B=2 S=8192; the lognormal packing
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
-schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes) as extra rows on
+schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward) as extra rows on
 the cases marked for them, so one run times them all.
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
@@ -25,7 +25,7 @@ flash-attn-4's compiled kernels are kept on disk (FLASH_ATTENTION_CUTE_DSL_CACHE
 a run after the GPU tests reuses theirs.
 
 Usage: python bench/attention.py [--quick] [--only SUBSTR,...] [--impls triton,flash,cudnn,variants]
-                                 [--budget SECONDS] [--out PATH] [--json PATH]
+                                 [--variants SUBSTR,...] [--budget SECONDS] [--out PATH] [--json PATH]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moela.ops.attention import api as attention_api  # noqa: E402
-from moela.ops.attention import mla_attention  # noqa: E402
+from moela.ops.attention import gluon_fwd, mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
 from moela.ops.attention.triton_common import CONFIGS, SCHEDULE, head_class  # noqa: E402
 
@@ -128,6 +128,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
     "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
     "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
+    # the warp-specialized Gluon forward (moela/ops/attention/gluon_fwd.py) in each of its configs, with the
+    # Triton backward
+    **{f"triton, {name} fwd": ({"forward": name}, {}) for name in gluon_fwd.CONFIGS},
 }
 
 
@@ -308,6 +311,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the cases marked q, shorter timing windows")
     ap.add_argument("--only", default="", help="comma list of substrings: run the cases whose name holds one")
     ap.add_argument("--impls", default="triton,flash,cudnn,variants")
+    ap.add_argument("--variants", default="", help="comma list of substrings: the variant rows whose name holds one")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; rows past it are skipped and say so")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.md"))
     ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "attention.json"))
@@ -381,7 +385,8 @@ def main() -> None:
         run_case(case, [i for i in ("triton", "flash", "cudnn") if i in impls], "")
     if "variants" in impls:
         for case in (c for c in cases if c.variants):
-            run_case(case, [name for name in VARIANTS], "Triton schedule variants: ")
+            run_case(case, [name for name in VARIANTS if not args.variants
+                            or any(sub in name for sub in args.variants.split(","))], "Triton schedule variants: ")
     say(f"total {time.time() - t0:.0f} s\n")
     say("Rows for moela/ops/attention/auto.py MEASURED (fwd+bwd TFLOP/s of this run):\n\n```python")
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"

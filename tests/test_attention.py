@@ -319,6 +319,61 @@ def test_triton_gpu(poisoned_empty, d_qk, d_v, lens_q, lens_k, causal, alibi, dt
                           backend="triton")
 
 
+def gluon_forward_or_skip(monkeypatch, config: str):
+    """Routes the Triton backend's forward to the Gluon kernel with `config` and counts its launches; skips where
+    it cannot run (no Gluon, not sm_90)."""
+    from moela.ops.attention import gluon_fwd
+
+    probe = torch.empty(1, 1, 192, device="cuda", dtype=torch.bfloat16)
+    why = gluon_fwd.supports(probe, probe, probe[..., :128], None)
+    if why is not None:
+        pytest.skip(f"the Gluon forward cannot run here: {why}")
+    monkeypatch.setitem(triton_mod.SCHEDULE, "forward", config)
+    calls = []
+    launch = gluon_fwd.attention_forward
+    monkeypatch.setattr(gluon_fwd, "attention_forward", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    return calls
+
+
+GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent",
+                     "gluon_128x64_s4_persistent_pp", "gluon_128x128_s2_persistent", "gluon_128x128_s2_persistent_pp"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GLUON_FWD_CONFIGS)
+@pytest.mark.parametrize("d_qk,lens_q,lens_k,causal", [
+    (192, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
+    (192, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
+    (192, [1000, 3000], [3000, 4096], False),
+    (128, [1024, 513], [1024, 513], True),
+    (192, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
+])
+def test_gluon_forward_gpu(poisoned_empty, monkeypatch, config, d_qk, lens_q, lens_k, causal):
+    """The warp-specialized Gluon forward (gluon_fwd.py) with the Triton backward, against float64: odd lengths,
+    single-token and empty documents, longer k than q, full attention, both tile configs."""
+    calls = gluon_forward_or_skip(monkeypatch, config)
+    check_against_float64(lens_q, lens_k, 16, d_qk, 128, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
+                          backend="triton")
+    assert calls, "the Gluon forward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GLUON_FWD_CONFIGS)
+def test_gluon_forward_gpu_queries_that_see_no_key(poisoned_empty, monkeypatch, config):
+    """Shorter k than q, causal: the first Lq - Lk queries of a document see no key (out 0, lse -inf), the others
+    match the float64 reference."""
+    calls = gluon_forward_or_skip(monkeypatch, config)
+    q, k, v, cu_q, cu_k, _, _, _ = make_case([300, 200], [100, 200], 16, 192, 128, torch.bfloat16, "cuda", False,
+                                             seed=11)
+    out, lse = mla_attention(q, k, v, cu_q, 300, cu_seqlens_k=cu_k, max_seqlen_k=200, return_lse=True,
+                             backend="triton")
+    assert calls
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), cu_q, cu_k, True, 192 ** -0.5, None)
+    assert (out[:200] == 0).all() and torch.isneginf(lse[:, :200]).all()
+    torch.testing.assert_close(out[200:].double(), want_out[200:], rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse[:, 200:].double(), want_lse[:, 200:], rtol=0, atol=1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens_q,lens_k", [([777, 1, 0, 1300], [777, 1, 0, 1300]), ([5, 400], [9, 1031])])
 def test_triton_gpu_without_lse(poisoned_empty, lens_q, lens_k):

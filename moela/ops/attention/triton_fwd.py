@@ -11,9 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moela.ops.attention import gluon_fwd
 from moela.ops.attention.triton_common import (
     LN2,
     LOG2E,
+    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -139,6 +141,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
     if tq == 0 or n_docs == 0:
         return out, lse
+    if SCHEDULE["forward"] != "triton" and SCHEDULE["grid"] == "worklist" and \
+            gluon_fwd.supports(q, k, v, alibi_slopes) is None:
+        return gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                           softmax_scale=softmax_scale, config=SCHEDULE["forward"])
     cfg = launch_config("fwd", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)

@@ -1,0 +1,415 @@
+"""Forward kernel of the flash attention for Hopper (sm_90) in Gluon, warp-specialized on FA3's design: the same
+arguments, work list and results (out, natural-log lse) as triton_fwd.py's kernel, which it replaces on the GPU
+where SCHEDULE["forward"] asks for it (triton_common.py).
+
+Why not Triton: Triton places the tensor cores' waits itself. A product that other operations read is waited for
+at once, and a wait takes every product in flight, so the softmax of one key block cannot run under the tensor
+cores' P V of the block before, and the loads share the warps that compute (bench/notes/attention.md, runs 34-35:
+three attempts inside Triton, each slower). Gluon states the waits (`warpgroup_mma_wait(num_outstanding=...)`) and
+the partitions (`warp_specialize`), so the kernel is organized as FA3's sm90 forward:
+
+- producer (one warp): loads this tile's 128 query rows once, then for every key block K and V into a ring slot by
+  TMA, each with its own barrier (the scores can start when K has landed), after both consumer warpgroups released
+  the slot.
+- two consumer warpgroups (the default partition and a worker, 240 registers each): warpgroup g owns query rows
+  [64 g, 64 g + 64). Per key block j it issues S_j = Q K_j^T (two asynchronous wgmmas: Dqk = 192 is a 128-wide and
+  a 64-wide part, a 128-byte swizzle holding 64 bf16), then O += P_{j-1} V_{j-1} with P in registers, waits for S_j
+  only (`num_outstanding=1`: O's product stays in flight), runs the online softmax of S_j under it, then waits for
+  O, releases slot j - 1 and rescales O. Each warpgroup's softmax thus hides under its own P V, and the two
+  warpgroups' products interleave on the tensor cores.
+
+Masks: the blocks every row of a warpgroup sees whole (inside the document, below the causal diagonal) run without
+the mask; the rest (the diagonal, the document's last partial block) apply it. Rows past the document's end
+compute garbage that is never stored; keys past it (or past the tensor, which TMA fills with zeros) are masked.
+
+Addressing: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] are read as 2-D tensors [T, H * D] whose row stride is
+the token stride, a tile of head h at column h * D; documents are rows [cu[d], cu[d + 1]). One program per work-list
+entry (triton_worklist.py, query blocks of 128, costliest first) and head.
+
+Supported: bf16 on sm_90 with Dqk in {128, 192}, Dv = 128, no ALiBi (`supports`); other calls keep the Triton
+kernel. Gluon does not run in the Triton interpreter: tests/sm90_compile.py compiles this kernel for sm_90
+(registers, spills, wgmma / setmaxnreg / TMA in the PTX), tests/test_attention.py checks it on the GPU against the
+float64 reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the Triton forward serves every call
+    gluon = None
+else:  # the TMA load's name: Triton 3.6 (async_copy_global_to_shared) and newer ones (async_load)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+BM = 128  # query rows per program: two consumer warpgroups of 64
+D_MAIN = 128  # the first part of Dqk (one wgmma's reduction per 64-wide swizzled box pair)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+NUM_WARPS = 4  # the default partition: consumer warpgroup 0
+SHARED_BYTES = 232448  # the H100/H200 per-block shared memory limit
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """Key block rows (BN), the ring's depth (stages of K and V), whether one program per SM walks the tiles
+    (`persistent`: the next tile's loads run under this tile's end) and whether the two consumer warpgroups take
+    turns issuing their products (`pingpong`)."""
+
+    block_n: int
+    stages: int
+    persistent: bool = False
+    pingpong: bool = False
+
+
+CONFIGS: dict[str, GluonFwdConfig] = {
+    "gluon_128x128_s2": GluonFwdConfig(128, 2),
+    "gluon_128x64_s4": GluonFwdConfig(64, 4),
+    "gluon_128x64_s4_persistent": GluonFwdConfig(64, 4, persistent=True),
+    "gluon_128x64_s4_persistent_pp": GluonFwdConfig(64, 4, persistent=True, pingpong=True),
+    "gluon_128x128_s2_persistent": GluonFwdConfig(128, 2, persistent=True),
+    "gluon_128x128_s2_persistent_pp": GluonFwdConfig(128, 2, persistent=True, pingpong=True),
+}
+DEFAULT = "gluon_128x128_s2"
+
+
+def shared_bytes(d_qk: int, d_v: int, cfg: GluonFwdConfig) -> int:
+    """Shared memory of one program: the query tile, the ring of K and V tiles, the barriers."""
+    return 2 * (BM * d_qk + cfg.stages * cfg.block_n * (d_qk + d_v)) + 8 * (4 + 3 * cfg.stages)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None) -> str | None:
+    """None when this kernel can run the call, else why not (the Triton forward runs it)."""
+    if gluon is None:
+        return "this Triton has no Gluon"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "not a Hopper (sm_90) GPU"
+    if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (the kernel is bf16)"
+    if q.shape[-1] not in (128, 192) or v.shape[-1] != 128:
+        return f"head dims {q.shape[-1]}/{v.shape[-1]} (built for 192/128 and 128/128)"
+    if alibi_slopes is not None:
+        return "ALiBi"
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as [T, H * D] with x's token stride, copied only when TMA cannot read it as it is (heads not
+    packed, or a token stride or base that is not 16-byte aligned)."""
+    t, h, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16 or \
+            (t > 1 and x.stride(0) < h * d):
+        x = x.contiguous()
+    return x.as_strided((t, h * d), (x.stride(0), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
+if gluon is not None:
+    _BM = gl.constexpr(BM)
+    _D_MAIN = gl.constexpr(D_MAIN)
+    _LN2 = gl.constexpr(0.6931471805599453)
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+
+    @gluon.constexpr_function
+    def _mma_layout(n):
+        """Register layout of one warpgroup's [64, n] wgmma result (bf16 inputs: k = 16 instructions)."""
+        n = getattr(n, "value", n)  # the kernel's constexpr, unwrapped
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _p_layout(d_v):
+        """Register layout of P as the A operand of the P V wgmma (bf16 pairs, parent: the [64, Dv] result)."""
+        return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(d_v), k_width=2)
+
+    @gluon.jit
+    def _tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
+        """Tile t's head, document span and key blocks: (head, q_start, q_len, k_start, k_len, start_m, q_shift,
+        n_blocks); tile t is work-list entry t // H on head t % H. An unused work-list entry (document -1) gets
+        q_len = n_blocks = 0. Causal alignment is bottom-right: query i sees key j when j <= i + q_shift,
+        q_shift = Lk - Lq."""
+        head = t % n_heads
+        item = t // n_heads
+        doc = gl.load(ITEMS + item)
+        valid = doc >= 0
+        doc = gl.maximum(doc, 0)
+        q_start = gl.load(CU_Q + doc)
+        q_len = gl.where(valid, gl.load(CU_Q + doc + 1) - q_start, 0)
+        k_start = gl.load(CU_K + doc)
+        k_len = gl.load(CU_K + doc + 1) - k_start
+        start_m = gl.load(ITEMS + n_items + item) * _BM
+        q_shift = k_len - q_len
+        if CAUSAL:
+            end = gl.maximum(gl.minimum(k_len, start_m + _BM + q_shift), 0)
+        else:
+            end = k_len
+        n_blocks = gl.where(valid & (start_m < q_len), gl.cdiv(end, BN), 0)
+        return head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks
+
+    @gluon.jit
+    def _producer(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty,
+                  k_ready, v_ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, D_QK: gl.constexpr,
+                  D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """One warp: for each of this program's tiles, the query tile (once both consumer warpgroups have read the
+        previous one: their last scores done), then K and V of every key block into the ring (block count kv over
+        all tiles: slot kv % STAGES), each slot refilled once both warpgroups released it. The next tile's loads
+        thus run under this tile's last P V and store."""
+        kv = 0
+        n_q = 0  # query tiles loaded
+        for t in range(gl.program_id(0), n_items * n_heads, NUM_PROGRAMS):
+            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _tile(t, CU_Q, CU_K, ITEMS, n_items,
+                                                                                     n_heads, CAUSAL, BN)
+            if n_blocks > 0:
+                # (a fresh barrier's phase before its first counts as completed: the first wait passes)
+                mbarrier.wait(q_empty, (n_q & 1) ^ 1)
+                mbarrier.expect(q_bar, _BM * D_QK * 2)
+                _tma_load(q_desc, [q_start + start_m, head * D_QK], q_bar, q_main)
+                if HAS_REST:
+                    _tma_load(qr_desc, [q_start + start_m, head * D_QK + _D_MAIN], q_bar, q_rest)
+                n_q += 1
+            for j in range(n_blocks):
+                slot = kv % STAGES
+                mbarrier.wait(empty.index(slot), ((kv // STAGES) & 1) ^ 1)
+                row = k_start + j * BN
+                mbarrier.expect(k_ready.index(slot), BN * D_QK * 2)
+                _tma_load(k_desc, [row, head * D_QK], k_ready.index(slot), k_ring.index(slot))
+                if HAS_REST:
+                    _tma_load(kr_desc, [row, head * D_QK + _D_MAIN], k_ready.index(slot), kr_ring.index(slot))
+                mbarrier.expect(v_ready.index(slot), BN * D_V * 2)
+                _tma_load(v_desc, [row, head * D_V], v_ready.index(slot), v_ring.index(slot))
+                kv += 1
+
+    @gluon.jit
+    def _issue_scores(q_main, q_rest, k_ring, kr_ring, slot, zeros, HAS_REST: gl.constexpr):
+        """S = Q K^T of the key block in `slot`, issued asynchronously (one or two wgmma groups)."""
+        s = warpgroup_mma(q_main, k_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        if HAS_REST:
+            s = warpgroup_mma(q_rest, kr_ring.index(slot).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, start_n, masked, q_pos, k_len, qk_scale, CAUSAL: gl.constexpr,
+                 s_layout: gl.constexpr, BN: gl.constexpr):
+        """Online softmax step over raw scores s [64, BN] of the keys from start_n: (P fp32, new row maxima in
+        scaled log2 units, new row sums, the factor alpha that rescales what was accumulated). `masked`: this block
+        needs the causal / length mask."""
+        if masked:
+            cols = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            keep = cols[None, :] < k_len
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= q_pos[:, None])
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_i, alpha
+
+    @gluon.jit
+    def _wait_turn(turn, n_turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong (FA3's warp scheduler barriers): before issuing its products, warpgroup WG waits until the
+        other one issued its own previous batch (warpgroup 0's first wait passes: a fresh barrier's previous phase
+        counts as complete), so one warpgroup's softmax runs while the other's products hold the tensor cores."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (n_turns & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: warpgroup WG issued its batch; the other may issue (one arrival per batch)."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consumer(q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
+                  stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale,
+                  D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
+                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; scores, softmax, P V, the store.
+        Counters kv (key blocks) and n_q (query tiles) follow the producer's; n_turns counts the batches of
+        products this warpgroup issued (the ping-pong's phase)."""
+        s_layout: gl.constexpr = _mma_layout(BN)
+        o_layout: gl.constexpr = _mma_layout(D_V)
+        p_layout: gl.constexpr = _p_layout(D_V)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        zeros = gl.zeros([64, BN], gl.float32, s_layout)
+        qm = q_main.slice(WG * 64, 64)
+        qr = q_rest.slice(WG * 64, 64)
+        kv = 0
+        n_q = 0
+        n_turns = 0
+        for t in range(gl.program_id(0), n_items * n_heads, NUM_PROGRAMS):
+            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _tile(t, CU_Q, CU_K, ITEMS, n_items,
+                                                                                     n_heads, CAUSAL, BN)
+            row0 = start_m + WG * 64
+            q_pos = row0 + gl.arange(0, 64, layout=row_s) + q_shift  # the rows' positions on the key side
+            # key blocks every row of this warpgroup sees whole: no mask
+            if CAUSAL:
+                n_full = gl.maximum(gl.minimum(k_len, row0 + q_shift + 1), 0) // BN
+            else:
+                n_full = k_len // BN
+            acc = gl.zeros([64, D_V], gl.float32, o_layout)
+            m_i = gl.full([64], -1.0e38, gl.float32, row_s)  # finite: a fully masked row keeps exp2(-inf - m) = 0
+            l_i = gl.zeros([64], gl.float32, row_s)
+            if n_blocks > 0:
+                mbarrier.wait(q_bar, n_q & 1)
+                # block 0: its scores and softmax (no P V before it)
+                slot = kv % STAGES
+                mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
+                _wait_turn(turn, n_turns, WG, PINGPONG)
+                s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
+                _pass_turn(turn, WG, PINGPONG)
+                n_turns += 1
+                s = warpgroup_mma_wait(0, deps=[s])
+                if n_blocks == 1:  # the tile's last scores: the query tile may be refilled
+                    mbarrier.arrive(q_empty, count=1)
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, n_full == 0, q_pos, k_len, qk_scale, CAUSAL, s_layout,
+                                              BN)
+                p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+                for j in range(1, n_blocks):
+                    prev = kv % STAGES
+                    kv += 1
+                    slot = kv % STAGES
+                    # S_j, then O += P_{j-1} V_{j-1}; wait for S_j only, the P V product stays in flight
+                    mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((kv - 1) // STAGES) & 1)
+                    _wait_turn(turn, n_turns, WG, PINGPONG)
+                    s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
+                    acc = warpgroup_mma(p, v_ring.index(prev), acc, is_async=True)
+                    _pass_turn(turn, WG, PINGPONG)
+                    n_turns += 1
+                    s = warpgroup_mma_wait(1, deps=[s])
+                    if j == n_blocks - 1:
+                        mbarrier.arrive(q_empty, count=1)
+                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BN, j >= n_full, q_pos, k_len, qk_scale,
+                                                       CAUSAL, s_layout, BN)
+                    p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
+                    # O complete under the old maxima (P_{j-1} stays alive until here); release the slot, rescale
+                    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                    mbarrier.arrive(empty.index(prev), count=1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p = p_next
+                last = kv % STAGES
+                mbarrier.wait(v_ready.index(last), (kv // STAGES) & 1)
+                _wait_turn(turn, n_turns, WG, PINGPONG)
+                acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
+                _pass_turn(turn, WG, PINGPONG)
+                n_turns += 1
+                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+                mbarrier.arrive(empty.index(last), count=1)
+                kv += 1
+                n_q += 1
+            # normalize; lse in natural log, -inf for a row that sees no key
+            empty_row = l_i == 0.0
+            l_safe = gl.where(empty_row, 1.0, l_i)
+            out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+            lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * _LN2)
+            rows_o = row0 + gl.arange(0, 64, layout=row_o)
+            cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
+            ptrs = Out + (q_start + rows_o)[:, None].to(gl.int64) * stride_ot + head * stride_oh + cols_o[None, :]
+            gl.store(ptrs, out.to(gl.bfloat16), mask=(rows_o[:, None] < q_len) & (cols_o[None, :] < D_V))
+            rows_s = row0 + gl.arange(0, 64, layout=row_s)
+            gl.store(LSE + head * stride_lh + q_start + rows_s, lse, mask=rows_s < q_len)
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, Out, stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K,
+                    ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale, D_QK: gl.constexpr, D_V: gl.constexpr,
+                    HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+        """Program p computes tiles p, p + NUM_PROGRAMS, ... of the n_items x H tiles (work-list entry, head): out
+        [Tq, H, Dv] and lse [H, Tq] of 128 query rows each. q_desc / k_desc read the first 128 of Dqk, qr_desc /
+        kr_desc the rest (HAS_REST: Dqk = 192), v_desc all of Dv."""
+        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, _D_MAIN], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, _D_MAIN], k_desc.layout)
+        if HAS_REST:
+            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - _D_MAIN], qr_desc.layout)
+            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - _D_MAIN], kr_desc.layout)
+        else:
+            q_rest = q_main
+            kr_ring = k_ring
+        v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_V], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA bytes complete it
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        # (the partitions' arguments as literal tuples: a tuple held in a variable turns constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
+                         stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, PINGPONG, 0)),
+            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
+                         stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, PINGPONG, 1)),
+            (_producer, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_main, q_rest, k_ring, kr_ring, v_ring, q_bar,
+                         q_empty, k_ready, v_ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, D_QK,
+                         D_V, HAS_REST, CAUSAL, BN, STAGES)),
+        ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, *, causal: bool, softmax_scale: float,
+                      config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the kernel (the caller checked `supports`). Returns (out [Tq, H, Dv] bf16, lse [H, Tq] float32),
+    as triton_fwd.attention_forward."""
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    name = config or DEFAULT
+    if name not in CONFIGS:
+        raise ValueError(f"unknown Gluon attention forward config {name!r}; choose one of {', '.join(CONFIGS)}")
+    cfg = CONFIGS[name]
+    tq, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    n_docs = cu_seqlens_q.numel() - 1
+    out = torch.empty(tq, h, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
+    if tq == 0 or n_docs == 0 or k.shape[0] == 0:
+        if tq:
+            out.zero_()
+            lse.fill_(float("-inf"))
+        return out, lse
+    if shared_bytes(d_qk, d_v, cfg) > SHARED_BYTES:
+        raise ValueError(f"Gluon attention forward config {name!r} needs {shared_bytes(d_qk, d_v, cfg)} bytes of "
+                         f"shared memory at head dims {d_qk}/{d_v}; the H100/H200 has {SHARED_BYTES}")
+    items = cached_worklist(cu_seqlens_q, cu_seqlens_k, tq, BM, key_blocks=False, causal=causal)
+    q2, k2, v2 = _rows(q), _rows(k), _rows(v)
+    rest = d_qk - D_MAIN
+    bn = cfg.block_n
+    q_desc = TensorDescriptor.from_tensor(q2, [BM, D_MAIN], _layout(BM, D_MAIN))
+    k_desc = TensorDescriptor.from_tensor(k2, [bn, D_MAIN], _layout(bn, D_MAIN))
+    qr_desc, kr_desc = q_desc, k_desc
+    if rest:
+        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
+        kr_desc = TensorDescriptor.from_tensor(k2, [bn, rest], _layout(bn, rest))
+    v_desc = TensorDescriptor.from_tensor(v2, [bn, d_v], _layout(bn, d_v))
+    n_items = items.shape[1]
+    tiles = n_items * h
+    programs = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count) if cfg.persistent \
+        else tiles
+    _fwd_kernel[(programs, )](
+        q_desc, qr_desc, k_desc, kr_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        cu_seqlens_q, cu_seqlens_k, items, n_items, h, programs, softmax_scale * LOG2E, D_QK=d_qk, D_V=d_v,
+        HAS_REST=rest > 0, CAUSAL=causal, BN=bn, STAGES=cfg.stages, PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
+    return out, lse
