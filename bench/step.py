@@ -30,6 +30,9 @@ out-of-memory error ends only its row:
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
             moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
                           `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
+            moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
+                          on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
+                          flash-attn-4, which `auto` prefers where it is installed)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
             features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
@@ -89,7 +92,7 @@ CONFIGS = {
 }
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "titan-compile", "hf", "titan-eager")
+         "moela-wgrad-triton", "moela-fwd-triton", "moela-fwd-gluon", "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
@@ -97,7 +100,8 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": []}  # label -> recipe overrides
+               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-fwd-triton": [],
+               "moela-fwd-gluon": []}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
@@ -132,6 +136,7 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "handoff_norms": impl != "moela-nomtp-nohandoff",
                              "attention_in_graph": impl != "moela-nomtp-attnbreak",
                              "bf16_wgrad_impl": impl.removeprefix("moela-wgrad-") if "-wgrad-" in impl else None,
+                             "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
                              **counts})
     return rows
 

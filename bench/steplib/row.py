@@ -73,7 +73,8 @@ def run_row(spec: dict) -> dict:
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
     handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`)."""
+    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`) and attention_forward (`triton_common.SCHEDULE["forward"]`:
+    "triton", or "gluon" for `gluon_fwd.DEFAULT`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -99,6 +100,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import autograd as moe_autograd
 
         moe_autograd.WEIGHT_COPIES["saved"] = False
+    if spec.get("attention_forward"):
+        from moela.ops.attention import gluon_fwd, triton_common
+
+        triton_common.SCHEDULE["forward"] = gluon_fwd.DEFAULT if spec["attention_forward"] == "gluon" else "triton"
     if spec.get("bf16_wgrad_impl"):
         from moela.ops.moe import autograd as moe_autograd
 
