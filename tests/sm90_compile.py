@@ -109,7 +109,31 @@ def attention_kernels():
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}
         out[name] = compile_sm90(kernel, args, num_warps=warps, num_stages=stages)
+    out.update(attention_gluon_kernels())
     return out
+
+
+def attention_gluon_kernels():
+    """The warp-specialized Gluon forward (moela.ops.attention.gluon_fwd) in its default config at MLA's 192/128:
+    its PTX must hold the bf16 wgmma, setmaxnreg and the TMA loads."""
+    from moela.ops.attention import gluon_fwd as g
+
+    if g.gluon is None:
+        return {}
+    cfg = g.CONFIGS[g.DEFAULT]
+    d_qk, d_v, bn = 192, 128, cfg.block_n
+    main, rest = g.head_split(d_qk)
+
+    def desc(rows, cols):
+        return f"tensordesc<bf16[{rows}, {cols}],{g.gl.NVMMASharedLayout.get_default_for([rows, cols], g.gl.bfloat16)}>"
+
+    args = dict(q_desc=desc(g.BM, main), qr_desc=desc(g.BM, rest), k_desc=desc(bn, main), kr_desc=desc(bn, rest),
+                v_desc=desc(bn, d_v), Out="*bf16", stride_ot=16 * d_v, stride_oh=d_v, LSE="*fp32", stride_lh=4096,
+                CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, NUM_PROGRAMS=132, qk_scale=0.1,
+                D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=cfg.stages, AHEAD=cfg.ahead)
+    return {"attention gluon fwd": compile_sm90(g._fwd_kernel, args, num_warps=g.NUM_WARPS, require=(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
+        "cp.async.bulk.tensor"))}
 
 
 def moe_kernels():

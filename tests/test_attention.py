@@ -335,24 +335,25 @@ def gluon_forward_or_skip(monkeypatch, config: str):
     return calls
 
 
-GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent",
-                     "gluon_128x64_s4_persistent_pp", "gluon_128x128_s2_persistent", "gluon_128x128_s2_persistent_pp"]
+GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent", "gluon_128x64_s4_ahead2",
+                     "gluon_128x64_s4_ahead2_persistent"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GLUON_FWD_CONFIGS)
-@pytest.mark.parametrize("d_qk,lens_q,lens_k,causal", [
-    (192, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
-    (192, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
-    (192, [1000, 3000], [3000, 4096], False),
-    (128, [1024, 513], [1024, 513], True),
-    (192, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
+    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
+    (192, 128, [1000, 3000], [3000, 4096], False),
+    (128, 128, [1024, 513], [1024, 513], True),
+    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
+    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
 ])
-def test_gluon_forward_gpu(poisoned_empty, monkeypatch, config, d_qk, lens_q, lens_k, causal):
+def test_gluon_forward_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
     """The warp-specialized Gluon forward (gluon_fwd.py) with the Triton backward, against float64: odd lengths,
     single-token and empty documents, longer k than q, full attention, both tile configs."""
     calls = gluon_forward_or_skip(monkeypatch, config)
-    check_against_float64(lens_q, lens_k, 16, d_qk, 128, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
+    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
                           backend="triton")
     assert calls, "the Gluon forward did not run"
 
@@ -390,3 +391,16 @@ def test_sdpa_backend_gpu():
     lowp, _ = naive_attention(q, k, v, cu, cu, True, 192 ** -0.5, None)
     err = (out.double() - exact).abs().max().item()
     assert err <= 2 * (lowp.double() - exact).abs().max().item() + 1e-5
+
+
+def test_gluon_forward_configs_fit_and_split_head_dims():
+    """The Gluon forward's configs fit the H100/H200 shared memory at every head-dim pair it accepts, and Dqk
+    splits into the TMA boxes the kernel loads (a power of two, then a smaller power of two or nothing)."""
+    from moela.ops.attention import gluon_fwd
+
+    assert gluon_fwd.head_split(192) == (128, 64) and gluon_fwd.head_split(96) == (64, 32)
+    assert gluon_fwd.head_split(128) == (128, 0) and gluon_fwd.head_split(112) == (64, 48)
+    for name, cfg in gluon_fwd.CONFIGS.items():
+        for d_qk, d_v in ((192, 128), (128, 128), (96, 64), (64, 64)):
+            assert gluon_fwd.shared_bytes(d_qk, d_v, cfg) <= gluon_fwd.SHARED_BYTES, (name, d_qk, d_v)
+    assert gluon_fwd.DEFAULT in gluon_fwd.CONFIGS

@@ -50,7 +50,6 @@ else:  # the TMA load's name: Triton 3.6 (async_copy_global_to_shared) and newer
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BM = 128  # query rows per program: two consumer warpgroups of 64
-D_MAIN = 128  # the first part of Dqk (one wgmma's reduction per 64-wide swizzled box pair)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 NUM_WARPS = 4  # the default partition: consumer warpgroup 0
@@ -61,29 +60,36 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class GluonFwdConfig:
     """Key block rows (BN), the ring's depth (stages of K and V), whether one program per SM walks the tiles
-    (`persistent`: the next tile's loads run under this tile's end) and whether the two consumer warpgroups take
-    turns issuing their products (`pingpong`)."""
+    (`persistent`: the next tile's loads run under this tile's end) and how many products each consumer warpgroup
+    keeps in flight under its softmax (`ahead`: 1, FA3's intra-warpgroup overlap; 2, also the next block's scores).
+    """
 
     block_n: int
     stages: int
     persistent: bool = False
-    pingpong: bool = False
+    ahead: int = 1
 
 
 CONFIGS: dict[str, GluonFwdConfig] = {
     "gluon_128x128_s2": GluonFwdConfig(128, 2),
     "gluon_128x64_s4": GluonFwdConfig(64, 4),
     "gluon_128x64_s4_persistent": GluonFwdConfig(64, 4, persistent=True),
-    "gluon_128x64_s4_persistent_pp": GluonFwdConfig(64, 4, persistent=True, pingpong=True),
-    "gluon_128x128_s2_persistent": GluonFwdConfig(128, 2, persistent=True),
-    "gluon_128x128_s2_persistent_pp": GluonFwdConfig(128, 2, persistent=True, pingpong=True),
+    "gluon_128x64_s4_ahead2": GluonFwdConfig(64, 4, ahead=2),
+    "gluon_128x64_s4_ahead2_persistent": GluonFwdConfig(64, 4, persistent=True, ahead=2),
 }
-DEFAULT = "gluon_128x128_s2"
+DEFAULT = "gluon_128x64_s4_ahead2"
 
 
 def shared_bytes(d_qk: int, d_v: int, cfg: GluonFwdConfig) -> int:
     """Shared memory of one program: the query tile, the ring of K and V tiles, the barriers."""
-    return 2 * (BM * d_qk + cfg.stages * cfg.block_n * (d_qk + d_v)) + 8 * (4 + 3 * cfg.stages)
+    return 2 * (BM * d_qk + cfg.stages * cfg.block_n * (d_qk + d_v)) + 8 * (2 + 3 * cfg.stages)
+
+
+def head_split(d_qk: int) -> tuple[int, int]:
+    """Dqk as (main, rest): the largest power of two <= Dqk and what is left (0, or a power of two of at least 16:
+    each part is its own TMA box and wgmma; 192 = 128 + 64, 96 = 64 + 32)."""
+    main = 1 << (d_qk.bit_length() - 1)
+    return main, d_qk - main
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: torch.Tensor | None) -> str | None:
@@ -94,8 +100,10 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: to
         return "not a Hopper (sm_90) GPU"
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (the kernel is bf16)"
-    if q.shape[-1] not in (128, 192) or v.shape[-1] != 128:
-        return f"head dims {q.shape[-1]}/{v.shape[-1]} (built for 192/128 and 128/128)"
+    main, rest = head_split(q.shape[-1])
+    if not 32 <= main <= 128 or (rest and (rest < 16 or rest & (rest - 1))) or v.shape[-1] not in (64, 128):
+        return (f"head dims {q.shape[-1]}/{v.shape[-1]} (built for Dqk = a power of two from 32 to 128, or one plus "
+                f"a smaller power of two of at least 16, such as 192 or 96, and Dv 64 or 128)")
     if alibi_slopes is not None:
         return "ALiBi"
     return None
@@ -118,7 +126,6 @@ def _layout(rows: int, cols: int):
 
 if gluon is not None:
     _BM = gl.constexpr(BM)
-    _D_MAIN = gl.constexpr(D_MAIN)
     _LN2 = gl.constexpr(0.6931471805599453)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
@@ -161,8 +168,8 @@ if gluon is not None:
     @gluon.jit
     def _producer(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty,
                   k_ready, v_ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, D_QK: gl.constexpr,
-                  D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  D_MAIN: gl.constexpr, D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr):
         """One warp: for each of this program's tiles, the query tile (once both consumer warpgroups have read the
         previous one: their last scores done), then K and V of every key block into the ring (block count kv over
         all tiles: slot kv % STAGES), each slot refilled once both warpgroups released it. The next tile's loads
@@ -178,7 +185,7 @@ if gluon is not None:
                 mbarrier.expect(q_bar, _BM * D_QK * 2)
                 _tma_load(q_desc, [q_start + start_m, head * D_QK], q_bar, q_main)
                 if HAS_REST:
-                    _tma_load(qr_desc, [q_start + start_m, head * D_QK + _D_MAIN], q_bar, q_rest)
+                    _tma_load(qr_desc, [q_start + start_m, head * D_QK + D_MAIN], q_bar, q_rest)
                 n_q += 1
             for j in range(n_blocks):
                 slot = kv % STAGES
@@ -187,7 +194,7 @@ if gluon is not None:
                 mbarrier.expect(k_ready.index(slot), BN * D_QK * 2)
                 _tma_load(k_desc, [row, head * D_QK], k_ready.index(slot), k_ring.index(slot))
                 if HAS_REST:
-                    _tma_load(kr_desc, [row, head * D_QK + _D_MAIN], k_ready.index(slot), kr_ring.index(slot))
+                    _tma_load(kr_desc, [row, head * D_QK + D_MAIN], k_ready.index(slot), kr_ring.index(slot))
                 mbarrier.expect(v_ready.index(slot), BN * D_V * 2)
                 _tma_load(v_desc, [row, head * D_V], v_ready.index(slot), v_ring.index(slot))
                 kv += 1
@@ -219,27 +226,117 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _wait_turn(turn, n_turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong (FA3's warp scheduler barriers): before issuing its products, warpgroup WG waits until the
-        other one issued its own previous batch (warpgroup 0's first wait passes: a fresh barrier's previous phase
-        counts as complete), so one warpgroup's softmax runs while the other's products hold the tensor cores."""
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (n_turns & 1) ^ (1 - WG))
+    def _tile_one_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty, acc, m_i, l_i, kv,
+                        n_blocks, n_full, q_pos, k_len, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
+                        s_layout: gl.constexpr, zeros, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                        BN: gl.constexpr, STAGES: gl.constexpr):
+        """The key blocks of one tile (n_blocks >= 1), FA3's intra-warpgroup overlap: per block j the scores S_j
+        and P_{j-1} V_{j-1} are issued together, the wait takes S_j alone, and the softmax of S_j runs under P V.
+        Returns (acc, m_i, l_i, kv) with kv past the tile's blocks."""
+        slot = kv % STAGES
+        mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
+        s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
+        s = warpgroup_mma_wait(0, deps=[s])
+        if n_blocks == 1:  # the tile's last scores: the query tile may be refilled
+            mbarrier.arrive(q_empty, count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, n_full == 0, q_pos, k_len, qk_scale, CAUSAL, s_layout, BN)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        for j in range(1, n_blocks):
+            prev = kv % STAGES
+            kv += 1
+            slot = kv % STAGES
+            mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((kv - 1) // STAGES) & 1)
+            s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
+            acc = warpgroup_mma(p, v_ring.index(prev), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])  # the scores; P V stays in flight
+            if j == n_blocks - 1:
+                mbarrier.arrive(q_empty, count=1)
+            p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BN, j >= n_full, q_pos, k_len, qk_scale, CAUSAL,
+                                               s_layout, BN)
+            p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
+            # O complete under the old maxima (P_{j-1} stays alive until here); release the slot, rescale
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = p_next
+        last = kv % STAGES
+        mbarrier.wait(v_ready.index(last), (kv // STAGES) & 1)
+        acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        mbarrier.arrive(empty.index(last), count=1)
+        return acc, m_i, l_i, kv + 1
 
     @gluon.jit
-    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: warpgroup WG issued its batch; the other may issue (one arrival per batch)."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+    def _tile_two_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty, acc, m_i, l_i, kv,
+                        n_blocks, n_full, q_pos, k_len, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
+                        s_layout: gl.constexpr, zeros, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                        BN: gl.constexpr, STAGES: gl.constexpr):
+        """The key blocks of one tile (n_blocks >= 1), two products ahead: while the softmax of S_{j+1} runs, the
+        tensor cores hold P_j V_j and S_{j+2}, so they are not idle when one product ends during the softmax (the
+        one-ahead loop leaves them only P_{j-1} V_{j-1}). wgmma groups complete in issue order: S is S_GROUPS
+        groups (two with a remainder part of Dqk), P V one. Returns (acc, m_i, l_i, kv) as _tile_one_ahead."""
+        S_GROUPS: gl.constexpr = 2 if HAS_REST else 1
+        # block 0: scores and softmax; then S_1 in flight
+        slot = kv % STAGES
+        mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
+        s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
+        s = warpgroup_mma_wait(0, deps=[s])
+        if n_blocks == 1:
+            mbarrier.arrive(q_empty, count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, n_full == 0, q_pos, k_len, qk_scale, CAUSAL, s_layout, BN)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        if n_blocks > 1:
+            nxt = (kv + 1) % STAGES
+            mbarrier.wait(k_ready.index(nxt), ((kv + 1) // STAGES) & 1)
+            s = _issue_scores(qm, qr, k_ring, kr_ring, nxt, zeros, HAS_REST)
+            # steady state, block j = 0 .. n - 3: S_{j+1} in flight at the top
+            for j in range(0, n_blocks - 2):
+                cur = kv % STAGES
+                mbarrier.wait(v_ready.index(cur), (kv // STAGES) & 1)
+                acc = warpgroup_mma(p, v_ring.index(cur), acc, is_async=True)  # in flight: S_{j+1}, P_j V_j
+                s = warpgroup_mma_wait(1, deps=[s])  # S_{j+1} done
+                ahead = (kv + 2) % STAGES
+                mbarrier.wait(k_ready.index(ahead), ((kv + 2) // STAGES) & 1)
+                s_ahead = _issue_scores(qm, qr, k_ring, kr_ring, ahead, zeros, HAS_REST)  # P_j V_j, S_{j+2}
+                p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, (j + 1) * BN, j + 1 >= n_full, q_pos, k_len,
+                                                   qk_scale, CAUSAL, s_layout, BN)
+                p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
+                acc, p = warpgroup_mma_wait(S_GROUPS, deps=[acc, p])  # P_j V_j done, S_{j+2} in flight
+                mbarrier.arrive(empty.index(cur), count=1)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p = p_next
+                s = s_ahead
+                kv += 1
+            # block n - 2: its P V, then the last scores (nothing further to issue)
+            cur = kv % STAGES
+            mbarrier.wait(v_ready.index(cur), (kv // STAGES) & 1)
+            acc = warpgroup_mma(p, v_ring.index(cur), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            mbarrier.arrive(q_empty, count=1)
+            p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, (n_blocks - 1) * BN, n_blocks - 1 >= n_full, q_pos,
+                                               k_len, qk_scale, CAUSAL, s_layout, BN)
+            p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+            mbarrier.arrive(empty.index(cur), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = p_next
+            kv += 1
+        last = kv % STAGES
+        mbarrier.wait(v_ready.index(last), (kv // STAGES) & 1)
+        acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        mbarrier.arrive(empty.index(last), count=1)
+        return acc, m_i, l_i, kv + 1
 
     @gluon.jit
-    def _consumer(q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
-                  stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale,
+    def _consumer(q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out, stride_ot,
+                  stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale,
                   D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; scores, softmax, P V, the store.
-        Counters kv (key blocks) and n_q (query tiles) follow the producer's; n_turns counts the batches of
-        products this warpgroup issued (the ping-pong's phase)."""
+                  STAGES: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; scores, softmax, P V (AHEAD products
+        in flight under the softmax: _tile_one_ahead / _tile_two_ahead), the store. Counters kv (key blocks) and
+        n_q (query tiles) follow the producer's."""
         s_layout: gl.constexpr = _mma_layout(BN)
         o_layout: gl.constexpr = _mma_layout(D_V)
         p_layout: gl.constexpr = _p_layout(D_V)
@@ -250,7 +347,6 @@ if gluon is not None:
         qr = q_rest.slice(WG * 64, 64)
         kv = 0
         n_q = 0
-        n_turns = 0
         for t in range(gl.program_id(0), n_items * n_heads, NUM_PROGRAMS):
             head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _tile(t, CU_Q, CU_K, ITEMS, n_items,
                                                                                      n_heads, CAUSAL, BN)
@@ -266,51 +362,16 @@ if gluon is not None:
             l_i = gl.zeros([64], gl.float32, row_s)
             if n_blocks > 0:
                 mbarrier.wait(q_bar, n_q & 1)
-                # block 0: its scores and softmax (no P V before it)
-                slot = kv % STAGES
-                mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
-                _wait_turn(turn, n_turns, WG, PINGPONG)
-                s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
-                _pass_turn(turn, WG, PINGPONG)
-                n_turns += 1
-                s = warpgroup_mma_wait(0, deps=[s])
-                if n_blocks == 1:  # the tile's last scores: the query tile may be refilled
-                    mbarrier.arrive(q_empty, count=1)
-                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, n_full == 0, q_pos, k_len, qk_scale, CAUSAL, s_layout,
-                                              BN)
-                p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-                for j in range(1, n_blocks):
-                    prev = kv % STAGES
-                    kv += 1
-                    slot = kv % STAGES
-                    # S_j, then O += P_{j-1} V_{j-1}; wait for S_j only, the P V product stays in flight
-                    mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(prev), ((kv - 1) // STAGES) & 1)
-                    _wait_turn(turn, n_turns, WG, PINGPONG)
-                    s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
-                    acc = warpgroup_mma(p, v_ring.index(prev), acc, is_async=True)
-                    _pass_turn(turn, WG, PINGPONG)
-                    n_turns += 1
-                    s = warpgroup_mma_wait(1, deps=[s])
-                    if j == n_blocks - 1:
-                        mbarrier.arrive(q_empty, count=1)
-                    p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BN, j >= n_full, q_pos, k_len, qk_scale,
-                                                       CAUSAL, s_layout, BN)
-                    p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
-                    # O complete under the old maxima (P_{j-1} stays alive until here); release the slot, rescale
-                    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-                    mbarrier.arrive(empty.index(prev), count=1)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    p = p_next
-                last = kv % STAGES
-                mbarrier.wait(v_ready.index(last), (kv // STAGES) & 1)
-                _wait_turn(turn, n_turns, WG, PINGPONG)
-                acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
-                n_turns += 1
-                acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-                mbarrier.arrive(empty.index(last), count=1)
-                kv += 1
+                if AHEAD == 2:
+                    acc, m_i, l_i, kv = _tile_two_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready,
+                                                        empty, acc, m_i, l_i, kv, n_blocks, n_full, q_pos, k_len,
+                                                        qk_scale, p_layout, row_o, s_layout, zeros, HAS_REST, CAUSAL,
+                                                        BN, STAGES)
+                else:
+                    acc, m_i, l_i, kv = _tile_one_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready,
+                                                        empty, acc, m_i, l_i, kv, n_blocks, n_full, q_pos, k_len,
+                                                        qk_scale, p_layout, row_o, s_layout, zeros, HAS_REST, CAUSAL,
+                                                        BN, STAGES)
                 n_q += 1
             # normalize; lse in natural log, -inf for a row that sees no key
             empty_row = l_i == 0.0
@@ -326,17 +387,18 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, Out, stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K,
-                    ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale, D_QK: gl.constexpr, D_V: gl.constexpr,
-                    HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                    PINGPONG: gl.constexpr):
+                    ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale, D_QK: gl.constexpr, D_MAIN: gl.constexpr,
+                    D_V: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                    AHEAD: gl.constexpr):
         """Program p computes tiles p, p + NUM_PROGRAMS, ... of the n_items x H tiles (work-list entry, head): out
-        [Tq, H, Dv] and lse [H, Tq] of 128 query rows each. q_desc / k_desc read the first 128 of Dqk, qr_desc /
-        kr_desc the rest (HAS_REST: Dqk = 192), v_desc all of Dv."""
-        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, _D_MAIN], q_desc.layout)
-        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, _D_MAIN], k_desc.layout)
+        [Tq, H, Dv] and lse [H, Tq] of 128 query rows each. q_desc / k_desc read the first D_MAIN of Dqk, qr_desc /
+        kr_desc the rest (when Dqk > D_MAIN), v_desc all of Dv."""
+        HAS_REST: gl.constexpr = D_QK > D_MAIN
+        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_MAIN], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_MAIN], k_desc.layout)
         if HAS_REST:
-            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - _D_MAIN], qr_desc.layout)
-            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - _D_MAIN], kr_desc.layout)
+            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - D_MAIN], qr_desc.layout)
+            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - D_MAIN], kr_desc.layout)
         else:
             q_rest = q_main
             kr_ring = k_ring
@@ -346,26 +408,23 @@ if gluon is not None:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA bytes complete it
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
         # (the partitions' arguments as literal tuples: a tuple held in a variable turns constexprs into tensors)
         gl.warp_specialize([
-            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
+            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out,
                          stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
-                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, PINGPONG, 0)),
-            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, turn, Out,
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, AHEAD, 0)),
+            (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out,
                          stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
-                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, PINGPONG, 1)),
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, AHEAD, 1)),
             (_producer, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_main, q_rest, k_ring, kr_ring, v_ring, q_bar,
                          q_empty, k_ready, v_ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, D_QK,
-                         D_V, HAS_REST, CAUSAL, BN, STAGES)),
+                         D_MAIN, D_V, HAS_REST, CAUSAL, BN, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -395,10 +454,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                          f"shared memory at head dims {d_qk}/{d_v}; the H100/H200 has {SHARED_BYTES}")
     items = cached_worklist(cu_seqlens_q, cu_seqlens_k, tq, BM, key_blocks=False, causal=causal)
     q2, k2, v2 = _rows(q), _rows(k), _rows(v)
-    rest = d_qk - D_MAIN
+    main, rest = head_split(d_qk)
     bn = cfg.block_n
-    q_desc = TensorDescriptor.from_tensor(q2, [BM, D_MAIN], _layout(BM, D_MAIN))
-    k_desc = TensorDescriptor.from_tensor(k2, [bn, D_MAIN], _layout(bn, D_MAIN))
+    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
+    k_desc = TensorDescriptor.from_tensor(k2, [bn, main], _layout(bn, main))
     qr_desc, kr_desc = q_desc, k_desc
     if rest:
         qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
@@ -410,6 +469,6 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         else tiles
     _fwd_kernel[(programs, )](
         q_desc, qr_desc, k_desc, kr_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
-        cu_seqlens_q, cu_seqlens_k, items, n_items, h, programs, softmax_scale * LOG2E, D_QK=d_qk, D_V=d_v,
-        HAS_REST=rest > 0, CAUSAL=causal, BN=bn, STAGES=cfg.stages, PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
+        cu_seqlens_q, cu_seqlens_k, items, n_items, h, programs, softmax_scale * LOG2E, D_QK=d_qk, D_MAIN=main,
+        D_V=d_v, CAUSAL=causal, BN=bn, STAGES=cfg.stages, AHEAD=cfg.ahead, num_warps=NUM_WARPS)
     return out, lse
