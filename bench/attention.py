@@ -128,8 +128,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
     "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
     "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
-    # the warp-specialized Gluon forward (moela/ops/attention/gluon_fwd.py) in each of its configs, with the
-    # Triton backward
+    # the forward on triton_fwd.py's kernel (the default before the Gluon forward), and the warp-specialized Gluon
+    # forward (moela/ops/attention/gluon_fwd.py) in each of its configs; the Triton backward in every row
+    "triton, triton fwd (previous)": ({"forward": "triton"}, {}),
     **{f"triton, {name} fwd": ({"forward": name}, {}) for name in gluon_fwd.CONFIGS},
 }
 

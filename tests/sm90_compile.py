@@ -130,7 +130,7 @@ def attention_gluon_kernels():
     args = dict(q_desc=desc(g.BM, main), qr_desc=desc(g.BM, rest), k_desc=desc(bn, main), kr_desc=desc(bn, rest),
                 v_desc=desc(bn, d_v), Out="*bf16", stride_ot=16 * d_v, stride_oh=d_v, LSE="*fp32", stride_lh=4096,
                 CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, NUM_PROGRAMS=132, qk_scale=0.1,
-                D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=cfg.stages, AHEAD=cfg.ahead)
+                D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=cfg.stages)
     return {"attention gluon fwd": compile_sm90(g._fwd_kernel, args, num_warps=g.NUM_WARPS, require=(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
         "cp.async.bulk.tensor"))}

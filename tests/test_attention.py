@@ -335,8 +335,7 @@ def gluon_forward_or_skip(monkeypatch, config: str):
     return calls
 
 
-GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent", "gluon_128x64_s4_ahead2",
-                     "gluon_128x64_s4_ahead2_persistent"]
+GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent"]
 
 
 @pytest.mark.gpu

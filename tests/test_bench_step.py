@@ -397,14 +397,18 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
                       ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
                       ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
-                      ("moela-wgrad-triton", "64k", "bf16"),
+                      ("moela-wgrad-triton", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
+                      ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
+                      ("moela-fwd-gluon", "64k", "bf16"),
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments",
-                                              "moela-wgrad-torch", "moela-wgrad-triton"))
+                                              "moela-wgrad-torch", "moela-wgrad-triton", "moela-fwd-triton",
+                                              "moela-fwd-gluon"))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
+        assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")

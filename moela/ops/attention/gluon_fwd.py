@@ -1,6 +1,7 @@
 """Forward kernel of the flash attention for Hopper (sm_90) in Gluon, warp-specialized on FA3's design: the same
-arguments, work list and results (out, natural-log lse) as triton_fwd.py's kernel, which it replaces on the GPU
-where SCHEDULE["forward"] asks for it (triton_common.py).
+arguments, work list and results (out, natural-log lse) as triton_fwd.py's kernel, which it replaces on the GPU for
+the calls it supports (`supports`) while SCHEDULE["forward"] names one of its configs (the default,
+triton_common.py); the Triton backward reads its out and lse unchanged.
 
 Why not Triton: Triton places the tensor cores' waits itself. A product that other operations read is waited for
 at once, and a wait takes every product in flight, so the softmax of one key block cannot run under the tensor
@@ -8,28 +9,34 @@ cores' P V of the block before, and the loads share the warps that compute (benc
 three attempts inside Triton, each slower). Gluon states the waits (`warpgroup_mma_wait(num_outstanding=...)`) and
 the partitions (`warp_specialize`), so the kernel is organized as FA3's sm90 forward:
 
-- producer (one warp): loads this tile's 128 query rows once, then for every key block K and V into a ring slot by
-  TMA, each with its own barrier (the scores can start when K has landed), after both consumer warpgroups released
-  the slot.
+- producer (one warp): for each of the program's tiles, the 128 query rows (once both consumers' last scores of the
+  previous tile are done), then for every key block K and V into a ring slot by TMA, each with its own barrier (the
+  scores can start when K has landed), after both consumer warpgroups released the slot.
 - two consumer warpgroups (the default partition and a worker, 240 registers each): warpgroup g owns query rows
-  [64 g, 64 g + 64). Per key block j it issues S_j = Q K_j^T (two asynchronous wgmmas: Dqk = 192 is a 128-wide and
-  a 64-wide part, a 128-byte swizzle holding 64 bf16), then O += P_{j-1} V_{j-1} with P in registers, waits for S_j
-  only (`num_outstanding=1`: O's product stays in flight), runs the online softmax of S_j under it, then waits for
-  O, releases slot j - 1 and rescales O. Each warpgroup's softmax thus hides under its own P V, and the two
-  warpgroups' products interleave on the tensor cores.
+  [64 g, 64 g + 64). Per key block j it issues S_j = Q K_j^T (asynchronous wgmmas: Dqk = 192 is a 128-wide and a
+  64-wide part, each a TMA box and a wgmma, since a 128-byte swizzle holds 64 bf16), then O += P_{j-1} V_{j-1} with
+  P in registers, waits for S_j only (O's product stays in flight), runs the online softmax of S_j under it, then
+  waits for O, releases slot j - 1 and rescales O. The two warpgroups' products interleave on the tensor cores.
+
+Measured (bench/notes/attention.md, runs 38-41, one H200): the forward 11-23% faster than triton_fwd.py's kernel
+at 192/128 (B=2 S=8192 and both packings), 0.69-0.87x flash-attn-4's forward; in the training step of `small`
+(96/64 heads) its kernel time 23.1 -> 17.3 ms a step at 64k tokens, +1.3-1.8% tokens/s. Nsight Compute: the tensor
+pipe ~64% busy at S=8192 (FA4 ~75%); ping-pong turns between the warpgroups and two products in flight under the
+softmax were tried and measured slower.
 
 Masks: the blocks every row of a warpgroup sees whole (inside the document, below the causal diagonal) run without
 the mask; the rest (the diagonal, the document's last partial block) apply it. Rows past the document's end
 compute garbage that is never stored; keys past it (or past the tensor, which TMA fills with zeros) are masked.
 
 Addressing: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] are read as 2-D tensors [T, H * D] whose row stride is
-the token stride, a tile of head h at column h * D; documents are rows [cu[d], cu[d + 1]). One program per work-list
-entry (triton_worklist.py, query blocks of 128, costliest first) and head.
+the token stride, a tile of head h at column h * D; documents are rows [cu[d], cu[d + 1]). Tiles are (work-list
+entry, head) pairs (triton_worklist.py: query blocks of 128, costliest first); one program per tile, or one per SM
+walking them (`persistent`).
 
-Supported: bf16 on sm_90 with Dqk in {128, 192}, Dv = 128, no ALiBi (`supports`); other calls keep the Triton
-kernel. Gluon does not run in the Triton interpreter: tests/sm90_compile.py compiles this kernel for sm_90
-(registers, spills, wgmma / setmaxnreg / TMA in the PTX), tests/test_attention.py checks it on the GPU against the
-float64 reference.
+Supported: bf16 on sm_90, Dqk a power of two from 32 to 128 or one plus a smaller power of two of at least 16
+(192, 96), Dv 64 or 128, no ALiBi (`supports`); other calls keep the Triton kernel. Gluon does not run in the
+Triton interpreter: tests/sm90_compile.py compiles this kernel for sm_90 (registers, spills, wgmma / setmaxnreg /
+TMA in the PTX), tests/test_attention.py checks it on the GPU against the float64 reference.
 """
 
 from __future__ import annotations
@@ -59,25 +66,23 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class GluonFwdConfig:
-    """Key block rows (BN), the ring's depth (stages of K and V), whether one program per SM walks the tiles
-    (`persistent`: the next tile's loads run under this tile's end) and how many products each consumer warpgroup
-    keeps in flight under its softmax (`ahead`: 1, FA3's intra-warpgroup overlap; 2, also the next block's scores).
-    """
+    """Key block rows (BN), the ring's depth (stages of K and V), and whether one program per SM walks the tiles
+    (`persistent`: the next tile's loads run under this tile's end) instead of one program per tile."""
 
     block_n: int
     stages: int
     persistent: bool = False
-    ahead: int = 1
 
 
+# Measured side by side by bench/attention.py's variant rows (bench/notes/attention.md, runs 38-41): 128 x 64 ahead
+# of 128 x 128 in every run; persistent 7% faster on the packings and within +-4% at B=2 S=8192 (two runs), so the
+# default for packed training batches (triton_common.SCHEDULE["forward"]).
 CONFIGS: dict[str, GluonFwdConfig] = {
     "gluon_128x128_s2": GluonFwdConfig(128, 2),
     "gluon_128x64_s4": GluonFwdConfig(64, 4),
     "gluon_128x64_s4_persistent": GluonFwdConfig(64, 4, persistent=True),
-    "gluon_128x64_s4_ahead2": GluonFwdConfig(64, 4, ahead=2),
-    "gluon_128x64_s4_ahead2_persistent": GluonFwdConfig(64, 4, persistent=True, ahead=2),
 }
-DEFAULT = "gluon_128x64_s4_ahead2"
+DEFAULT = "gluon_128x64_s4_persistent"
 
 
 def shared_bytes(d_qk: int, d_v: int, cfg: GluonFwdConfig) -> int:
@@ -226,13 +231,14 @@ if gluon is not None:
         return p, m_new, l_i, alpha
 
     @gluon.jit
-    def _tile_one_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty, acc, m_i, l_i, kv,
-                        n_blocks, n_full, q_pos, k_len, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
-                        s_layout: gl.constexpr, zeros, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
-                        BN: gl.constexpr, STAGES: gl.constexpr):
+    def _tile_blocks(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty, acc, m_i, l_i, kv, n_blocks,
+                     n_full, q_pos, k_len, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
+                     s_layout: gl.constexpr, zeros, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
+                     STAGES: gl.constexpr):
         """The key blocks of one tile (n_blocks >= 1), FA3's intra-warpgroup overlap: per block j the scores S_j
         and P_{j-1} V_{j-1} are issued together, the wait takes S_j alone, and the softmax of S_j runs under P V.
-        Returns (acc, m_i, l_i, kv) with kv past the tile's blocks."""
+        Returns (acc, m_i, l_i, kv) with kv past the tile's blocks. (Issuing S_{j+1} as soon as S_j is done, so
+        that two products wait under each softmax, measured 25-30% slower: bench/notes/attention.md, run 41.)"""
         slot = kv % STAGES
         mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
         s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
@@ -268,75 +274,12 @@ if gluon is not None:
         return acc, m_i, l_i, kv + 1
 
     @gluon.jit
-    def _tile_two_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty, acc, m_i, l_i, kv,
-                        n_blocks, n_full, q_pos, k_len, qk_scale, p_layout: gl.constexpr, row_o: gl.constexpr,
-                        s_layout: gl.constexpr, zeros, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
-                        BN: gl.constexpr, STAGES: gl.constexpr):
-        """The key blocks of one tile (n_blocks >= 1), two products ahead: while the softmax of S_{j+1} runs, the
-        tensor cores hold P_j V_j and S_{j+2}, so they are not idle when one product ends during the softmax (the
-        one-ahead loop leaves them only P_{j-1} V_{j-1}). wgmma groups complete in issue order: S is S_GROUPS
-        groups (two with a remainder part of Dqk), P V one. Returns (acc, m_i, l_i, kv) as _tile_one_ahead."""
-        S_GROUPS: gl.constexpr = 2 if HAS_REST else 1
-        # block 0: scores and softmax; then S_1 in flight
-        slot = kv % STAGES
-        mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
-        s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
-        s = warpgroup_mma_wait(0, deps=[s])
-        if n_blocks == 1:
-            mbarrier.arrive(q_empty, count=1)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, n_full == 0, q_pos, k_len, qk_scale, CAUSAL, s_layout, BN)
-        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        if n_blocks > 1:
-            nxt = (kv + 1) % STAGES
-            mbarrier.wait(k_ready.index(nxt), ((kv + 1) // STAGES) & 1)
-            s = _issue_scores(qm, qr, k_ring, kr_ring, nxt, zeros, HAS_REST)
-            # steady state, block j = 0 .. n - 3: S_{j+1} in flight at the top
-            for j in range(0, n_blocks - 2):
-                cur = kv % STAGES
-                mbarrier.wait(v_ready.index(cur), (kv // STAGES) & 1)
-                acc = warpgroup_mma(p, v_ring.index(cur), acc, is_async=True)  # in flight: S_{j+1}, P_j V_j
-                s = warpgroup_mma_wait(1, deps=[s])  # S_{j+1} done
-                ahead = (kv + 2) % STAGES
-                mbarrier.wait(k_ready.index(ahead), ((kv + 2) // STAGES) & 1)
-                s_ahead = _issue_scores(qm, qr, k_ring, kr_ring, ahead, zeros, HAS_REST)  # P_j V_j, S_{j+2}
-                p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, (j + 1) * BN, j + 1 >= n_full, q_pos, k_len,
-                                                   qk_scale, CAUSAL, s_layout, BN)
-                p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
-                acc, p = warpgroup_mma_wait(S_GROUPS, deps=[acc, p])  # P_j V_j done, S_{j+2} in flight
-                mbarrier.arrive(empty.index(cur), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p = p_next
-                s = s_ahead
-                kv += 1
-            # block n - 2: its P V, then the last scores (nothing further to issue)
-            cur = kv % STAGES
-            mbarrier.wait(v_ready.index(cur), (kv // STAGES) & 1)
-            acc = warpgroup_mma(p, v_ring.index(cur), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s])
-            mbarrier.arrive(q_empty, count=1)
-            p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, (n_blocks - 1) * BN, n_blocks - 1 >= n_full, q_pos,
-                                               k_len, qk_scale, CAUSAL, s_layout, BN)
-            p_next = gl.convert_layout(p_next.to(gl.bfloat16), p_layout)
-            acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-            mbarrier.arrive(empty.index(cur), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = p_next
-            kv += 1
-        last = kv % STAGES
-        mbarrier.wait(v_ready.index(last), (kv // STAGES) & 1)
-        acc = warpgroup_mma(p, v_ring.index(last), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-        mbarrier.arrive(empty.index(last), count=1)
-        return acc, m_i, l_i, kv + 1
-
-    @gluon.jit
     def _consumer(q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out, stride_ot,
                   stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale,
                   D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr):
-        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; scores, softmax, P V (AHEAD products
-        in flight under the softmax: _tile_one_ahead / _tile_two_ahead), the store. Counters kv (key blocks) and
-        n_q (query tiles) follow the producer's."""
+                  STAGES: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; scores, softmax and P V
+        (_tile_blocks), the store. Counters kv (key blocks) and n_q (query tiles) follow the producer's."""
         s_layout: gl.constexpr = _mma_layout(BN)
         o_layout: gl.constexpr = _mma_layout(D_V)
         p_layout: gl.constexpr = _p_layout(D_V)
@@ -362,16 +305,9 @@ if gluon is not None:
             l_i = gl.zeros([64], gl.float32, row_s)
             if n_blocks > 0:
                 mbarrier.wait(q_bar, n_q & 1)
-                if AHEAD == 2:
-                    acc, m_i, l_i, kv = _tile_two_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready,
-                                                        empty, acc, m_i, l_i, kv, n_blocks, n_full, q_pos, k_len,
-                                                        qk_scale, p_layout, row_o, s_layout, zeros, HAS_REST, CAUSAL,
-                                                        BN, STAGES)
-                else:
-                    acc, m_i, l_i, kv = _tile_one_ahead(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready,
-                                                        empty, acc, m_i, l_i, kv, n_blocks, n_full, q_pos, k_len,
-                                                        qk_scale, p_layout, row_o, s_layout, zeros, HAS_REST, CAUSAL,
-                                                        BN, STAGES)
+                acc, m_i, l_i, kv = _tile_blocks(qm, qr, k_ring, kr_ring, v_ring, q_empty, k_ready, v_ready, empty,
+                                                 acc, m_i, l_i, kv, n_blocks, n_full, q_pos, k_len, qk_scale,
+                                                 p_layout, row_o, s_layout, zeros, HAS_REST, CAUSAL, BN, STAGES)
                 n_q += 1
             # normalize; lse in natural log, -inf for a row that sees no key
             empty_row = l_i == 0.0
@@ -388,8 +324,7 @@ if gluon is not None:
     @gluon.jit
     def _fwd_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, Out, stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K,
                     ITEMS, n_items, n_heads, NUM_PROGRAMS, qk_scale, D_QK: gl.constexpr, D_MAIN: gl.constexpr,
-                    D_V: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                    AHEAD: gl.constexpr):
+                    D_V: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
         """Program p computes tiles p, p + NUM_PROGRAMS, ... of the n_items x H tiles (work-list entry, head): out
         [Tq, H, Dv] and lse [H, Tq] of 128 query rows each. q_desc / k_desc read the first D_MAIN of Dqk, qr_desc /
         kr_desc the rest (when Dqk > D_MAIN), v_desc all of Dv."""
@@ -418,10 +353,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out,
                          stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
-                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, AHEAD, 0)),
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, 0)),
             (_consumer, (q_main, q_rest, k_ring, kr_ring, v_ring, q_bar, q_empty, k_ready, v_ready, empty, Out,
                          stride_ot, stride_oh, LSE, stride_lh, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
-                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, AHEAD, 1)),
+                         qk_scale, D_V, HAS_REST, CAUSAL, BN, STAGES, 1)),
             (_producer, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_main, q_rest, k_ring, kr_ring, v_ring, q_bar,
                          q_empty, k_ready, v_ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS, D_QK,
                          D_MAIN, D_V, HAS_REST, CAUSAL, BN, STAGES)),
@@ -470,5 +405,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     _fwd_kernel[(programs, )](
         q_desc, qr_desc, k_desc, kr_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         cu_seqlens_q, cu_seqlens_k, items, n_items, h, programs, softmax_scale * LOG2E, D_QK=d_qk, D_MAIN=main,
-        D_V=d_v, CAUSAL=causal, BN=bn, STAGES=cfg.stages, AHEAD=cfg.ahead, num_warps=NUM_WARPS)
+        D_V=d_v, CAUSAL=causal, BN=bn, STAGES=cfg.stages, num_warps=NUM_WARPS)
     return out, lse

@@ -133,7 +133,8 @@ def _fwd_kernel(
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, causal: bool, softmax_scale: float,
                       alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the forward kernel. Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32)."""
+    """Launches the forward kernel: gluon_fwd.py's where SCHEDULE["forward"] names a Gluon config and it supports
+    the call, else this module's. Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
     n_docs = cu_seqlens_q.numel() - 1
