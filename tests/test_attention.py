@@ -403,3 +403,24 @@ def test_gluon_forward_configs_fit_and_split_head_dims():
         for d_qk, d_v in ((192, 128), (128, 128), (96, 64), (64, 64)):
             assert gluon_fwd.shared_bytes(d_qk, d_v, cfg) <= gluon_fwd.SHARED_BYTES, (name, d_qk, d_v)
     assert gluon_fwd.DEFAULT in gluon_fwd.CONFIGS
+
+
+@needs_interpreter
+def test_forward_says_once_why_the_gluon_kernel_does_not_run(monkeypatch, caplog):
+    """With a Gluon config asked for, a call the Gluon forward cannot take (here: the CPU) runs the Triton kernel,
+    and the log says so and why, once."""
+    import logging
+
+    from moela.ops.attention import gluon_fwd, triton_fwd
+
+    monkeypatch.setitem(triton_mod.SCHEDULE, "forward", gluon_fwd.DEFAULT)
+    monkeypatch.setattr(triton_fwd, "_SAID", set())
+    q, k, v, cu_q, cu_k, _, _, _ = make_case([70, 9], [70, 9], 2, 96, 64, torch.float32, "cpu", False, seed=5)
+    with caplog.at_level(logging.INFO, logger="moela.ops"):
+        for _ in range(2):
+            out = mla_attention(q, k, v, cu_q, 70, backend="triton")
+    want, _ = naive_attention(q.double(), k.double(), v.double(), cu_q, cu_k, True, 96 ** -0.5, None)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    said = [r.getMessage() for r in caplog.records if "Gluon forward" in r.getMessage()]
+    why = gluon_fwd.supports(q, k, v, None)  # no Hopper GPU here (or a Triton without Gluon)
+    assert why is not None and said == [f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})"]

@@ -33,8 +33,8 @@ the token stride, a tile of head h at column h * D; documents are rows [cu[d], c
 entry, head) pairs (triton_worklist.py: query blocks of 128, costliest first); one program per tile, or one per SM
 walking them (`persistent`).
 
-Supported: bf16 on sm_90, Dqk a power of two from 32 to 128 or one plus a smaller power of two of at least 16
-(192, 96), Dv 64 or 128, no ALiBi (`supports`); other calls keep the Triton kernel. Gluon does not run in the
+Supported: bf16 on sm_90, Dqk 64 or 128 plus an optional 32 or 64 (MLA's 192, `small`'s 96), Dv 64 or 128, no
+ALiBi (`supports`); other calls keep the Triton kernel. Gluon does not run in the
 Triton interpreter: tests/sm90_compile.py compiles this kernel for sm_90 (registers, spills, wgmma / setmaxnreg /
 TMA in the PTX), tests/test_attention.py checks it on the GPU against the float64 reference.
 """
@@ -91,8 +91,8 @@ def shared_bytes(d_qk: int, d_v: int, cfg: GluonFwdConfig) -> int:
 
 
 def head_split(d_qk: int) -> tuple[int, int]:
-    """Dqk as (main, rest): the largest power of two <= Dqk and what is left (0, or a power of two of at least 16:
-    each part is its own TMA box and wgmma; 192 = 128 + 64, 96 = 64 + 32)."""
+    """Dqk as (main, rest): the largest power of two <= Dqk and what is left; each part is its own TMA box and
+    wgmma (192 = 128 + 64, 96 = 64 + 32)."""
     main = 1 << (d_qk.bit_length() - 1)
     return main, d_qk - main
 
@@ -106,9 +106,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: to
     if q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (the kernel is bf16)"
     main, rest = head_split(q.shape[-1])
-    if not 32 <= main <= 128 or (rest and (rest < 16 or rest & (rest - 1))) or v.shape[-1] not in (64, 128):
-        return (f"head dims {q.shape[-1]}/{v.shape[-1]} (built for Dqk = a power of two from 32 to 128, or one plus "
-                f"a smaller power of two of at least 16, such as 192 or 96, and Dv 64 or 128)")
+    if main not in (64, 128) or rest not in (0, 32, 64) or v.shape[-1] not in (64, 128):
+        return (f"head dims {q.shape[-1]}/{v.shape[-1]} (built and tested for Dqk 64 or 128, plus 32 or 64: MLA's "
+                f"192, `small`'s 96; Dv 64 or 128)")
     if alibi_slopes is not None:
         return "ALiBi"
     return None

@@ -7,6 +7,8 @@ computed block by block over keys with the online softmax in base 2 (scores pre-
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -130,6 +132,16 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lh + q_start + offs_m, lse, mask=offs_m < q_len)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Logs `line` the first time it comes up (which forward kernel runs, and why, once per reason)."""
+    if line not in _SAID and not torch.compiler.is_compiling():
+        _SAID.add(line)
+        logging.getLogger("moela.ops").info(line)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, causal: bool, softmax_scale: float,
                       alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +154,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
     if tq == 0 or n_docs == 0:
         return out, lse
-    if SCHEDULE["forward"] != "triton" and SCHEDULE["grid"] == "worklist" and \
-            gluon_fwd.supports(q, k, v, alibi_slopes) is None:
-        return gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                           softmax_scale=softmax_scale, config=SCHEDULE["forward"])
+    if SCHEDULE["forward"] != "triton":
+        why = gluon_fwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else \
+            "the per-document grid"
+        if why is None:
+            return gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                               softmax_scale=softmax_scale, config=SCHEDULE["forward"])
+        _say_once(f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})")
     cfg = launch_config("fwd", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)
