@@ -1,6 +1,7 @@
 """The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200)
 with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The block
-loops of the attention and grouped-GEMM kernels must be pipelined; the MoE path's non-GEMM kernels (moe_triton ...)
+loops of the attention and grouped-GEMM kernels must be pipelined (the Gluon attention forward's by its TMA
+producer, without spills); the MoE path's non-GEMM kernels (moe_triton ...)
 must not spill registers, nor must the Gluon kernels (moe_gluon: moela.ops.moe.gluon and the warp-specialized FP8
 GEMMs of moela.ops.moe.gemm_fp8_gluon*, whose PTX must also hold fp8 wgmma, setmaxnreg and TMA copies), nor the
 QK-Norm kernels (qk_norm: moela.ops.qk_norm_triton), nor the decoding attention over the latent cache
@@ -29,6 +30,7 @@ def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
     non_gemm = {name for name in result if name.startswith(("moe_triton ", "moe_gluon ", "qk_norm ",
                                                              "latent_attention ", "adamw "))}
     assert len(result) - len(non_gemm) == 7 and len(non_gemm) >= 12, result
+    assert result["attention gluon fwd"][3] == 0, f"the Gluon attention forward spills: {result['attention gluon fwd']}"
     for name, (shared, async_copies, regs, spills) in result.items():
         assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"
         if name.startswith("latent_attention split"):

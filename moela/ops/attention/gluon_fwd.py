@@ -238,7 +238,7 @@ if gluon is not None:
         """The key blocks of one tile (n_blocks >= 1), FA3's intra-warpgroup overlap: per block j the scores S_j
         and P_{j-1} V_{j-1} are issued together, the wait takes S_j alone, and the softmax of S_j runs under P V.
         Returns (acc, m_i, l_i, kv) with kv past the tile's blocks. (Issuing S_{j+1} as soon as S_j is done, so
-        that two products wait under each softmax, measured 25-30% slower: bench/notes/attention.md, run 41.)"""
+        that two products wait under each softmax, measured 22-30% slower: bench/notes/attention.md, run 41.)"""
         slot = kv % STAGES
         mbarrier.wait(k_ready.index(slot), (kv // STAGES) & 1)
         s = _issue_scores(qm, qr, k_ring, kr_ring, slot, zeros, HAS_REST)
