@@ -424,3 +424,22 @@ def test_forward_says_once_why_the_gluon_kernel_does_not_run(monkeypatch, caplog
     said = [r.getMessage() for r in caplog.records if "Gluon forward" in r.getMessage()]
     why = gluon_fwd.supports(q, k, v, None)  # no Hopper GPU here (or a Triton without Gluon)
     assert why is not None and said == [f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})"]
+
+
+def test_gluon_forward_reads_rows_without_copies_where_tma_can():
+    """The Gluon forward's 2-D view [T, H * D] of a [T, H, D] tensor: the same values, no copy for a packed or
+    token-strided tensor (a slice of a wider projection output), a copy where TMA cannot address it (heads not
+    packed, a token stride that is not a multiple of 16 bytes)."""
+    from moela.ops.attention import gluon_fwd
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(37, 5 * 96 + 32, generator=g).to(torch.bfloat16)  # token stride 512 elements = 1024 bytes
+    for x, copied in ((wide[:, :480].view(37, 5, 96), False),  # a slice: token-strided, heads packed
+                      (torch.randn(37, 5, 96, generator=g).to(torch.bfloat16), False),
+                      (torch.randn(37, 96, 5, generator=g).to(torch.bfloat16).transpose(1, 2), True),
+                      (torch.randn(37, 5 * 96 + 3, generator=g).to(torch.bfloat16)[:, :480].view(37, 5, 96), True)):
+        rows = gluon_fwd._rows(x)
+        assert rows.shape == (37, 480)
+        torch.testing.assert_close(rows, x.reshape(37, 480), rtol=0, atol=0)
+        assert (rows.data_ptr() != x.data_ptr()) == copied
+        assert rows.stride(1) == 1 and (rows.stride(0) * 2) % 16 == 0
