@@ -18,11 +18,12 @@ the partitions (`warp_specialize`), so the kernel is organized as FA3's sm90 for
   P in registers, waits for S_j only (O's product stays in flight), runs the online softmax of S_j under it, then
   waits for O, releases slot j - 1 and rescales O. The two warpgroups' products interleave on the tensor cores.
 
-Measured (bench/notes/attention.md, runs 38-41, one H200): the forward 11-23% faster than triton_fwd.py's kernel
-at 192/128 (B=2 S=8192 and both packings), 0.69-0.87x flash-attn-4's forward; in the training step of `small`
-(96/64 heads) its kernel time 23.1 -> 17.3 ms a step at 64k tokens, +1.3-1.8% tokens/s. Nsight Compute: the tensor
-pipe ~64% busy at S=8192 (FA4 ~75%); ping-pong turns between the warpgroups and two products in flight under the
-softmax were tried and measured slower.
+Measured (bench/notes/attention.md, runs 38-41, one H200): the default config's forward is 12-23% faster than
+triton_fwd.py's kernel at 192/128 (B=2 S=8192 and both packings), 0.79-0.90x flash-attn-4's forward; in the
+training step of `small` (96/64 heads) its kernel time is 23.1 -> 17.3 ms a step at 64k tokens, +1.3-1.8%
+tokens/s. Nsight Compute: the tensor pipe ~64% busy at S=8192 (flash-attn-4's forward runs at ~75% of the bf16
+peak by its FLOP count); ping-pong turns between the warpgroups and two products in flight under the softmax were
+tried and measured slower.
 
 Masks: the blocks every row of a warpgroup sees whole (inside the document, below the causal diagonal) run without
 the mask; the rest (the diagonal, the document's last partial block) apply it. Rows past the document's end

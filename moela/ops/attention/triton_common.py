@@ -59,7 +59,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #   forward   "triton": the forward kernel of triton_fwd.py; or a config name of gluon_fwd.CONFIGS (the default,
 #             gluon_fwd.DEFAULT): the warp-specialized Gluon forward on sm_90 for the calls it supports (bf16,
 #             192/128, 96/64, 128/128 and the like, no ALiBi, the work-list grid; gluon_fwd.supports), the Triton
-#             kernel for the others. 11-23% faster forward, +1.3-1.8% tokens/s in `small`'s step (gluon_fwd.py)
+#             kernel for the others. 12-23% faster forward, +1.3-1.8% tokens/s in `small`'s step (gluon_fwd.py)
 SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
