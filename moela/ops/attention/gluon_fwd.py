@@ -34,8 +34,8 @@ the token stride, a tile of head h at column h * D; documents are rows [cu[d], c
 entry, head) pairs (triton_worklist.py: query blocks of 128, costliest first); one program per tile, or one per SM
 walking them (`persistent`).
 
-Supported: bf16 on sm_90, Dqk 64 or 128 plus an optional 32 or 64 (MLA's 192, `small`'s 96), Dv 64 or 128, no
-ALiBi (`supports`); other calls keep the Triton kernel. Gluon does not run in the
+Supported: bf16 on sm_90, Dqk 64 or 128 plus an optional 32 or 64, Dv 64 or 128 (tested on the GPU at 192/128,
+96/64 and 128/128), no ALiBi (`supports`); other calls keep the Triton kernel. Gluon does not run in the
 Triton interpreter: tests/sm90_compile.py compiles this kernel for sm_90 (registers, spills, wgmma / setmaxnreg /
 TMA in the PTX), tests/test_attention.py checks it on the GPU against the float64 reference.
 """
@@ -108,8 +108,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: to
         return f"dtype {q.dtype} (the kernel is bf16)"
     main, rest = head_split(q.shape[-1])
     if main not in (64, 128) or rest not in (0, 32, 64) or v.shape[-1] not in (64, 128):
-        return (f"head dims {q.shape[-1]}/{v.shape[-1]} (built and tested for Dqk 64 or 128, plus 32 or 64: MLA's "
-                f"192, `small`'s 96; Dv 64 or 128)")
+        return (f"head dims {q.shape[-1]}/{v.shape[-1]} (built for Dqk 64 or 128, plus 32 or 64, and Dv 64 or 128; "
+                f"tested at 192/128, 96/64 and 128/128)")
     if alibi_slopes is not None:
         return "ALiBi"
     return None
