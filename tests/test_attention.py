@@ -17,6 +17,7 @@ import torch
 
 from moela.ops.attention import api as attn_mod
 from moela.ops.attention import attention_reference, mla_attention
+from moela.ops.attention import gluon_fwd as gluon_fwd_module
 
 triton_mod = pytest.importorskip("moela.ops.attention.autograd")
 
@@ -335,7 +336,7 @@ def gluon_forward_or_skip(monkeypatch, config: str):
     return calls
 
 
-GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_persistent"]
+GLUON_FWD_CONFIGS = list(gluon_fwd_module.CONFIGS)  # every config the benchmark times, the default among them
 
 
 @pytest.mark.gpu
@@ -350,7 +351,7 @@ GLUON_FWD_CONFIGS = ["gluon_128x128_s2", "gluon_128x64_s4", "gluon_128x64_s4_per
 ])
 def test_gluon_forward_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
     """The warp-specialized Gluon forward (gluon_fwd.py) with the Triton backward, against float64: odd lengths,
-    single-token and empty documents, longer k than q, full attention, both tile configs."""
+    single-token and empty documents, longer k than q, full attention, 96/64 and 128/128, every config."""
     calls = gluon_forward_or_skip(monkeypatch, config)
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
                           backend="triton")
