@@ -16,6 +16,7 @@ import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MIN_INTERPRETER_TRITON = (3, 9)
+HOPPER_SHARED_BYTES = 232448  # the H100/H200 per-block shared memory limit (the Gluon kernels size their rings by it)
 
 
 def triton_version() -> tuple[int, int]:

@@ -21,9 +21,9 @@ the partitions (`warp_specialize`), so the kernel is organized as FA3's sm90 for
 Measured (bench/notes/attention.md, runs 38-41, one H200): the default config's forward is 12-23% faster than
 triton_fwd.py's kernel at 192/128 (B=2 S=8192 and both packings), 0.79-0.90x flash-attn-4's forward; in the
 training step of `small` (96/64 heads) its kernel time is 23.1 -> 17.3 ms a step at 64k tokens, +1.3-1.8%
-tokens/s. Nsight Compute: the tensor pipe ~64% busy at S=8192 (flash-attn-4's forward runs at ~75% of the bf16
-peak by its FLOP count); ping-pong turns between the warpgroups and two products in flight under the softmax were
-tried and measured slower.
+tokens/s. Nsight Compute: the tensor pipe ~64% busy at S=8192 (flash-attn-4's forward runs at 70-76% of the bf16
+peak by its FLOP count, runs 38 and 41); ping-pong turns between the warpgroups and two products in flight under
+the softmax were tried and measured slower.
 
 Masks: the blocks every row of a warpgroup sees whole (inside the document, below the causal diagonal) run without
 the mask; the rest (the diagonal, the document's last partial block) apply it. Rows past the document's end
@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moela.ops.triton_env import HOPPER_SHARED_BYTES
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -61,7 +63,7 @@ BM = 128  # query rows per program: two consumer warpgroups of 64
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
 NUM_WARPS = 4  # the default partition: consumer warpgroup 0
-SHARED_BYTES = 232448  # the H100/H200 per-block shared memory limit
+SHARED_BYTES = HOPPER_SHARED_BYTES
 LOG2E = 1.4426950408889634
 
 
@@ -365,10 +367,10 @@ if gluon is not None:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, *, causal: bool, softmax_scale: float,
-                      config: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the kernel (the caller checked `supports`). Returns (out [Tq, H, Dv] bf16, lse [H, Tq] float32),
-    as triton_fwd.attention_forward."""
+                      cu_seqlens_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                      softmax_scale: float, config: str | None = None) -> None:
+    """Launches the kernel into out [Tq, H, Dv] bf16 and lse [H, Tq] float32, which triton_fwd.attention_forward
+    allocated (the caller checked `supports`, and that Tq and the document count are not zero)."""
     from moela.ops.attention.triton_worklist import cached_worklist
 
     name = config or DEFAULT
@@ -377,14 +379,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     cfg = CONFIGS[name]
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
-    n_docs = cu_seqlens_q.numel() - 1
-    out = torch.empty(tq, h, d_v, device=q.device, dtype=q.dtype)
-    lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
-    if tq == 0 or n_docs == 0 or k.shape[0] == 0:
-        if tq:
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return out, lse
+    if k.shape[0] == 0:  # no keys: every query sees none
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
     if shared_bytes(d_qk, d_v, cfg) > SHARED_BYTES:
         raise ValueError(f"Gluon attention forward config {name!r} needs {shared_bytes(d_qk, d_v, cfg)} bytes of "
                          f"shared memory at head dims {d_qk}/{d_v}; the H100/H200 has {SHARED_BYTES}")
@@ -407,4 +405,3 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         q_desc, qr_desc, k_desc, kr_desc, v_desc, out, out.stride(0), out.stride(1), lse, lse.stride(0),
         cu_seqlens_q, cu_seqlens_k, items, n_items, h, programs, softmax_scale * LOG2E, D_QK=d_qk, D_MAIN=main,
         D_V=d_v, CAUSAL=causal, BN=bn, STAGES=cfg.stages, num_warps=NUM_WARPS)
-    return out, lse

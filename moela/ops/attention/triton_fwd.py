@@ -158,8 +158,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         why = gluon_fwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else \
             "the per-document grid"
         if why is None:
-            return gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                               softmax_scale=softmax_scale, config=SCHEDULE["forward"])
+            gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal=causal,
+                                        softmax_scale=softmax_scale, config=SCHEDULE["forward"])
+            return out, lse
         _say_once(f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})")
     cfg = launch_config("fwd", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,

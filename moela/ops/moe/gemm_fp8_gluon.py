@@ -52,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moela.ops.triton_env import HOPPER_SHARED_BYTES
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -72,7 +74,7 @@ else:  # the TMA builtins' names: Triton 3.6 (async_copy_*) and newer ones (asyn
 BM = 128  # rows per tile: two consumer warpgroups of 64 (the expert layout aligns experts to 128 rows)
 BN = 128  # columns per tile: one weight scale block
 BK = 128  # reduction step: one scale per 128 of K
-SHARED_BYTES = 232448  # the H100/H200 per-block shared memory limit
+SHARED_BYTES = HOPPER_SHARED_BYTES
 CONSUMER_REGS = 232  # registers per thread of each consumer warpgroup after reallocation
 PRODUCER_REGS = 40  # registers per thread of the producer's warpgroup
 NUM_WARPS = 4  # the default partition: consumer warpgroup 0
