@@ -50,7 +50,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moela.ops.attention import api as attention_api  # noqa: E402
-from moela.ops.attention import gluon_fwd, mla_attention  # noqa: E402
+from moela.ops.attention import gluon_bwd, gluon_fwd, mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
 from moela.ops.attention.triton_common import CONFIGS, SCHEDULE, head_class  # noqa: E402
 
@@ -132,6 +132,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # forward (moela/ops/attention/gluon_fwd.py) in each of its configs; the Triton backward in every row
     "triton, triton fwd (previous)": ({"forward": "triton"}, {}),
     **{f"triton, {name} fwd": ({"forward": name}, {}) for name in gluon_fwd.CONFIGS},
+    # the warp-specialized Gluon dK/dV kernel (moela/ops/attention/gluon_bwd.py) in each of its configs, with the
+    # default forward and the Triton dQ kernel
+    **{f"triton, {name}": ({"dkdv": name}, {}) for name in gluon_bwd.CONFIGS},
 }
 
 

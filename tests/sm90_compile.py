@@ -131,9 +131,23 @@ def attention_gluon_kernels():
                 v_desc=desc(bn, d_v), Out="*bf16", stride_ot=16 * d_v, stride_oh=d_v, LSE="*fp32", stride_lh=4096,
                 CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, NUM_PROGRAMS=132, qk_scale=0.1,
                 D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=cfg.stages)
-    return {"attention gluon fwd": compile_sm90(g._fwd_kernel, args, num_warps=g.NUM_WARPS, require=(
+    out = {"attention gluon fwd": compile_sm90(g._fwd_kernel, args, num_warps=g.NUM_WARPS, require=(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
         "cp.async.bulk.tensor"))}
+    # the Gluon dK/dV kernel (moela.ops.attention.gluon_bwd) in each config: S^T by wgmma N = BM, dV += P^T dO with
+    # P^T from registers
+    from moela.ops.attention import gluon_bwd as b
+
+    for name, (bm, pipeline) in b.CONFIGS.items():
+        args = dict(q_desc=desc(bm, main), qr_desc=desc(bm, rest), k_desc=desc(b.BN, main), kr_desc=desc(b.BN, rest),
+                    v_desc=desc(b.BN, d_v), do_desc=desc(bm, d_v), LSE="*fp32", DELTA="*fp32", stride_lh=4096,
+                    DK="*bf16", stride_dkt=16 * d_qk, stride_dkh=d_qk, DV="*bf16", stride_dvt=16 * d_v, stride_dvh=d_v,
+                    CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, qk_scale=0.1, sm_scale=0.07,
+                    D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BM=bm, PIPELINE=pipeline)
+        out[f"attention {name}"] = compile_sm90(b._dkdv_kernel, args, num_warps=4, require=(
+            f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
+            "cp.async.bulk.tensor"))
+    return out
 
 
 def moe_kernels():

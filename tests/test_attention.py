@@ -412,10 +412,10 @@ def test_forward_says_once_why_the_gluon_kernel_does_not_run(monkeypatch, caplog
     and the log says so and why, once."""
     import logging
 
-    from moela.ops.attention import gluon_fwd, triton_fwd
+    from moela.ops.attention import gluon_fwd, triton_common
 
     monkeypatch.setitem(triton_mod.SCHEDULE, "forward", gluon_fwd.DEFAULT)
-    monkeypatch.setattr(triton_fwd, "_SAID", set())
+    monkeypatch.setattr(triton_common, "_SAID", set())
     q, k, v, cu_q, cu_k, _, _, _ = make_case([70, 9], [70, 9], 2, 96, 64, torch.float32, "cpu", False, seed=5)
     with caplog.at_level(logging.INFO, logger="moela.ops"):
         for _ in range(2):
@@ -444,3 +444,59 @@ def test_gluon_forward_reads_rows_without_copies_where_tma_can():
         torch.testing.assert_close(rows, x.reshape(37, 480), rtol=0, atol=0)
         assert (rows.data_ptr() != x.data_ptr()) == copied
         assert rows.stride(1) == 1 and (rows.stride(0) * 2) % 16 == 0
+
+
+GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS)
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
+    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
+    (192, 128, [1000, 3000], [3000, 4096], False),
+    (128, 128, [1024, 513], [1024, 513], True),
+    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
+    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
+])
+def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
+    """The Gluon dK/dV kernel (gluon_bwd.py) in the Triton backend's backward, each config, against float64 with a
+    gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents, longer k than q, full
+    attention, 96/64 and 128/128."""
+    from moela.ops.attention import gluon_bwd
+
+    why = gluon_bwd.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128)),
+                             None)
+    if why is not None:
+        pytest.skip(f"the Gluon dK/dV kernel cannot run here: {why}")
+    monkeypatch.setitem(triton_mod.SCHEDULE, "dkdv", config)
+    calls = []
+    launch = gluon_bwd.dkdv
+    monkeypatch.setattr(gluon_bwd, "dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
+                          backend="triton")
+    assert calls, "the Gluon dK/dV kernel did not run"
+
+
+@needs_interpreter
+def test_backward_says_once_why_the_gluon_dkdv_kernel_does_not_run(monkeypatch, caplog):
+    """With a Gluon dK/dV config asked for, a call it cannot take (here: the CPU) runs the Triton kernel, with the
+    same gradients, and the log says so and why, once."""
+    import logging
+
+    from moela.ops.attention import gluon_bwd, triton_common
+
+    monkeypatch.setitem(triton_mod.SCHEDULE, "dkdv", GLUON_DKDV_CONFIGS[0])
+    monkeypatch.setattr(triton_common, "_SAID", set())
+    q, k, v, cu_q, cu_k, _, dout, _ = make_case([70, 9], [70, 9], 2, 96, 64, torch.float32, "cpu", False, seed=6)
+    with caplog.at_level(logging.INFO, logger="moela.ops"):
+        for _ in range(2):
+            got = run_with_grads(lambda a, b, c: (mla_attention(a, b, c, cu_q, 70, backend="triton"),), q, k, v, dout,
+                                 None)
+    want = run_with_grads(lambda a, b, c: naive_attention(a, b, c, cu_q, cu_k, True, 96 ** -0.5, None)[:1],
+                          q.double(), k.double(), v.double(), dout.double(), None)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
+    said = [r.getMessage() for r in caplog.records if "dK/dV" in r.getMessage()]
+    why = gluon_bwd.supports(q, k, v, None)
+    assert why is not None and said == [f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})"]

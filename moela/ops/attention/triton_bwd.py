@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moela.ops.attention import gluon_bwd
 from moela.ops.attention.triton_common import (
     LOG2E,
+    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -28,6 +30,7 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
+    say_once,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -283,6 +286,34 @@ def _bwd_dq_kernel(
                     D_QK)
 
 
+def _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
+                alibi_slopes) -> bool:
+    """Runs gluon_bwd.py's dK/dV kernel where SCHEDULE["dkdv"] names one of its configs and it supports the call;
+    False (and the reason logged once) where the Triton kernel must run it."""
+    if SCHEDULE["dkdv"] == "triton":
+        return False
+    why = gluon_bwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
+    if why is not None:
+        say_once(f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})")
+        return False
+    gluon_bwd.dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal=causal,
+                   softmax_scale=softmax_scale, config=SCHEDULE["dkdv"])
+    return True
+
+
+def _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_k, causal):
+    """Launches _bwd_dkdv_kernel (scales: qk_scale, sm_scale, Dqk, Dv)."""
+    cfg = launch_config("dkdv", *scales[2:])
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, dk.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
+                                 key_blocks=True, causal=causal)
+    _bwd_dkdv_kernel[grid](
+        *inputs,
+        dk, dk.stride(0), dk.stride(1),
+        dv, dv.stride(0), dv.stride(1),
+        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
+
+
 def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
@@ -323,15 +354,9 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
     scales = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
     flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
                  **blocks)
-    cfg = launch_config("dkdv", d_qk, d_v)
-    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, k.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
-                                 key_blocks=True, causal=causal)
-    _bwd_dkdv_kernel[grid](
-        *inputs,
-        dk, dk.stride(0), dk.stride(1),
-        dv, dv.stride(0), dv.stride(1),
-        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
+    if not _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
+                       alibi_slopes):
+        _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_k, causal)
     cfg = launch_config("dq", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)

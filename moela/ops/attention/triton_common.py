@@ -41,6 +41,9 @@ Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N do
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import triton
 import triton.language as tl
 
@@ -60,7 +63,10 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #             gluon_fwd.DEFAULT): the warp-specialized Gluon forward on sm_90 for the calls it supports (bf16,
 #             192/128, 96/64, 128/128 and the like, no ALiBi, the work-list grid; gluon_fwd.supports), the Triton
 #             kernel for the others. 12-23% faster forward, +1.3-1.8% tokens/s in `small`'s step (gluon_fwd.py)
-SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent"}
+#   dkdv      "triton": the dK/dV kernel of triton_bwd.py; or a config name of gluon_bwd.CONFIGS: the warp-specialized
+#             Gluon dK/dV kernel for the calls it supports (the same as the Gluon forward's), the Triton kernel for the
+#             others
+SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "triton"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -72,6 +78,16 @@ CONFIGS = {
 }
 # Under the interpreter: small unequal blocks, so documents of a few hundred tokens cross several block edges.
 INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
+
+
+_SAID: set[str] = set()
+
+
+def say_once(line: str) -> None:
+    """Logs `line` the first time it comes up (which kernel runs, and why, once per reason)."""
+    if line not in _SAID and not torch.compiler.is_compiling():
+        _SAID.add(line)
+        logging.getLogger("moela.ops").info(line)
 
 
 def head_class(d_qk: int, d_v: int) -> str:

@@ -7,8 +7,6 @@ computed block by block over keys with the online softmax in base 2 (scores pre-
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +29,7 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
+    say_once,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -132,16 +131,6 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lh + q_start + offs_m, lse, mask=offs_m < q_len)
 
 
-_SAID: set[str] = set()
-
-
-def _say_once(line: str) -> None:
-    """Logs `line` the first time it comes up (which forward kernel runs, and why, once per reason)."""
-    if line not in _SAID and not torch.compiler.is_compiling():
-        _SAID.add(line)
-        logging.getLogger("moela.ops").info(line)
-
-
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, causal: bool, softmax_scale: float,
                       alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +150,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal=causal,
                                         softmax_scale=softmax_scale, config=SCHEDULE["forward"])
             return out, lse
-        _say_once(f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})")
+        say_once(f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})")
     cfg = launch_config("fwd", d_qk, d_v)
     grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
                                  causal=causal)

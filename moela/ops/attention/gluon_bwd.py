@@ -1,0 +1,292 @@
+"""The dK/dV kernel of the attention backward for Hopper (sm_90) in Gluon, warp-specialized on the scaffolding of
+gluon_fwd.py. It computes what triton_bwd.py's dK/dV kernel computes, from the same inputs (q, k, v, dO, the
+forward's lse, the preprocess's delta) over the same key-block work list, and replaces it where
+triton_common.SCHEDULE["dkdv"] names one of its configs and `supports` takes the call; the dQ kernel stays Triton's.
+
+Why: the Triton dK/dV kernel (32 x 128 tiles, 8 warps) keeps dK [128 x 192] and dV [128 x 128] in fp32 registers
+in one partition that also issues the loads and waits for every product before the next step
+(bench/notes/attention.md, "Next: the backward in Gluon"). Here a producer warp does the loads and the two MMA
+warpgroups get 240 registers each (setmaxnreg), so each holds its 64 keys' dK and dV (64 x 192 + 64 x 128 fp32: 160
+registers a thread) with room for a query step's scores.
+
+Per program: a key block of 128 keys of one head, keys [64 g, 64 g + 64) on consumer warpgroup g. The producer warp
+loads the block's K and V once, then Q and dO of every query step of BM rows (32 or 64, the config) into a ring of 3.
+Each consumer warpgroup, per step: S^T = K Q^T and dP^T = V dO^T ([64 keys, BM queries], A from shared memory),
+P^T = exp2(S^T scale - lse) masked, dS^T = P^T (dP^T - delta), then dV += P^T dO and dK += dS^T Q with P^T / dS^T
+in registers as the A operand. With `pipeline` the next step's S^T and dP^T are issued behind those two products
+before the wait, so the tensor cores have the next work queued; without it each step waits before issuing the
+next. A step's ring slot is released when its dV and dK products are done. Query rows past the document (the last
+step's), keys past it and pairs above the causal diagonal are masked; rows that see no key have lse = -inf and
+every pair masked.
+
+Register budget at 192/128: BM = 32 keeps S^T, dP^T and the bf16 operands at ~50 registers above the 160; BM = 64
+(twice the rows per K and V read from shared memory) needs ~100 and spills a little (tests/sm90_compile.py reports
+the spill bytes). Which config is faster is the benchmark's to say (bench/attention.py's `dkdv` variant rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:
+    gluon = None
+else:
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+from moela.ops.triton_env import HOPPER_SHARED_BYTES
+
+__all__ = ["CONFIGS", "dkdv", "supports"]
+
+BN = 128  # keys per program: two consumer warpgroups of 64
+STAGES = 3
+LOG2E = 1.4426950408889634
+# (query rows per step, pipeline), by config name (triton_common.SCHEDULE["dkdv"])
+CONFIGS = {"gluon_dkdv_bm32": (32, False), "gluon_dkdv_bm32_pipe": (32, True), "gluon_dkdv_bm64": (64, False),
+           "gluon_dkdv_bm64_pipe": (64, True)}
+
+
+
+def shared_bytes(d_qk: int, d_v: int, block_m: int) -> int:
+    """Shared memory of one program: the key block's K and V, the ring of Q and dO, the barriers."""
+    return 2 * (BN * (d_qk + d_v) + STAGES * block_m * (d_qk + d_v)) + 8 * (1 + 2 * STAGES)
+
+
+if gluon is not None:
+    _BN = gl.constexpr(BN)
+    STAGES_C = gl.constexpr(STAGES)
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.constexpr_function
+    def _rest_width(d_qk, d_main):
+        """The second part of Dqk (d_main itself when there is none: the unused tiles keep a valid shape)."""
+        d_qk, d_main = getattr(d_qk, "value", d_qk), getattr(d_main, "value", d_main)
+        return d_qk - d_main if d_qk > d_main else d_main
+
+    @gluon.constexpr_function
+    def _acc_layout(n):
+        n = getattr(n, "value", n)
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _a_layout(n):
+        """Register layout of a [64, BM] bf16 tile as the A operand of a wgmma whose result is [64, n]."""
+        return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(n), k_width=2)
+
+    @gluon.jit
+    def _key_tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BM: gl.constexpr):
+        """Tile t's head, document span and query steps: (head, q_start, q_len, k_start, k_len, start_n, q_shift,
+        first query row, number of query steps). Unused entries (document -1) get no steps."""
+        head = t % n_heads
+        item = t // n_heads
+        doc = gl.load(ITEMS + item)
+        valid = doc >= 0
+        doc = gl.maximum(doc, 0)
+        q_start = gl.load(CU_Q + doc)
+        q_len = gl.load(CU_Q + doc + 1) - q_start
+        k_start = gl.load(CU_K + doc)
+        k_len = gl.where(valid, gl.load(CU_K + doc + 1) - k_start, 0)
+        start_n = gl.load(ITEMS + n_items + item) * _BN
+        q_shift = k_len - q_len
+        if CAUSAL:  # query i sees key j when j <= i + q_shift: the block's first key is seen from i = start_n - q_shift
+            lo = gl.maximum(start_n - q_shift, 0) // BM * BM
+        else:
+            lo = 0
+        n_steps = gl.where(valid & (start_n < k_len), gl.cdiv(gl.maximum(q_len - lo, 0), BM), 0)
+        return head, q_start, q_len, k_start, k_len, start_n, q_shift, lo, n_steps
+
+    @gluon.jit
+    def _producer(q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, k_main, k_rest, v_tile, q_ring, qr_ring, do_ring,
+                  kv_bar, ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, D_QK: gl.constexpr,
+                  D_MAIN: gl.constexpr, D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                  BM: gl.constexpr):
+        """One warp: the key block's K and V once, then Q and dO of each query step into the ring."""
+        head, q_start, q_len, k_start, k_len, start_n, q_shift, lo, n_steps = _key_tile(
+            gl.program_id(0), CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BM)
+        if n_steps > 0:
+            mbarrier.expect(kv_bar, _BN * (D_QK + D_V) * 2)
+            _tma_load(k_desc, [k_start + start_n, head * D_QK], kv_bar, k_main)
+            if HAS_REST:
+                _tma_load(kr_desc, [k_start + start_n, head * D_QK + D_MAIN], kv_bar, k_rest)
+            _tma_load(v_desc, [k_start + start_n, head * D_V], kv_bar, v_tile)
+        for i in range(n_steps):
+            slot = i % STAGES_C
+            mbarrier.wait(empty.index(slot), ((i // STAGES_C) & 1) ^ 1)
+            row = q_start + lo + i * BM
+            mbarrier.expect(ready.index(slot), BM * (D_QK + D_V) * 2)
+            _tma_load(q_desc, [row, head * D_QK], ready.index(slot), q_ring.index(slot))
+            if HAS_REST:
+                _tma_load(qr_desc, [row, head * D_QK + D_MAIN], ready.index(slot), qr_ring.index(slot))
+            _tma_load(do_desc, [row, head * D_V], ready.index(slot), do_ring.index(slot))
+
+    @gluon.jit
+    def _issue_scores(km, kr, vw, q_ring, qr_ring, do_ring, ready, i, HAS_REST: gl.constexpr, BM: gl.constexpr):
+        """Step i's S^T = K Q^T and dP^T = V dO^T ([64 keys, BM queries]) issued once its Q and dO have landed."""
+        slot = i % STAGES_C
+        mbarrier.wait(ready.index(slot), (i // STAGES_C) & 1)
+        zeros = gl.zeros([64, BM], gl.float32, _acc_layout(BM))  # (made here: not a tensor held across the loop)
+        st = warpgroup_mma(km, q_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        if HAS_REST:
+            st = warpgroup_mma(kr, qr_ring.index(slot).permute((1, 0)), st, is_async=True)
+        dpt = warpgroup_mma(vw, do_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        return st, dpt
+
+    @gluon.jit
+    def _scores_step(km, kr, vw, q_ring, qr_ring, do_ring, ready, i, HAS_REST: gl.constexpr, BM: gl.constexpr):
+        """_issue_scores, waited for."""
+        st, dpt = _issue_scores(km, kr, vw, q_ring, qr_ring, do_ring, ready, i, HAS_REST, BM)
+        st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+        return st, dpt
+
+    @gluon.jit
+    def _consumer(k_main, k_rest, v_tile, q_ring, qr_ring, do_ring, kv_bar, ready, empty, LSE, DELTA, stride_lh,
+                  DK, stride_dkt, stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads,
+                  qk_scale, sm_scale, D_QK: gl.constexpr, D_MAIN: gl.constexpr, D_V: gl.constexpr,
+                  HAS_REST: gl.constexpr, CAUSAL: gl.constexpr, BM: gl.constexpr, PIPELINE: gl.constexpr,
+                  WG: gl.constexpr):
+        """Consumer warpgroup WG: keys [64 WG, 64 WG + 64) of the block; dK and dV in registers, stored at the end."""
+        D_REST: gl.constexpr = _rest_width(D_QK, D_MAIN)
+        s_layout: gl.constexpr = _acc_layout(BM)
+        km_layout: gl.constexpr = _acc_layout(D_MAIN)
+        kr_layout: gl.constexpr = _acc_layout(D_REST)
+        v_layout: gl.constexpr = _acc_layout(D_V)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (the columns of S^T)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
+        head, q_start, q_len, k_start, k_len, start_n, q_shift, lo, n_steps = _key_tile(
+            gl.program_id(0), CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BM)
+        key0 = start_n + WG * 64
+        keys = key0 + gl.arange(0, 64, layout=row_s)
+        dk_main = gl.zeros([64, D_MAIN], gl.float32, km_layout)
+        dk_rest = gl.zeros([64, D_REST], gl.float32, kr_layout)
+        dv = gl.zeros([64, D_V], gl.float32, v_layout)
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, 0)
+            km = k_main.slice(WG * 64, 64)
+            kr = k_rest.slice(WG * 64, 64)
+            vw = v_tile.slice(WG * 64, 64)
+            st, dpt = _scores_step(km, kr, vw, q_ring, qr_ring, do_ring, ready, 0, HAS_REST, BM)
+            for i in range(n_steps):
+                slot = i % STAGES_C
+                rows = lo + i * BM + gl.arange(0, BM, layout=col_s)  # query rows (document coordinates)
+                lse2 = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0) * _LOG2E
+                delta = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                keep = (rows[None, :] < q_len) & (keys[:, None] < k_len)
+                if CAUSAL:
+                    keep = keep & (keys[:, None] <= rows[None, :] + q_shift)
+                pt = gl.where(keep, pt, 0.0)
+                dst = pt * (dpt - delta[None, :])
+                pt16 = pt.to(gl.bfloat16)
+                ds16 = dst.to(gl.bfloat16)
+                # dV += P^T dO, dK += dS^T Q (A operands from registers), then the next step's scores queued behind
+                # them, so the tensor cores go from one to the other without waiting for this warpgroup
+                # (the products in flight under their own names: both branches below wait for them)
+                dv_f = warpgroup_mma(gl.convert_layout(pt16, _a_layout(D_V)), do_ring.index(slot), dv, is_async=True)
+                dkm_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_MAIN)), q_ring.index(slot), dk_main,
+                                      is_async=True)
+                dkr_f = dk_rest
+                if HAS_REST:
+                    dkr_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_REST)), qr_ring.index(slot), dk_rest,
+                                          is_async=True)
+                if PIPELINE and i + 1 < n_steps:
+                    st_next, dpt_next = _issue_scores(km, kr, vw, q_ring, qr_ring, do_ring, ready, i + 1, HAS_REST,
+                                                      BM)
+                    st, dpt, dv, dk_main, dk_rest = warpgroup_mma_wait(0, deps=[st_next, dpt_next, dv_f, dkm_f, dkr_f])
+                    mbarrier.arrive(empty.index(slot), count=1)  # this step's Q and dO are read
+                else:
+                    dv, dk_main, dk_rest = warpgroup_mma_wait(0, deps=[dv_f, dkm_f, dkr_f])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    if i + 1 < n_steps:
+                        st, dpt = _scores_step(km, kr, vw, q_ring, qr_ring, do_ring, ready, i + 1, HAS_REST, BM)
+        # dK = scale * sum dS^T Q; keys past the document are not stored
+        keys_m = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, km_layout))
+        cols_m = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, km_layout))
+        base_k = DK + (k_start + keys_m)[:, None].to(gl.int64) * stride_dkt + head * stride_dkh
+        gl.store(base_k + cols_m[None, :], (dk_main * sm_scale).to(gl.bfloat16),
+                 mask=(keys_m[:, None] < k_len) & (cols_m[None, :] < D_MAIN))
+        if HAS_REST:
+            keys_r = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kr_layout))
+            cols_r = gl.arange(0, D_REST, layout=gl.SliceLayout(0, kr_layout))
+            base_r = DK + (k_start + keys_r)[:, None].to(gl.int64) * stride_dkt + head * stride_dkh + D_MAIN
+            gl.store(base_r + cols_r[None, :], (dk_rest * sm_scale).to(gl.bfloat16),
+                     mask=(keys_r[:, None] < k_len) & (cols_r[None, :] < D_REST))
+        keys_v = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, v_layout))
+        cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, v_layout))
+        gl.store(DV + (k_start + keys_v)[:, None].to(gl.int64) * stride_dvt + head * stride_dvh + cols_v[None, :],
+                 dv.to(gl.bfloat16), mask=(keys_v[:, None] < k_len) & (cols_v[None, :] < D_V))
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, LSE, DELTA, stride_lh, DK, stride_dkt,
+                     stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale, sm_scale,
+                     D_QK: gl.constexpr, D_MAIN: gl.constexpr, D_V: gl.constexpr, CAUSAL: gl.constexpr,
+                     BM: gl.constexpr, PIPELINE: gl.constexpr):
+        """One program per (key-block work-list entry, head): dK [Tk, H, Dqk] and dV [Tk, H, Dv] of 128 keys."""
+        HAS_REST: gl.constexpr = D_QK > D_MAIN
+        k_main = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_MAIN], k_desc.layout)
+        q_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_MAIN], q_desc.layout)
+        if HAS_REST:
+            k_rest = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_QK - D_MAIN], kr_desc.layout)
+            qr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_QK - D_MAIN], qr_desc.layout)
+        else:
+            k_rest = k_main
+            qr_ring = q_ring
+        v_tile = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_V], v_desc.layout)
+        do_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_V], do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES_C, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES_C, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES_C):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        gl.warp_specialize([
+            (_consumer, (k_main, k_rest, v_tile, q_ring, qr_ring, do_ring, kv_bar, ready, empty, LSE, DELTA, stride_lh,
+                         DK, stride_dkt, stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads,
+                         qk_scale, sm_scale, D_QK, D_MAIN, D_V, HAS_REST, CAUSAL, BM, PIPELINE, 0)),
+            (_consumer, (k_main, k_rest, v_tile, q_ring, qr_ring, do_ring, kv_bar, ready, empty, LSE, DELTA, stride_lh,
+                         DK, stride_dkt, stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads,
+                         qk_scale, sm_scale, D_QK, D_MAIN, D_V, HAS_REST, CAUSAL, BM, PIPELINE, 1)),
+            (_producer, (q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, k_main, k_rest, v_tile, q_ring, qr_ring,
+                         do_ring, kv_bar, ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, D_QK, D_MAIN, D_V,
+                         HAS_REST, CAUSAL, BM)),
+        ], [4, 1], [240, 24])
+
+
+def dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+         delta: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, dk: torch.Tensor,
+         dv: torch.Tensor, *, causal: bool, softmax_scale: float, config: str = "gluon_dkdv_bm32") -> None:
+    """Fills dk [Tk, H, Dqk] and dv [Tk, H, Dv] (bf16, zeroed by the caller) as triton_bwd's dK/dV kernel does, from
+    delta [H, Tq] (rowsum(dO * O) - dlse) and the forward's lse [H, Tq]; the caller checked `supports`."""
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    if config not in CONFIGS:
+        raise ValueError(f"unknown Gluon dK/dV config {config!r}; choose one of {', '.join(CONFIGS)}")
+    h, d_qk, d_v = q.shape[1], q.shape[2], v.shape[2]
+    BM, pipeline = CONFIGS[config]
+    if shared_bytes(d_qk, d_v, BM) > HOPPER_SHARED_BYTES:
+        raise ValueError(f"Gluon dK/dV config {config!r} needs {shared_bytes(d_qk, d_v, BM)} bytes of shared memory "
+                         f"at head dims {d_qk}/{d_v}; the H100/H200 has {HOPPER_SHARED_BYTES}")
+    if k.shape[0] == 0 or q.shape[0] == 0:  # no keys, or no query sees them: dk and dv stay zero
+        return
+    items = cached_worklist(cu_seqlens_q, cu_seqlens_k, k.shape[0], BN, key_blocks=True, causal=causal)
+    q2, k2, v2, do2 = _rows(q), _rows(k), _rows(v), _rows(dout)
+    main, rest = head_split(d_qk)
+    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
+    k_desc = TensorDescriptor.from_tensor(k2, [BN, main], _layout(BN, main))
+    qr_desc, kr_desc = q_desc, k_desc
+    if rest:
+        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
+        kr_desc = TensorDescriptor.from_tensor(k2, [BN, rest], _layout(BN, rest))
+    v_desc = TensorDescriptor.from_tensor(v2, [BN, d_v], _layout(BN, d_v))
+    do_desc = TensorDescriptor.from_tensor(do2, [BM, d_v], _layout(BM, d_v))
+    n_items = items.shape[1]
+    _dkdv_kernel[(n_items * h, )](
+        q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, lse, delta, lse.stride(0), dk, dk.stride(0), dk.stride(1),
+        dv, dv.stride(0), dv.stride(1), cu_seqlens_q, cu_seqlens_k, items, n_items, h, softmax_scale * LOG2E,
+        softmax_scale, D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=causal, BM=BM, PIPELINE=pipeline,
+        num_warps=4)
