@@ -9,10 +9,11 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  128/128: B=2 S=8192 and the lognormal packing
   q  z-loss (the lse returned, a gradient on it): the lognormal packing; B=2 S=8192
   q  ALiBi: B=2 S=8192; the lognormal packing
+  q  96/64 (the `small` model's heads): 40 lognormal documents of at most 4096 tokens, 65k tokens
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
 schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward) as extra rows on
-the cases marked for them, so one run times them all.
+the cases marked for them, so one run times them all (the Gluon dK/dV configs also on the 96/64 case).
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
 sum(L^2) (Dqk + Dv), bwd 2 H sum(L^2) (3 Dqk + 2 Dv), halved for causal), the first call's wall time (flash-attn-4
@@ -91,17 +92,27 @@ def zipf_lengths(n: int = 185, total: int = 55000, longest: int = 8192, seed: in
     return [lens[i] for i in torch.randperm(n, generator=g).tolist()]
 
 
-def lognormal_lengths(n: int = 40, total: int = 65536, seed: int = 0) -> list[int]:
-    """n lognormal lengths (sigma 1), scaled to sum to total, at least 16."""
+def lognormal_lengths(n: int = 40, total: int = 65536, seed: int = 0, longest: int | None = None) -> list[int]:
+    """n lognormal lengths (sigma 1), scaled to sum to total, at least 16; with `longest`, the longer ones cut to it
+    and what they lose spread over the shortest (a model's context)."""
     g = torch.Generator().manual_seed(seed)
     raw = torch.empty(n).log_normal_(0.0, 1.0, generator=g)
     lens = [max(16, int(x)) for x in (raw / raw.sum() * total).tolist()]
     lens[lens.index(max(lens))] += total - sum(lens)
+    if longest is not None:
+        spare = sum(max(0, x - longest) for x in lens)
+        lens = [min(x, longest) for x in lens]
+        while spare:
+            i = lens.index(min(lens))
+            add = min(spare, longest - lens[i])
+            lens[i] += add
+            spare -= add
     return lens
 
 
 ZIPF = "packed, 185 Zipf-like documents, 55k tokens"
 LOGNORMAL = "packed, 40 lognormal documents, 65k tokens"
+SMALL = "96/64 packed, 40 lognormal documents <= 4096, 65k tokens"
 
 
 def all_cases() -> list[Case]:
@@ -119,6 +130,7 @@ def all_cases() -> list[Case]:
         Case("z-loss B=2 S=8192", [8192] * 2, feature="zloss", quick=False),
         Case("ALiBi B=2 S=8192", [8192] * 2, feature="alibi"),
         Case(f"ALiBi {LOGNORMAL}", lognormal, feature="alibi", quick=False),
+        Case(SMALL, lognormal_lengths(longest=4096), d_qk=96, d_v=64, variants=True),
     ]
 
 

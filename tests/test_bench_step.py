@@ -400,15 +400,21 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-wgrad-triton", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
                       ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
                       ("moela-fwd-gluon", "64k", "bf16"),
+                      *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
+                                                            "moela-dkdv-bm32_pipe", "moela-dkdv-bm64",
+                                                            "moela-dkdv-bm64_pipe") for size in ("16k", "64k")],
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments",
                                               "moela-wgrad-torch", "moela-wgrad-triton", "moela-fwd-triton",
-                                              "moela-fwd-gluon"))
+                                              "moela-fwd-gluon") and not s["label"].startswith("moela-dkdv-"))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
+        dkdv = s["label"].removeprefix("moela-dkdv-")
+        assert s["attention_dkdv"] == (None if dkdv == s["label"] else "triton" if dkdv == "triton" else
+                                       f"gluon_dkdv_{dkdv}")
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")

@@ -73,8 +73,9 @@ def run_row(spec: dict) -> dict:
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
     handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`) and attention_forward (`triton_common.SCHEDULE["forward"]`:
-    "triton", or "gluon" for `gluon_fwd.DEFAULT`)."""
+    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), attention_forward (`triton_common.SCHEDULE["forward"]`:
+    "triton", or "gluon" for `gluon_fwd.DEFAULT`) and attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or
+    a `gluon_bwd.CONFIGS` name)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -104,6 +105,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.attention import gluon_fwd, triton_common
 
         triton_common.SCHEDULE["forward"] = gluon_fwd.DEFAULT if spec["attention_forward"] == "gluon" else "triton"
+    if spec.get("attention_dkdv"):
+        from moela.ops.attention import triton_common
+
+        triton_common.SCHEDULE["dkdv"] = spec["attention_dkdv"]
     if spec.get("bf16_wgrad_impl"):
         from moela.ops.moe import autograd as moe_autograd
 

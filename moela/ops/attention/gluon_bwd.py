@@ -144,6 +144,14 @@ if gluon is not None:
         return st, dpt
 
     @gluon.jit
+    def _row_stats(LSE, DELTA, offset, row0, q_len, BM: gl.constexpr, layout: gl.constexpr):
+        """lse (base 2) and delta of query rows [row0, row0 + BM) (0 past the document: those rows are masked)."""
+        rows = row0 + gl.arange(0, BM, layout=layout)
+        lse2 = gl.load(LSE + offset + rows, mask=rows < q_len, other=0.0) * _LOG2E
+        delta = gl.load(DELTA + offset + rows, mask=rows < q_len, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
     def _consumer(k_main, k_rest, v_tile, q_ring, qr_ring, do_ring, kv_bar, ready, empty, LSE, DELTA, stride_lh,
                   DK, stride_dkt, stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads,
                   qk_scale, sm_scale, D_QK: gl.constexpr, D_MAIN: gl.constexpr, D_V: gl.constexpr,
@@ -170,17 +178,21 @@ if gluon is not None:
             kr = k_rest.slice(WG * 64, 64)
             vw = v_tile.slice(WG * 64, 64)
             st, dpt = _scores_step(km, kr, vw, q_ring, qr_ring, do_ring, ready, 0, HAS_REST, BM)
+            lse2, delta = _row_stats(LSE, DELTA, head * stride_lh + q_start, lo, q_len, BM, col_s)
             for i in range(n_steps):
                 slot = i % STAGES_C
-                rows = lo + i * BM + gl.arange(0, BM, layout=col_s)  # query rows (document coordinates)
-                lse2 = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0) * _LOG2E
-                delta = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
+                row0 = lo + i * BM  # the step's first query row (document coordinates)
+                # the next step's lse and delta, loaded now so their latency hides under this step
+                lse2_next, delta_next = _row_stats(LSE, DELTA, head * stride_lh + q_start, row0 + BM, q_len, BM, col_s)
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
+                rows = row0 + gl.arange(0, BM, layout=col_s)
                 keep = (rows[None, :] < q_len) & (keys[:, None] < k_len)
                 if CAUSAL:
                     keep = keep & (keys[:, None] <= rows[None, :] + q_shift)
                 pt = gl.where(keep, pt, 0.0)
                 dst = pt * (dpt - delta[None, :])
+                lse2 = lse2_next
+                delta = delta_next
                 pt16 = pt.to(gl.bfloat16)
                 ds16 = dst.to(gl.bfloat16)
                 # dV += P^T dO, dK += dS^T Q (A operands from registers), then the next step's scores queued behind
