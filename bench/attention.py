@@ -13,7 +13,7 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
 schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward) as extra rows on
-the cases marked for them, so one run times them all (the Gluon dK/dV configs also on the 96/64 case).
+the cases marked for them, so one run times them all (the backward's kernels also on the 96/64 case).
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
 sum(L^2) (Dqk + Dv), bwd 2 H sum(L^2) (3 Dqk + 2 Dv), halved for causal), the first call's wall time (flash-attn-4
@@ -51,7 +51,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moela.ops.attention import api as attention_api  # noqa: E402
-from moela.ops.attention import gluon_bwd, gluon_fwd, mla_attention  # noqa: E402
+from moela.ops.attention import gluon_bwd, gluon_dq, gluon_fwd, mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
 from moela.ops.attention.triton_common import CONFIGS, SCHEDULE, head_class  # noqa: E402
 
@@ -144,9 +144,12 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # forward (moela/ops/attention/gluon_fwd.py) in each of its configs; the Triton backward in every row
     "triton, triton fwd (previous)": ({"forward": "triton"}, {}),
     **{f"triton, {name} fwd": ({"forward": name}, {}) for name in gluon_fwd.CONFIGS},
-    # the warp-specialized Gluon dK/dV kernel (moela/ops/attention/gluon_bwd.py) in each of its configs, with the
-    # default forward and the Triton dQ kernel
+    # the warp-specialized Gluon dK/dV kernel (moela/ops/attention/gluon_bwd.py) in each of its configs, and the
+    # Triton one (the default `auto` picks per head dims); the warp-specialized Gluon dQ kernel (gluon_dq.py) in each
+    # of its configs (with the default dK/dV)
+    "triton, triton dkdv": ({"dkdv": "triton"}, {}),
     **{f"triton, {name}": ({"dkdv": name}, {}) for name in gluon_bwd.CONFIGS},
+    **{f"triton, {name}": ({"dq": name}, {}) for name in gluon_dq.CONFIGS},
 }
 
 

@@ -36,6 +36,8 @@ out-of-memory error ends only its row:
             moela-dkdv-triton, moela-dkdv-<config>  moela with the Triton backend's dK/dV kernel on the Triton kernel /
                           on the Gluon kernel's config gluon_dkdv_<config> (`triton_common.SCHEDULE["dkdv"]`; bm32,
                           bm32_pipe, bm64, bm64_pipe; rows without flash-attn-4)
+            moela-dq-<config>  moela with the Triton backend's dQ kernel on the Gluon kernel's config gluon_dq_<config>
+                          (`triton_common.SCHEDULE["dq"]`; bn64, bn64_pipe, bn128; rows without flash-attn-4)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
             features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
@@ -77,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.steplib.report import write_report  # noqa: E402
-from moela.ops.attention import gluon_bwd  # noqa: E402
+from moela.ops.attention import gluon_bwd, gluon_dq  # noqa: E402
 
 SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -95,10 +97,11 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 DKDV_ROWS = {f"moela-dkdv-{name.removeprefix('gluon_dkdv_')}": name for name in gluon_bwd.CONFIGS}
+DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
          "moela-wgrad-triton", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
-         *DKDV_ROWS, "titan-compile", "hf", "titan-eager")
+         *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
@@ -108,7 +111,7 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
                "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
-               **{label: [] for label in DKDV_ROWS}}  # label -> recipe overrides
+               **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
@@ -145,6 +148,7 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "bf16_wgrad_impl": impl.removeprefix("moela-wgrad-") if "-wgrad-" in impl else None,
                              "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
                              "attention_dkdv": {"moela-dkdv-triton": "triton", **DKDV_ROWS}.get(impl),
+                             "attention_dq": DQ_ROWS.get(impl),
                              **counts})
     return rows
 

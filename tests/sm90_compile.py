@@ -15,6 +15,7 @@ assembled once more with the ptxas Triton itself uses for sm_90 (`get_ptxas(90)`
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -146,6 +147,22 @@ def attention_gluon_kernels():
                     D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BM=bm, PIPELINE=pipeline)
         out[f"attention {name}"] = compile_sm90(b._dkdv_kernel, args, num_warps=4, require=(
             f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
+            "cp.async.bulk.tensor"))
+    # the Gluon dQ kernel (moela.ops.attention.gluon_dq) in each config that fits at 192/128, and at 96/64
+    from moela.ops.attention import gluon_dq as dq
+
+    for (dqk, dv), (name, cfg) in itertools.product(((d_qk, d_v), (96, 64)), dq.CONFIGS.items()):
+        if dq.fits(dqk, dv, name) is not None:
+            continue
+        m, r = g.head_split(dqk)
+        bn = cfg.block_n
+        args = dict(q_desc=desc(dq.BM, m), qr_desc=desc(dq.BM, r), do_desc=desc(dq.BM, dv), k_desc=desc(bn, m),
+                    kr_desc=desc(bn, r), v_desc=desc(bn, dv), LSE="*fp32", DELTA="*fp32", stride_lh=4096, DQ="*bf16",
+                    stride_dqt=16 * dqk, stride_dqh=dqk, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000,
+                    n_heads=16, qk_scale=0.1, sm_scale=0.07, D_QK=dqk, D_MAIN=m, D_V=dv, CAUSAL=True, BN=bn,
+                    STAGES=cfg.stages, PIPELINE=cfg.pipeline)
+        out[f"attention {name} {dqk}/{dv}"] = compile_sm90(dq._dq_kernel, args, num_warps=4, require=(
+            f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
             "cp.async.bulk.tensor"))
     return out
 

@@ -450,7 +450,7 @@ GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").C
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS)
+@pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + ["auto"])
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
     (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
     (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
@@ -472,21 +472,80 @@ def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, 
     monkeypatch.setitem(triton_mod.SCHEDULE, "dkdv", config)
     calls = []
     launch = gluon_bwd.dkdv
-    monkeypatch.setattr(gluon_bwd, "dkdv", lambda *a, **kw: calls.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(gluon_bwd, "dkdv", lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
                           backend="triton")
-    assert calls, "the Gluon dK/dV kernel did not run"
+    if config == "auto":  # the Gluon kernel at the head dims where it measured faster, Triton's elsewhere
+        assert calls == ([gluon_bwd.AUTO] if d_qk + d_v <= gluon_bwd.AUTO_MAX_HEAD_DIMS else []), calls
+    else:
+        assert calls == [config], "the Gluon dK/dV kernel did not run"
+
+
+GLUON_DQ_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_dq").CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GLUON_DQ_CONFIGS)
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
+    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
+    (192, 128, [1000, 3000], [3000, 4096], False),
+    (128, 128, [1024, 513], [1024, 513], True),
+    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
+    (96, 64, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
+])
+def test_gluon_dq_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
+    """The Gluon dQ kernel (gluon_dq.py) in the Triton backend's backward, each config where its shared memory fits,
+    against float64 with a gradient on the lse too: odd lengths, single-token and empty documents, longer k than q,
+    full attention, 96/64 and 128/128."""
+    from moela.ops.attention import gluon_dq
+
+    why = gluon_dq.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128)),
+                            None)
+    if why is not None:
+        pytest.skip(f"the Gluon dQ kernel cannot run here: {why}")
+    if gluon_dq.fits(d_qk, d_v, config) is not None:
+        pytest.skip(gluon_dq.fits(d_qk, d_v, config))
+    monkeypatch.setitem(triton_mod.SCHEDULE, "dq", config)
+    calls = []
+    launch = gluon_dq.dq
+    monkeypatch.setattr(gluon_dq, "dq", lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
+    check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_q),
+                          backend="triton")
+    assert calls == [config], "the Gluon dQ kernel did not run"
+
+
+@pytest.mark.gpu
+def test_gluon_dq_gpu_queries_that_see_no_key(poisoned_empty, monkeypatch):
+    """Shorter k than q, causal: the first Lq - Lk queries of a document see no key (lse -inf), their dq is 0; the
+    Gluon dQ kernel's dq equals the Triton kernel's on the same inputs (within bf16 rounding)."""
+    from moela.ops.attention import gluon_dq
+
+    if gluon_dq.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (96, 96, 64)),
+                         None) is not None:
+        pytest.skip("needs Gluon on a Hopper GPU")
+    q, k, v, cu_q, cu_k, _, dout, _ = make_case([300, 70], [100, 70], 16, 96, 64, torch.bfloat16, "cuda", False,
+                                                seed=11)
+    grads = {}
+    for config in ("triton", GLUON_DQ_CONFIGS[0]):
+        monkeypatch.setitem(triton_mod.SCHEDULE, "dq", config)
+        grads[config] = run_with_grads(lambda a, b, c: (mla_attention(
+            a, b, c, cu_q, 300, cu_seqlens_k=cu_k, max_seqlen_k=100, backend="triton"),), q, k, v, dout, None)[1]
+    got, want = grads[GLUON_DQ_CONFIGS[0]], grads["triton"]
+    assert got[:200].abs().max().item() == 0.0  # rows 0..199 of the first document see no key
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @needs_interpreter
-def test_backward_says_once_why_the_gluon_dkdv_kernel_does_not_run(monkeypatch, caplog):
-    """With a Gluon dK/dV config asked for, a call it cannot take (here: the CPU) runs the Triton kernel, with the
-    same gradients, and the log says so and why, once."""
+def test_backward_says_once_why_the_gluon_kernels_do_not_run(monkeypatch, caplog):
+    """With Gluon dK/dV and dQ configs asked for, a call they cannot take (here: the CPU) runs the Triton kernels, with
+    the same gradients, and the log says so and why, once each."""
     import logging
 
     from moela.ops.attention import gluon_bwd, triton_common
 
     monkeypatch.setitem(triton_mod.SCHEDULE, "dkdv", GLUON_DKDV_CONFIGS[0])
+    monkeypatch.setitem(triton_mod.SCHEDULE, "dq", GLUON_DQ_CONFIGS[0])
     monkeypatch.setattr(triton_common, "_SAID", set())
     q, k, v, cu_q, cu_k, _, dout, _ = make_case([70, 9], [70, 9], 2, 96, 64, torch.float32, "cpu", False, seed=6)
     with caplog.at_level(logging.INFO, logger="moela.ops"):
@@ -497,6 +556,22 @@ def test_backward_says_once_why_the_gluon_dkdv_kernel_does_not_run(monkeypatch, 
                           q.double(), k.double(), v.double(), dout.double(), None)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4)
-    said = [r.getMessage() for r in caplog.records if "dK/dV" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
     why = gluon_bwd.supports(q, k, v, None)
-    assert why is not None and said == [f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})"]
+    assert why is not None and said == [f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})",
+                                        f"mla_attention backward: the Triton dQ kernel, not the Gluon one ({why})"]
+
+
+def test_gluon_backward_auto_choice_and_shared_memory():
+    """`auto` runs the Gluon dK/dV kernel only at head dims where it measured faster (96/64), never at 192/128; every
+    config's shared memory fits an H200 at the head dims it is tested on, and gluon_dq.fits says which do not."""
+    from moela.ops.attention import gluon_bwd, gluon_dq
+
+    assert gluon_bwd.choose(96, 64) == (gluon_bwd.AUTO, None)
+    config, why = gluon_bwd.choose(192, 128)
+    assert config == "" and "192/128" in why
+    for bm, _ in gluon_bwd.CONFIGS.values():
+        for d_qk, d_v in ((192, 128), (96, 64), (128, 128)):
+            assert gluon_bwd.shared_bytes(d_qk, d_v, bm) <= gluon_bwd.HOPPER_SHARED_BYTES
+    assert gluon_dq.fits(96, 64, "gluon_dq_bn128") is None and gluon_dq.fits(192, 128, "gluon_dq_bn64") is None
+    assert "shared memory" in gluon_dq.fits(192, 128, "gluon_dq_bn128")

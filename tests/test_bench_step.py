@@ -402,19 +402,24 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-fwd-gluon", "64k", "bf16"),
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
                                                             "moela-dkdv-bm32_pipe", "moela-dkdv-bm64",
-                                                            "moela-dkdv-bm64_pipe") for size in ("16k", "64k")],
+                                                            "moela-dkdv-bm64_pipe", "moela-dq-bn64",
+                                                            "moela-dq-bn64_pipe", "moela-dq-bn128")
+                        for size in ("16k", "64k")],
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments",
                                               "moela-wgrad-torch", "moela-wgrad-triton", "moela-fwd-triton",
-                                              "moela-fwd-gluon") and not s["label"].startswith("moela-dkdv-"))
+                                              "moela-fwd-gluon") and not s["label"].startswith(("moela-dkdv-",
+                                                                                                 "moela-dq-")))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
         dkdv = s["label"].removeprefix("moela-dkdv-")
         assert s["attention_dkdv"] == (None if dkdv == s["label"] else "triton" if dkdv == "triton" else
                                        f"gluon_dkdv_{dkdv}")
+        dq = s["label"].removeprefix("moela-dq-")
+        assert s["attention_dq"] == (None if dq == s["label"] else f"gluon_dq_{dq}")
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")

@@ -31,8 +31,10 @@ def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
                                                              "latent_attention ", "adamw "))}
     from moela.ops.attention import gluon_bwd
 
-    dkdv = {f"attention {name}" for name in gluon_bwd.CONFIGS}  # the Gluon dK/dV configs (spill bytes reported)
-    assert len(result) - len(non_gemm) - len(dkdv) == 7 and dkdv <= set(result) and len(non_gemm) >= 12, result
+    # the Gluon backward's configs (spill bytes reported, not asserted: the benchmark decides which run)
+    backward = {f"attention {name}" for name in gluon_bwd.CONFIGS} | {n for n in result if "gluon_dq" in n}
+    assert len(result) - len(non_gemm) - len(backward) == 7 and len(non_gemm) >= 12, result
+    assert {f"attention {name}" for name in gluon_bwd.CONFIGS} <= backward and len(backward) >= 8, sorted(result)
     assert result["attention gluon fwd"][3] == 0, f"the Gluon attention forward spills: {result['attention gluon fwd']}"
     for name, (shared, async_copies, regs, spills) in result.items():
         assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"

@@ -33,7 +33,7 @@ FAMILIES = ("communication", "optimizer", "attention", "expert GEMM", "dense GEM
             "norm/RoPE/activation", "copies/cat/casts", "other")
 
 _MOELA_ATTENTION = ("_fwd_kernel", "_bwd_preprocess_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel",
-                    "_dkdv_kernel")
+                    "_dkdv_kernel", "_dq_kernel")
 _MOELA_EXPERT_GEMM = ("_mgrouped_kernel", "_kgrouped_kernel")
 # experts, or one group for fp8_linear (the Triton kernels and the warp-specialized Gluon one)
 _MOELA_FP8_GEMM = ("_mgrouped_fp8_kernel", "_kgrouped_fp8_kernel", "_mgrouped_ws_kernel", "_kgrouped_ws_kernel")

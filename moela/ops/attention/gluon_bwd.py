@@ -41,7 +41,7 @@ else:
 from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
-__all__ = ["CONFIGS", "dkdv", "supports"]
+__all__ = ["AUTO", "CONFIGS", "choose", "dkdv", "shared_bytes", "supports"]
 
 BN = 128  # keys per program: two consumer warpgroups of 64
 STAGES = 3
@@ -50,6 +50,22 @@ LOG2E = 1.4426950408889634
 CONFIGS = {"gluon_dkdv_bm32": (32, False), "gluon_dkdv_bm32_pipe": (32, True), "gluon_dkdv_bm64": (64, False),
            "gluon_dkdv_bm64_pipe": (64, True)}
 
+# The `auto` choice (triton_common.SCHEDULE["dkdv"]), measured by bench/attention.py and bench/step.py side by side
+# with the Triton kernel (bench/notes/attention.md, runs 42-43): at 96/64 (`small`: dK and dV take 80 accumulator
+# registers) bm64's dK/dV kernel time in the training step is 35.3 ms against Triton's 44.1-44.4 (-20%); at 192/128
+# (160 accumulator registers, spills) every config is slower than Triton's (fwd+bwd +0.4 to +1.5 ms).
+AUTO = "gluon_dkdv_bm64"
+AUTO_MAX_HEAD_DIMS = 160  # Dqk + Dv up to which `auto` runs this kernel
+
+
+def choose(d_qk: int, d_v: int) -> tuple[str, str | None]:
+    """(config, None) where `auto` runs this kernel at these head dims, else ("", why not)."""
+    if d_qk + d_v > AUTO_MAX_HEAD_DIMS:
+        return "", (f"head dims {d_qk}/{d_v}: its dK and dV take {(d_qk + d_v) // 2} of a consumer's 240 registers, "
+                    f"and the Triton kernel measured faster there")
+    if shared_bytes(d_qk, d_v, CONFIGS[AUTO][0]) > HOPPER_SHARED_BYTES:
+        return "", f"head dims {d_qk}/{d_v}: {AUTO} does not fit in shared memory"
+    return AUTO, None
 
 
 def shared_bytes(d_qk: int, d_v: int, block_m: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.attention import gluon_bwd
+from moela.ops.attention import gluon_bwd, gluon_dq
 from moela.ops.attention.triton_common import (
     LOG2E,
     SCHEDULE,
@@ -288,16 +288,20 @@ def _bwd_dq_kernel(
 
 def _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
                 alibi_slopes) -> bool:
-    """Runs gluon_bwd.py's dK/dV kernel where SCHEDULE["dkdv"] names one of its configs and it supports the call;
-    False (and the reason logged once) where the Triton kernel must run it."""
-    if SCHEDULE["dkdv"] == "triton":
+    """Runs gluon_bwd.py's dK/dV kernel where SCHEDULE["dkdv"] names one of its configs (or is "auto" and
+    gluon_bwd.choose picks one for the head dims) and it supports the call; False (and the reason logged once) where
+    the Triton kernel runs it."""
+    config = SCHEDULE["dkdv"]
+    if config == "triton":
         return False
     why = gluon_bwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
+    if why is None and config == "auto":
+        config, why = gluon_bwd.choose(q.shape[-1], v.shape[-1])
     if why is not None:
         say_once(f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})")
         return False
     gluon_bwd.dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal=causal,
-                   softmax_scale=softmax_scale, config=SCHEDULE["dkdv"])
+                   softmax_scale=softmax_scale, config=config)
     return True
 
 
@@ -310,6 +314,33 @@ def _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, fla
         *inputs,
         dk, dk.stride(0), dk.stride(1),
         dv, dv.stride(0), dv.stride(1),
+        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
+
+
+def _gluon_dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal, softmax_scale, alibi_slopes) -> bool:
+    """Runs gluon_dq.py's kernel where SCHEDULE["dq"] names one of its configs and it takes the call; False (and the
+    reason logged once) where the Triton kernel must run it."""
+    if SCHEDULE["dq"] == "triton":
+        return False
+    why = gluon_dq.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
+    why = why or gluon_dq.fits(q.shape[-1], v.shape[-1], SCHEDULE["dq"])
+    if why is not None:
+        say_once(f"mla_attention backward: the Triton dQ kernel, not the Gluon one ({why})")
+        return False
+    gluon_dq.dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal=causal, softmax_scale=softmax_scale,
+                config=SCHEDULE["dq"])
+    return True
+
+
+def _triton_dq(inputs, dq, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_q, causal):
+    """Launches _bwd_dq_kernel (scales: qk_scale, sm_scale, Dqk, Dv)."""
+    cfg = launch_config("dq", *scales[2:])
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, dq.shape[0], max_seqlen_q, h, cfg["BLOCK_M"],
+                                 key_blocks=False, causal=causal)
+    _bwd_dq_kernel[grid](
+        *inputs,
+        dq, dq.stride(0), dq.stride(1),
         cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
         *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
 
@@ -357,12 +388,7 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
     if not _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
                        alibi_slopes):
         _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_k, causal)
-    cfg = launch_config("dq", d_qk, d_v)
-    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
-                                 causal=causal)
-    _bwd_dq_kernel[grid](
-        *inputs,
-        dq, dq.stride(0), dq.stride(1),
-        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
+    if not _gluon_dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal, softmax_scale,
+                     alibi_slopes):
+        _triton_dq(inputs, dq, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_q, causal)
     return dq, dk, dv

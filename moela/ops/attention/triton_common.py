@@ -63,10 +63,14 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #             gluon_fwd.DEFAULT): the warp-specialized Gluon forward on sm_90 for the calls it supports (bf16,
 #             192/128, 96/64, 128/128 and the like, no ALiBi, the work-list grid; gluon_fwd.supports), the Triton
 #             kernel for the others. 12-23% faster forward, +1.3-1.8% tokens/s in `small`'s step (gluon_fwd.py)
-#   dkdv      "triton": the dK/dV kernel of triton_bwd.py; or a config name of gluon_bwd.CONFIGS: the warp-specialized
-#             Gluon dK/dV kernel for the calls it supports (the same as the Gluon forward's), the Triton kernel for the
-#             others
-SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "triton"}
+#   dkdv      "auto" (default): the warp-specialized Gluon dK/dV kernel (gluon_bwd.py, its AUTO config) for the calls
+#             it supports at head dims where it measured faster (Dqk + Dv <= 160, e.g. `small`'s 96/64: -20% dK/dV
+#             kernel time in the step), the Triton kernel of triton_bwd.py for the others (192/128: Triton's is
+#             faster); "triton": always the Triton kernel; a gluon_bwd.CONFIGS name: that config wherever supported
+#   dq        "triton": the dQ kernel of triton_bwd.py; or a config name of gluon_dq.CONFIGS: the warp-specialized Gluon
+#             dQ kernel for the calls it supports and whose head dims the config's shared memory fits, the Triton
+#             kernel for the others
+SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "auto", "dq": "triton"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller

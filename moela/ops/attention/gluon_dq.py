@@ -1,0 +1,301 @@
+"""The dQ kernel of the attention backward for Hopper (sm_90) in Gluon, warp-specialized on the scaffolding of
+gluon_fwd.py. It computes what triton_bwd.py's dQ kernel computes, `dq_i = scale * sum_j p_ij (dO_i . v_j -
+delta_i) k_j` with p recomputed from q, k and the forward's lse, over the same query-block work list, and replaces
+it where triton_common.SCHEDULE["dq"] names one of its configs and `supports` takes the call.
+
+Why: the dQ kernel is the forward's shape (a query tile streams the key blocks of its document), so the forward's
+warp specialization carries over: a producer warp loads the tile's Q and dO once and K and V of every key block
+into a ring, and the two consumer warpgroups (64 query rows each, 240 registers: dQ [64 x 192] fp32 is 96 of them)
+only issue products and do the elementwise work. Triton's single partition of 8 warps issues its own loads and
+waits for every product before the next.
+
+Per program: 128 query rows of one head (work-list entry x head, costliest first). Per key block j and consumer
+warpgroup: S = Q K_j^T and dP = dO V_j^T (A from shared memory), P = exp2(S scale - lse), masked only in blocks that
+cross the causal diagonal or the document's end, dS = P (dP - delta), then dQ += dS K_j with dS in registers as
+the A operand. With `pipeline` the next block's S and dP are issued behind dQ's product before the wait, so the
+tensor cores have the next work queued. A row that sees no key has lse = -inf: its P is 0 (the lse is read as +inf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:
+    gluon = None
+else:
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+from moela.ops.triton_env import HOPPER_SHARED_BYTES
+
+__all__ = ["CONFIGS", "dq", "shared_bytes", "supports"]
+
+BM = 128  # query rows per program: two consumer warpgroups of 64
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class GluonDqConfig:
+    """Key block rows (BN), the ring's depth, and whether the next block's products are queued before the wait."""
+
+    block_n: int
+    stages: int
+    pipeline: bool = False
+
+
+CONFIGS: dict[str, GluonDqConfig] = {
+    "gluon_dq_bn64": GluonDqConfig(64, 3),
+    "gluon_dq_bn64_pipe": GluonDqConfig(64, 3, pipeline=True),
+    "gluon_dq_bn128": GluonDqConfig(128, 2),
+}
+
+
+def shared_bytes(d_qk: int, d_v: int, cfg: GluonDqConfig) -> int:
+    """Shared memory of one program: the query tile's Q and dO, the ring of K and V, the barriers."""
+    return 2 * (BM * (d_qk + d_v) + cfg.stages * cfg.block_n * (d_qk + d_v)) + 8 * (1 + 3 * cfg.stages)
+
+
+if gluon is not None:
+    _BM = gl.constexpr(BM)
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.constexpr_function
+    def _rest_width(d_qk, d_main):
+        """The second part of Dqk (d_main itself when there is none: the unused tiles keep a valid shape)."""
+        d_qk, d_main = getattr(d_qk, "value", d_qk), getattr(d_main, "value", d_main)
+        return d_qk - d_main if d_qk > d_main else d_main
+
+    @gluon.constexpr_function
+    def _acc_layout(n):
+        n = getattr(n, "value", n)
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _a_layout(n):
+        """Register layout of a [64, BN] bf16 tile as the A operand of a wgmma whose result is [64, n]."""
+        return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(n), k_width=2)
+
+    @gluon.jit
+    def _query_tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
+        """Tile t's head, document span and key blocks (as gluon_fwd._tile): (head, q_start, q_len, k_start, k_len,
+        start_m, q_shift, n_blocks); an unused work-list entry gets n_blocks = 0."""
+        head = t % n_heads
+        item = t // n_heads
+        doc = gl.load(ITEMS + item)
+        valid = doc >= 0
+        doc = gl.maximum(doc, 0)
+        q_start = gl.load(CU_Q + doc)
+        q_len = gl.where(valid, gl.load(CU_Q + doc + 1) - q_start, 0)
+        k_start = gl.load(CU_K + doc)
+        k_len = gl.load(CU_K + doc + 1) - k_start
+        start_m = gl.load(ITEMS + n_items + item) * _BM
+        q_shift = k_len - q_len
+        if CAUSAL:
+            end = gl.maximum(gl.minimum(k_len, start_m + _BM + q_shift), 0)
+        else:
+            end = k_len
+        n_blocks = gl.where(valid & (start_m < q_len), gl.cdiv(end, BN), 0)
+        return head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks
+
+    @gluon.jit
+    def _producer(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_main, q_rest, do_tile, k_ring, kr_ring,
+                  v_ring, q_bar, ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, D_QK: gl.constexpr,
+                  D_MAIN: gl.constexpr, D_V: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: the tile's Q and dO once, then K and V of every key block into the ring."""
+        head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _query_tile(
+            gl.program_id(0), CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BN)
+        if n_blocks > 0:
+            mbarrier.expect(q_bar, _BM * (D_QK + D_V) * 2)
+            _tma_load(q_desc, [q_start + start_m, head * D_QK], q_bar, q_main)
+            if HAS_REST:
+                _tma_load(qr_desc, [q_start + start_m, head * D_QK + D_MAIN], q_bar, q_rest)
+            _tma_load(do_desc, [q_start + start_m, head * D_V], q_bar, do_tile)
+        for j in range(n_blocks):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            row = k_start + j * BN
+            mbarrier.expect(ready.index(slot), BN * (D_QK + D_V) * 2)
+            _tma_load(k_desc, [row, head * D_QK], ready.index(slot), k_ring.index(slot))
+            if HAS_REST:
+                _tma_load(kr_desc, [row, head * D_QK + D_MAIN], ready.index(slot), kr_ring.index(slot))
+            _tma_load(v_desc, [row, head * D_V], ready.index(slot), v_ring.index(slot))
+
+    @gluon.jit
+    def _issue_products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, j, HAS_REST: gl.constexpr, BN: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """Block j's S = Q K^T and dP = dO V^T ([64 rows, BN keys]) issued once its K and V have landed."""
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        zeros = gl.zeros([64, BN], gl.float32, _acc_layout(BN))
+        s = warpgroup_mma(qm, k_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        if HAS_REST:
+            s = warpgroup_mma(qr, kr_ring.index(slot).permute((1, 0)), s, is_async=True)
+        dp = warpgroup_mma(dow, v_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        return s, dp
+
+    @gluon.jit
+    def _products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, j, HAS_REST: gl.constexpr, BN: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """_issue_products, waited for."""
+        s, dp = _issue_products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, j, HAS_REST, BN, STAGES)
+        s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+        return s, dp
+
+    @gluon.jit
+    def _consumer(q_main, q_rest, do_tile, k_ring, kr_ring, v_ring, q_bar, ready, empty, LSE, DELTA, stride_lh, DQ,
+                  stride_dqt, stride_dqh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale, sm_scale,
+                  D_QK: gl.constexpr, D_MAIN: gl.constexpr, HAS_REST: gl.constexpr, CAUSAL: gl.constexpr,
+                  BN: gl.constexpr, STAGES: gl.constexpr, PIPELINE: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of the tile; dQ in registers, stored at the end."""
+        D_REST: gl.constexpr = _rest_width(D_QK, D_MAIN)
+        s_layout: gl.constexpr = _acc_layout(BN)
+        qm_layout: gl.constexpr = _acc_layout(D_MAIN)
+        qr_layout: gl.constexpr = _acc_layout(D_REST)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _query_tile(
+            gl.program_id(0), CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BN)
+        row0 = start_m + WG * 64
+        rows = row0 + gl.arange(0, 64, layout=row_s)
+        q_pos = rows + q_shift  # the rows' positions on the key side
+        if CAUSAL:  # key blocks every row of this warpgroup sees whole: no mask
+            n_full = gl.maximum(gl.minimum(k_len, row0 + q_shift + 1), 0) // BN
+        else:
+            n_full = k_len // BN
+        dq_main = gl.zeros([64, D_MAIN], gl.float32, qm_layout)
+        dq_rest = gl.zeros([64, D_REST], gl.float32, qr_layout)
+        if n_blocks > 0:
+            lse = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)  # a row that sees no key: p = 0
+            delta = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
+            mbarrier.wait(q_bar, 0)
+            qm = q_main.slice(WG * 64, 64)
+            qr = q_rest.slice(WG * 64, 64)
+            dow = do_tile.slice(WG * 64, 64)
+            s, dp = _products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, 0, HAS_REST, BN, STAGES)
+            for j in range(n_blocks):
+                slot = j % STAGES
+                p = gl.exp2(s * qk_scale - lse2[:, None])
+                if j >= n_full:  # the diagonal or the document's last partial block
+                    cols = j * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+                    keep = cols[None, :] < k_len
+                    if CAUSAL:
+                        keep = keep & (cols[None, :] <= q_pos[:, None])
+                    p = gl.where(keep, p, 0.0)
+                ds16 = (p * (dp - delta[:, None])).to(gl.bfloat16)
+                # dQ += dS K (dS from registers); the products in flight under their own names, since both branches
+                # below wait for them
+                dqm_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_MAIN)), k_ring.index(slot), dq_main,
+                                      is_async=True)
+                dqr_f = dq_rest
+                if HAS_REST:
+                    dqr_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_REST)), kr_ring.index(slot), dq_rest,
+                                          is_async=True)
+                if PIPELINE and j + 1 < n_blocks:
+                    s_next, dp_next = _issue_products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, j + 1, HAS_REST,
+                                                      BN, STAGES)
+                    s, dp, dq_main, dq_rest = warpgroup_mma_wait(0, deps=[s_next, dp_next, dqm_f, dqr_f])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                else:
+                    dq_main, dq_rest = warpgroup_mma_wait(0, deps=[dqm_f, dqr_f])
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    if j + 1 < n_blocks:
+                        s, dp = _products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, j + 1, HAS_REST, BN, STAGES)
+        # dq = scale * sum dS K; rows past the document are not stored
+        rows_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qm_layout))
+        cols_m = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, qm_layout))
+        base = DQ + (q_start + rows_m)[:, None].to(gl.int64) * stride_dqt + head * stride_dqh
+        gl.store(base + cols_m[None, :], (dq_main * sm_scale).to(gl.bfloat16),
+                 mask=(rows_m[:, None] < q_len) & (cols_m[None, :] < D_MAIN))
+        if HAS_REST:
+            rows_r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qr_layout))
+            cols_r = gl.arange(0, D_REST, layout=gl.SliceLayout(0, qr_layout))
+            base_r = DQ + (q_start + rows_r)[:, None].to(gl.int64) * stride_dqt + head * stride_dqh + D_MAIN
+            gl.store(base_r + cols_r[None, :], (dq_rest * sm_scale).to(gl.bfloat16),
+                     mask=(rows_r[:, None] < q_len) & (cols_r[None, :] < D_REST))
+
+    @gluon.jit
+    def _dq_kernel(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, LSE, DELTA, stride_lh, DQ, stride_dqt,
+                   stride_dqh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale, sm_scale, D_QK: gl.constexpr,
+                   D_MAIN: gl.constexpr, D_V: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr,
+                   STAGES: gl.constexpr, PIPELINE: gl.constexpr):
+        """One program per (work-list query block, head): dq [Tq, H, Dqk] of 128 query rows."""
+        HAS_REST: gl.constexpr = D_QK > D_MAIN
+        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_MAIN], q_desc.layout)
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_MAIN], k_desc.layout)
+        if HAS_REST:
+            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - D_MAIN], qr_desc.layout)
+            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - D_MAIN], kr_desc.layout)
+        else:
+            q_rest = q_main
+            kr_ring = k_ring
+        do_tile = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_V], do_desc.layout)
+        v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_V], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        # (the partitions' arguments as literal tuples: a tuple held in a variable turns constexprs into tensors)
+        gl.warp_specialize([
+            (_consumer, (q_main, q_rest, do_tile, k_ring, kr_ring, v_ring, q_bar, ready, empty, LSE, DELTA,
+                         stride_lh, DQ, stride_dqt, stride_dqh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale,
+                         sm_scale, D_QK, D_MAIN, HAS_REST, CAUSAL, BN, STAGES, PIPELINE, 0)),
+            (_consumer, (q_main, q_rest, do_tile, k_ring, kr_ring, v_ring, q_bar, ready, empty, LSE, DELTA,
+                         stride_lh, DQ, stride_dqt, stride_dqh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale,
+                         sm_scale, D_QK, D_MAIN, HAS_REST, CAUSAL, BN, STAGES, PIPELINE, 1)),
+            (_producer, (q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_main, q_rest, do_tile, k_ring, kr_ring,
+                         v_ring, q_bar, ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, D_QK, D_MAIN, D_V,
+                         HAS_REST, CAUSAL, BN, STAGES)),
+        ], [4, 1], [240, 24])
+
+
+def dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, dq_out: torch.Tensor, *, causal: bool,
+       softmax_scale: float, config: str) -> None:
+    """Fills dq_out [Tq, H, Dqk] (bf16) as triton_bwd's dQ kernel does, from delta [H, Tq] (rowsum(dO * O) - dlse)
+    and the forward's lse [H, Tq]; the caller checked `supports` and `fits`."""
+    from moela.ops.attention.triton_worklist import cached_worklist
+
+    cfg = CONFIGS[config]
+    tq, h, d_qk = q.shape
+    d_v = v.shape[-1]
+    if k.shape[0] == 0:  # no keys: no query sees one
+        dq_out.zero_()
+        return
+    items = cached_worklist(cu_seqlens_q, cu_seqlens_k, tq, BM, key_blocks=False, causal=causal)
+    q2, k2, v2, do2 = _rows(q), _rows(k), _rows(v), _rows(dout)
+    main, rest = head_split(d_qk)
+    bn = cfg.block_n
+    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
+    k_desc = TensorDescriptor.from_tensor(k2, [bn, main], _layout(bn, main))
+    qr_desc, kr_desc = q_desc, k_desc
+    if rest:
+        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
+        kr_desc = TensorDescriptor.from_tensor(k2, [bn, rest], _layout(bn, rest))
+    do_desc = TensorDescriptor.from_tensor(do2, [BM, d_v], _layout(BM, d_v))
+    v_desc = TensorDescriptor.from_tensor(v2, [bn, d_v], _layout(bn, d_v))
+    n_items = items.shape[1]
+    _dq_kernel[(n_items * h, )](
+        q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse, delta, lse.stride(0), dq_out, dq_out.stride(0),
+        dq_out.stride(1), cu_seqlens_q, cu_seqlens_k, items, n_items, h, softmax_scale * LOG2E, softmax_scale,
+        D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=causal, BN=bn, STAGES=cfg.stages, PIPELINE=cfg.pipeline,
+        num_warps=4)
+
+
+def fits(d_qk: int, d_v: int, config: str) -> str | None:
+    """None when `config` fits an H100/H200 at these head dims, else why not."""
+    need = shared_bytes(d_qk, d_v, CONFIGS[config])
+    if need > HOPPER_SHARED_BYTES:
+        return f"{config} needs {need} bytes of shared memory at head dims {d_qk}/{d_v} (the GPU has " \
+               f"{HOPPER_SHARED_BYTES})"
+    return None
