@@ -124,8 +124,8 @@ def all_cases() -> list[Case]:
         Case("B=1 S=16384", [16384], quick=False),
         Case(ZIPF, zipf, variants=True),
         Case(LOGNORMAL, lognormal, variants=True),
-        Case("128/128 B=2 S=8192", [8192] * 2, d_qk=128),
-        Case(f"128/128 {LOGNORMAL}", lognormal, d_qk=128),
+        Case("128/128 B=2 S=8192", [8192] * 2, d_qk=128, variants=True),
+        Case(f"128/128 {LOGNORMAL}", lognormal, d_qk=128, variants=True),
         Case(f"z-loss {LOGNORMAL}", lognormal, feature="zloss"),
         Case("z-loss B=2 S=8192", [8192] * 2, feature="zloss", quick=False),
         Case("ALiBi B=2 S=8192", [8192] * 2, feature="alibi"),
@@ -148,6 +148,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     # Triton one (the default `auto` picks per head dims); the warp-specialized Gluon dQ kernel (gluon_dq.py) in each
     # of its configs (with the default dK/dV)
     "triton, triton dkdv": ({"dkdv": "triton"}, {}),
+    "triton, triton dq": ({"dq": "triton"}, {}),
+    "triton, triton backward (previous)": ({"dkdv": "triton", "dq": "triton"}, {}),
     **{f"triton, {name}": ({"dkdv": name}, {}) for name in gluon_bwd.CONFIGS},
     **{f"triton, {name}": ({"dq": name}, {}) for name in gluon_dq.CONFIGS},
 }

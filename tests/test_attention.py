@@ -485,7 +485,7 @@ GLUON_DQ_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_dq").CONF
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GLUON_DQ_CONFIGS)
+@pytest.mark.parametrize("config", GLUON_DQ_CONFIGS + ["auto"])
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
     (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
     (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
@@ -504,15 +504,16 @@ def test_gluon_dq_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, le
                             None)
     if why is not None:
         pytest.skip(f"the Gluon dQ kernel cannot run here: {why}")
-    if gluon_dq.fits(d_qk, d_v, config) is not None:
-        pytest.skip(gluon_dq.fits(d_qk, d_v, config))
+    runs = gluon_dq.AUTO if config == "auto" else config
+    if gluon_dq.fits(d_qk, d_v, runs) is not None:
+        pytest.skip(gluon_dq.fits(d_qk, d_v, runs))
     monkeypatch.setitem(triton_mod.SCHEDULE, "dq", config)
     calls = []
     launch = gluon_dq.dq
     monkeypatch.setattr(gluon_dq, "dq", lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_q),
                           backend="triton")
-    assert calls == [config], "the Gluon dQ kernel did not run"
+    assert calls == [runs], "the Gluon dQ kernel did not run"
 
 
 @pytest.mark.gpu
@@ -563,8 +564,9 @@ def test_backward_says_once_why_the_gluon_kernels_do_not_run(monkeypatch, caplog
 
 
 def test_gluon_backward_auto_choice_and_shared_memory():
-    """`auto` runs the Gluon dK/dV kernel only at head dims where it measured faster (96/64), never at 192/128; every
-    config's shared memory fits an H200 at the head dims it is tested on, and gluon_dq.fits says which do not."""
+    """`auto` runs the Gluon dK/dV kernel only at head dims where it measured faster (96/64), never at 192/128, and the
+    Gluon dQ kernel's AUTO config, which fits MLA's heads; every dK/dV config's shared memory fits an H200 at the
+    head dims it is tested on, and gluon_dq.fits says which dQ configs do not."""
     from moela.ops.attention import gluon_bwd, gluon_dq
 
     assert gluon_bwd.choose(96, 64) == (gluon_bwd.AUTO, None)
@@ -574,4 +576,5 @@ def test_gluon_backward_auto_choice_and_shared_memory():
         for d_qk, d_v in ((192, 128), (96, 64), (128, 128)):
             assert gluon_bwd.shared_bytes(d_qk, d_v, bm) <= gluon_bwd.HOPPER_SHARED_BYTES
     assert gluon_dq.fits(96, 64, "gluon_dq_bn128") is None and gluon_dq.fits(192, 128, "gluon_dq_bn64") is None
+    assert gluon_dq.AUTO in gluon_dq.CONFIGS and gluon_dq.fits(192, 128, gluon_dq.AUTO) is None
     assert "shared memory" in gluon_dq.fits(192, 128, "gluon_dq_bn128")

@@ -35,7 +35,7 @@ else:
 from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
-__all__ = ["CONFIGS", "dq", "shared_bytes", "supports"]
+__all__ = ["AUTO", "CONFIGS", "dq", "fits", "shared_bytes", "supports"]
 
 BM = 128  # query rows per program: two consumer warpgroups of 64
 LOG2E = 1.4426950408889634
@@ -55,6 +55,11 @@ CONFIGS: dict[str, GluonDqConfig] = {
     "gluon_dq_bn64_pipe": GluonDqConfig(64, 3, pipeline=True),
     "gluon_dq_bn128": GluonDqConfig(128, 2),
 }
+# The `auto` config (triton_common.SCHEDULE["dq"]), measured side by side with the Triton dQ kernel
+# (bench/notes/attention.md, run 44): fwd+bwd 6.752 -> 6.453 ms at 192/128 B=2 S=8192, 5.964 -> 5.652 ms at 96/64
+# on 40 packed documents; in `small`'s training step the dQ kernel 28.0 -> 23.3 ms a step. bn64_pipe was no
+# better (6.711 / 5.616 ms), bn128 fits only narrow heads and was slower at 96/64 (6.440 ms).
+AUTO = "gluon_dq_bn64"
 
 
 def shared_bytes(d_qk: int, d_v: int, cfg: GluonDqConfig) -> int:

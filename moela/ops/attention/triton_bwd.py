@@ -319,17 +319,18 @@ def _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, fla
 
 
 def _gluon_dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal, softmax_scale, alibi_slopes) -> bool:
-    """Runs gluon_dq.py's kernel where SCHEDULE["dq"] names one of its configs and it takes the call; False (and the
-    reason logged once) where the Triton kernel must run it."""
-    if SCHEDULE["dq"] == "triton":
+    """Runs gluon_dq.py's kernel where SCHEDULE["dq"] names one of its configs (or is "auto": gluon_dq.AUTO) and it
+    takes the call; False (and the reason logged once) where the Triton kernel runs it."""
+    config = gluon_dq.AUTO if SCHEDULE["dq"] == "auto" else SCHEDULE["dq"]
+    if config == "triton":
         return False
     why = gluon_dq.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
-    why = why or gluon_dq.fits(q.shape[-1], v.shape[-1], SCHEDULE["dq"])
+    why = why or gluon_dq.fits(q.shape[-1], v.shape[-1], config)
     if why is not None:
         say_once(f"mla_attention backward: the Triton dQ kernel, not the Gluon one ({why})")
         return False
     gluon_dq.dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal=causal, softmax_scale=softmax_scale,
-                config=SCHEDULE["dq"])
+                config=config)
     return True
 
 

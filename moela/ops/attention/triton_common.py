@@ -67,10 +67,11 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #             it supports at head dims where it measured faster (Dqk + Dv <= 160, e.g. `small`'s 96/64: -20% dK/dV
 #             kernel time in the step), the Triton kernel of triton_bwd.py for the others (192/128: Triton's is
 #             faster); "triton": always the Triton kernel; a gluon_bwd.CONFIGS name: that config wherever supported
-#   dq        "triton": the dQ kernel of triton_bwd.py; or a config name of gluon_dq.CONFIGS: the warp-specialized Gluon
-#             dQ kernel for the calls it supports and whose head dims the config's shared memory fits, the Triton
-#             kernel for the others
-SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "auto", "dq": "triton"}
+#   dq        "auto" (default): the warp-specialized Gluon dQ kernel (gluon_dq.py, its AUTO config) for the calls it
+#             supports (4-5% faster fwd+bwd at 192/128 and 96/64, -17% dQ kernel time in `small`'s step), the Triton
+#             kernel of triton_bwd.py for the others; "triton": always the Triton kernel; a gluon_dq.CONFIGS name:
+#             that config where it supports the call and its shared memory fits the head dims
+SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "auto", "dq": "auto"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
