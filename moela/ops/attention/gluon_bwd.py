@@ -1,13 +1,12 @@
 """The dK/dV kernel of the attention backward for Hopper (sm_90) in Gluon, warp-specialized on the scaffolding of
 gluon_fwd.py. It computes what triton_bwd.py's dK/dV kernel computes, from the same inputs (q, k, v, dO, the
 forward's lse, the preprocess's delta) over the same key-block work list, and replaces it where
-triton_common.SCHEDULE["dkdv"] names one of its configs and `supports` takes the call; the dQ kernel stays Triton's.
+triton_common.SCHEDULE["dkdv"] selects it (`auto`: the head dims of `choose`) and `supports` takes the call; dQ is
+gluon_dq.py's kernel (or Triton's).
 
-Why: the Triton dK/dV kernel (32 x 128 tiles, 8 warps) keeps dK [128 x 192] and dV [128 x 128] in fp32 registers
-in one partition that also issues the loads and waits for every product before the next step
-(bench/notes/attention.md, "Next: the backward in Gluon"). Here a producer warp does the loads and the two MMA
-warpgroups get 240 registers each (setmaxnreg), so each holds its 64 keys' dK and dV (64 x 192 + 64 x 128 fp32: 160
-registers a thread) with room for a query step's scores.
+Why: the Triton dK/dV kernel (32 x 128 tiles, 8 warps) keeps dK and dV in fp32 registers in one partition that also
+issues the loads, stages lse and delta, and waits for every product before the next step. Here a producer warp does
+the loads and the two MMA warpgroups get 240 registers each (setmaxnreg), each holding its 64 keys' dK and dV.
 
 Per program: a key block of 128 keys of one head, keys [64 g, 64 g + 64) on consumer warpgroup g. The producer warp
 loads the block's K and V once, then Q and dO of every query step of BM rows (32 or 64, the config) into a ring of 3.
@@ -19,9 +18,12 @@ next. A step's ring slot is released when its dV and dK products are done. Query
 step's), keys past it and pairs above the causal diagonal are masked; rows that see no key have lse = -inf and
 every pair masked.
 
-Register budget at 192/128: BM = 32 keeps S^T, dP^T and the bf16 operands at ~50 registers above the 160; BM = 64
-(twice the rows per K and V read from shared memory) needs ~100 and spills a little (tests/sm90_compile.py reports
-the spill bytes). Which config is faster is the benchmark's to say (bench/attention.py's `dkdv` variant rows).
+Register budget: at 96/64 dK and dV take 80 of a consumer's 240 registers and nothing spills; at 192/128 they take
+160, and the scores, the bf16 operands and the row statistics push it to spill (tests/sm90_compile.py reports the
+bytes). Measured (bench/notes/attention.md, runs 42-45, one H200): at 96/64 the bm64 config's kernel time in
+`small`'s training step is 35.3 ms against the Triton kernel's 44.1-44.4 (-20%); at 192/128 every config is
+slower than the Triton kernel (fwd+bwd +0.4 to +1.5 ms), which keeps those calls (`choose`, SCHEDULE["dkdv"] =
+"auto"). The other configs stay for the benchmark's variant rows.
 """
 
 from __future__ import annotations
