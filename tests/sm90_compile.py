@@ -160,7 +160,7 @@ def attention_gluon_kernels():
                     kr_desc=desc(bn, r), v_desc=desc(bn, dv), LSE="*fp32", DELTA="*fp32", stride_lh=4096, DQ="*bf16",
                     stride_dqt=16 * dqk, stride_dqh=dqk, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000,
                     n_heads=16, qk_scale=0.1, sm_scale=0.07, D_QK=dqk, D_MAIN=m, D_V=dv, CAUSAL=True, BN=bn,
-                    STAGES=cfg.stages, PIPELINE=cfg.pipeline)
+                    STAGES=cfg.stages, PIPELINE=cfg.pipeline, NUM_PROGRAMS=132)
         out[f"attention {name} {dqk}/{dv}"] = compile_sm90(dq._dq_kernel, args, num_warps=4, require=(
             f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
             "cp.async.bulk.tensor"))
