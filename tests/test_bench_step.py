@@ -403,7 +403,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
                                                             "moela-dkdv-bm32_pipe", "moela-dkdv-bm64",
                                                             "moela-dkdv-bm64_pipe", "moela-dq-bn64",
-                                                            "moela-dq-bn64_pipe", "moela-dq-bn128")
+                                                            "moela-dq-bn64_pipe", "moela-dq-bn128",
+                                                            "moela-dq-bn64_persistent")
                         for size in ("16k", "64k")],
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]

@@ -41,6 +41,9 @@ else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+
+if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
+    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "choose", "dkdv", "shared_bytes", "supports"]
@@ -79,22 +82,6 @@ if gluon is not None:
     _BN = gl.constexpr(BN)
     STAGES_C = gl.constexpr(STAGES)
     _LOG2E = gl.constexpr(LOG2E)
-
-    @gluon.constexpr_function
-    def _rest_width(d_qk, d_main):
-        """The second part of Dqk (d_main itself when there is none: the unused tiles keep a valid shape)."""
-        d_qk, d_main = getattr(d_qk, "value", d_qk), getattr(d_main, "value", d_main)
-        return d_qk - d_main if d_qk > d_main else d_main
-
-    @gluon.constexpr_function
-    def _acc_layout(n):
-        n = getattr(n, "value", n)
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-    @gluon.constexpr_function
-    def _a_layout(n):
-        """Register layout of a [64, BM] bf16 tile as the A operand of a wgmma whose result is [64, n]."""
-        return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(n), k_width=2)
 
     @gluon.jit
     def _key_tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BM: gl.constexpr):
@@ -147,7 +134,7 @@ if gluon is not None:
         """Step i's S^T = K Q^T and dP^T = V dO^T ([64 keys, BM queries]) issued once its Q and dO have landed."""
         slot = i % STAGES_C
         mbarrier.wait(ready.index(slot), (i // STAGES_C) & 1)
-        zeros = gl.zeros([64, BM], gl.float32, _acc_layout(BM))  # (made here: not a tensor held across the loop)
+        zeros = gl.zeros([64, BM], gl.float32, _mma_layout(BM))  # (made here: not a tensor held across the loop)
         st = warpgroup_mma(km, q_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         if HAS_REST:
             st = warpgroup_mma(kr, qr_ring.index(slot).permute((1, 0)), st, is_async=True)
@@ -177,10 +164,10 @@ if gluon is not None:
                   WG: gl.constexpr):
         """Consumer warpgroup WG: keys [64 WG, 64 WG + 64) of the block; dK and dV in registers, stored at the end."""
         D_REST: gl.constexpr = _rest_width(D_QK, D_MAIN)
-        s_layout: gl.constexpr = _acc_layout(BM)
-        km_layout: gl.constexpr = _acc_layout(D_MAIN)
-        kr_layout: gl.constexpr = _acc_layout(D_REST)
-        v_layout: gl.constexpr = _acc_layout(D_V)
+        s_layout: gl.constexpr = _mma_layout(BM)
+        km_layout: gl.constexpr = _mma_layout(D_MAIN)
+        kr_layout: gl.constexpr = _mma_layout(D_REST)
+        v_layout: gl.constexpr = _mma_layout(D_V)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # per query (the columns of S^T)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # per key
         head, q_start, q_len, k_start, k_len, start_n, q_shift, lo, n_steps = _key_tile(
@@ -216,13 +203,14 @@ if gluon is not None:
                 # dV += P^T dO, dK += dS^T Q (A operands from registers), then the next step's scores queued behind
                 # them, so the tensor cores go from one to the other without waiting for this warpgroup
                 # (the products in flight under their own names: both branches below wait for them)
-                dv_f = warpgroup_mma(gl.convert_layout(pt16, _a_layout(D_V)), do_ring.index(slot), dv, is_async=True)
-                dkm_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_MAIN)), q_ring.index(slot), dk_main,
+                dv_f = warpgroup_mma(gl.convert_layout(pt16, _operand_layout(D_V)), do_ring.index(slot), dv,
+                                     is_async=True)
+                dkm_f = warpgroup_mma(gl.convert_layout(ds16, _operand_layout(D_MAIN)), q_ring.index(slot), dk_main,
                                       is_async=True)
                 dkr_f = dk_rest
                 if HAS_REST:
-                    dkr_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_REST)), qr_ring.index(slot), dk_rest,
-                                          is_async=True)
+                    dkr_f = warpgroup_mma(gl.convert_layout(ds16, _operand_layout(D_REST)), qr_ring.index(slot),
+                                          dk_rest, is_async=True)
                 if PIPELINE and i + 1 < n_steps:
                     st_next, dpt_next = _issue_scores(km, kr, vw, q_ring, qr_ring, do_ring, ready, i + 1, HAS_REST,
                                                       BM)

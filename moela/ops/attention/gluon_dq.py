@@ -32,12 +32,16 @@ except ImportError:
 else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+from moela.ops.attention import gluon_fwd
 from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+
+if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
+    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _tile
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "dq", "fits", "shared_bytes", "supports"]
 
-BM = 128  # query rows per program: two consumer warpgroups of 64
+BM = gluon_fwd.BM  # query rows per program (two consumer warpgroups of 64): the forward's tiles, which _tile reads
 LOG2E = 1.4426950408889634
 
 
@@ -75,44 +79,6 @@ if gluon is not None:
     _BM = gl.constexpr(BM)
     _LOG2E = gl.constexpr(LOG2E)
 
-    @gluon.constexpr_function
-    def _rest_width(d_qk, d_main):
-        """The second part of Dqk (d_main itself when there is none: the unused tiles keep a valid shape)."""
-        d_qk, d_main = getattr(d_qk, "value", d_qk), getattr(d_main, "value", d_main)
-        return d_qk - d_main if d_qk > d_main else d_main
-
-    @gluon.constexpr_function
-    def _acc_layout(n):
-        n = getattr(n, "value", n)
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-    @gluon.constexpr_function
-    def _a_layout(n):
-        """Register layout of a [64, BN] bf16 tile as the A operand of a wgmma whose result is [64, n]."""
-        return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(n), k_width=2)
-
-    @gluon.jit
-    def _query_tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
-        """Tile t's head, document span and key blocks (as gluon_fwd._tile): (head, q_start, q_len, k_start, k_len,
-        start_m, q_shift, n_blocks); an unused work-list entry gets n_blocks = 0."""
-        head = t % n_heads
-        item = t // n_heads
-        doc = gl.load(ITEMS + item)
-        valid = doc >= 0
-        doc = gl.maximum(doc, 0)
-        q_start = gl.load(CU_Q + doc)
-        q_len = gl.where(valid, gl.load(CU_Q + doc + 1) - q_start, 0)
-        k_start = gl.load(CU_K + doc)
-        k_len = gl.load(CU_K + doc + 1) - k_start
-        start_m = gl.load(ITEMS + n_items + item) * _BM
-        q_shift = k_len - q_len
-        if CAUSAL:
-            end = gl.maximum(gl.minimum(k_len, start_m + _BM + q_shift), 0)
-        else:
-            end = k_len
-        n_blocks = gl.where(valid & (start_m < q_len), gl.cdiv(end, BN), 0)
-        return head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks
-
     @gluon.jit
     def _producer(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_main, q_rest, do_tile, k_ring, kr_ring,
                   v_ring, q_bar, q_empty, ready, empty, CU_Q, CU_K, ITEMS, n_items, n_heads, NUM_PROGRAMS,
@@ -124,7 +90,7 @@ if gluon is not None:
         kv = 0
         n_q = 0  # query tiles loaded
         for t in range(gl.program_id(0), n_items * n_heads, NUM_PROGRAMS):
-            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _query_tile(
+            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _tile(
                 t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BN)
             if n_blocks > 0:
                 # (a fresh barrier's phase before its first counts as completed: the first wait passes)
@@ -152,7 +118,7 @@ if gluon is not None:
         """Ring block j's S = Q K^T and dP = dO V^T ([64 rows, BN keys]) issued once its K and V have landed."""
         slot = j % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        zeros = gl.zeros([64, BN], gl.float32, _acc_layout(BN))
+        zeros = gl.zeros([64, BN], gl.float32, _mma_layout(BN))
         s = warpgroup_mma(qm, k_ring.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
         if HAS_REST:
             s = warpgroup_mma(qr, kr_ring.index(slot).permute((1, 0)), s, is_async=True)
@@ -189,11 +155,11 @@ if gluon is not None:
             ds16 = (p * (dp - delta[:, None])).to(gl.bfloat16)
             # dQ += dS K (dS from registers); the products in flight under their own names, since both branches
             # below wait for them
-            dqm_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_MAIN)), k_ring.index(slot), dq_main,
+            dqm_f = warpgroup_mma(gl.convert_layout(ds16, _operand_layout(D_MAIN)), k_ring.index(slot), dq_main,
                                   is_async=True)
             dqr_f = dq_rest
             if HAS_REST:
-                dqr_f = warpgroup_mma(gl.convert_layout(ds16, _a_layout(D_REST)), kr_ring.index(slot), dq_rest,
+                dqr_f = warpgroup_mma(gl.convert_layout(ds16, _operand_layout(D_REST)), kr_ring.index(slot), dq_rest,
                                       is_async=True)
             if PIPELINE and j + 1 < n_blocks:
                 s_next, dp_next = _issue_products(qm, qr, dow, k_ring, kr_ring, v_ring, ready, kv + j + 1, HAS_REST,
@@ -219,9 +185,9 @@ if gluon is not None:
         """Consumer warpgroup WG: query rows [64 WG, 64 WG + 64) of each tile; dQ in registers, stored at its end.
         Counters kv (key blocks) and n_q (query tiles) follow the producer's."""
         D_REST: gl.constexpr = _rest_width(D_QK, D_MAIN)
-        s_layout: gl.constexpr = _acc_layout(BN)
-        qm_layout: gl.constexpr = _acc_layout(D_MAIN)
-        qr_layout: gl.constexpr = _acc_layout(D_REST)
+        s_layout: gl.constexpr = _mma_layout(BN)
+        qm_layout: gl.constexpr = _mma_layout(D_MAIN)
+        qr_layout: gl.constexpr = _mma_layout(D_REST)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         qm = q_main.slice(WG * 64, 64)
         qr = q_rest.slice(WG * 64, 64)
@@ -229,7 +195,7 @@ if gluon is not None:
         kv = 0
         n_q = 0
         for t in range(gl.program_id(0), n_items * n_heads, NUM_PROGRAMS):
-            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _query_tile(
+            head, q_start, q_len, k_start, k_len, start_m, q_shift, n_blocks = _tile(
                 t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL, BN)
             row0 = start_m + WG * 64
             rows = row0 + gl.arange(0, 64, layout=row_s)

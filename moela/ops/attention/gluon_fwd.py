@@ -145,9 +145,16 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.constexpr_function
-    def _p_layout(d_v):
-        """Register layout of P as the A operand of the P V wgmma (bf16 pairs, parent: the [64, Dv] result)."""
-        return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(d_v), k_width=2)
+    def _operand_layout(n):
+        """Register layout of a bf16 tile as the A operand of a wgmma whose result is [64, n] (bf16 pairs): P of
+        P V here, P^T / dS^T / dS in the backward's kernels."""
+        return gl.DotOperandLayout(operand_index=0, parent=_mma_layout(n), k_width=2)
+
+    @gluon.constexpr_function
+    def _rest_width(d_qk, d_main):
+        """The second part of Dqk (d_main itself when there is none: the unused tiles keep a valid shape)."""
+        d_qk, d_main = getattr(d_qk, "value", d_qk), getattr(d_main, "value", d_main)
+        return d_qk - d_main if d_qk > d_main else d_main
 
     @gluon.jit
     def _tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
@@ -285,7 +292,7 @@ if gluon is not None:
         (_tile_blocks), the store. Counters kv (key blocks) and n_q (query tiles) follow the producer's."""
         s_layout: gl.constexpr = _mma_layout(BN)
         o_layout: gl.constexpr = _mma_layout(D_V)
-        p_layout: gl.constexpr = _p_layout(D_V)
+        p_layout: gl.constexpr = _operand_layout(D_V)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         zeros = gl.zeros([64, BN], gl.float32, s_layout)
