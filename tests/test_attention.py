@@ -336,19 +336,23 @@ def gluon_forward_or_skip(monkeypatch, config: str):
     return calls
 
 
-GLUON_FWD_CONFIGS = list(gluon_fwd_module.CONFIGS)  # every config the benchmark times, the default among them
+GLUON_FWD_CONFIGS = list(gluon_fwd_module.CONFIGS)
+# The Gluon kernels' GPU cases (d_qk, d_v, lens_q, lens_k, causal): odd lengths, single-token and empty documents,
+# longer k than q (bottom-right alignment), full attention, 128/128, the `small` model's 96/64, graphed-batch padding
+GLUON_CASES = [
+    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
+    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),
+    (192, 128, [1000, 3000], [3000, 4096], False),
+    (128, 128, [1024, 513], [1024, 513], True),
+    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),
+    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),
+    (96, 64, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),
+]  # every config the benchmark times, the default among them
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GLUON_FWD_CONFIGS)
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
-    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
-    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
-    (192, 128, [1000, 3000], [3000, 4096], False),
-    (128, 128, [1024, 513], [1024, 513], True),
-    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
-    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
-])
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
 def test_gluon_forward_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
     """The warp-specialized Gluon forward (gluon_fwd.py) with the Triton backward, against float64: odd lengths,
     single-token and empty documents, longer k than q, full attention, 96/64 and 128/128, every config."""
@@ -451,14 +455,7 @@ GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").C
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + ["auto"])
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
-    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
-    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
-    (192, 128, [1000, 3000], [3000, 4096], False),
-    (128, 128, [1024, 513], [1024, 513], True),
-    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
-    (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
-])
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
 def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
     """The Gluon dK/dV kernel (gluon_bwd.py) in the Triton backend's backward, each config, against float64 with a
     gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents, longer k than q, full
@@ -486,14 +483,7 @@ GLUON_DQ_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_dq").CONF
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GLUON_DQ_CONFIGS + ["auto"])
-@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", [
-    (192, 128, [1, 7, 129, 300, 2049], [1, 7, 129, 300, 2049], True),
-    (192, 128, [1, 0, 33, 1, 700], [1, 0, 97, 1, 900], True),  # longer k: bottom-right alignment
-    (192, 128, [1000, 3000], [3000, 4096], False),
-    (128, 128, [1024, 513], [1024, 513], True),
-    (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),  # the `small` model's head dims
-    (96, 64, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),  # graphed-batch padding
-])
+@pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
 def test_gluon_dq_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
     """The Gluon dQ kernel (gluon_dq.py) in the Triton backend's backward, each config where its shared memory fits,
     against float64 with a gradient on the lse too: odd lengths, single-token and empty documents, longer k than q,

@@ -34,13 +34,12 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:
     gluon = None
 else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
-from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
     from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width
@@ -293,15 +292,9 @@ def dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, 
         return
     items = cached_worklist(cu_seqlens_q, cu_seqlens_k, k.shape[0], BN, key_blocks=True, causal=causal)
     q2, k2, v2, do2 = _rows(q), _rows(k), _rows(v), _rows(dout)
-    main, rest = head_split(d_qk)
-    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
-    k_desc = TensorDescriptor.from_tensor(k2, [BN, main], _layout(BN, main))
-    qr_desc, kr_desc = q_desc, k_desc
-    if rest:
-        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
-        kr_desc = TensorDescriptor.from_tensor(k2, [BN, rest], _layout(BN, rest))
-    v_desc = TensorDescriptor.from_tensor(v2, [BN, d_v], _layout(BN, d_v))
-    do_desc = TensorDescriptor.from_tensor(do2, [BM, d_v], _layout(BM, d_v))
+    main = head_split(d_qk)[0]
+    (q_desc, qr_desc), (k_desc, kr_desc) = _descs(q2, BM, d_qk), _descs(k2, BN, d_qk)
+    v_desc, do_desc = _descs(v2, BN, d_v, split=False), _descs(do2, BM, d_v, split=False)
     n_items = items.shape[1]
     _dkdv_kernel[(n_items * h, )](
         q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, lse, delta, lse.stride(0), dk, dk.stride(0), dk.stride(1),

@@ -26,14 +26,13 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:
     gluon = None
 else:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 from moela.ops.attention import gluon_fwd
-from moela.ops.attention.gluon_fwd import _layout, _rows, head_split, supports
+from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
     from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _tile
@@ -285,16 +284,10 @@ def dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, ls
         return
     items = cached_worklist(cu_seqlens_q, cu_seqlens_k, tq, BM, key_blocks=False, causal=causal)
     q2, k2, v2, do2 = _rows(q), _rows(k), _rows(v), _rows(dout)
-    main, rest = head_split(d_qk)
+    main = head_split(d_qk)[0]
     bn = cfg.block_n
-    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
-    k_desc = TensorDescriptor.from_tensor(k2, [bn, main], _layout(bn, main))
-    qr_desc, kr_desc = q_desc, k_desc
-    if rest:
-        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
-        kr_desc = TensorDescriptor.from_tensor(k2, [bn, rest], _layout(bn, rest))
-    do_desc = TensorDescriptor.from_tensor(do2, [BM, d_v], _layout(BM, d_v))
-    v_desc = TensorDescriptor.from_tensor(v2, [bn, d_v], _layout(bn, d_v))
+    (q_desc, qr_desc), (k_desc, kr_desc) = _descs(q2, BM, d_qk), _descs(k2, bn, d_qk)
+    do_desc, v_desc = _descs(do2, BM, d_v, split=False), _descs(v2, bn, d_v, split=False)
     n_items = items.shape[1]
     tiles = n_items * h
     programs = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count) if cfg.persistent \

@@ -132,6 +132,16 @@ def _layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
+def _descs(x2: torch.Tensor, rows: int, d: int, split: bool = True):
+    """TMA descriptors of x2 [T, H * D] read in [rows, D] boxes: with `split`, Dqk's main part and its rest (the main
+    one again when there is none: the kernel never reads it), else the one box of width d."""
+    if not split:
+        return TensorDescriptor.from_tensor(x2, [rows, d], _layout(rows, d))
+    main, rest = head_split(d)
+    first = TensorDescriptor.from_tensor(x2, [rows, main], _layout(rows, main))
+    return first, (TensorDescriptor.from_tensor(x2, [rows, rest], _layout(rows, rest)) if rest else first)
+
+
 if gluon is not None:
     _BM = gl.constexpr(BM)
     _LN2 = gl.constexpr(0.6931471805599453)
@@ -395,15 +405,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                          f"shared memory at head dims {d_qk}/{d_v}; the H100/H200 has {SHARED_BYTES}")
     items = cached_worklist(cu_seqlens_q, cu_seqlens_k, tq, BM, key_blocks=False, causal=causal)
     q2, k2, v2 = _rows(q), _rows(k), _rows(v)
-    main, rest = head_split(d_qk)
+    main = head_split(d_qk)[0]
     bn = cfg.block_n
-    q_desc = TensorDescriptor.from_tensor(q2, [BM, main], _layout(BM, main))
-    k_desc = TensorDescriptor.from_tensor(k2, [bn, main], _layout(bn, main))
-    qr_desc, kr_desc = q_desc, k_desc
-    if rest:
-        qr_desc = TensorDescriptor.from_tensor(q2, [BM, rest], _layout(BM, rest))
-        kr_desc = TensorDescriptor.from_tensor(k2, [bn, rest], _layout(bn, rest))
-    v_desc = TensorDescriptor.from_tensor(v2, [bn, d_v], _layout(bn, d_v))
+    (q_desc, qr_desc), (k_desc, kr_desc) = _descs(q2, BM, d_qk), _descs(k2, bn, d_qk)
+    v_desc = _descs(v2, bn, d_v, split=False)
     n_items = items.shape[1]
     tiles = n_items * h
     programs = min(tiles, torch.cuda.get_device_properties(q.device).multi_processor_count) if cfg.persistent \
