@@ -450,6 +450,25 @@ def test_gluon_forward_reads_rows_without_copies_where_tma_can():
         assert rows.stride(1) == 1 and (rows.stride(0) * 2) % 16 == 0
 
 
+def test_gluon_descriptors_split_dqk_into_its_boxes():
+    """The Gluon kernels' TMA descriptors of a [T, H * D] view: Dqk as a power-of-two box and the rest (192 = 128 +
+    64, 96 = 64 + 32; 128 has no second part, the first descriptor stands in for it), rows boxes of the asked size,
+    the tensor's own shape and strides."""
+    from moela.ops.attention import gluon_fwd
+
+    if gluon_fwd.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    g = torch.Generator().manual_seed(4)
+    for d, boxes in ((192, (128, 64)), (96, (64, 32)), (128, (128, 128))):
+        x2 = gluon_fwd._rows(torch.randn(45, 3, d, generator=g).to(torch.bfloat16))
+        first, second = gluon_fwd._descs(x2, 64, d)
+        assert [first.block_shape, second.block_shape] == [[64, boxes[0]], [64, boxes[1]]]
+        assert (second is first) == (d == 128)
+        assert list(first.shape) == [45, 3 * d] and list(first.strides) == [3 * d, 1]
+    single = gluon_fwd._descs(gluon_fwd._rows(torch.zeros(9, 2, 64, dtype=torch.bfloat16)), 128, 64, split=False)
+    assert single.block_shape == [128, 64]
+
+
 GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").CONFIGS)
 
 
