@@ -1,7 +1,7 @@
 """The dQ kernel of the attention backward for Hopper (sm_90) in Gluon, warp-specialized on the scaffolding of
 gluon_fwd.py. It computes what triton_bwd.py's dQ kernel computes, `dq_i = scale * sum_j p_ij (dO_i . v_j -
 delta_i) k_j` with p recomputed from q, k and the forward's lse, over the same query-block work list, and replaces
-it where triton_common.SCHEDULE["dq"] names one of its configs and `supports` takes the call.
+it where triton_common.SCHEDULE["dq"] selects it (`auto`: AUTO) and `supports` takes the call.
 
 Why: the dQ kernel is the forward's shape (a query tile streams the key blocks of its document), so the forward's
 warp specialization carries over: a producer warp loads the tile's Q and dO once and K and V of every key block
@@ -9,7 +9,9 @@ into a ring, and the two consumer warpgroups (64 query rows each, 240 registers:
 only issue products and do the elementwise work. Triton's single partition of 8 warps issues its own loads and
 waits for every product before the next.
 
-Per program: 128 query rows of one head (work-list entry x head, costliest first). Per key block j and consumer
+Per tile: 128 query rows of one head (work-list entry x head, costliest first); one program per tile, or one per
+SM walking them (`persistent`: the next tile's Q, dO and first key blocks load under this tile's last products, the
+query tile released as soon as its last S and dP are done). Per key block j and consumer
 warpgroup: S = Q K_j^T and dP = dO V_j^T (A from shared memory), P = exp2(S scale - lse), masked only in blocks that
 cross the causal diagonal or the document's end, dS = P (dP - delta), then dQ += dS K_j with dS in registers as
 the A operand. With `pipeline` the next block's S and dP are issued behind dQ's product before the wait, so the
@@ -65,7 +67,9 @@ CONFIGS: dict[str, GluonDqConfig] = {
 # The `auto` config (triton_common.SCHEDULE["dq"]), measured side by side with the Triton dQ kernel
 # (bench/notes/attention.md, run 44): fwd+bwd 6.752 -> 6.453 ms at 192/128 B=2 S=8192, 5.964 -> 5.652 ms at 96/64
 # on 40 packed documents; in `small`'s training step the dQ kernel 28.0 -> 23.3 ms a step. bn64_pipe was no
-# better (6.711 / 5.616 ms), bn128 fits only narrow heads and was slower at 96/64 (6.440 ms).
+# better (6.711 / 5.616 ms), bn128 fits only narrow heads and was slower at 96/64 (6.440 ms). Runs 45-46 (the
+# packings): -0.4 to -5.4% against the Triton dQ (run 45's +2.5% on the 192/128 lognormal packing did not come
+# back in run 46); bn64_pipe and persistent within 0-3.6% of bn64 there, neither yet timed in the step.
 AUTO = "gluon_dq_bn64"
 
 
