@@ -12,7 +12,8 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  96/64 (the `small` model's heads): 40 lognormal documents of at most 4096 tokens, 65k tokens
 Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
 (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
-schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward) as extra rows on
+schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward and backward
+kernels' configs, the previous Triton backward) as extra rows on
 the cases marked for them, so one run times them all (the backward's kernels also on the 96/64 case).
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H

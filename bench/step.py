@@ -37,7 +37,8 @@ out-of-memory error ends only its row:
                           on the Gluon kernel's config gluon_dkdv_<config> (`triton_common.SCHEDULE["dkdv"]`; bm32,
                           bm32_pipe, bm64, bm64_pipe; rows without flash-attn-4)
             moela-dq-<config>  moela with the Triton backend's dQ kernel on the Gluon kernel's config gluon_dq_<config>
-                          (`triton_common.SCHEDULE["dq"]`; bn64, bn64_pipe, bn128; rows without flash-attn-4)
+                          (`triton_common.SCHEDULE["dq"]`; bn64, bn64_pipe, bn128, bn64_persistent; rows without
+                          flash-attn-4)
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
             features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
