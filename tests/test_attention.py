@@ -336,7 +336,7 @@ def gluon_forward_or_skip(monkeypatch, config: str):
     return calls
 
 
-GLUON_FWD_CONFIGS = list(gluon_fwd_module.CONFIGS)
+GLUON_FWD_CONFIGS = list(gluon_fwd_module.CONFIGS)  # every config the benchmark times, the default among them
 # The Gluon kernels' GPU cases (d_qk, d_v, lens_q, lens_k, causal): odd lengths, single-token and empty documents,
 # longer k than q (bottom-right alignment), full attention, 128/128, the `small` model's 96/64, graphed-batch padding
 GLUON_CASES = [
@@ -347,7 +347,7 @@ GLUON_CASES = [
     (96, 64, [65, 2, 1500, 190], [65, 2, 1500, 190], True),
     (192, 128, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),
     (96, 64, [700, 33] + [0] * 62, [700, 33] + [0] * 62, True),
-]  # every config the benchmark times, the default among them
+]
 
 
 @pytest.mark.gpu
