@@ -587,3 +587,5 @@ def test_gluon_backward_auto_choice_and_shared_memory():
     assert gluon_dq.fits(96, 64, "gluon_dq_bn128") is None and gluon_dq.fits(192, 128, "gluon_dq_bn64") is None
     assert gluon_dq.AUTO in gluon_dq.CONFIGS and gluon_dq.fits(192, 128, gluon_dq.AUTO) is None
     assert "shared memory" in gluon_dq.fits(192, 128, "gluon_dq_bn128")
+    with pytest.raises(ValueError, match="unknown Gluon dQ config 'bn64'; choose one of gluon_dq_bn64"):
+        gluon_dq.fits(192, 128, "bn64")

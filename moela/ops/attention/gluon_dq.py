@@ -306,6 +306,8 @@ def dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, ls
 
 def fits(d_qk: int, d_v: int, config: str) -> str | None:
     """None when `config` fits an H100/H200 at these head dims, else why not."""
+    if config not in CONFIGS:
+        raise ValueError(f"unknown Gluon dQ config {config!r}; choose one of {', '.join(CONFIGS)}, 'auto' or 'triton'")
     need = shared_bytes(d_qk, d_v, CONFIGS[config])
     if need > HOPPER_SHARED_BYTES:
         return f"{config} needs {need} bytes of shared memory at head dims {d_qk}/{d_v} (the GPU has " \
