@@ -472,6 +472,19 @@ def test_gluon_descriptors_split_dqk_into_its_boxes():
 GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").CONFIGS)
 
 
+def gluon_backward_or_skip(monkeypatch, module, kernel: str, config: str) -> list:
+    """Routes the Triton backend's backward kernel `kernel` ("dkdv": gluon_bwd, "dq": gluon_dq) to `config` and
+    records the config of every launch of the Gluon kernel; skips where it cannot run (no Gluon, not sm_90)."""
+    why = module.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128)), None)
+    if why is not None:
+        pytest.skip(f"the Gluon {kernel} kernel cannot run here: {why}")
+    monkeypatch.setitem(triton_mod.SCHEDULE, kernel, config)
+    calls = []
+    launch = getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + ["auto"])
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
@@ -481,14 +494,7 @@ def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, 
     attention, 96/64 and 128/128."""
     from moela.ops.attention import gluon_bwd
 
-    why = gluon_bwd.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128)),
-                             None)
-    if why is not None:
-        pytest.skip(f"the Gluon dK/dV kernel cannot run here: {why}")
-    monkeypatch.setitem(triton_mod.SCHEDULE, "dkdv", config)
-    calls = []
-    launch = gluon_bwd.dkdv
-    monkeypatch.setattr(gluon_bwd, "dkdv", lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
+    calls = gluon_backward_or_skip(monkeypatch, gluon_bwd, "dkdv", config)
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
                           backend="triton")
     if config == "auto":  # the Gluon kernel at the head dims where it measured faster, Triton's elsewhere
@@ -509,17 +515,10 @@ def test_gluon_dq_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, le
     full attention, 96/64 and 128/128."""
     from moela.ops.attention import gluon_dq
 
-    why = gluon_dq.supports(*(torch.empty(1, 1, d, device="cuda", dtype=torch.bfloat16) for d in (192, 192, 128)),
-                            None)
-    if why is not None:
-        pytest.skip(f"the Gluon dQ kernel cannot run here: {why}")
     runs = gluon_dq.AUTO if config == "auto" else config
     if gluon_dq.fits(d_qk, d_v, runs) is not None:
         pytest.skip(gluon_dq.fits(d_qk, d_v, runs))
-    monkeypatch.setitem(triton_mod.SCHEDULE, "dq", config)
-    calls = []
-    launch = gluon_dq.dq
-    monkeypatch.setattr(gluon_dq, "dq", lambda *a, **kw: calls.append(kw["config"]) or launch(*a, **kw))
+    calls = gluon_backward_or_skip(monkeypatch, gluon_dq, "dq", config)
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_q),
                           backend="triton")
     assert calls == [runs], "the Gluon dQ kernel did not run"
