@@ -33,16 +33,14 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 except ImportError:
     gluon = None
-else:
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
-    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width
+    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _split_smem, _tma_load
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "choose", "dkdv", "shared_bytes", "supports"]
@@ -244,14 +242,8 @@ if gluon is not None:
                      BM: gl.constexpr, PIPELINE: gl.constexpr):
         """One program per (key-block work-list entry, head): dK [Tk, H, Dqk] and dV [Tk, H, Dv] of 128 keys."""
         HAS_REST: gl.constexpr = D_QK > D_MAIN
-        k_main = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_MAIN], k_desc.layout)
-        q_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_MAIN], q_desc.layout)
-        if HAS_REST:
-            k_rest = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_QK - D_MAIN], kr_desc.layout)
-            qr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_QK - D_MAIN], qr_desc.layout)
-        else:
-            k_rest = k_main
-            qr_ring = q_ring
+        k_main, k_rest, q_ring, qr_ring = _split_smem(k_desc, kr_desc, q_desc, qr_desc, _BN, STAGES_C, BM, D_QK,
+                                                      D_MAIN)
         v_tile = gl.allocate_shared_memory(gl.bfloat16, [_BN, D_V], v_desc.layout)
         do_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES_C, BM, D_V], do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

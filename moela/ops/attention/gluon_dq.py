@@ -27,17 +27,15 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 except ImportError:
     gluon = None
-else:
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 from moela.ops.attention import gluon_fwd
 from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
-    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _tile
+    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _split_smem, _tile, _tma_load
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "dq", "fits", "shared_bytes", "supports"]
@@ -240,14 +238,7 @@ if gluon is not None:
         """Program p computes tiles p, p + NUM_PROGRAMS, ... of the n_items x H tiles (work-list query block, head):
         dq [Tq, H, Dqk] of 128 query rows each (one tile a program unless persistent)."""
         HAS_REST: gl.constexpr = D_QK > D_MAIN
-        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_MAIN], q_desc.layout)
-        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_MAIN], k_desc.layout)
-        if HAS_REST:
-            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - D_MAIN], qr_desc.layout)
-            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - D_MAIN], kr_desc.layout)
-        else:
-            q_rest = q_main
-            kr_ring = k_ring
+        q_main, q_rest, k_ring, kr_ring = _split_smem(q_desc, qr_desc, k_desc, kr_desc, _BM, STAGES, BN, D_QK, D_MAIN)
         do_tile = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_V], do_desc.layout)
         v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_V], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -167,6 +167,23 @@ if gluon is not None:
         return d_qk - d_main if d_qk > d_main else d_main
 
     @gluon.jit
+    def _split_smem(tile_desc, tile_rest_desc, ring_desc, ring_rest_desc, TILE_ROWS: gl.constexpr,
+                    STAGES: gl.constexpr, RING_ROWS: gl.constexpr, D_QK: gl.constexpr, D_MAIN: gl.constexpr):
+        """Shared memory for the Dqk-wide operands of a kernel: a tile loaded once ([TILE_ROWS, Dqk]) and a ring
+        ([STAGES, RING_ROWS, Dqk]), each as its D_MAIN part and its rest (the main part again when Dqk has no rest:
+        never read). Returns (tile, tile_rest, ring, ring_rest)."""
+        tile = gl.allocate_shared_memory(gl.bfloat16, [TILE_ROWS, D_MAIN], tile_desc.layout)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_ROWS, D_MAIN], ring_desc.layout)
+        if D_QK > D_MAIN:
+            tile_rest = gl.allocate_shared_memory(gl.bfloat16, [TILE_ROWS, D_QK - D_MAIN], tile_rest_desc.layout)
+            ring_rest = gl.allocate_shared_memory(gl.bfloat16, [STAGES, RING_ROWS, D_QK - D_MAIN],
+                                                  ring_rest_desc.layout)
+        else:
+            tile_rest = tile
+            ring_rest = ring
+        return tile, tile_rest, ring, ring_rest
+
+    @gluon.jit
     def _tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
         """Tile t's head, document span and key blocks: (head, q_start, q_len, k_start, k_len, start_m, q_shift,
         n_blocks); tile t is work-list entry t // H on head t % H. An unused work-list entry (document -1) gets
@@ -349,14 +366,7 @@ if gluon is not None:
         [Tq, H, Dv] and lse [H, Tq] of 128 query rows each. q_desc / k_desc read the first D_MAIN of Dqk, qr_desc /
         kr_desc the rest (when Dqk > D_MAIN), v_desc all of Dv."""
         HAS_REST: gl.constexpr = D_QK > D_MAIN
-        q_main = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_MAIN], q_desc.layout)
-        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_MAIN], k_desc.layout)
-        if HAS_REST:
-            q_rest = gl.allocate_shared_memory(gl.bfloat16, [_BM, D_QK - D_MAIN], qr_desc.layout)
-            kr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_QK - D_MAIN], kr_desc.layout)
-        else:
-            q_rest = q_main
-            kr_ring = k_ring
+        q_main, q_rest, k_ring, kr_ring = _split_smem(q_desc, qr_desc, k_desc, kr_desc, _BM, STAGES, BN, D_QK, D_MAIN)
         v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, D_V], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
