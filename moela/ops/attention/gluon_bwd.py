@@ -22,7 +22,7 @@ Register budget: at 96/64 dK and dV take 80 of a consumer's 240 registers and no
 160, and the scores, the bf16 operands and the row statistics push it to spill (tests/sm90_compile.py reports the
 bytes). Measured (bench/notes/attention.md, runs 42-45, one H200): at 96/64 the bm64 config's kernel time in
 `small`'s training step is 35.3 ms against the Triton kernel's 44.1-44.4 (-20%); at 192/128 every config is
-slower than the Triton kernel (fwd+bwd +0.4 to +1.5 ms), which keeps those calls (`choose`, SCHEDULE["dkdv"] =
+slower than the Triton kernel (fwd+bwd +0.3 to +3.0 ms, run 42), which keeps those calls (`choose`, SCHEDULE["dkdv"] =
 "auto"). The other configs stay for the benchmark's variant rows.
 """
 
@@ -55,7 +55,7 @@ CONFIGS = {"gluon_dkdv_bm32": (32, False), "gluon_dkdv_bm32_pipe": (32, True), "
 # The `auto` choice (triton_common.SCHEDULE["dkdv"]), measured by bench/attention.py and bench/step.py side by side
 # with the Triton kernel (bench/notes/attention.md, runs 42-43): at 96/64 (`small`: dK and dV take 80 accumulator
 # registers) bm64's dK/dV kernel time in the training step is 35.3 ms against Triton's 44.1-44.4 (-20%); at 192/128
-# (160 accumulator registers, spills) every config is slower than Triton's (fwd+bwd +0.4 to +1.5 ms).
+# (160 accumulator registers, spills) every config is slower than Triton's (fwd+bwd +0.3 to +3.0 ms).
 AUTO = "gluon_dkdv_bm64"
 AUTO_MAX_HEAD_DIMS = 160  # Dqk + Dv up to which `auto` runs this kernel
 
