@@ -490,9 +490,9 @@ def gluon_backward_or_skip(monkeypatch, module, kernel: str, config: str) -> lis
 @pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + GLUON_FLAT_CONFIGS + ["auto"])
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
 def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
-    """The Gluon dK/dV kernels (gluon_bwd.py, gluon_dkdv_flat.py) in the Triton backend's backward, each config, against float64 with a
-    gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents, longer k than q, full
-    attention, 96/64 and 128/128."""
+    """The Gluon dK/dV kernels (gluon_bwd.py, gluon_dkdv_flat.py) in the Triton backend's backward, each config,
+    against float64 with a gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents,
+    longer k than q, full attention, 96/64 and 128/128."""
     from moela.ops.attention import gluon_bwd, gluon_dkdv_flat
 
     calls = gluon_backward_or_skip(monkeypatch, gluon_bwd, "dkdv", config)
