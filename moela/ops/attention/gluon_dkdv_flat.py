@@ -34,10 +34,12 @@ __all__ = ["CONFIGS", "dkdv", "shared_bytes", "supports"]
 
 BN = 128  # keys per program: two warpgroups of 64
 NUM_WARPS = 8
-# (query rows per step, ring stages), by config name (triton_common.SCHEDULE["dkdv"]). The sm_90 build here
-# (Triton 3.9, 192/128): bm32_s3 243 registers, no spills (Triton's dK/dV kernel: 255 and 168 bytes of spills);
-# bm64_s2 255 and 328 bytes.
-CONFIGS = {"gluon_flat_bm32_s3": (32, 3), "gluon_flat_bm32_s2": (32, 2), "gluon_flat_bm64_s2": (64, 2)}
+# (query rows per step, ring stages, lse / delta loaded a step ahead), by config name (triton_common.SCHEDULE["dkdv"]).
+# The sm_90 build here (Triton 3.9, 192/128): bm32_s3 243 registers, no spills (Triton's dK/dV kernel: 255 and 168
+# bytes of spills). Run 47: bm32_s3 / _s2 2-8% slower fwd+bwd than Triton's kernel at 192/128 (bm64_s2, 328 bytes of
+# spills: 50% slower, dropped); the _ahead configs take the load of lse / delta off each step's critical path.
+CONFIGS = {"gluon_flat_bm32_s3": (32, 3, False), "gluon_flat_bm32_s2": (32, 2, False),
+           "gluon_flat_bm32_s3_ahead": (32, 3, True), "gluon_flat_bm32_s2_ahead": (32, 2, True)}
 LOG2E = 1.4426950408889634
 
 
@@ -74,7 +76,7 @@ if gluon is not None:
     def _dkdv_flat_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, LSE, DELTA, stride_lh, DK, stride_dkt,
                           stride_dkh, DV, stride_dvt, stride_dvh, CU_Q, CU_K, ITEMS, n_items, n_heads, qk_scale,
                           sm_scale, D_QK: gl.constexpr, D_MAIN: gl.constexpr, D_V: gl.constexpr,
-                          CAUSAL: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr):
+                          CAUSAL: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr):
         """One program (8 warps) per (key-block work-list entry, head): dK and dV of 128 keys."""
         HAS_REST: gl.constexpr = D_QK > D_MAIN
         D_REST: gl.constexpr = _rest_width(D_QK, D_MAIN)
@@ -112,6 +114,10 @@ if gluon is not None:
                 if s < n_steps:
                     _load_step(q_desc, qr_desc, do_desc, q_ring, qr_ring, do_ring, ready, s,
                                q_start + lo + s * BM, head, D_QK, D_MAIN, D_V, HAS_REST, BM, STAGES)
+            # the first step's lse and delta (AHEAD: each step loads the next one's under its products)
+            rows = lo + gl.arange(0, BM, layout=col_s)
+            lse2_n = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0) * _LOG2E
+            delta_n = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
             mbarrier.wait(kv_bar, 0)
             for i in range(n_steps):
                 # the step STAGES - 1 ahead into the slot step i - 1 used; both warpgroups are past it
@@ -121,8 +127,15 @@ if gluon is not None:
                                q_start + lo + (i + STAGES - 1) * BM, head, D_QK, D_MAIN, D_V, HAS_REST, BM, STAGES)
                 slot = i % STAGES
                 rows = lo + i * BM + gl.arange(0, BM, layout=col_s)  # query rows (document coordinates)
-                lse2 = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0) * _LOG2E
-                delta = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
+                if AHEAD:
+                    lse2 = lse2_n
+                    delta = delta_n
+                    ahead = rows + BM  # past the document on the last step: masked, no memory read
+                    lse2_n = gl.load(LSE + head * stride_lh + q_start + ahead, mask=ahead < q_len, other=0.0) * _LOG2E
+                    delta_n = gl.load(DELTA + head * stride_lh + q_start + ahead, mask=ahead < q_len, other=0.0)
+                else:
+                    lse2 = gl.load(LSE + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0) * _LOG2E
+                    delta = gl.load(DELTA + head * stride_lh + q_start + rows, mask=rows < q_len, other=0.0)
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 qs = q_ring.index(slot)
                 qrs = qr_ring.index(slot)
@@ -176,7 +189,7 @@ def dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, 
 
     if config not in CONFIGS:
         raise ValueError(f"unknown flat Gluon dK/dV config {config!r}; choose one of {', '.join(CONFIGS)}")
-    block_m, stages = CONFIGS[config]
+    block_m, stages, ahead = CONFIGS[config]
 
     h, d_qk, d_v = q.shape[1], q.shape[2], v.shape[2]
     if shared_bytes(d_qk, d_v, block_m, stages) > HOPPER_SHARED_BYTES:
@@ -193,4 +206,4 @@ def dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, 
         q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, lse, delta, lse.stride(0), dk, dk.stride(0), dk.stride(1),
         dv, dv.stride(0), dv.stride(1), cu_seqlens_q, cu_seqlens_k, items, n_items, h, softmax_scale * LOG2E,
         softmax_scale, D_QK=d_qk, D_MAIN=head_split(d_qk)[0], D_V=d_v, CAUSAL=causal, BM=block_m, STAGES=stages,
-        num_warps=NUM_WARPS)
+        AHEAD=ahead, num_warps=NUM_WARPS)
