@@ -52,7 +52,7 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moela.ops.attention import api as attention_api  # noqa: E402
-from moela.ops.attention import gluon_bwd, gluon_dkdv_flat, gluon_dq, gluon_fwd, mla_attention  # noqa: E402
+from moela.ops.attention import gluon_bwd, gluon_dq, gluon_fwd, mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
 from moela.ops.attention.triton_common import CONFIGS, SCHEDULE, head_class  # noqa: E402
 
@@ -151,7 +151,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "triton, triton dkdv": ({"dkdv": "triton"}, {}),
     "triton, triton dq": ({"dq": "triton"}, {}),
     "triton, triton backward (previous)": ({"dkdv": "triton", "dq": "triton"}, {}),
-    **{f"triton, {name}": ({"dkdv": name}, {}) for name in (*gluon_bwd.CONFIGS, *gluon_dkdv_flat.CONFIGS)},
+    **{f"triton, {name}": ({"dkdv": name}, {}) for name in gluon_bwd.CONFIGS},
     **{f"triton, {name}": ({"dq": name}, {}) for name in gluon_dq.CONFIGS},
 }
 

@@ -148,18 +148,6 @@ def attention_gluon_kernels():
         out[f"attention {name}"] = compile_sm90(b._dkdv_kernel, args, num_warps=4, require=(
             f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
             "cp.async.bulk.tensor"))
-    # the flat (not warp-specialized) Gluon dK/dV kernel (moela.ops.attention.gluon_dkdv_flat) at 192/128
-    from moela.ops.attention import gluon_dkdv_flat as flat
-
-    for name, (bm, stages, ahead) in flat.CONFIGS.items():
-        args = dict(q_desc=desc(bm, main), qr_desc=desc(bm, rest), k_desc=desc(flat.BN, main),
-                    kr_desc=desc(flat.BN, rest), v_desc=desc(flat.BN, d_v), do_desc=desc(bm, d_v), LSE="*fp32",
-                    DELTA="*fp32", stride_lh=4096, DK="*bf16", stride_dkt=16 * d_qk, stride_dkh=d_qk, DV="*bf16",
-                    stride_dvt=16 * d_v, stride_dvh=d_v, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000,
-                    n_heads=16, qk_scale=0.1, sm_scale=0.07, D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BM=bm,
-                    STAGES=stages, AHEAD=ahead)
-        out[f"attention {name}"] = compile_sm90(flat._dkdv_flat_kernel, args, num_warps=flat.NUM_WARPS, require=(
-            f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16", "cp.async.bulk.tensor"))
     # the Gluon dQ kernel (moela.ops.attention.gluon_dq) in each config that fits at 192/128, and at 96/64
     from moela.ops.attention import gluon_dq as dq
 

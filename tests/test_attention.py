@@ -470,7 +470,6 @@ def test_gluon_descriptors_split_dqk_into_its_boxes():
 
 
 GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").CONFIGS)
-GLUON_FLAT_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_dkdv_flat").CONFIGS)
 
 
 def gluon_backward_or_skip(monkeypatch, module, kernel: str, config: str) -> list:
@@ -487,17 +486,15 @@ def gluon_backward_or_skip(monkeypatch, module, kernel: str, config: str) -> lis
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + GLUON_FLAT_CONFIGS + ["auto"])
+@pytest.mark.parametrize("config", GLUON_DKDV_CONFIGS + ["auto"])
 @pytest.mark.parametrize("d_qk,d_v,lens_q,lens_k,causal", GLUON_CASES)
 def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, lens_k, causal):
-    """The Gluon dK/dV kernels (gluon_bwd.py, gluon_dkdv_flat.py) in the Triton backend's backward, each config,
-    against float64 with a gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents,
-    longer k than q, full attention, 96/64 and 128/128."""
-    from moela.ops.attention import gluon_bwd, gluon_dkdv_flat
+    """The Gluon dK/dV kernel (gluon_bwd.py) in the Triton backend's backward, each config, against float64 with a
+    gradient on the lse too (the z-loss path): odd lengths, single-token and empty documents, longer k than q, full
+    attention, 96/64 and 128/128."""
+    from moela.ops.attention import gluon_bwd
 
     calls = gluon_backward_or_skip(monkeypatch, gluon_bwd, "dkdv", config)
-    flat = gluon_dkdv_flat.dkdv
-    monkeypatch.setattr(gluon_dkdv_flat, "dkdv", lambda *a, **kw: calls.append(kw["config"]) or flat(*a, **kw))
     check_against_float64(lens_q, lens_k, 16, d_qk, d_v, torch.bfloat16, "cuda", causal, False, seed=sum(lens_k),
                           backend="triton")
     if config == "auto":  # the Gluon kernel at the head dims where it measured faster, Triton's elsewhere

@@ -32,11 +32,9 @@ def test_kernels_compile_for_sm90_pipelined_within_shared_memory():
     from moela.ops.attention import gluon_bwd
 
     # the Gluon backward's configs (spill bytes reported, not asserted: the benchmark decides which run)
-    backward = {f"attention {name}" for name in gluon_bwd.CONFIGS} | {n for n in result if "gluon_dq" in n} | \
-        {n for n in result if "gluon_flat" in n}
-    assert result["attention gluon_flat_bm32_s3"][3] == 0, result["attention gluon_flat_bm32_s3"]
+    backward = {f"attention {name}" for name in gluon_bwd.CONFIGS} | {n for n in result if "gluon_dq" in n}
     assert len(result) - len(non_gemm) - len(backward) == 7 and len(non_gemm) >= 12, result
-    assert {f"attention {name}" for name in gluon_bwd.CONFIGS} <= backward and len(backward) >= 11, sorted(result)
+    assert {f"attention {name}" for name in gluon_bwd.CONFIGS} <= backward and len(backward) >= 8, sorted(result)
     assert result["attention gluon fwd"][3] == 0, f"the Gluon attention forward spills: {result['attention gluon fwd']}"
     for name, (shared, async_copies, regs, spills) in result.items():
         assert shared <= H200_SHARED_BYTES, f"{name}: {shared} bytes of shared memory do not fit the H200"

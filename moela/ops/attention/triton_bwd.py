@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.attention import gluon_bwd, gluon_dkdv_flat, gluon_dq
+from moela.ops.attention import gluon_bwd, gluon_dq
 from moela.ops.attention.triton_common import (
     LOG2E,
     SCHEDULE,
@@ -300,9 +300,8 @@ def _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, c
     if why is not None:
         say_once(f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})")
         return False
-    kernel = gluon_dkdv_flat if config in gluon_dkdv_flat.CONFIGS else gluon_bwd
-    kernel.dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal=causal,
-                softmax_scale=softmax_scale, config=config)
+    gluon_bwd.dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal=causal,
+                   softmax_scale=softmax_scale, config=config)
     return True
 
 
