@@ -16,6 +16,9 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
           torch._scaled_grouped_mm.
   wgrad_bf16  the bf16 expert weight gradient at the training step's shapes: torch._grouped_mm as the step calls it,
           on token-contiguous copies, moela's Triton kernel (expert order, most rows first), uniform and skewed loads.
+  wgrad_configs  the bf16 weight gradient's Triton kernel in each of its launch configs (`gemm_triton.configs()`)
+          at the same shapes and loads, the table's choice (`gemm_triton.TUNED`) and the autotuner's: the
+          measurements behind the table.
   wgrad_fp8  the FP8 weight gradient (the Gluon kernel) at the same shapes and loads: its tiles dealt with the
           experts by load (default) and in index order, beside bf16 torch and Triton.
   fp8     the persistent FP8 grouped GEMMs and the FP8 linear vs bf16 (bench/fp8.py; its own files
@@ -25,7 +28,7 @@ Sections (DeepSeek-V3 expert shapes: D 7168, F 2048, top-8; V2-Lite: D 2048, F 1
 Every timed case is compared with its baseline first: layout rows report how many e4m3 codes and scales differ
 from the eager baseline (columns of the row), gemm and layer rows their relative error; every section runs under
 a time guard. Usage:
-  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,wgrad_bf16,wgrad_fp8,layer] [--quick] [--out bench/results/moe.md]
+  python bench/moe.py [--sections check,layout,permute_cfg,gemm,wgrad_cast,wgrad_bf16,wgrad_configs,wgrad_fp8,layer] [--quick] [--out bench/results/moe.md]
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ import triton
 from triton.testing import do_bench
 
 from moela.ops.moe import gemm_library as moe_gemm_library
-from moela.ops.moe import moe_experts
+from moela.ops.moe import gemm_triton, moe_experts
 from moela.ops.moe import permute as moe_permute
 from moela.ops.moe.activation import swiglu_bwd, swiglu_fwd
 from moela.ops.moe.combine import combine_bwd, unpermute_combine
 from moela.ops.moe.gemm_library import cublas_blockwise_available, cublas_kgrouped, cublas_mgrouped
-from moela.ops.moe.gemm_triton import _kgrouped_kernel, _mgrouped_kernel, kgrouped_gemm, mgrouped_gemm
+from moela.ops.moe.gemm_triton import _kgrouped_autotuned, _mgrouped_autotuned, kgrouped_gemm, mgrouped_gemm
 from moela.ops.moe.kernel_common import ALIGN, LAUNCH
 from moela.ops.moe.layout import count_and_scan
 from moela.ops.moe.permute import build_layout, permute_align
@@ -453,9 +456,7 @@ def section_wgrad_bf16(quick):
     token-contiguous copies (GEMM alone and with the copies), and moela's Triton kernel in expert order and with the
     experts with the most rows launched first; the forward's m-grouped GEMM of the same FLOPs for reference. Expert
     loads uniform and skewed (Zipf 1.2 popularity), since a k-grouped tile's work is its expert's row count."""
-    cases = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
-             ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
-    for name, t, e, k, n, kk in cases[:2] if quick else cases:
+    for name, t, e, k, n, kk in WGRAD_CASES[:2] if quick else WGRAD_CASES:
         for skew in (False, True):
             if out_of_time():
                 return
@@ -506,6 +507,49 @@ def section_wgrad_bf16(quick):
             row("wgrad_bf16", case, "triton, token-contiguous operands", t_ok, flops / t_ok / 1e9, "TFLOP/s",
                 vs_step=t_bf / t_ok)
             del g, x, gt, xt, ref, w
+
+
+WGRAD_CASES = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
+               ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
+
+
+def section_wgrad_configs(quick):
+    """The bf16 weight gradient's Triton kernel (as the step calls it: row-major activations read transposed, expert
+    order, fp32 out) in each launch config of `gemm_triton.configs()`, at the step's shapes, uniform and skewed
+    loads; then the table's config and the autotuner's pick (which runs once per shape: its first call times them
+    all). The fastest config over both loads of a shape is what `gemm_triton.TUNED` should hold."""
+    for name, t, e, k, n, kk in WGRAD_CASES[:2] if quick else WGRAD_CASES:
+        for skew in (False, True):
+            if out_of_time():
+                return
+            ids = routing(t, e, k, skew)
+            lay = build_layout(ids, e)
+            counts = lay.counts
+            case = f"{name} N{n} K{kk} {'skew' if skew else 'unif'} max/mean " \
+                   f"{(counts.max() / counts.float().mean()).item():.2f}"
+            valid = (lay.m_indices >= 0)[:, None]
+            g = torch.randn(lay.m_pad, n, device="cuda", dtype=torch.bfloat16) * valid
+            x = torch.randn(lay.m_pad, kk, device="cuda", dtype=torch.bfloat16) * valid
+            flops = 2 * t * k * n * kk
+            ref = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=(128, 8, 4))
+            for cfg in gemm_triton.configs():
+                c = (cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
+                out = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c)
+                ms = bench(lambda c=c: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c))
+                row("wgrad_configs", case, f"BN {c[0]}, {c[1]} warps, {c[2]} stages", ms, flops / ms / 1e9, "TFLOP/s",
+                    max_diff_vs_first=(out - ref).abs().max().item())
+            tuned = gemm_triton.TUNED.get(("kgrouped", n, kk, False))
+            ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+            row("wgrad_configs", case, f"default (table: {tuned})", ms, flops / ms / 1e9, "TFLOP/s")
+            mode = gemm_triton.TUNING["mode"]
+            gemm_triton.TUNING["mode"] = "autotune"
+            try:
+                ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+                best = [cfg for key, cfg in _kgrouped_autotuned.cache.items() if tuple(key[:3]) == (n, kk, False)]
+            finally:
+                gemm_triton.TUNING["mode"] = mode
+            row("wgrad_configs", case, f"autotuner (picked {best})", ms, flops / ms / 1e9, "TFLOP/s")
+            del g, x, ref
 
 
 def section_wgrad_fp8(quick):
@@ -685,7 +729,7 @@ def write_markdown(path, copy_gbs):
 
 
 def best_configs():
-    for name, kern in (("mgrouped", _mgrouped_kernel), ("kgrouped", _kgrouped_kernel)):
+    for name, kern in (("mgrouped", _mgrouped_autotuned), ("kgrouped", _kgrouped_autotuned)):
         for key, cfg in kern.cache.items():
             print(f"autotune {name} {key}: {cfg}")
 
@@ -707,6 +751,7 @@ def main():
              "gemm": lambda: section_gemm(args.quick),
              "wgrad_cast": lambda: section_wgrad_cast(args.quick),
              "wgrad_bf16": lambda: section_wgrad_bf16(args.quick),
+             "wgrad_configs": lambda: section_wgrad_configs(args.quick),
              "wgrad_fp8": lambda: section_wgrad_fp8(args.quick),
              "fp8": lambda: __import__("fp8").run(args.quick, False, 170),
              "layer": lambda: section_layer(args.quick)}[sec]()

@@ -30,6 +30,8 @@ out-of-memory error ends only its row:
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
             moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
                           `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
+            moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
+                          launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
             moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
                           on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
                           flash-attn-4, which `auto` prefers where it is installed)
@@ -98,10 +100,11 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 DKDV_ROWS = {f"moela-dkdv-{name.removeprefix('gluon_dkdv_')}": name for name in gluon_bwd.CONFIGS}
+WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # label -> BF16_WGRAD["impl"]
 DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
+         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
          *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
@@ -110,7 +113,7 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-fwd-triton": [],
+               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
                **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
@@ -146,7 +149,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "save_weight_copies": impl != "moela-nomtp-recast",
                              "handoff_norms": impl != "moela-nomtp-nohandoff",
                              "attention_in_graph": impl != "moela-nomtp-attnbreak",
-                             "bf16_wgrad_impl": impl.removeprefix("moela-wgrad-") if "-wgrad-" in impl else None,
+                             "bf16_wgrad_impl": WGRAD_ROWS.get(impl),
+                             "gemm_tuning": "autotune" if impl == "moela-wgrad-autotune" else None,
                              "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
                              "attention_dkdv": {"moela-dkdv-triton": "triton", **DKDV_ROWS}.get(impl),
                              "attention_dq": DQ_ROWS.get(impl),

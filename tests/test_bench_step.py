@@ -397,7 +397,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
                       ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
                       ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
-                      ("moela-wgrad-triton", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
+                      ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
+                      ("moela-wgrad-autotune", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
                       ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
                       ("moela-fwd-gluon", "64k", "bf16"),
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
@@ -410,11 +411,11 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        assert mtp_off == (s["label"] not in ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments",
-                                              "moela-wgrad-torch", "moela-wgrad-triton", "moela-fwd-triton",
-                                              "moela-fwd-gluon") and not s["label"].startswith(("moela-dkdv-",
-                                                                                                 "moela-dq-")))
+        mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-wgrad-torch",
+                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-fwd-triton", "moela-fwd-gluon")
+        assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
+        assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
         assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
         dkdv = s["label"].removeprefix("moela-dkdv-")
         assert s["attention_dkdv"] == (None if dkdv == s["label"] else "triton" if dkdv == "triton" else
@@ -498,11 +499,12 @@ TINY = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, 
 
 def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
     """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); the row's
-    fp8_wgrad_impl reaches the FP8 GEMM dispatch."""
+    fp8_wgrad_impl reaches the FP8 GEMM dispatch and gemm_tuning the Triton grouped GEMMs."""
     from bench.steplib.row import run_row
-    from moela.ops.moe import gemm_fp8
+    from moela.ops.moe import gemm_fp8, gemm_triton
 
     monkeypatch.setattr(gemm_fp8, "AUTO_KGROUPED_IMPL", "gluon")  # restored after the test
+    monkeypatch.setitem(gemm_triton.TUNING, "mode", "table")
 
     spec = {"config": "tiny", "impl": "moela", "label": "moela", "recipe": "bf16", "device": "cpu",
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
@@ -510,9 +512,9 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
                                  "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.eval_every=0",
                                  "logging.progress_bar=never", "checkpoint.every=0"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
-            "sync_steps": 1, "fp8_wgrad_impl": "triton"}
+            "sync_steps": 1, "fp8_wgrad_impl": "triton", "gemm_tuning": "autotune"}
     r = run_row(spec)
-    assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton"
+    assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton" and gemm_triton.TUNING["mode"] == "autotune"
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU
     assert r["first_step_compile_s"] == 0.0  # the tiny recipe trains uncompiled on the CPU

@@ -224,6 +224,49 @@ def test_kgrouped_gemm_vs_float64(fp8):
     assert (out[lay.counts == 0] == 0).all()
 
 
+@pytest.mark.parametrize("mode", ["table", "autotune"])
+def test_grouped_gemm_launch_table(monkeypatch, mode):
+    """A shape in gemm_triton.TUNED launches the plain kernel with the table's config (BN 256 here, a tile the
+    autotuner's interpreter config does not use) and still equals float64, masked edges included; with
+    TUNING["mode"] = "autotune", or a shape the table lacks, the call goes through the autotuner; an unknown mode is
+    an error that names the choices."""
+    from moela.ops.moe import gemm_triton
+    from moela.ops.moe.permute import build_layout
+
+    torch.manual_seed(5)
+    e, n, k = 3, 200, 136
+    ids = torch.tensor([0] * 150 + [2] * 61, device=DEV)[torch.randperm(211, device=DEV)]
+    lay = build_layout(ids[:, None], e)
+    real = (lay.src >= 0)[:, None]
+    dy = torch.randn(lay.m_pad, n, device=DEV, dtype=torch.float16) * real
+    x = torch.randn(lay.m_pad, k, device=DEV, dtype=torch.float16) * real
+    w = torch.randn(e, n, k, device=DEV, dtype=torch.float16)
+    through_autotuner = []
+    for name in ("_kgrouped_autotuned", "_mgrouped_autotuned"):
+        tuner = getattr(gemm_triton, name)
+        monkeypatch.setattr(gemm_triton, name, type("Spy", (), {"__getitem__": lambda self, grid, t=tuner, nm=name: (
+            through_autotuner.append(nm), t[grid])[1]})())
+    monkeypatch.setitem(gemm_triton.TUNING, "mode", mode)
+    monkeypatch.setattr(gemm_triton, "TUNED", {("kgrouped", n, k, False): (256, 4, 2),
+                                               ("mgrouped", n, 128 * 2, False): (256, 4, 2)})
+    out = gemm_triton.kgrouped_gemm(dy.t(), x.t(), lay.offsets)
+    ref = torch.zeros(e, n, k, dtype=torch.float64, device=DEV)
+    for ex in range(e):
+        rows = lay.m_indices.long() == ex
+        ref[ex] = dy.double()[rows].t() @ x.double()[rows]
+    assert _rel(out, ref) < 1e-5 and (out[1] == 0).all()
+    a = x[:, :128].contiguous()  # m-grouped at K = 128: the table holds K = 256 only
+    out_m = gemm_triton.mgrouped_gemm(a, w[:, :, :128].contiguous(), lay.m_indices, out_dtype=torch.float32)
+    ex = lay.m_indices.long()
+    ref_m = torch.einsum("mk,mnk->mn", a.double(), w[:, :, :128].double()[ex.clamp_min(0)]) * (ex >= 0)[:, None]
+    assert _rel(out_m, ref_m) < 1e-5
+    assert through_autotuner == (["_mgrouped_autotuned"] if mode == "table" else
+                                 ["_kgrouped_autotuned", "_mgrouped_autotuned"])
+    monkeypatch.setitem(gemm_triton.TUNING, "mode", "fastest")
+    with pytest.raises(ValueError, match="use 'table' or 'autotune'"):
+        gemm_triton.kgrouped_gemm(dy.t(), x.t(), lay.offsets)
+
+
 def test_kgrouped_gemm_expert_order():
     """The weight gradient with its experts' tiles launched in a given order (the most rows first) writes every
     expert's own block: equal to float64 per expert, empty experts zero, for a non-trivial permutation."""

@@ -73,7 +73,8 @@ def run_row(spec: dict) -> dict:
     `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
     handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), attention_forward (`triton_common.SCHEDULE["forward"]`:
+    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), gemm_tuning (`moe.gemm_triton.TUNING["mode"]`),
+    attention_forward (`triton_common.SCHEDULE["forward"]`:
     "triton", or "gluon" for `gluon_fwd.DEFAULT`), attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a
     `gluon_bwd.CONFIGS` name) and attention_dq (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
     from bench.steplib.impls import build_impl
@@ -117,6 +118,10 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import autograd as moe_autograd
 
         moe_autograd.BF16_WGRAD["impl"] = spec["bf16_wgrad_impl"]
+    if spec.get("gemm_tuning"):
+        from moela.ops.moe import gemm_triton
+
+        gemm_triton.TUNING["mode"] = spec["gemm_tuning"]
     if not spec.get("handoff_norms", True):
         from moela.model import transformer
 

@@ -9,8 +9,14 @@
   (the columnwise-quantized, transposed operands), rows_e = expert e's padded block; the reduction runs along
   tokens. Empty experts get zeros.
 Operands are addressed through strides, so the bf16 path reads row-major activations as their transposes without
-copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong). The block shapes are
-autotuned per (N, K, recipe) among `configs()`.
+copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 dot is wrong).
+
+Launch configs: a shape in `TUNED` launches with the config measured best for it (`python bench/moe.py --sections
+wgrad_configs`, which times every one of `configs()`); any other shape is autotuned among `configs()` on its first
+call. Why a table: on a machine with empty caches the autotuner compiles and times all four configs of every shape
+inside the first training step (5.1 s of autotuning and JIT at `small`, bench/notes/step.md, run 27), and the
+bf16 weight gradient runs on this kernel by default. `TUNING["mode"] = "autotune"` ignores the table (what
+`bench/step.py`'s `moela-wgrad-autotune` row times against it).
 """
 
 from __future__ import annotations
@@ -31,6 +37,27 @@ def configs() -> list[triton.Config]:
             for bn, w, s in ((128, 8, 4), (256, 8, 3), (256, 8, 4), (128, 4, 4))]
 
 
+# (kernel, N, K, FP8) -> (BN, num_warps, num_stages), each the best of `configs()` at that shape on an H200
+# (bench/results/moe_wgrad_configs.md: the bf16 weight gradient of `small` and V2-Lite at 64k tokens a step).
+TUNED: dict[tuple[str, int, int, bool], tuple[int, int, int]] = {}
+TUNING = {"mode": "table"}  # "table": TUNED's config where it holds the shape, the autotuner elsewhere; "autotune"
+
+
+def _launch(kernel, autotuned, name: str, grid, args: tuple, n: int, k: int, fp8: bool,
+            config: tuple[int, int, int] | None, **constexprs) -> None:
+    """Launches `kernel` with `config` (BN, num_warps, num_stages) if given, else TUNED's for the shape, else through
+    its autotuner."""
+    if TUNING["mode"] not in ("table", "autotune"):
+        raise ValueError(f"gemm_triton.TUNING['mode'] = {TUNING['mode']!r}; use 'table' or 'autotune'")
+    if config is None and TUNING["mode"] == "table":
+        config = TUNED.get((name, n, k, fp8))
+    if config is None:
+        autotuned[grid](*args, **constexprs)
+        return
+    bn, warps, stages = config
+    kernel[grid({"BN": bn})](*args, **constexprs, BN=bn, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
 @triton.jit
 def _grouped_tile(pid, num_rows, num_cols, GROUP: tl.constexpr):
     """Program pid's (row block, column block), GROUP row blocks walked together so that they share the column
@@ -41,7 +68,6 @@ def _grouped_tile(pid, num_rows, num_cols, GROUP: tl.constexpr):
     return first_row + (pid % width) % group_rows, (pid % width) // group_rows
 
 
-@triton.autotune(configs=configs(), key=["N", "K", "FP8"])
 @triton.jit
 def _mgrouped_kernel(
     a_ptr, stride_am, stride_ak,  # [M_pad, K] (e4m3 K-contiguous when FP8)
@@ -85,10 +111,15 @@ def _mgrouped_kernel(
              mask=n_ok[None, :])
 
 
+_mgrouped_autotuned = triton.autotune(configs=configs(), key=["N", "K", "FP8"])(_mgrouped_kernel)
+
+
 def mgrouped_gemm(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, a_scale: torch.Tensor | None = None,
-                  b_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  b_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """out [M_pad, N] = a [M_pad, K] @ b[e] [N, K]^T per 128-row block (e from m_indices). FP8 when scales given;
-    b may be any strided [E, N, K] view (the transposed weight copy for the data gradient)."""
+    b may be any strided [E, N, K] view (the transposed weight copy for the data gradient). `config` (BN,
+    num_warps, num_stages): launch with it instead of the table's or the autotuner's (benchmarks)."""
     m, k = a.shape
     e, n, k2 = b.shape
     if k2 != k or m % 128 or k % 128:
@@ -104,19 +135,18 @@ def mgrouped_gemm(a: torch.Tensor, b: torch.Tensor, m_indices: torch.Tensor, *, 
     def grid(meta):
         return (m // 128 * triton.cdiv(n, meta["BN"]),)
 
-    _mgrouped_kernel[grid](
-        a, a.stride(0), a.stride(1),
-        a_scale, *((a_scale.stride(0), a_scale.stride(1)) if fp8 else (0, 0)),
-        b, b.stride(0), b.stride(1), b.stride(2),
-        b_scale, *((b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)) if fp8 else (0, 0, 0)),
-        out, out.stride(0),
-        m_indices,
-        m,
-        N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, BM=128, BK=128 if fp8 else 64)
+    args = (a, a.stride(0), a.stride(1),
+            a_scale, *((a_scale.stride(0), a_scale.stride(1)) if fp8 else (0, 0)),
+            b, b.stride(0), b.stride(1), b.stride(2),
+            b_scale, *((b_scale.stride(0), b_scale.stride(1), b_scale.stride(2)) if fp8 else (0, 0, 0)),
+            out, out.stride(0),
+            m_indices,
+            m)
+    _launch(_mgrouped_kernel, _mgrouped_autotuned, "mgrouped", grid, args, n, k, fp8, config,
+            N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, BM=128, BK=128 if fp8 else 64)
     return out
 
 
-@triton.autotune(configs=configs(), key=["N", "K", "FP8"])
 @triton.jit
 def _kgrouped_kernel(
     a_ptr, stride_an, stride_at,  # [N, M_pad] (e4m3 token-contiguous when FP8)
@@ -160,13 +190,17 @@ def _kgrouped_kernel(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
+_kgrouped_autotuned = triton.autotune(configs=configs(), key=["N", "K", "FP8"])(_kgrouped_kernel)
+
+
 def kgrouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_scale: torch.Tensor | None = None,
                   b_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                  order: torch.Tensor | None = None) -> torch.Tensor:
+                  order: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned). a [N, M_pad],
     b [K, M_pad] (any strides; FP8 operands token-contiguous with scales [N, M_pad/128], [K, M_pad/128]).
     `order` [E] int32 (a permutation of the experts): the experts' tiles are launched in this order. A tile's work
-    is its expert's row count, so the most rows first keeps one large expert from running alone at the end."""
+    is its expert's row count, so the most rows first keeps one large expert from running alone at the end.
+    `config`: as in mgrouped_gemm."""
     n, m = a.shape
     k, m2 = b.shape
     e = offsets.numel() - 1
@@ -180,12 +214,12 @@ def kgrouped_gemm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, *, a_
     def grid(meta):
         return (triton.cdiv(n, meta["BN"]) * triton.cdiv(k, 128), e)
 
-    _kgrouped_kernel[grid](
-        a, a.stride(0), a.stride(1),
-        a_scale, *((a_scale.stride(0), a_scale.stride(1)) if fp8 else (0, 0)),
-        b, b.stride(0), b.stride(1),
-        b_scale, *((b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)),
-        out, out.stride(0), out.stride(1),
-        offsets, offsets if order is None else order,
-        N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, ORDERED=order is not None, BT=128 if fp8 else 64, BK=128)
+    args = (a, a.stride(0), a.stride(1),
+            a_scale, *((a_scale.stride(0), a_scale.stride(1)) if fp8 else (0, 0)),
+            b, b.stride(0), b.stride(1),
+            b_scale, *((b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)),
+            out, out.stride(0), out.stride(1),
+            offsets, offsets if order is None else order)
+    _launch(_kgrouped_kernel, _kgrouped_autotuned, "kgrouped", grid, args, n, k, fp8, config,
+            N=n, K=k, FP8=fp8, UPCAST=INTERPRET and not fp8, ORDERED=order is not None, BT=128 if fp8 else 64, BK=128)
     return out
