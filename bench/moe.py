@@ -545,7 +545,8 @@ def section_wgrad_configs(quick):
             gemm_triton.TUNING["mode"] = "autotune"
             try:
                 ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
-                best = [cfg for key, cfg in _kgrouped_autotuned.cache.items() if tuple(key[:3]) == (n, kk, False)]
+                best = "; ".join(str(cfg) for key, cfg in _kgrouped_autotuned.cache.items()
+                                 if tuple(key[:3]) == (n, kk, False))
             finally:
                 gemm_triton.TUNING["mode"] = mode
             row("wgrad_configs", case, f"autotuner (picked {best})", ms, flops / ms / 1e9, "TFLOP/s")
