@@ -30,8 +30,6 @@ out-of-memory error ends only its row:
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
             moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
                           `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
-            moela-noprewarm  moela without the side process that builds the first step's kernels
-                          (`train.prewarm_kernels=false`; its cold first step against moela's, with --cold)
             moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
                           launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
             moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
@@ -106,8 +104,7 @@ WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # l
 DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-noprewarm", "moela-fwd-triton", "moela-fwd-gluon",
-         "moela-dkdv-triton",
+         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
          *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
@@ -116,8 +113,7 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
-               "moela-noprewarm": ["train.prewarm_kernels=false"], "moela-fwd-triton": [],
+               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
                **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows

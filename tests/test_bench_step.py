@@ -398,8 +398,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
                       ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
                       ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
-                      ("moela-wgrad-autotune", "64k", "bf16"), ("moela-noprewarm", "16k", "bf16"),
-                      ("moela-noprewarm", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
+                      ("moela-wgrad-autotune", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
                       ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
                       ("moela-fwd-gluon", "64k", "bf16"),
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
@@ -413,8 +412,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-wgrad-torch",
-                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-noprewarm", "moela-fwd-triton",
-                  "moela-fwd-gluon")
+                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-fwd-triton", "moela-fwd-gluon")
         assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
@@ -437,7 +435,6 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert cfg.train.tokens_per_microbatch * cfg.train.grad_accum == 32768 or s["config"] == "small-64k"
         assert cfg.train.cuda_graphs == (s["label"] != "moela-nographs")
         assert cfg.optim.moment_dtype == ("float32" if s["label"] == "moela-fp32-moments" else "bfloat16")
-        assert cfg.train.prewarm_kernels == (s["label"] != "moela-noprewarm")
 
     fp8 = step.plan_rows(["small-64k"], ["moela", "titan-compile"], ["bf16", "fp8"], "cuda", counts, "/tmp/r")
     assert [(s["label"], s["recipe"]) for s in fp8] == [("moela", "bf16"), ("moela", "fp8"), ("titan-compile", "bf16")]

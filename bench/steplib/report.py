@@ -12,8 +12,7 @@ from bench.steplib.kernels import FAMILIES
 PEERS = ("titan-compile", "titan-eager", "hf")
 LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
               "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-              "moela-wgrad-triton", "moela-wgrad-autotune", "moela-noprewarm", "moela-fwd-triton",
-              "moela-fwd-gluon") + PEERS
+              "moela-wgrad-triton", "moela-wgrad-autotune", "moela-fwd-triton", "moela-fwd-gluon") + PEERS
 
 
 def _versions() -> str:
@@ -271,10 +270,8 @@ def _first_step_compilers(rows: list[dict]) -> list[str]:
             continue
         own = "; ".join(f"{name} {v[0]:.1f} s ({v[1]})" for name, v in got.items() if name != "torch.compile phases")
         phases = "; ".join(f"`{name}` {s:.1f} s ({n})" for name, (s, n) in got.get("torch.compile phases", {}).items())
-        side = f"; kernel side process (`train.prewarm_kernels`): {r['prewarm']}" if r.get("prewarm", "none") != \
-            "none" else ""
         out.append(f"- {r['config']} {r['impl']} {r['recipe']}: {own or 'no kernel compiles outside torch.compile'}"
-                   f"; torch.compile phases: {phases or '-'}{side}")
+                   f"; torch.compile phases: {phases or '-'}")
     return out
 
 

@@ -37,7 +37,6 @@ from bench.steplib.measure import SyncCounter, compile_seconds, compiled_graphs,
 from bench.steplib.source import PackedDocs
 from moela.config import load_config
 from moela.model import count_params, flops_per_token
-from moela.trainer import prewarm
 from moela.trainer.metrics import device_peak_flops, memory_gib
 from moela.trainer.profiling import compute_busy_us
 
@@ -141,14 +140,10 @@ def run_row(spec: dict) -> dict:
     first_compile_s = compile_seconds() - compiled_before  # the model build compiles nothing: all of it is step 1's
     first_graphs = compiled_graphs() - graphs_before
     first_compilers = clock.report()
-    side = getattr(getattr(impl, "trainer", None), "prewarm", None)  # train.prewarm_kernels' side process
-    prewarm_state = ("none" if side is None else "running at the first step's end" if side.poll() is None else
-                     f"exited {side.returncode} before the first step's end")
     _step(impl, device)
     graphs_after_2 = compiled_graphs()
     for _ in range(max(spec["warmup"] - 2, 0)):
         _step(impl, device)
-    prewarm.stop(side)  # never beside the timed steps
     source.reset_length_stats()
     first_record = len(getattr(impl, "records", ()))
     times = []
@@ -227,7 +222,7 @@ def run_row(spec: dict) -> dict:
         "first_step_s_from_start": t_first - t0, "first_step_s_from_built": t_first - t_built,
         "first_step_compile_s": first_compile_s,
         "first_step_graphs": first_graphs,
-        "first_step_compilers": first_compilers, "prewarm": prewarm_state,
+        "first_step_compilers": first_compilers,
         "recompiles_after_step2": compiled_graphs() - graphs_after_2,
         "first_step_loss": first_loss, "step_ms_median": 1e3 * step_s,
         "step_ms_min": 1e3 * min(times), "step_ms_max": 1e3 * max(times),

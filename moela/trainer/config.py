@@ -88,9 +88,6 @@ class TrainConfig:
     # documents per graphed micro-batch (0: max of 64, one per 128 tokens, twice the first micro-batch's); a
     # micro-batch with more runs eagerly, and the log says so
     graph_max_docs: int = 0
-    # with `compile` on CUDA: a side process builds the kernels the first step runs (an eager forward and backward
-    # of one block of each kind) while this one traces, so a cold start waits less (moela.trainer.prewarm)
-    prewarm_kernels: bool = True
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 
     def validate(self) -> list[str]:

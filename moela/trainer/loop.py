@@ -42,7 +42,7 @@ from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
-from moela.trainer import checkpoint, prewarm
+from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks
 from moela.trainer.cuda_graphs import GraphedMicroBatch
 from moela.trainer.device_checks import check_backends, check_fp8_device
@@ -121,18 +121,6 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
-        self.prewarm = None
-        if prewarm.wanted(cfg, self.device.type, self.env.local_rank):
-            self.prewarm, line = prewarm.start(cfg, self.run_dir, self.device.index or 0, self.env.rank)
-            self._echo(line)
-        try:
-            self._build_parts()
-        except BaseException:
-            prewarm.stop(self.prewarm)
-            raise
-
-    def _build_parts(self) -> None:
-        cfg = self.cfg
         try:
             self.train_loader, self.val_loader, self.tokenizer = build_loaders(
                 cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
@@ -208,7 +196,6 @@ class Trainer:
             self._barrier()
             return outcome
         finally:
-            prewarm.stop(self.prewarm)
             self.lock.release()
             shutdown(self.env)
 
