@@ -449,6 +449,27 @@ def section_wgrad_cast(quick):
         del out, want
 
 
+WGRAD_CASES = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
+               ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
+
+
+def wgrad_inputs(quick):
+    """The weight gradient's inputs at the training step's shapes (WGRAD_CASES: name, T, E, top-k, N, K; the first
+    two when quick), each under uniform and skewed expert loads, until the section's time is up: (name, T, E,
+    top-k, N, K, layout, g [M_pad, N] the output gradient rows, x [M_pad, K] the input rows, load label). Padding
+    rows are zeros, as the layer's are."""
+    for name, t, e, k, n, kk in WGRAD_CASES[:2] if quick else WGRAD_CASES:
+        for skew in (False, True):
+            if out_of_time():
+                return
+            lay = build_layout(routing(t, e, k, skew), e)
+            load = f"{'skew' if skew else 'unif'} max/mean {(lay.counts.max() / lay.counts.float().mean()).item():.2f}"
+            valid = (lay.m_indices >= 0)[:, None]
+            g = torch.randn(lay.m_pad, n, device="cuda", dtype=torch.bfloat16) * valid
+            x = torch.randn(lay.m_pad, kk, device="cuda", dtype=torch.bfloat16) * valid
+            yield name, t, e, k, n, kk, lay, g, x, load
+
+
 def section_wgrad_bf16(quick):
     """The bf16 expert weight gradient at the training step's shapes (`small` and V2-Lite at 64k tokens a step), as
     the step calls it: out [E, N, K] fp32 = A[:, rows_e] @ B[:, rows_e]^T with both operands the row-major
@@ -456,61 +477,46 @@ def section_wgrad_bf16(quick):
     token-contiguous copies (GEMM alone and with the copies), and moela's Triton kernel in expert order and with the
     experts with the most rows launched first; the forward's m-grouped GEMM of the same FLOPs for reference. Expert
     loads uniform and skewed (Zipf 1.2 popularity), since a k-grouped tile's work is its expert's row count."""
-    for name, t, e, k, n, kk in WGRAD_CASES[:2] if quick else WGRAD_CASES:
-        for skew in (False, True):
-            if out_of_time():
-                return
-            ids = routing(t, e, k, skew)
-            lay = build_layout(ids, e)
-            counts = lay.counts
-            case = f"{name} E{e} T{t} N{n} K{kk} {'skew' if skew else 'unif'} max/mean " \
-                   f"{(counts.max() / counts.float().mean()).item():.2f}"
-            m = lay.m_pad
-            g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)  # the output gradient rows [M_pad, N]
-            x = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)  # the input rows [M_pad, K]
-            valid = (lay.m_indices >= 0)[:, None]
-            g, x = g * valid, x * valid  # padding rows are zeros, as the layer's are
-            flops = 2 * t * k * n * kk
-            offs32 = lay.offsets[1:].to(torch.int32)
-            ref = torch._grouped_mm(g.t(), x, offs=offs32).float()
-            ref[counts == 0] = 0
-            nrm = ref.norm()
+    for name, t, e, k, n, kk, lay, g, x, load in wgrad_inputs(quick):
+        counts = lay.counts
+        case = f"{name} E{e} T{t} N{n} K{kk} {load}"
+        flops = 2 * t * k * n * kk
+        offs32 = lay.offsets[1:].to(torch.int32)
+        ref = torch._grouped_mm(g.t(), x, offs=offs32).float()
+        ref[counts == 0] = 0
+        nrm = ref.norm()
 
-            def err(out):
-                return ((out.float() - ref).norm() / nrm).item()
+        def err(out):
+            return ((out.float() - ref).norm() / nrm).item()
 
-            w = torch.randn(e, n, kk, device="cuda", dtype=torch.bfloat16)
-            t_f = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32))
-            row("wgrad_bf16", case, "fwd-shaped m-grouped torch", t_f, flops / t_f / 1e9, "TFLOP/s")
-            t_bf = bench(lambda: moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32))
-            row("wgrad_bf16", case, "torch._grouped_mm + cast (step)", t_bf, flops / t_bf / 1e9, "TFLOP/s",
-                rel_err=err(moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32)))
-            t_g = bench(lambda: torch._grouped_mm(g.t(), x, offs=offs32))
-            row("wgrad_bf16", case, "torch._grouped_mm alone", t_g, flops / t_g / 1e9, "TFLOP/s")
-            gt, xt = g.t().contiguous(), x.t().contiguous()
-            t_k = bench(lambda: torch._grouped_mm(gt, xt.t(), offs=offs32))
-            row("wgrad_bf16", case, "torch, token-contiguous operands", t_k, flops / t_k / 1e9, "TFLOP/s",
-                vs_step=t_bf / t_k)
-            t_kc = bench(lambda: torch._grouped_mm(g.t().contiguous(), x.t().contiguous().t(), offs=offs32))
-            row("wgrad_bf16", case, "torch, + the two copies", t_kc, flops / t_kc / 1e9, "TFLOP/s",
-                vs_step=t_bf / t_kc)
-            t_o = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
-            row("wgrad_bf16", case, "triton", t_o, flops / t_o / 1e9, "TFLOP/s", vs_step=t_bf / t_o,
-                rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32)))
-            order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
-            t_oo = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32,
-                                               order=torch.argsort(counts, descending=True).to(torch.int32)))
-            row("wgrad_bf16", case, "triton, most rows first", t_oo, flops / t_oo / 1e9, "TFLOP/s",
-                vs_step=t_bf / t_oo,
-                rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, order=order)))
-            t_ok = bench(lambda: kgrouped_gemm(gt, xt, lay.offsets, out_dtype=torch.float32, order=order))
-            row("wgrad_bf16", case, "triton, token-contiguous operands", t_ok, flops / t_ok / 1e9, "TFLOP/s",
-                vs_step=t_bf / t_ok)
-            del g, x, gt, xt, ref, w
-
-
-WGRAD_CASES = [("small w13", 65536, 32, 4, 1024, 1024), ("small w2", 65536, 32, 4, 1024, 512),
-               ("v2lite w13", 65536, 64, 6, 2816, 2048), ("v2lite w2", 65536, 64, 6, 2048, 1408)]
+        w = torch.randn(e, n, kk, device="cuda", dtype=torch.bfloat16)
+        t_f = bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs32))
+        row("wgrad_bf16", case, "fwd-shaped m-grouped torch", t_f, flops / t_f / 1e9, "TFLOP/s")
+        t_bf = bench(lambda: moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32))
+        row("wgrad_bf16", case, "torch._grouped_mm + cast (step)", t_bf, flops / t_bf / 1e9, "TFLOP/s",
+            rel_err=err(moe_gemm_library.torch_kgrouped(g.t(), x.t(), lay.offsets, counts, torch.float32)))
+        t_g = bench(lambda: torch._grouped_mm(g.t(), x, offs=offs32))
+        row("wgrad_bf16", case, "torch._grouped_mm alone", t_g, flops / t_g / 1e9, "TFLOP/s")
+        gt, xt = g.t().contiguous(), x.t().contiguous()
+        t_k = bench(lambda: torch._grouped_mm(gt, xt.t(), offs=offs32))
+        row("wgrad_bf16", case, "torch, token-contiguous operands", t_k, flops / t_k / 1e9, "TFLOP/s",
+            vs_step=t_bf / t_k)
+        t_kc = bench(lambda: torch._grouped_mm(g.t().contiguous(), x.t().contiguous().t(), offs=offs32))
+        row("wgrad_bf16", case, "torch, + the two copies", t_kc, flops / t_kc / 1e9, "TFLOP/s",
+            vs_step=t_bf / t_kc)
+        t_o = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+        row("wgrad_bf16", case, "triton", t_o, flops / t_o / 1e9, "TFLOP/s", vs_step=t_bf / t_o,
+            rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32)))
+        order = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
+        t_oo = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32,
+                                           order=torch.argsort(counts, descending=True).to(torch.int32)))
+        row("wgrad_bf16", case, "triton, most rows first", t_oo, flops / t_oo / 1e9, "TFLOP/s",
+            vs_step=t_bf / t_oo,
+            rel_err=err(kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, order=order)))
+        t_ok = bench(lambda: kgrouped_gemm(gt, xt, lay.offsets, out_dtype=torch.float32, order=order))
+        row("wgrad_bf16", case, "triton, token-contiguous operands", t_ok, flops / t_ok / 1e9, "TFLOP/s",
+            vs_step=t_bf / t_ok)
+        del g, x, gt, xt, ref, w
 
 
 def section_wgrad_configs(quick):
@@ -518,39 +524,29 @@ def section_wgrad_configs(quick):
     order, fp32 out) in each launch config of `gemm_triton.configs()`, at the step's shapes, uniform and skewed
     loads; then the table's config and the autotuner's pick (which runs once per shape: its first call times them
     all). The fastest config over both loads of a shape is what `gemm_triton.TUNED` should hold."""
-    for name, t, e, k, n, kk in WGRAD_CASES[:2] if quick else WGRAD_CASES:
-        for skew in (False, True):
-            if out_of_time():
-                return
-            ids = routing(t, e, k, skew)
-            lay = build_layout(ids, e)
-            counts = lay.counts
-            case = f"{name} N{n} K{kk} {'skew' if skew else 'unif'} max/mean " \
-                   f"{(counts.max() / counts.float().mean()).item():.2f}"
-            valid = (lay.m_indices >= 0)[:, None]
-            g = torch.randn(lay.m_pad, n, device="cuda", dtype=torch.bfloat16) * valid
-            x = torch.randn(lay.m_pad, kk, device="cuda", dtype=torch.bfloat16) * valid
-            flops = 2 * t * k * n * kk
-            ref = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=(128, 8, 4))
-            for cfg in gemm_triton.configs():
-                c = (cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
-                out = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c)
-                ms = bench(lambda c=c: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c))
-                row("wgrad_configs", case, f"BN {c[0]}, {c[1]} warps, {c[2]} stages", ms, flops / ms / 1e9, "TFLOP/s",
-                    max_diff_vs_first=(out - ref).abs().max().item())
-            tuned = gemm_triton.TUNED.get(("kgrouped", n, kk, False))
+    for name, t, _e, k, n, kk, lay, g, x, load in wgrad_inputs(quick):
+        case = f"{name} N{n} K{kk} {load}"
+        flops = 2 * t * k * n * kk
+        ref = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=(128, 8, 4))
+        for cfg in gemm_triton.configs():
+            c = (cfg.kwargs["BN"], cfg.num_warps, cfg.num_stages)
+            out = kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c)
+            ms = bench(lambda c=c: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32, config=c))
+            row("wgrad_configs", case, f"BN {c[0]}, {c[1]} warps, {c[2]} stages", ms, flops / ms / 1e9, "TFLOP/s",
+                max_diff_vs_first=(out - ref).abs().max().item())
+        tuned = gemm_triton.TUNED.get(("kgrouped", n, kk, False))
+        ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
+        row("wgrad_configs", case, f"default (table: {tuned})", ms, flops / ms / 1e9, "TFLOP/s")
+        mode = gemm_triton.TUNING["mode"]
+        gemm_triton.TUNING["mode"] = "autotune"
+        try:
             ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
-            row("wgrad_configs", case, f"default (table: {tuned})", ms, flops / ms / 1e9, "TFLOP/s")
-            mode = gemm_triton.TUNING["mode"]
-            gemm_triton.TUNING["mode"] = "autotune"
-            try:
-                ms = bench(lambda: kgrouped_gemm(g.t(), x.t(), lay.offsets, out_dtype=torch.float32))
-                best = "; ".join(str(cfg) for key, cfg in _kgrouped_autotuned.cache.items()
-                                 if tuple(key[:3]) == (n, kk, False))
-            finally:
-                gemm_triton.TUNING["mode"] = mode
-            row("wgrad_configs", case, f"autotuner (picked {best})", ms, flops / ms / 1e9, "TFLOP/s")
-            del g, x, ref
+            best = "; ".join(str(cfg) for key, cfg in _kgrouped_autotuned.cache.items()
+                             if tuple(key[:3]) == (n, kk, False))
+        finally:
+            gemm_triton.TUNING["mode"] = mode
+        row("wgrad_configs", case, f"autotuner (picked {best})", ms, flops / ms / 1e9, "TFLOP/s")
+        del g, x, ref
 
 
 def section_wgrad_fp8(quick):
