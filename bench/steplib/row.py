@@ -74,9 +74,9 @@ def run_row(spec: dict) -> dict:
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
     handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
     bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), gemm_tuning (`moe.gemm_triton.TUNING["mode"]`),
-    attention_forward (`triton_common.SCHEDULE["forward"]`:
-    "triton", or "gluon" for `gluon_fwd.DEFAULT`), attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a
-    `gluon_bwd.CONFIGS` name) and attention_dq (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
+    attention_forward (`triton_common.SCHEDULE["forward"]`: "triton", or "gluon" for `gluon_fwd.DEFAULT`),
+    attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a `gluon_bwd.CONFIGS` name) and attention_dq
+    (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())

@@ -14,8 +14,8 @@ copies. Under the Triton interpreter bf16 operands are upcast to fp32 (its bf16 
 Launch configs: a shape in `TUNED` launches with the config measured best for it (`python bench/moe.py --sections
 wgrad_configs`, which times every one of `configs()`); any other shape is autotuned among `configs()` on its first
 call. Why a table: on a machine with empty caches the autotuner compiles and times all four configs of every shape
-inside the first training step (5.1 s of autotuning and JIT at `small`, bench/notes/step.md, run 27), and the
-bf16 weight gradient runs on this kernel by default. `TUNING["mode"] = "autotune"` ignores the table (what
+inside the first training step (5.1 s of autotuning and JIT at `small` in run 27, 4.3 s in run 50, which the table
+removed; bench/notes/step.md), and the bf16 weight gradient runs on this kernel by default. `TUNING["mode"] = "autotune"` ignores the table (what
 `bench/step.py`'s `moela-wgrad-autotune` row times against it).
 """
 
