@@ -15,8 +15,8 @@ Launch configs: a shape in `TUNED` launches with the config measured best for it
 wgrad_configs`, which times every one of `configs()`); any other shape is autotuned among `configs()` on its first
 call. Why a table: on a machine with empty caches the autotuner compiles and times all four configs of every shape
 inside the first training step (5.1 s of autotuning and JIT at `small` in run 27, 4.3 s in run 50, which the table
-removed; bench/notes/step.md), and the bf16 weight gradient runs on this kernel by default. `TUNING["mode"] = "autotune"` ignores the table (what
-`bench/step.py`'s `moela-wgrad-autotune` row times against it).
+removed; bench/notes/step.md), and the bf16 weight gradient runs on this kernel by default.
+`TUNING["mode"] = "autotune"` ignores the table (what `bench/step.py`'s `moela-wgrad-autotune` row times against it).
 """
 
 from __future__ import annotations
