@@ -40,7 +40,15 @@ except ImportError:
 from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
-    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _split_smem, _tma_load
+    from moela.ops.attention.gluon_fwd import (
+        _document,
+        _mma_layout,
+        _operand_layout,
+        _rest_width,
+        _split_smem,
+        _store_rows,
+        _tma_load,
+    )
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "choose", "dkdv", "shared_bytes", "supports"]
@@ -84,15 +92,8 @@ if gluon is not None:
     def _key_tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BM: gl.constexpr):
         """Tile t's head, document span and query steps: (head, q_start, q_len, k_start, k_len, start_n, q_shift,
         first query row, number of query steps). Unused entries (document -1) get no steps."""
-        head = t % n_heads
-        item = t // n_heads
-        doc = gl.load(ITEMS + item)
-        valid = doc >= 0
-        doc = gl.maximum(doc, 0)
-        q_start = gl.load(CU_Q + doc)
-        q_len = gl.load(CU_Q + doc + 1) - q_start
-        k_start = gl.load(CU_K + doc)
-        k_len = gl.where(valid, gl.load(CU_K + doc + 1) - k_start, 0)
+        head, item, valid, q_start, q_len, k_start, k_len = _document(t, CU_Q, CU_K, ITEMS, n_heads)
+        k_len = gl.where(valid, k_len, 0)
         start_n = gl.load(ITEMS + n_items + item) * _BN
         q_shift = k_len - q_len
         if CAUSAL:  # query i sees key j when j <= i + q_shift: the block's first key is seen from i = start_n - q_shift
@@ -219,21 +220,12 @@ if gluon is not None:
                     if i + 1 < n_steps:
                         st, dpt = _scores_step(km, kr, vw, q_ring, qr_ring, do_ring, ready, i + 1, HAS_REST, BM)
         # dK = scale * sum dS^T Q; keys past the document are not stored
-        keys_m = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, km_layout))
-        cols_m = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, km_layout))
-        base_k = DK + (k_start + keys_m)[:, None].to(gl.int64) * stride_dkt + head * stride_dkh
-        gl.store(base_k + cols_m[None, :], (dk_main * sm_scale).to(gl.bfloat16),
-                 mask=(keys_m[:, None] < k_len) & (cols_m[None, :] < D_MAIN))
+        _store_rows(DK + head * stride_dkh, k_start, key0, k_len, stride_dkt, (dk_main * sm_scale).to(gl.bfloat16),
+                    km_layout, D_MAIN)
         if HAS_REST:
-            keys_r = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kr_layout))
-            cols_r = gl.arange(0, D_REST, layout=gl.SliceLayout(0, kr_layout))
-            base_r = DK + (k_start + keys_r)[:, None].to(gl.int64) * stride_dkt + head * stride_dkh + D_MAIN
-            gl.store(base_r + cols_r[None, :], (dk_rest * sm_scale).to(gl.bfloat16),
-                     mask=(keys_r[:, None] < k_len) & (cols_r[None, :] < D_REST))
-        keys_v = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, v_layout))
-        cols_v = gl.arange(0, D_V, layout=gl.SliceLayout(0, v_layout))
-        gl.store(DV + (k_start + keys_v)[:, None].to(gl.int64) * stride_dvt + head * stride_dvh + cols_v[None, :],
-                 dv.to(gl.bfloat16), mask=(keys_v[:, None] < k_len) & (cols_v[None, :] < D_V))
+            _store_rows(DK + head * stride_dkh + D_MAIN, k_start, key0, k_len, stride_dkt,
+                        (dk_rest * sm_scale).to(gl.bfloat16), kr_layout, D_REST)
+        _store_rows(DV + head * stride_dvh, k_start, key0, k_len, stride_dvt, dv.to(gl.bfloat16), v_layout, D_V)
 
     @gluon.jit
     def _dkdv_kernel(q_desc, qr_desc, k_desc, kr_desc, v_desc, do_desc, LSE, DELTA, stride_lh, DK, stride_dkt,

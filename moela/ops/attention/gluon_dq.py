@@ -35,7 +35,15 @@ from moela.ops.attention import gluon_fwd
 from moela.ops.attention.gluon_fwd import _descs, _rows, head_split, supports
 
 if gluon is not None:  # the Gluon helpers the attention kernels share (gluon_fwd.py)
-    from moela.ops.attention.gluon_fwd import _mma_layout, _operand_layout, _rest_width, _split_smem, _tile, _tma_load
+    from moela.ops.attention.gluon_fwd import (
+        _mma_layout,
+        _operand_layout,
+        _rest_width,
+        _split_smem,
+        _store_rows,
+        _tile,
+        _tma_load,
+    )
 from moela.ops.triton_env import HOPPER_SHARED_BYTES
 
 __all__ = ["AUTO", "CONFIGS", "dq", "fits", "shared_bytes", "supports"]
@@ -217,17 +225,11 @@ if gluon is not None:
                                                 s_layout, D_MAIN, D_REST, HAS_REST, CAUSAL, BN, STAGES, PIPELINE)
                 n_q += 1
             # dq = scale * sum dS K; rows past the document are not stored
-            rows_m = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qm_layout))
-            cols_m = gl.arange(0, D_MAIN, layout=gl.SliceLayout(0, qm_layout))
-            base = DQ + (q_start + rows_m)[:, None].to(gl.int64) * stride_dqt + head * stride_dqh
-            gl.store(base + cols_m[None, :], (dq_main * sm_scale).to(gl.bfloat16),
-                     mask=(rows_m[:, None] < q_len) & (cols_m[None, :] < D_MAIN))
+            _store_rows(DQ + head * stride_dqh, q_start, row0, q_len, stride_dqt,
+                        (dq_main * sm_scale).to(gl.bfloat16), qm_layout, D_MAIN)
             if HAS_REST:
-                rows_r = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qr_layout))
-                cols_r = gl.arange(0, D_REST, layout=gl.SliceLayout(0, qr_layout))
-                base_r = DQ + (q_start + rows_r)[:, None].to(gl.int64) * stride_dqt + head * stride_dqh + D_MAIN
-                gl.store(base_r + cols_r[None, :], (dq_rest * sm_scale).to(gl.bfloat16),
-                         mask=(rows_r[:, None] < q_len) & (cols_r[None, :] < D_REST))
+                _store_rows(DQ + head * stride_dqh + D_MAIN, q_start, row0, q_len, stride_dqt,
+                            (dq_rest * sm_scale).to(gl.bfloat16), qr_layout, D_REST)
 
     @gluon.jit
     def _dq_kernel(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, LSE, DELTA, stride_lh, DQ, stride_dqt,

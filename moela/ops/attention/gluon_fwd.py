@@ -184,20 +184,38 @@ if gluon is not None:
         return tile, tile_rest, ring, ring_rest
 
     @gluon.jit
-    def _tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
-        """Tile t's head, document span and key blocks: (head, q_start, q_len, k_start, k_len, start_m, q_shift,
-        n_blocks); tile t is work-list entry t // H on head t % H. An unused work-list entry (document -1) gets
-        q_len = n_blocks = 0. Causal alignment is bottom-right: query i sees key j when j <= i + q_shift,
-        q_shift = Lk - Lq."""
+    def _document(t, CU_Q, CU_K, ITEMS, n_heads):
+        """Tile t's work-list entry (t // H) on head t % H and its document's spans: (head, item, valid, q_start,
+        q_len, k_start, k_len); an unused entry (document -1) is not valid and reads document 0's spans."""
         head = t % n_heads
         item = t // n_heads
         doc = gl.load(ITEMS + item)
         valid = doc >= 0
         doc = gl.maximum(doc, 0)
         q_start = gl.load(CU_Q + doc)
-        q_len = gl.where(valid, gl.load(CU_Q + doc + 1) - q_start, 0)
+        q_len = gl.load(CU_Q + doc + 1) - q_start
         k_start = gl.load(CU_K + doc)
         k_len = gl.load(CU_K + doc + 1) - k_start
+        return head, item, valid, q_start, q_len, k_start, k_len
+
+    @gluon.jit
+    def _store_rows(ptr, first_row, row0, n_rows, stride_t, vals, LAYOUT: gl.constexpr, WIDTH: gl.constexpr):
+        """A [64, WIDTH] register tile `vals` (layout LAYOUT) into rows first_row + row0 + [0, 64) of `ptr` (row
+        stride stride_t, the head's columns already in `ptr`), the rows at row0 + i >= n_rows (past the document)
+        left out."""
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, LAYOUT))
+        cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, LAYOUT))
+        gl.store(ptr + (first_row + rows)[:, None].to(gl.int64) * stride_t + cols[None, :], vals,
+                 mask=(rows[:, None] < n_rows) & (cols[None, :] < WIDTH))
+
+    @gluon.jit
+    def _tile(t, CU_Q, CU_K, ITEMS, n_items, n_heads, CAUSAL: gl.constexpr, BN: gl.constexpr):
+        """Tile t's head, document span and key blocks: (head, q_start, q_len, k_start, k_len, start_m, q_shift,
+        n_blocks); tile t is work-list entry t // H on head t % H. An unused work-list entry (document -1) gets
+        q_len = n_blocks = 0. Causal alignment is bottom-right: query i sees key j when j <= i + q_shift,
+        q_shift = Lk - Lq."""
+        head, item, valid, q_start, q_len, k_start, k_len = _document(t, CU_Q, CU_K, ITEMS, n_heads)
+        q_len = gl.where(valid, q_len, 0)
         start_m = gl.load(ITEMS + n_items + item) * _BM
         q_shift = k_len - q_len
         if CAUSAL:
