@@ -17,6 +17,8 @@ import torch
 
 from moela.ops.attention import api as attn_mod
 from moela.ops.attention import attention_reference, mla_attention
+from moela.ops.attention import gluon_bwd as gluon_bwd_module
+from moela.ops.attention import gluon_dq as gluon_dq_module
 from moela.ops.attention import gluon_fwd as gluon_fwd_module
 
 triton_mod = pytest.importorskip("moela.ops.attention.autograd")
@@ -469,7 +471,7 @@ def test_gluon_descriptors_split_dqk_into_its_boxes():
     assert single.block_shape == [128, 64]
 
 
-GLUON_DKDV_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_bwd").CONFIGS)
+GLUON_DKDV_CONFIGS = list(gluon_bwd_module.CONFIGS)
 
 
 def gluon_backward_or_skip(monkeypatch, module, kernel: str, config: str) -> list:
@@ -503,7 +505,7 @@ def test_gluon_dkdv_gpu(poisoned_empty, monkeypatch, config, d_qk, d_v, lens_q, 
         assert calls == [config], "the Gluon dK/dV kernel did not run"
 
 
-GLUON_DQ_CONFIGS = list(pytest.importorskip("moela.ops.attention.gluon_dq").CONFIGS)
+GLUON_DQ_CONFIGS = list(gluon_dq_module.CONFIGS)
 
 
 @pytest.mark.gpu
