@@ -102,18 +102,13 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import autograd as moe_autograd
 
         moe_autograd.WEIGHT_COPIES["saved"] = False
-    if spec.get("attention_forward"):
-        from moela.ops.attention import gluon_fwd, triton_common
+    from moela.ops.attention import gluon_fwd, triton_common
 
-        triton_common.SCHEDULE["forward"] = gluon_fwd.DEFAULT if spec["attention_forward"] == "gluon" else "triton"
-    if spec.get("attention_dkdv"):
-        from moela.ops.attention import triton_common
-
-        triton_common.SCHEDULE["dkdv"] = spec["attention_dkdv"]
-    if spec.get("attention_dq"):
-        from moela.ops.attention import triton_common
-
-        triton_common.SCHEDULE["dq"] = spec["attention_dq"]
+    choices = {"forward": {"gluon": gluon_fwd.DEFAULT, "triton": "triton"}.get(spec.get("attention_forward")),
+               "dkdv": spec.get("attention_dkdv"), "dq": spec.get("attention_dq")}
+    for kernel, choice in choices.items():
+        if choice:
+            triton_common.SCHEDULE[kernel] = choice
     if spec.get("bf16_wgrad_impl"):
         from moela.ops.moe import autograd as moe_autograd
 
