@@ -17,6 +17,7 @@ from moela.batch import FILLER_DOC, pad_batch
 from moela.model import build_model
 from moela.trainer import Trainer
 from moela.trainer import loop as trainer_loop
+from moela.trainer import compile as trainer_compile
 from moela.trainer.compile import compile_blocks
 
 # CUDA: a model whose every kernel path applies (the expert GEMMs need D and F multiples of 128)
@@ -343,14 +344,51 @@ def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_st
     assert counters["stats"]["unique_graphs"] == after_first >= before_eval
 
 
+def test_prepare_inductor_applies_its_settings_and_starts_the_workers_only_on_cuda(monkeypatch):
+    from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(True))
+    monkeypatch.setattr(inductor_config.triton, "autotune_pointwise", True)  # torch's default, restored after
+    trainer_compile.prepare_inductor(torch.device("cpu"))
+    assert inductor_config.triton.autotune_pointwise is False and started == []
+    trainer_compile.prepare_inductor(torch.device("cuda"))
+    assert started == [True]
+    monkeypatch.setitem(trainer_compile.EARLY_WORKERS, "start", False)
+    monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", {})
+    monkeypatch.setattr(inductor_config.triton, "autotune_pointwise", True)
+    trainer_compile.prepare_inductor(torch.device("cuda"))
+    assert started == [True] and inductor_config.triton.autotune_pointwise is True
+
+
+@pytest.mark.gpu
+def test_prepare_inductor_brings_the_compile_workers_up_before_any_graph():
+    """On CUDA the workers answer before torch.compile has seen a graph (torch would start them at the first)."""
+    import time
+
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+
+    if get_compile_threads() <= 1:
+        pytest.skip("Inductor runs one compile thread on this machine: it keeps no worker pool")
+    trainer_compile.prepare_inductor(torch.device("cuda"))
+    deadline = time.monotonic() + 120
+    while not AsyncCompile.use_process_pool():
+        assert time.monotonic() < deadline, "Inductor's compile workers did not come up in 120 s"
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_compiled_run_says_what_its_first_step_does_and_what_it_took(tmp_path, monkeypatch, capsys, compiled):
     """Before the first step a compiled run names the wait and the cache root; after it, the step's seconds; once.
-    An eager run prints neither."""
+    An eager run prints neither. Only a compiled run prepares Inductor."""
     monkeypatch.setattr(trainer_loop, "compile_blocks", functools.partial(compile_blocks, backend="eager"))
+    prepared = []
+    monkeypatch.setattr(trainer_loop, "prepare_inductor", prepared.append)
     monkeypatch.setenv("MOELA_CACHE_DIR", str(tmp_path / "kernels"))
     extra = ["train.compile=true"] if compiled else []
     Trainer(make_cfg(tmp_path / "run", "train.steps=3", "train.eval_every=0", *extra)).fit()
+    assert prepared == ([torch.device("cpu")] if compiled else [])
     out = capsys.readouterr().out
     notices = [line for line in out.splitlines() if line.startswith("train.compile: the first step compiles")]
     firsts = [line for line in out.splitlines() if line.startswith("step 1 done ")]

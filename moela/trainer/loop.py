@@ -43,7 +43,7 @@ from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
 from moela.trainer import checkpoint
-from moela.trainer.compile import StaticShapes, compile_blocks
+from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import GraphedMicroBatch
 from moela.trainer.device_checks import check_backends, check_fp8_device
 from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
@@ -121,6 +121,8 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
+        if cfg.train.compile:
+            prepare_inductor(self.device)  # first: its compile workers start while the data and model are built
         try:
             self.train_loader, self.val_loader, self.tokenizer = build_loaders(
                 cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
