@@ -33,9 +33,10 @@ out-of-memory error ends only its row:
             moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
                           launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
             moela-pointwise-tuned  moela with Inductor's pointwise kernels tuned over several launch configs at their
-                          first launch (torch's default; `compile.INDUCTOR_SETTINGS` cleared)
-            moela-inductor-stock  moela-pointwise-tuned with Inductor's compile workers started at torch's own time
-                          (the first graph), not at the trainer's start (`compile.EARLY_WORKERS`)
+                          first launch (torch's default; `trainer.compile.INDUCTOR_SETTINGS` cleared)
+            moela-mtp-own-graph  moela with the MTP block's residual stream in its input projection's dtype (bf16
+                          under autocast), a block variant of its own to compile (`transformer.MTP_STREAM_DTYPE` off;
+                          moela keeps it in the main stack's dtype, so the block reuses the MoE blocks' graphs)
             moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
                           on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
                           flash-attn-4, which `auto` prefers where it is installed)
@@ -108,7 +109,7 @@ WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # l
 DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-inductor-stock",
+         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
          "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
          *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
@@ -119,7 +120,7 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
                "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
-               "moela-pointwise-tuned": [], "moela-inductor-stock": [], "moela-fwd-triton": [],
+               "moela-pointwise-tuned": [], "moela-mtp-own-graph": [], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
                **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
@@ -157,8 +158,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "attention_in_graph": impl != "moela-nomtp-attnbreak",
                              "bf16_wgrad_impl": WGRAD_ROWS.get(impl),
                              "gemm_tuning": "autotune" if impl == "moela-wgrad-autotune" else None,
-                             "inductor_settings": impl not in ("moela-pointwise-tuned", "moela-inductor-stock"),
-                             "early_workers": impl != "moela-inductor-stock",
+                             "inductor_settings": impl != "moela-pointwise-tuned",
+                             "mtp_stream_dtype": impl != "moela-mtp-own-graph",
                              "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
                              "attention_dkdv": {"moela-dkdv-triton": "triton", **DKDV_ROWS}.get(impl),
                              "attention_dq": DQ_ROWS.get(impl),

@@ -399,8 +399,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
                       ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
                       ("moela-wgrad-autotune", "64k", "bf16"), ("moela-pointwise-tuned", "16k", "bf16"),
-                      ("moela-pointwise-tuned", "64k", "bf16"), ("moela-inductor-stock", "16k", "bf16"),
-                      ("moela-inductor-stock", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
+                      ("moela-pointwise-tuned", "64k", "bf16"), ("moela-mtp-own-graph", "16k", "bf16"),
+                      ("moela-mtp-own-graph", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
                       ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
                       ("moela-fwd-gluon", "64k", "bf16"),
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
@@ -414,13 +414,13 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-wgrad-torch",
-                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-inductor-stock",
+                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
                   "moela-fwd-triton", "moela-fwd-gluon")
         assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
-        assert s["inductor_settings"] == (s["label"] not in ("moela-pointwise-tuned", "moela-inductor-stock"))
-        assert s["early_workers"] == (s["label"] != "moela-inductor-stock")
+        assert s["inductor_settings"] == (s["label"] != "moela-pointwise-tuned")
+        assert s["mtp_stream_dtype"] == (s["label"] != "moela-mtp-own-graph")
         assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
         dkdv = s["label"].removeprefix("moela-dkdv-")
         assert s["attention_dkdv"] == (None if dkdv == s["label"] else "triton" if dkdv == "triton" else
@@ -504,16 +504,17 @@ TINY = tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, 
 
 def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
     """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); the row's
-    fp8_wgrad_impl reaches the FP8 GEMM dispatch, gemm_tuning the Triton grouped GEMMs and inductor_settings /
-    early_workers the trainer's Inductor preparation."""
+    fp8_wgrad_impl reaches the FP8 GEMM dispatch, gemm_tuning the Triton grouped GEMMs, inductor_settings the
+    trainer's Inductor settings and mtp_stream_dtype the MTP block."""
     from bench.steplib.row import run_row
+    from moela.model import transformer
     from moela.ops.moe import gemm_fp8, gemm_triton
     from moela.trainer import compile as trainer_compile
 
     monkeypatch.setattr(gemm_fp8, "AUTO_KGROUPED_IMPL", "gluon")  # restored after the test
     monkeypatch.setitem(gemm_triton.TUNING, "mode", "table")
     monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", dict(trainer_compile.INDUCTOR_SETTINGS))
-    monkeypatch.setitem(trainer_compile.EARLY_WORKERS, "start", True)
+    monkeypatch.setattr(transformer, "MTP_STREAM_DTYPE", True)
 
     spec = {"config": "tiny", "impl": "moela", "label": "moela", "recipe": "bf16", "device": "cpu",
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
@@ -522,10 +523,10 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
                                  "logging.progress_bar=never", "checkpoint.every=0"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
             "sync_steps": 1, "fp8_wgrad_impl": "triton", "gemm_tuning": "autotune", "inductor_settings": False,
-            "early_workers": False}
+            "mtp_stream_dtype": False}
     r = run_row(spec)
     assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton" and gemm_triton.TUNING["mode"] == "autotune"
-    assert trainer_compile.INDUCTOR_SETTINGS == {} and trainer_compile.EARLY_WORKERS["start"] is False
+    assert trainer_compile.INDUCTOR_SETTINGS == {} and transformer.MTP_STREAM_DTYPE is False
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU
     assert r["first_step_compile_s"] == 0.0  # the tiny recipe trains uncompiled on the CPU

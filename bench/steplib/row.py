@@ -74,8 +74,8 @@ def run_row(spec: dict) -> dict:
     q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
     handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
     bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), gemm_tuning (`moe.gemm_triton.TUNING["mode"]`),
-    inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared), early_workers (false:
-    `trainer.compile.EARLY_WORKERS["start"]` off),
+    inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared), mtp_stream_dtype
+    (`transformer.MTP_STREAM_DTYPE`),
     attention_forward (`triton_common.SCHEDULE["forward"]`: "triton", or "gluon" for `gluon_fwd.DEFAULT`),
     attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a `gluon_bwd.CONFIGS` name) and attention_dq
     (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
@@ -119,12 +119,14 @@ def run_row(spec: dict) -> dict:
         from moela.ops.moe import gemm_triton
 
         gemm_triton.TUNING["mode"] = spec["gemm_tuning"]
-    if not spec.get("inductor_settings", True) or not spec.get("early_workers", True):
+    if not spec.get("inductor_settings", True):
         from moela.trainer import compile as trainer_compile
 
-        if not spec.get("inductor_settings", True):
-            trainer_compile.INDUCTOR_SETTINGS.clear()
-        trainer_compile.EARLY_WORKERS["start"] = spec.get("early_workers", True)
+        trainer_compile.INDUCTOR_SETTINGS.clear()
+    if not spec.get("mtp_stream_dtype", True):
+        from moela.model import transformer
+
+        transformer.MTP_STREAM_DTYPE = False
     if not spec.get("handoff_norms", True):
         from moela.model import transformer
 

@@ -56,6 +56,9 @@ from moela.ops.rope import yarn_inv_freq
 
 # False: every block normalizes its own input (bench/step.py's `moela-nomtp-nohandoff` row measures the difference)
 HANDOFF_NORMS = True
+# The MTP block's residual stream in the main stack's dtype (`MTPModule.forward`); off only for bench/step.py's
+# `moela-mtp-own-graph` row
+MTP_STREAM_DTYPE = True
 
 
 class MTPModule(nn.Module):
@@ -75,8 +78,16 @@ class MTPModule(nn.Module):
         """h, emb [T, D] -> (h_d [T, D], norm(h_d) [T, D], z, aux, load). `handoff`: the block takes the norm of
         its input from here (in `cast` if given, as the main stack hands it on) and returns its output's norm
         (the norm hand-off, `moela.model.block`), which makes its call the same compiled graph as the main
-        stack's blocks."""
+        stack's blocks.
+
+        The block's residual stream x is in the main stack's dtype (the embedding's: float32 for float32 weights
+        under autocast), not in the projection's (bf16 under autocast): the block then adds its residuals as the
+        main stack's blocks do and is the same compiled variant as theirs; in bf16 it would be a block variant of
+        its own, two more graphs (forward, backward) to compile at the first step (bench/step.py row
+        `moela-mtp-own-graph`)."""
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # [T, D]
+        if MTP_STREAM_DTYPE:
+            x = x.to(emb.dtype)
         if handoff:
             normed = self.block.attn_norm(x)  # [T, D]
             x, _, z, aux, load, normed = self.block(x, ctx, normed=normed if cast is None else normed.to(cast),

@@ -19,14 +19,13 @@ Decisions:
   length bound never change; only the document count does, and the model marks it dynamic. Training compiles
   during the first micro-batch and never again; evaluation (no autograd) compiles its own graphs at its first
   batch, padded to the same shape, and reuses them.
-- The compiler's own start (`prepare_inductor`, called when the trainer starts, before it reads data or builds
-  the model): Inductor compiles its Triton kernels in a pool of worker processes, but torch starts that pool only
-  when the first traced graph reaches Inductor, and until the workers have imported torch every kernel compiles
-  in the training process, one after another. Starting the pool first lets it come up while the model is built
-  and the first block is traced. Inductor's pointwise kernels get one heuristic launch config instead of several
-  compiled and timed at their first launch (`triton.autotune_pointwise`): memory-bound elementwise kernels whose
-  candidates differ by block size, not worth a build and a timing each in the first step. bench/step.py rows
-  `moela-inductor-stock` (neither) and `moela-pointwise-tuned` (the pool only) measure both against `moela`.
+- Inductor's pointwise kernels get one heuristic launch config (`prepare_inductor`: `triton.autotune_pointwise`
+  off) instead of several compiled and timed at their first launch: memory-bound elementwise kernels whose
+  candidates differ by block size. On the H200 that took 6 s off a cold first step at `small` 64k (49 vs 55 s
+  from the model built) at equal tokens/s (bench/results/step_64k_cold_run53.md, rows `moela` and
+  `moela-pointwise-tuned`). Starting Inductor's compile workers before the first graph (torch starts them when the
+  first graph reaches Inductor, and compiles in the training process until they are up) moved 5.6 s of builds off
+  the training process in the same run but did not shorten the first step (58 s), so it is not done.
 - Caches: every compiled kernel is kept on disk under one root (`moela.ops.disk_caches`: MOELA_CACHE_DIR, default
   `~/.cache/moela`): Inductor's FX graph and autograd caches, moela's Triton kernels with their autotuning results,
   flash-attn-4's CuTe kernels. A second start on the same machine (or on any machine sharing the root) skips
@@ -43,15 +42,12 @@ from moela.parallel.fsdp import transformer_blocks
 
 
 # Inductor settings a compiled run applies (`prepare_inductor`); bench/step.py's `moela-pointwise-tuned` row
-# clears it, `moela-inductor-stock` also starts the workers at torch's own time
+# clears them
 INDUCTOR_SETTINGS = {"triton.autotune_pointwise": False}
-EARLY_WORKERS = {"start": True}
 
 
-def prepare_inductor(device: torch.device) -> None:
-    """Apply `INDUCTOR_SETTINGS` and, on CUDA, start Inductor's compile workers now (`EARLY_WORKERS`), so that they
-    are up when the first compiled graph needs its kernels built (see the module docstring). On CPU Inductor
-    builds C++ in the training process and has no use for the workers."""
+def prepare_inductor() -> None:
+    """Apply `INDUCTOR_SETTINGS` to torch's Inductor configuration (see the module docstring)."""
     from torch._inductor import config as inductor_config
 
     for dotted, value in INDUCTOR_SETTINGS.items():
@@ -60,10 +56,6 @@ def prepare_inductor(device: torch.device) -> None:
         for part in parents:
             owner = getattr(owner, part)
         setattr(owner, name, value)
-    if device.type == "cuda" and EARLY_WORKERS["start"]:
-        from torch._inductor.async_compile import maybe_warm_pool
-
-        maybe_warm_pool()  # a no-op where torch keeps the pool off (TORCH_WARM_POOL=0, one compile thread)
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:

@@ -121,8 +121,6 @@ class Trainer:
 
     def _build(self) -> None:
         cfg = self.cfg
-        if cfg.train.compile:
-            prepare_inductor(self.device)  # first: its compile workers start while the data and model are built
         try:
             self.train_loader, self.val_loader, self.tokenizer = build_loaders(
                 cfg.data, tokens_per_microbatch=cfg.train.tokens_per_microbatch, dp_rank=self.mesh.rank("dp"),
@@ -142,6 +140,7 @@ class Trainer:
         self.model = self._build_model()
         self.static_shapes = None
         if cfg.train.compile:
+            prepare_inductor()
             compile_blocks(self.model)
             if self.mesh.size("cp") == 1:  # context parallelism splits batches itself
                 self.static_shapes = StaticShapes(cfg.train.tokens_per_microbatch, cfg.data.max_doc_len)
