@@ -481,8 +481,11 @@ def test_compiled_cuda_fp8_blocks_are_one_graph_and_match_eager():
     """`precision: fp8` with the CUDA kernels: the FP8 linears' op pair, the experts and the attention are ops of a
     MoE block's one graph (the DeepGEMM probe and the bf16 linear of an untileable layer used to break it), and the
     compiled model's loss and gradients equal the eager model's. AOT autograd without Inductor (`aot_eager`): the
-    ops receive the same bf16 inputs as in eager, so their FP8 codes agree; under Inductor the glue's other fusion
-    moves a few codes, and a small gradient (a norm weight's) by up to 8% (run 30 of bench/notes/step.md)."""
+    ops receive the same bf16 inputs as in eager's forward; under Inductor the glue's other fusion moves a few codes,
+    and a small gradient (a norm weight's) by up to 8% (run 30 of bench/notes/step.md). The whole gradient's bound,
+    2%, from run 56 there: eager is run-to-run exact, and the compiled model's gradients differ from it by 0.30% in
+    bf16 (the compiled backward rounds its bf16 glue elsewhere) and by 1.05-1.08% in FP8 (the codes amplify that)
+    with moela's Triton attention; under 1% with flash-attn-4's (run 32)."""
     cfg = tiny_config(**GPU_SHAPE, num_hidden_layers=2, precision="fp8")
     eager = build_model(cfg, "cuda")
     assert any(getattr(m, "fp8", False) for m in eager.modules())
@@ -498,7 +501,7 @@ def test_compiled_cuda_fp8_blocks_are_one_graph_and_match_eager():
     assert grads.keys() == ref_grads.keys()
     got = torch.cat([grads[n].float().flatten() for n in ref_grads])
     want = torch.cat([g.float().flatten() for g in ref_grads.values()])
-    assert torch.isfinite(got).all() and (got - want).norm() <= 1e-2 * want.norm()
+    assert torch.isfinite(got).all() and (got - want).norm() <= 2e-2 * want.norm()
 
 
 @pytest.mark.gpu
