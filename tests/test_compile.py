@@ -16,8 +16,8 @@ from factories import packed_batch, steps_without_sync, tiny_config, tiny_overri
 from moela.batch import FILLER_DOC, pad_batch
 from moela.model import build_model
 from moela.trainer import Trainer
-from moela.trainer import loop as trainer_loop
 from moela.trainer import compile as trainer_compile
+from moela.trainer import loop as trainer_loop
 from moela.trainer.compile import compile_blocks
 
 # CUDA: a model whose every kernel path applies (the expert GEMMs need D and F multiples of 128)

@@ -23,10 +23,10 @@ Decisions:
   off) instead of several compiled and timed at their first launch: memory-bound elementwise kernels whose
   candidates differ by block size. On the H200, in one run with empty caches per row at `small` 64k: 12 kernels
   tuned at their first launch instead of 72 and the first step 49 s from the model built against 58 s (the
-  setting's row ran first on the fresh machine, which costs the first process more), at equal tokens/s
-  (bench/results/step_64k_cold_run53.md, rows `moela` and `moela-pointwise-tuned`). Starting Inductor's compile workers before the first graph (torch starts them when the
-  first graph reaches Inductor, and compiles in the training process until they are up) moved 5.6 s of builds off
-  the training process in the same run but did not shorten the first step (58 s), so it is not done.
+  setting's row first on the fresh machine), at equal tokens/s (bench/results/step_64k_cold_run53.md, rows
+  `moela` and `moela-pointwise-tuned`). Starting Inductor's compile workers before the first graph (torch starts
+  them when the first graph reaches Inductor, and compiles in the training process until they are up) moved 5.6 s
+  of builds off the training process in the same run but did not shorten the first step (58 s), so it is not done.
 - Caches: every compiled kernel is kept on disk under one root (`moela.ops.disk_caches`: MOELA_CACHE_DIR, default
   `~/.cache/moela`): Inductor's FX graph and autograd caches, moela's Triton kernels with their autotuning results,
   flash-attn-4's CuTe kernels. A second start on the same machine (or on any machine sharing the root) skips
@@ -40,7 +40,6 @@ import torch
 from moela.batch import PackedBatch, pad_batch
 from moela.ops.compiled import raise_recompile_limit
 from moela.parallel.fsdp import transformer_blocks
-
 
 # Inductor settings a compiled run applies (`prepare_inductor`); bench/step.py's `moela-pointwise-tuned` row
 # clears them

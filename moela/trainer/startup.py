@@ -4,8 +4,9 @@ Why: with `train.compile` the first step traces and compiles every block variant
 Triton and flash-attn-4 kernel the first time it runs. On an H200 with empty caches that is half a minute to a
 minute for `small` (32-50 s after the model is built at 64k tokens without flash-attn-4, 50 s in the first process
 on a fresh machine; 10 s when an earlier run left its caches: bench/results/step_64k_cold_run57.md,
-step_64k_cold_mtp_run54.md, step_64k_mtp_ab_run55.md), during which the log would otherwise be silent. These lines tell a cold
-start from a hang, say where the caches are (a second start reads them), and report what the first step took.
+step_64k_cold_mtp_run54.md, step_64k_mtp_ab_run55.md), during which the log would otherwise be silent. These
+lines tell a cold start from a hang, say where the caches are (a second start reads them), and report what the
+first step took.
 """
 
 from __future__ import annotations
