@@ -390,6 +390,9 @@ def test_prepare_inductor_applies_its_settings(monkeypatch):
     monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", {"triton.autotune_pointwise": True})
     trainer_compile.prepare_inductor()
     assert inductor_config.triton.autotune_pointwise is True
+    monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", {"triton.no_such_setting": True})
+    with pytest.raises(AttributeError, match="no_such_setting"):  # a setting torch renamed fails loudly
+        trainer_compile.prepare_inductor()
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -50,12 +50,8 @@ def prepare_inductor() -> None:
     """Apply `INDUCTOR_SETTINGS` to torch's Inductor configuration (see the module docstring)."""
     from torch._inductor import config as inductor_config
 
-    for dotted, value in INDUCTOR_SETTINGS.items():
-        *parents, name = dotted.split(".")
-        owner = inductor_config
-        for part in parents:
-            owner = getattr(owner, part)
-        setattr(owner, name, value)
+    for name, value in INDUCTOR_SETTINGS.items():
+        setattr(inductor_config, name, value)  # torch's config module takes the dotted name and rejects unknown ones
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:

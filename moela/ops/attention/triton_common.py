@@ -71,6 +71,7 @@ MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid:
 #             supports (0.4-5.4% faster fwd+bwd over the packings at 192/128 and 96/64, run 46; -17% dQ kernel time in
 #             `small`'s step, run 44), the Triton kernel of triton_bwd.py for the others; "triton": always the Triton
 #             kernel; a gluon_dq.CONFIGS name: that config where it supports the call and its shared memory fits
+#             the head dims
 SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "auto", "dq": "auto"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
