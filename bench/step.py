@@ -37,6 +37,8 @@ out-of-memory error ends only its row:
             moela-mtp-own-graph  moela with the MTP block's residual stream in its input projection's dtype (bf16
                           under autocast), a block variant of its own to compile (`transformer.MTP_STREAM_DTYPE` off;
                           moela keeps it in the main stack's dtype, so the block reuses the MoE blocks' graphs)
+            moela-no-prebuild  moela without the helper process that builds its kernels beside the first step's
+                          compile (`train.prebuild_kernels=false`; moela.trainer.prebuild)
             moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
                           on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
                           flash-attn-4, which `auto` prefers where it is installed)
@@ -110,7 +112,7 @@ DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
          "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
          "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
-         "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
+         "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
          *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
@@ -120,7 +122,8 @@ MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moel
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
                "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
-               "moela-pointwise-tuned": [], "moela-mtp-own-graph": [], "moela-fwd-triton": [],
+               "moela-pointwise-tuned": [], "moela-mtp-own-graph": [],
+               "moela-no-prebuild": ["train.prebuild_kernels=false"], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
                **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows

@@ -400,7 +400,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
                       ("moela-wgrad-autotune", "64k", "bf16"), ("moela-pointwise-tuned", "16k", "bf16"),
                       ("moela-pointwise-tuned", "64k", "bf16"), ("moela-mtp-own-graph", "16k", "bf16"),
-                      ("moela-mtp-own-graph", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
+                      ("moela-mtp-own-graph", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
+                      ("moela-no-prebuild", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
                       ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
                       ("moela-fwd-gluon", "64k", "bf16"),
                       *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
@@ -415,7 +416,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
         mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-wgrad-torch",
                   "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
-                  "moela-fwd-triton", "moela-fwd-gluon")
+                  "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon")
         assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
         assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
         assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
@@ -428,6 +429,7 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         dq = s["label"].removeprefix("moela-dq-")
         assert s["attention_dq"] == (None if dq == s["label"] else f"gluon_dq_{dq}")
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
+        assert ("train.prebuild_kernels=false" in s["overrides"]) == (s["label"] == "moela-no-prebuild")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
         assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
         assert s["handoff_norms"] == (s["label"] != "moela-nomtp-nohandoff")

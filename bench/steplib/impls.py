@@ -47,6 +47,10 @@ class MoelaStep:
 
     def step(self) -> float:
         record = self.trainer.train_step()
+        if not self.records:  # as fit() does after the first step
+            line = self.trainer.stop_prebuild()
+            if line:
+                self.notes.append(line)
         self.records.append(record)
         return record["lm_loss"]
 

@@ -88,6 +88,9 @@ class TrainConfig:
     # documents per graphed micro-batch (0: max of 64, one per 128 tokens, twice the first micro-batch's); a
     # micro-batch with more runs eagerly, and the log says so
     graph_max_docs: int = 0
+    # with `compile` on one GPU: a helper process builds moela's kernels into the disk caches while this one
+    # compiles its blocks, so the first step finds them built (moela.trainer.prebuild; its log: prebuild.log)
+    prebuild_kernels: bool = True
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 
     def validate(self) -> list[str]:

@@ -59,6 +59,7 @@ from moela.trainer.metrics import (
     plot_losses,
 )
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
+from moela.trainer.prebuild import Prebuild
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
@@ -120,6 +121,24 @@ class Trainer:
             raise error
 
     def _build(self) -> None:
+        cfg = self.cfg
+        self.prebuild = None
+        if (cfg.train.compile and cfg.train.prebuild_kernels and self.device.type == "cuda"
+                and self.env.world_size == 1):
+            # started first: it imports and builds while this process reads the data and builds the model
+            self.prebuild = Prebuild.start(cfg, self.run_dir, self.device)
+        try:
+            self._build_rest()
+        except BaseException:
+            self.stop_prebuild()
+            raise
+
+    def stop_prebuild(self) -> str | None:
+        """Stop the kernel-building helper if one runs; the line to log about it."""
+        prebuild, self.prebuild = self.prebuild, None
+        return prebuild.stop() if prebuild is not None else None
+
+    def _build_rest(self) -> None:
         cfg = self.cfg
         try:
             self.train_loader, self.val_loader, self.tokenizer = build_loaders(
@@ -242,6 +261,9 @@ class Trainer:
                 if notice:  # the first step of this process
                     writer.echo(first_step_line(self.step, time.perf_counter() - loop_start))
                     notice = None
+                    prebuilt = self.stop_prebuild()
+                    if prebuilt:
+                        writer.echo(prebuilt)
                 if profiler.active:  # its window's wall time must include the device work
                     self._settle()
                 window = profiler.after_step(self.step, record["step_time_s"])
@@ -266,6 +288,7 @@ class Trainer:
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
         finally:
+            self.stop_prebuild()
             profiler.close()
             self.stop_request.restore()
             writer.close()

@@ -1,0 +1,213 @@
+"""Kernel prebuild (`train.prebuild_kernels`): a second process builds moela's Triton (and flash-attn-4) kernels
+into the on-disk caches while the training process traces and compiles its blocks, so the first step finds them
+built instead of compiling each at its first launch.
+
+Why: with empty caches the first step of a compiled run on an H200 spends ~13 s compiling moela's own kernels
+(19 Triton JIT builds at `small` 64k: bench/results/step_64k_cold_run57.md's compiler table), one after another
+and each on the step's critical path, beside ~16-26 s of torch.compile. torch.compile's work needs no kernel of
+ours (it traces the custom ops' fake implementations), so the two can run side by side: Triton's compile is
+serial within a process but its cache (`moela.ops.disk_caches`: TRITON_CACHE_DIR under MOELA_CACHE_DIR) is shared
+by processes, written atomically and keyed by the kernel's source, signature and specialization, so a kernel that
+the helper built is a cache hit for the trainer.
+
+What the helper runs: the training step itself, eagerly (no torch.compile), on a model of the run's widths but
+only one layer of each kind (a dense block, an MoE block, the MTP block; for FAL blocks also the first layer, a
+standard block), on a synthetic micro-batch of the run's exact shape (padded like `moela.trainer.compile`'s
+`StaticShapes`, and to the graphed step's document count under `train.cuda_graphs`), then one optimizer step.
+Every kernel the trainer's first step launches, it launches with the same shapes and dtypes, so with the same
+specialization. It is a cache warmer only: its results are discarded, its failures never stop training (its log
+is `prebuild.log` in the run dir), and its own autotuning results are not written to the cache (it times its
+candidates while the trainer uses the same GPU; the trainer times them again itself, compiled by then).
+
+Scope: a compiled run (`train.compile`) of one process on a CUDA device. With several processes the ranks build
+the same kernels side by side anyway, and sharded or expert-parallel layers see other shapes than this helper.
+It is stopped when the training process has finished its first step (whatever it has not built by then the
+trainer has built itself) or exits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from moela.batch import PackedBatch, pad_batch
+from moela.config import Config, dump_config, load_config
+from moela.model.config import ModelConfig
+
+LOG_NAME = "prebuild.log"
+PARENT_ENV = "MOELA_PREBUILD_PARENT"  # the training process's pid, for the helper's watchdog
+
+
+def _layer_kinds(cfg: ModelConfig) -> set[tuple]:
+    """The distinct blocks of the main stack as `Transformer` builds them: (kind, keeps_a1, MoE) by layer index."""
+    return {(cfg.block if i else "standard", i == 0 and cfg.block != "standard", i >= cfg.first_k_dense_replace)
+            for i in range(cfg.num_hidden_layers)}
+
+
+def reduced_model(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with the fewest layers that still hold every kind of block it builds (a dense and an MoE layer; for
+    FAL / FAL+ blocks also the first layer, which is a standard block keeping a1), MTP blocks kept. Widths,
+    experts, heads, precision and backends are unchanged, so every kernel sees the full model's shapes."""
+    want = _layer_kinds(cfg)
+    for layers in range(1, cfg.num_hidden_layers + 1):
+        for dense in range(min(cfg.first_k_dense_replace, layers) + 1):
+            small = replace(cfg, num_hidden_layers=layers, first_k_dense_replace=dense)
+            if _layer_kinds(small) == want and not small.validate():
+                return small
+    return cfg
+
+
+def synthetic_batch(cfg: Config, seed: int = 0) -> PackedBatch:
+    """A micro-batch of the run's shape on the CPU, padded like `StaticShapes` (to `train.tokens_per_microbatch`
+    tokens, the loader's piece limit as its length bound): random tokens in documents of 2,047 tokens (or one less
+    than that bound), the packed layout of real data. Documents that all reach the bound and fill the batch
+    exactly would be the "equal" layout, for which attention's `auto` may pick another backend
+    (`moela.ops.attention.auto`), and the graphed step's document count follows the real default for short
+    documents (`GraphedMicroBatch.fits`)."""
+    num_tokens = cfg.train.tokens_per_microbatch
+    max_seqlen = min(cfg.data.max_doc_len or num_tokens, num_tokens)
+    doc = max(1, min(max_seqlen - 1, 2047))
+    lens = [doc] * (num_tokens // doc)  # the filler documents of pad_batch take the rest
+    total = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (total + 1,), generator=g)
+    cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
+    labels = tokens[1:].clone()
+    labels[cu[1:] - 1] = -100  # each document's last token has no target
+    positions = torch.arange(total) - torch.repeat_interleave(cu[:-1], torch.tensor(lens))
+    batch = PackedBatch(input_ids=tokens[:-1].clone(), labels=labels, position_ids=positions.to(torch.int32),
+                        cu_seqlens=cu.to(torch.int32), max_seqlen=doc, targets_on_host=total - len(lens))
+    return pad_batch(batch, num_tokens, max_seqlen)
+
+
+def run_step(cfg: Config, device: torch.device) -> float:
+    """The helper's work: one training step of the reduced model on a synthetic micro-batch, the way the trainer's
+    first step runs it (graphed warm-up path or plain compiled-shape path); returns its loss (finite unless a
+    kernel is wrong, which the tests check)."""
+    from moela.model import build_model
+    from moela.parallel import clip_factor, clip_grad_norm_
+    from moela.trainer.cuda_graphs import GraphedMicroBatch
+    from moela.trainer.optim import build_optimizer
+    from moela.trainer.step_metrics import skips_on_device
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(reduced_model(cfg.model), device)
+    optimizer = build_optimizer(model, cfg.optim, device.type)
+    precision = cfg.train.precision
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    batch = synthetic_batch(cfg, cfg.train.seed)
+    model.train()
+    if cfg.train.cuda_graphs:
+        graphed = GraphedMicroBatch(model, device, autocast, max_docs=cfg.train.graph_max_docs, capture=False)
+        graphed.start_step(1.0 / max(batch.num_targets(), 1))
+        graphed.fits(batch)
+        loss = graphed(batch)[0]
+    else:
+        with autocast():
+            out = model(batch.to(device, non_blocking=True))
+        (out.loss * (out.num_targets / max(batch.num_targets(), 1))).backward()
+        loss = out.loss.detach()
+    # the trainer's clipping and device-skipped optimizer step (Trainer._clip_grad_norm, _optimizer_step)
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None
+    in_step = max_norm is not None and getattr(optimizer, "scales_grads_in_step", False)
+    total = clip_grad_norm_(model.parameters(), None if in_step else max_norm).to(device)
+    if in_step:
+        optimizer.grad_scale = clip_factor(total, max_norm)
+    if skips_on_device(optimizer):
+        optimizer.found_inf = (~torch.isfinite(total)).float()
+    optimizer.step()
+    return float(loss)
+
+
+class Prebuild:
+    """The helper process of one training run: `start` it before the model is built, `stop` it after the first
+    step (or on any exit); `stop` returns the line the trainer logs."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path, config_path: Path):
+        self.proc, self.log_path, self.config_path = proc, log_path, config_path
+        self.started = time.perf_counter()
+
+    @classmethod
+    def start(cls, cfg: Config, run_dir: Path, device: torch.device) -> "Prebuild":
+        """Start the helper for `cfg` on `device`; its output goes to `run_dir / prebuild.log`. The environment is
+        inherited (the cache locations `moela.ops` set), except that its autotuning results are not cached."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="moela-prebuild-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(dump_config(cfg))
+        env = dict(os.environ, TRITON_CACHE_AUTOTUNING="0", **{PARENT_ENV: str(os.getpid())})
+        log_path = run_dir / LOG_NAME
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", name, str(device)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        return cls(proc, log_path, Path(name))
+
+    def stop(self) -> str:
+        """Stop the helper if it still runs (what it has not built the trainer has built itself by now) and say how
+        it went."""
+        code = self.proc.poll()
+        if code is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.config_path.unlink(missing_ok=True)
+        if code is None:
+            return (f"prebuild: the kernel-building helper was still running after the first step; stopped "
+                    f"({self.log_path})")
+        if code == 0:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.exists() else []
+            done = lines[-1] if lines else "done"
+            return f"prebuild: the helper built the run's kernels beside the first step's compile ({done})"
+        return (f"prebuild: the kernel-building helper failed (exit {code}; {self.log_path}); the trainer built "
+                f"its kernels itself. Set train.prebuild_kernels=false to skip it")
+
+
+def _exit_with_parent() -> None:
+    """End this process when the training process (`PARENT_ENV`, else the parent now) is gone: a killed trainer
+    leaves no helper on its GPU. Named by pid, since the trainer may be gone before this process starts to watch."""
+    parent = int(os.environ.get(PARENT_ENV) or os.getppid())
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m moela.trainer.prebuild RESOLVED_RECIPE.yaml DEVICE", file=sys.stderr)
+        return 2
+    _exit_with_parent()
+    started = time.perf_counter()
+    cfg = load_config(argv[0])
+    Path(argv[0]).unlink(missing_ok=True)  # the trainer's temporary copy of its recipe
+    device = torch.device(argv[1])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    loss = run_step(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    print(f"one step of {reduced_model(cfg.model).num_hidden_layers} layers in {time.perf_counter() - started:.1f} s "
+          f"from the helper's start, loss {loss:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
