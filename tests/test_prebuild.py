@@ -84,6 +84,16 @@ def test_run_step_trains_the_reduced_model_like_the_trainer(tmp_path):
     assert 0 < loss < 2 * torch.log(torch.tensor(float(cfg.model.vocab_size)))
 
 
+def test_run_step_takes_the_graphed_warm_up_path_to_the_same_loss(tmp_path):
+    """Under `train.cuda_graphs` the helper runs the graphed step's eager warm-up (static buffers, documents padded
+    to the graph's count), as the trainer's first step does: the same loss as the plain path."""
+    from dataclasses import replace
+
+    cfg = _cpu_cfg(tmp_path)
+    graphed = replace(cfg, train=replace(cfg.train, cuda_graphs=True))
+    assert run_step(graphed, torch.device("cpu")) == pytest.approx(run_step(cfg, torch.device("cpu")), rel=1e-5)
+
+
 def _wait(proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:

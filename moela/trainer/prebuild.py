@@ -10,7 +10,8 @@ serial within a process but its cache (`moela.ops.disk_caches`: TRITON_CACHE_DIR
 by processes, written atomically and keyed by the kernel's source, signature and specialization, so a kernel that
 the helper built is a cache hit for the trainer.
 
-What the helper runs: the training step itself, eagerly (no torch.compile), on a model of the run's widths but
+What the helper runs: the training step itself, eagerly (no torch.compile, not even the small ops' compiled forms,
+`moela.ops.compiled`), on a model of the run's widths but
 only one layer of each kind (a dense block, an MoE block, the MTP block; for FAL blocks also the first layer, a
 standard block), on a synthetic micro-batch of the run's exact shape (padded like `moela.trainer.compile`'s
 `StaticShapes`, and to the graphed step's document count under `train.cuda_graphs`), then one optimizer step.
@@ -88,19 +89,22 @@ def synthetic_batch(cfg: Config, seed: int = 0) -> PackedBatch:
     return pad_batch(batch, num_tokens, max_seqlen)
 
 
-def run_step(cfg: Config, device: torch.device) -> float:
+def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
     """The helper's work: one training step of the reduced model on a synthetic micro-batch, the way the trainer's
     first step runs it (graphed warm-up path or plain compiled-shape path); returns its loss (finite unless a
-    kernel is wrong, which the tests check)."""
+    kernel is wrong, which the tests check). `log(what)` is called after each phase (the helper's log times
+    them)."""
     from moela.model import build_model
     from moela.parallel import clip_factor, clip_grad_norm_
     from moela.trainer.cuda_graphs import GraphedMicroBatch
     from moela.trainer.optim import build_optimizer
     from moela.trainer.step_metrics import skips_on_device
 
+    log("imported")
     torch.manual_seed(cfg.train.seed)
     model = build_model(reduced_model(cfg.model), device)
     optimizer = build_optimizer(model, cfg.optim, device.type)
+    log("model built")
     precision = cfg.train.precision
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
@@ -117,8 +121,10 @@ def run_step(cfg: Config, device: torch.device) -> float:
     else:
         with autocast():
             out = model(batch.to(device, non_blocking=True))
+        log("forward launched")
         (out.loss * (out.num_targets / max(batch.num_targets(), 1))).backward()
         loss = out.loss.detach()
+    log("forward and backward launched")
     # the trainer's clipping and device-skipped optimizer step (Trainer._clip_grad_norm, _optimizer_step)
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None
     in_step = max_norm is not None and getattr(optimizer, "scales_grads_in_step", False)
@@ -128,7 +134,9 @@ def run_step(cfg: Config, device: torch.device) -> float:
     if skips_on_device(optimizer):
         optimizer.found_inf = (~torch.isfinite(total)).float()
     optimizer.step()
-    return float(loss)
+    loss = float(loss)  # waits for the device
+    log("optimizer step done")
+    return loss
 
 
 class Prebuild:
@@ -196,14 +204,17 @@ def main(argv: list[str]) -> int:
         return 2
     _exit_with_parent()
     started = time.perf_counter()
+    # the small ops' Inductor-compiled forms (moela.ops.compiled: norms, RoPE, SwiGLU, losses, which eager code
+    # calls on CUDA) run as their references: inside the trainer's compiled blocks they are traced into the block
+    # and hold none of our kernels, and compiling them here took the helper 60-110 s of a 64k step (run 59)
+    torch._dynamo.config.disable = True
     cfg = load_config(argv[0])
     Path(argv[0]).unlink(missing_ok=True)  # the trainer's temporary copy of its recipe
     device = torch.device(argv[1])
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    loss = run_step(cfg, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    loss = run_step(cfg, device, log=lambda what: print(f"{time.perf_counter() - started:6.1f} s  {what}",
+                                                        flush=True))
     print(f"one step of {reduced_model(cfg.model).num_hidden_layers} layers in {time.perf_counter() - started:.1f} s "
           f"from the helper's start, loss {loss:.4f}", flush=True)
     return 0
