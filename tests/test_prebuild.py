@@ -102,35 +102,39 @@ def _wait(proc: subprocess.Popen, timeout: float = 120) -> None:
 
 def test_helper_process_runs_the_step_and_reports_it(tmp_path):
     cfg = _cpu_cfg(tmp_path, "train.cpu_threads=1")
-    helper = Prebuild.start(cfg, tmp_path / "run", torch.device("cpu"))
+    helper = Prebuild.start(cfg, torch.device("cpu"))
     _wait(helper.proc)
     assert helper.proc.returncode == 0, helper.log_path.read_text()
-    line = helper.stop()
+    line = helper.stop(keep_log=tmp_path / "run")
     assert "built the run's kernels" in line and "one step of 2 layers" in line
     reported = float(line.rsplit("loss ", 1)[1].rstrip(")"))
     assert reported == pytest.approx(run_step(cfg, torch.device("cpu")), rel=1e-3)  # another process, 4 digits
-    assert not helper.config_path.exists()
+    assert not helper.config_path.exists() and not helper.log_path.exists()
+    assert not (tmp_path / "run").exists()  # a helper that succeeded leaves nothing in the run dir
 
 
-def test_a_failed_helper_is_reported_with_the_setting_that_skips_it(tmp_path):
-    cfg = _cpu_cfg(tmp_path)
-    helper = Prebuild.start(cfg, tmp_path / "run", torch.device("cpu"))
-    helper.proc.wait()
-    # the same helper with a device that does not exist
-    proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", str(helper.config_path), "nodevice"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc.wait()
-    failed = Prebuild(proc, helper.log_path, tmp_path / "gone.yaml")
-    line = failed.stop()
+def test_a_failed_helper_is_reported_and_its_log_kept_in_the_run_dir(tmp_path):
+    from moela.config import dump_config
+
+    recipe, log = tmp_path / "recipe.yaml", tmp_path / "helper.log"
+    recipe.write_text(dump_config(_cpu_cfg(tmp_path)))
+    with open(log, "w") as out:  # a device that does not exist
+        proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", str(recipe), "nodevice"],
+                                stdout=out, stderr=subprocess.STDOUT)
+        proc.wait()
+    line = Prebuild(proc, log, recipe).stop(keep_log=tmp_path / "run")
+    kept = tmp_path / "run" / prebuild.LOG_NAME
     assert "failed" in line and "train.prebuild_kernels=false" in line and f"exit {proc.returncode}" in line
+    assert proc.returncode != 0 and str(kept) in line and "nodevice" in kept.read_text() and not log.exists()
 
 
 def test_stop_ends_a_helper_that_is_still_running(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     config = tmp_path / "recipe.yaml"
     config.write_text("{}")
-    line = Prebuild(proc, tmp_path / "prebuild.log", config).stop()
+    line = Prebuild(proc, tmp_path / "helper.log", config).stop()
     assert proc.returncode is not None and "still running" in line and not config.exists()
+    assert "its log was not kept" in line
 
 
 def test_the_helper_dies_with_the_training_process(tmp_path):

@@ -89,7 +89,8 @@ class TrainConfig:
     # micro-batch with more runs eagerly, and the log says so
     graph_max_docs: int = 0
     # with `compile` on one GPU: a helper process builds moela's kernels into the disk caches while this one
-    # compiles its blocks, so the first step finds them built (moela.trainer.prebuild; its log: prebuild.log)
+    # compiles its blocks, so the first step finds them built (moela.trainer.prebuild; a failed helper's output
+    # is kept as prebuild.log in the run dir)
     prebuild_kernels: bool = True
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
 

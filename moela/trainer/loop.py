@@ -126,17 +126,20 @@ class Trainer:
         if (cfg.train.compile and cfg.train.prebuild_kernels and self.device.type == "cuda"
                 and self.env.world_size == 1):
             # started first: it imports and builds while this process reads the data and builds the model
-            self.prebuild = Prebuild.start(cfg, self.run_dir, self.device)
+            self.prebuild = Prebuild.start(cfg, self.device)
         try:
             self._build_rest()
         except BaseException:
-            self.stop_prebuild()
+            self.stop_prebuild(keep_log=False)
             raise
 
-    def stop_prebuild(self) -> str | None:
-        """Stop the kernel-building helper if one runs; the line to log about it."""
+    def stop_prebuild(self, keep_log: bool = True) -> str | None:
+        """Stop the kernel-building helper if one runs; the line to log about it. `keep_log`: a failed helper's
+        output goes to the run dir (not for a run that writes nothing there)."""
         prebuild, self.prebuild = self.prebuild, None
-        return prebuild.stop() if prebuild is not None else None
+        if prebuild is None:
+            return None
+        return prebuild.stop(self.run_dir if keep_log and self.env.is_main else None)
 
     def _build_rest(self) -> None:
         cfg = self.cfg
@@ -229,6 +232,7 @@ class Trainer:
             resume, state = found
             self._load_state(state)
             if self.step >= cfg.train.steps:
+                self.stop_prebuild(keep_log=False)
                 self._echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
                            f"train.steps to continue, or set checkpoint.resume=none to start over)")
                 return UP_TO_DATE

@@ -16,9 +16,10 @@ only one layer of each kind (a dense block, an MoE block, the MTP block; for FAL
 standard block), on a synthetic micro-batch of the run's exact shape (padded like `moela.trainer.compile`'s
 `StaticShapes`, and to the graphed step's document count under `train.cuda_graphs`), then one optimizer step.
 Every kernel the trainer's first step launches, it launches with the same shapes and dtypes, so with the same
-specialization. It is a cache warmer only: its results are discarded, its failures never stop training (its log
-is `prebuild.log` in the run dir), and its own autotuning results are not written to the cache (it times its
-candidates while the trainer uses the same GPU; the trainer times them again itself, compiled by then).
+specialization. It is a cache warmer only: its results are discarded, its failures never stop training (the
+trainer logs them and keeps the helper's output as `prebuild.log` in the run dir), and its own autotuning results
+are not written to the cache (it times its candidates while the trainer uses the same GPU; the trainer times them
+again itself, compiled by then).
 
 Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own; two runs,
 both row orders; bench/results/step_64k_cold_prebuild_run60.md, _run61.md): the first step ends 24-25 s after the
@@ -34,6 +35,7 @@ trainer has built itself) or exits.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -147,30 +149,31 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
 
 class Prebuild:
     """The helper process of one training run: `start` it before the model is built, `stop` it after the first
-    step (or on any exit); `stop` returns the line the trainer logs."""
+    step (or on any exit); `stop` returns the line the trainer logs. Its output goes to a temporary file, so a run
+    that turns out to have nothing to do writes nothing to its run dir; `stop(keep_log=run_dir)` moves the log of
+    a helper that failed or was stopped there (`prebuild.log`) and deletes one that succeeded (its last line is in
+    the trainer's)."""
 
     def __init__(self, proc: subprocess.Popen, log_path: Path, config_path: Path):
         self.proc, self.log_path, self.config_path = proc, log_path, config_path
-        self.started = time.perf_counter()
 
     @classmethod
-    def start(cls, cfg: Config, run_dir: Path, device: torch.device) -> "Prebuild":
-        """Start the helper for `cfg` on `device`; its output goes to `run_dir / prebuild.log`. The environment is
-        inherited (the cache locations `moela.ops` set), except that its autotuning results are not cached."""
-        run_dir.mkdir(parents=True, exist_ok=True)
+    def start(cls, cfg: Config, device: torch.device) -> "Prebuild":
+        """Start the helper for `cfg` on `device`. The environment is inherited (the cache locations `moela.ops`
+        set), except that its autotuning results are not cached."""
         fd, name = tempfile.mkstemp(prefix="moela-prebuild-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             f.write(dump_config(cfg))
+        fd, log_name = tempfile.mkstemp(prefix="moela-prebuild-", suffix=".log")
         env = dict(os.environ, TRITON_CACHE_AUTOTUNING="0", **{PARENT_ENV: str(os.getpid())})
-        log_path = run_dir / LOG_NAME
-        with open(log_path, "w") as log:
+        with os.fdopen(fd, "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", name, str(device)],
                                     stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
-        return cls(proc, log_path, Path(name))
+        return cls(proc, Path(log_name), Path(name))
 
-    def stop(self) -> str:
+    def stop(self, keep_log: Path | None = None) -> str:
         """Stop the helper if it still runs (what it has not built the trainer has built itself by now) and say how
-        it went."""
+        it went; the log of a helper that did not succeed is moved to `keep_log / prebuild.log` (else deleted)."""
         code = self.proc.poll()
         lines = self.log_path.read_text(errors="replace").strip().splitlines() if self.log_path.exists() else []
         if code is None and lines and lines[-1].startswith(DONE):
@@ -183,14 +186,18 @@ class Prebuild:
                 self.proc.kill()
                 self.proc.wait()
         self.config_path.unlink(missing_ok=True)
+        log = "its log was not kept"
+        if code != 0 and keep_log is not None and self.log_path.exists():
+            keep_log.mkdir(parents=True, exist_ok=True)
+            log = str(shutil.move(self.log_path, keep_log / LOG_NAME))
+        self.log_path.unlink(missing_ok=True)
         if code is None:
-            return (f"prebuild: the kernel-building helper was still running after the first step; stopped "
-                    f"({self.log_path})")
+            return f"prebuild: the kernel-building helper was still running after the first step; stopped ({log})"
         if code == 0:
             done = lines[-1] if lines else "done"
             return f"prebuild: the helper built the run's kernels beside the first step's compile ({done})"
-        return (f"prebuild: the kernel-building helper failed (exit {code}; {self.log_path}); the trainer built "
-                f"its kernels itself. Set train.prebuild_kernels=false to skip it")
+        return (f"prebuild: the kernel-building helper failed (exit {code}; {log}); the trainer built its kernels "
+                f"itself. Set train.prebuild_kernels=false to skip it")
 
 
 def _exit_with_parent() -> None:
