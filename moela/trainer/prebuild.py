@@ -53,6 +53,13 @@ from moela.model.config import ModelConfig
 LOG_NAME = "prebuild.log"
 DONE = "one step of"  # the helper's last line once its work is done (it may still be exiting)
 PARENT_ENV = "MOELA_PREBUILD_PARENT"  # the training process's pid, for the helper's watchdog
+# the largest share of the GPU's memory the helper may allocate: it runs while the trainer builds its model and
+# starts its first step on the same GPU, so a helper that needed more would fail itself (the trainer then builds
+# the kernels it did not), never push the trainer out of memory. An estimate, not measured on its own: at `small`
+# 64k the trainer peaks at 45 GiB for 13 blocks (bench/results/step_64k_cold_prebuild_run60.md), the helper holds
+# 3 of them, ~10 GiB, under the cap's 35 GiB on an H200; at V2-Lite shapes (74 GiB for 7 blocks) its 3 blocks may
+# reach the cap, and then the helper fails and is logged
+MEMORY_FRACTION = 0.25
 
 
 def _layer_kinds(cfg: ModelConfig) -> set[tuple]:
@@ -226,8 +233,11 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv[0])
     Path(argv[0]).unlink(missing_ok=True)  # the trainer's temporary copy of its recipe
     device = torch.device(argv[1])
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+        # the trainer shares this GPU: past this share the helper fails (logged) rather than the trainer
+        torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, device)
     loss = run_step(cfg, device, log=lambda what: print(f"{time.perf_counter() - started:6.1f} s  {what}",
                                                         flush=True))
     print(f"{DONE} {reduced_model(cfg.model).num_hidden_layers} layers in {time.perf_counter() - started:.1f} s "
