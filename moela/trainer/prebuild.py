@@ -240,8 +240,9 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_per_process_memory_fraction(MEMORY_FRACTION, device)
     loss = run_step(cfg, device, log=lambda what: print(f"{time.perf_counter() - started:6.1f} s  {what}",
                                                         flush=True))
+    peak = f", peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
     print(f"{DONE} {reduced_model(cfg.model).num_hidden_layers} layers in {time.perf_counter() - started:.1f} s "
-          f"from the helper's start, loss {loss:.4f}", flush=True)
+          f"from the helper's start{peak}, loss {loss:.4f}", flush=True)
     return 0
 
 
