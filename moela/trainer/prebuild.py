@@ -12,8 +12,9 @@ the helper built is a cache hit for the trainer.
 
 What the helper runs: the training step itself, eagerly (no torch.compile, not even the small ops' compiled forms,
 `moela.ops.compiled`), on a model of the run's widths but only one layer of each kind (a dense block, an MoE block,
-the MTP block; for FAL blocks also the first layer, a standard block), on a synthetic micro-batch of the run's exact shape (padded like `moela.trainer.compile`'s
-`StaticShapes`, and to the graphed step's document count under `train.cuda_graphs`), then one optimizer step.
+the MTP block; for FAL blocks also the first layer, a standard block), on a synthetic micro-batch of the run's
+exact shape (padded like `moela.trainer.compile`'s `StaticShapes`, and to the graphed step's document count under
+`train.cuda_graphs`), then one optimizer step.
 Every kernel the trainer's first step launches, it launches with the same shapes and dtypes, so with the same
 specialization. It is a cache warmer only: its results are discarded, its failures never stop training (the
 trainer logs them and keeps the helper's output as `prebuild.log` in the run dir), and its own autotuning results
