@@ -170,6 +170,30 @@ def test_the_trainer_starts_no_helper_without_compile_or_on_the_cpu(tmp_path):
     assert trainer.prebuild is None and trainer.stop_prebuild() is None
 
 
+@pytest.mark.parametrize("extra, device, world, want", [
+    (["train.compile=true"], "cuda", 1, True), (["train.compile=true"], "cuda", 2, False),
+    (["train.compile=true"], "cpu", 1, False), ([], "cuda", 1, False),
+    (["train.compile=true", "train.prebuild_kernels=false"], "cuda", 1, False)])
+def test_which_runs_start_the_helper(tmp_path, extra, device, world, want):
+    assert prebuild.prebuild_wanted(_cpu_cfg(tmp_path, *extra), torch.device(device), world) is want
+
+
+def test_a_helper_that_cannot_start_is_a_log_line_not_an_error(tmp_path, monkeypatch):
+    def no_process(*args, **kwargs):
+        raise OSError("no processes left")
+
+    import tempfile
+
+    monkeypatch.setattr(prebuild.subprocess, "Popen", no_process)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    said = []
+    assert Prebuild.start_or_say(_cpu_cfg(tmp_path), torch.device("cpu"), said.append) is None
+    assert len(said) == 1 and "no processes left" in said[0] and "builds the kernels itself" in said[0]
+    assert not list(scratch.iterdir())  # its recipe copy and log file are removed
+
+
 GPU_SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                  n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
                  v_head_dim=32, num_attention_heads=4)

@@ -59,7 +59,7 @@ from moela.trainer.metrics import (
     plot_losses,
 )
 from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
-from moela.trainer.prebuild import Prebuild
+from moela.trainer.prebuild import Prebuild, prebuild_wanted
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
 from moela.trainer.samples import format_samples, sample_texts
@@ -123,10 +123,9 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         self.prebuild = None
-        if (cfg.train.compile and cfg.train.prebuild_kernels and self.device.type == "cuda"
-                and self.env.world_size == 1):
+        if prebuild_wanted(cfg, self.device, self.env.world_size):
             # started first: it imports and builds while this process reads the data and builds the model
-            self.prebuild = Prebuild.start(cfg, self.device)
+            self.prebuild = Prebuild.start_or_say(cfg, self.device, self._echo)
         try:
             self._build_rest()
         except BaseException:

@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -154,6 +155,11 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
     return loss
 
 
+def prebuild_wanted(cfg: Config, device: torch.device, world_size: int) -> bool:
+    """Whether a run starts the helper: `train.prebuild_kernels` on a compiled run of one process on CUDA."""
+    return cfg.train.prebuild_kernels and cfg.train.compile and device.type == "cuda" and world_size == 1
+
+
 class Prebuild:
     """The helper process of one training run: `start` it before the model is built, `stop` it after the first
     step (or on any exit); `stop` returns the line the trainer logs. Its output goes to a temporary file, so a run
@@ -173,10 +179,26 @@ class Prebuild:
             f.write(dump_config(cfg))
         fd, log_name = tempfile.mkstemp(prefix="moela-prebuild-", suffix=".log")
         env = dict(os.environ, TRITON_CACHE_AUTOTUNING="0", **{PARENT_ENV: str(os.getpid())})
-        with os.fdopen(fd, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", name, str(device)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        try:
+            with os.fdopen(fd, "w") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "moela.trainer.prebuild", name, str(device)],
+                                        stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            Path(name).unlink(missing_ok=True)
+            Path(log_name).unlink(missing_ok=True)
+            raise
         return cls(proc, Path(log_name), Path(name))
+
+    @classmethod
+    def start_or_say(cls, cfg: Config, device: torch.device, echo: Callable[[str], None]) -> "Prebuild | None":
+        """`start`, or None with a line to `echo` if no process can be started (a cache warmer: training goes on
+        without it)."""
+        try:
+            return cls.start(cfg, device)
+        except OSError as e:
+            echo(f"prebuild: could not start the kernel-building helper ({e}); the first step builds the kernels "
+                 f"itself")
+            return None
 
     def stop(self, keep_log: Path | None = None) -> str:
         """Stop the helper if it still runs (what it has not built the trainer has built itself by now) and say how
