@@ -41,7 +41,7 @@ from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
-from moela.parallel import apply_parallelism, build_mesh, clip_factor, clip_grad_norm_, reduce_expert_load
+from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import GraphedMicroBatch
@@ -58,7 +58,13 @@ from moela.trainer.metrics import (
     memory_gib,
     plot_losses,
 )
-from moela.trainer.optim import apply_hyperparameters, build_optimizer, build_scheduler
+from moela.trainer.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    optimizer_step,
+)
 from moela.trainer.prebuild import Prebuild, prebuild_wanted
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
@@ -383,12 +389,7 @@ class Trainer:
         return step == 1 or step % cfg.logging.log_every == 0 or step == cfg.train.steps
 
     def _optimizer_step(self, finite: torch.Tensor) -> None:
-        """AdamW step unless `finite` is false: on the device where the optimizer allows it, else by a host read."""
-        if self.skips_on_device:
-            self.optimizer.found_inf = (~finite).float()
-            self.optimizer.step()
-        elif bool(finite):  # the one host read of a step without device skipping (step_metrics docstring)
-            self.optimizer.step()
+        optimizer_step(self.optimizer, finite, self.skips_on_device)
 
     def _read_pending(self) -> None:
         """Bring the pending steps' numbers to the host (one read), add them to the log window, update the host
@@ -565,15 +566,7 @@ class Trainer:
             dist.barrier()
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        """The global gradient norm (a 0-d device tensor), after clipping to `optim.grad_clip` when it is > 0. An
-        optimizer that scales gradients as it reads them (moela's AdamW) gets the clipping factor instead: no pass
-        over the gradients."""
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else None
-        in_step = max_norm is not None and getattr(self.optimizer, "scales_grads_in_step", False)
-        total = clip_grad_norm_(self.model.parameters(), None if in_step else max_norm).to(self.device)
-        if in_step:
-            self.optimizer.grad_scale = clip_factor(total, max_norm)
-        return total
+        return clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
 
     def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
         if self.peak_flops is None or tokens == 0:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moela.parallel import clip_factor, clip_grad_norm_
 from moela.trainer.adamw_moments import AdamWMoments
 from moela.trainer.config import OptimConfig, ScheduleConfig
 
@@ -57,6 +58,29 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) ->
         for key in ("fused", "foreach", "capturable"):
             if key in optimizer.defaults:
                 group[key] = optimizer.defaults[key]
+
+
+def clip_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
+                   device: torch.device) -> torch.Tensor:
+    """The global gradient norm (a 0-d device tensor), after clipping to `grad_clip` when it is > 0. An optimizer
+    that scales gradients as it reads them (moela's AdamW) gets the clipping factor instead: no pass over the
+    gradients."""
+    max_norm = grad_clip if grad_clip > 0 else None
+    in_step = max_norm is not None and getattr(optimizer, "scales_grads_in_step", False)
+    total = clip_grad_norm_(model.parameters(), None if in_step else max_norm).to(device)
+    if in_step:
+        optimizer.grad_scale = clip_factor(total, max_norm)
+    return total
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor, on_device: bool) -> None:
+    """The optimizer step unless `finite` (a device bool) is false: skipped on the device where the optimizer
+    allows it (`on_device`: `step_metrics.skips_on_device`), else by a host read."""
+    if on_device:
+        optimizer.found_inf = (~finite).float()
+        optimizer.step()
+    elif bool(finite):  # the one host read of a step without device skipping (step_metrics docstring)
+        optimizer.step()
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:

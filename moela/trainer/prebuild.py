@@ -111,9 +111,8 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
     kernel is wrong, which the tests check). `log(what)` is called after each phase (the helper's log times
     them)."""
     from moela.model import build_model
-    from moela.parallel import clip_factor, clip_grad_norm_
     from moela.trainer.cuda_graphs import GraphedMicroBatch
-    from moela.trainer.optim import build_optimizer
+    from moela.trainer.optim import build_optimizer, clip_gradients, optimizer_step
     from moela.trainer.step_metrics import skips_on_device
 
     log("imported")
@@ -141,15 +140,8 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
         (out.loss * (out.num_targets / max(batch.num_targets(), 1))).backward()
         loss = out.loss.detach()
     log("forward and backward launched")
-    # the trainer's clipping and device-skipped optimizer step (Trainer._clip_grad_norm, _optimizer_step)
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else None
-    in_step = max_norm is not None and getattr(optimizer, "scales_grads_in_step", False)
-    total = clip_grad_norm_(model.parameters(), None if in_step else max_norm).to(device)
-    if in_step:
-        optimizer.grad_scale = clip_factor(total, max_norm)
-    if skips_on_device(optimizer):
-        optimizer.found_inf = (~torch.isfinite(total)).float()
-    optimizer.step()
+    total = clip_gradients(model, optimizer, cfg.optim.grad_clip, device)  # the trainer's clipping and step
+    optimizer_step(optimizer, torch.isfinite(loss) & torch.isfinite(total), skips_on_device(optimizer))
     loss = float(loss)  # waits for the device
     log("optimizer step done")
     return loss
