@@ -24,7 +24,8 @@ again itself, compiled by then).
 Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own; two runs,
 both row orders; bench/results/step_64k_cold_prebuild_run60.md, _run61.md): the first step ends 24-25 s after the
 model is built with the helper against 31-39 s without, the trainer's own Triton builds 2.1-2.4 s against
-7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends ~21 s after it starts (4-5 s of imports).
+7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends ~21 s after it starts (4-5 s of imports;
+bench/results/prebuild_helper.md).
 
 Scope: a compiled run (`train.compile`) of one process on a CUDA device. With several processes the ranks build
 the same kernels side by side anyway, and sharded or expert-parallel layers see other shapes than this helper.
@@ -242,7 +243,8 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     # the small ops' Inductor-compiled forms (moela.ops.compiled: norms, RoPE, SwiGLU, losses, which eager code
     # calls on CUDA) run as their references: inside the trainer's compiled blocks they are traced into the block
-    # and hold none of our kernels, and compiling them here took the helper 60-110 s of a 64k step (run 59)
+    # and hold none of our kernels, and compiling them here took the helper 59-109 s of a 64k step
+    # (bench/results/prebuild_helper.md, run 59)
     torch._dynamo.config.disable = True
     cfg = load_config(argv[0])
     Path(argv[0]).unlink(missing_ok=True)  # the trainer's temporary copy of its recipe
