@@ -1,9 +1,9 @@
-"""One forward call of mla_attention's Triton backend on a bench/attention.py case, for a kernel profiler
-(`ncu -k regex:_fwd_kernel -c 1 ...`): the forward kernel selected by SCHEDULE["forward"] runs once after a warm-up
-call that compiles it.
+"""One call of mla_attention's Triton backend on a bench/attention.py case, for a kernel profiler: the forward
+(`ncu -k regex:_fwd_kernel -c 1 ...`), or the forward and backward (`--backward`: `ncu -k regex:_bwd_dkdv_kernel
+...` or `regex:dq`), each run once after a warm-up call that compiles its kernels.
 
-Usage: python bench/attention_once.py [FORWARD] [CASE]   FORWARD: "triton" or a gluon_fwd.CONFIGS name (default
-       gluon_fwd.DEFAULT); CASE: a substring of a bench/attention.py case name (default "B=2 S=8192")
+Usage: python bench/attention_once.py [--backward] [FORWARD] [CASE]   FORWARD: "triton" or a gluon_fwd.CONFIGS
+       name (default gluon_fwd.DEFAULT); CASE: a substring of a bench/attention.py case name (default "B=2 S=8192")
 """
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ from moela.ops.attention.triton_common import SCHEDULE  # noqa: E402
 
 
 def main() -> None:
-    forward = sys.argv[1] if len(sys.argv) > 1 else gluon_fwd.DEFAULT
-    name = sys.argv[2] if len(sys.argv) > 2 else "B=2 S=8192"
+    args = sys.argv[1:]
+    backward = "--backward" in args
+    args = [a for a in args if a != "--backward"]
+    forward = args[0] if args else gluon_fwd.DEFAULT
+    name = args[1] if len(args) > 1 else "B=2 S=8192"
     case = next(c for c in all_cases() if name in c.name and c.feature == "plain")
     SCHEDULE["forward"] = forward
     x = make_inputs(case)
-    with torch.no_grad():
-        for _ in range(2):  # the first call compiles; a profiler filtering on one launch takes the last
-            mla_attention(x.q, x.k, x.v, x.cu, max(case.lens), causal=True, backend="triton")
+    for _ in range(2):  # the first call compiles; a profiler filtering on one launch takes the last
+        with torch.set_grad_enabled(backward):
+            out = mla_attention(x.q, x.k, x.v, x.cu, max(case.lens), causal=True, backend="triton")
+        if backward:
+            out.backward(x.dout)
     torch.cuda.synchronize()
-    print(f"{case.name}: forward {forward} ran")
+    print(f"{case.name} ({case.d_qk}/{case.d_v}): forward {forward}{' and backward' if backward else ''} ran")
 
 
 if __name__ == "__main__":
