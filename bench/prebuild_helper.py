@@ -77,7 +77,8 @@ def main() -> None:
             sys.exit(f"unknown recipe {r!r}: one of {', '.join(RECIPE_OVERRIDES)}")
     cap = None
     if args.device.startswith("cuda"):
-        cap = prebuild.MEMORY_FRACTION * torch.cuda.get_device_properties(torch.device(args.device)).total_memory / 2**30
+        total = torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+        cap = prebuild.MEMORY_FRACTION * total / 2**30
     rows = []
     for config in configs:
         for recipe in recipes:
@@ -91,7 +92,7 @@ def main() -> None:
                     for line in r["log"]:
                         print("    " + line, flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    lines = [f"# The prebuild helper alone (`python bench/prebuild_helper.py`)", "",
+    lines = ["# The prebuild helper alone (`python bench/prebuild_helper.py`)", "",
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}"
              + (f"; the helper's memory cap: {prebuild.MEMORY_FRACTION} of the device = {cap:.1f} GiB" if cap
                 else ""), "",

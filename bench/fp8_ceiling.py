@@ -1,0 +1,115 @@
+"""What the FP8 step targets ask of the GEMMs: a breakdown of measured bf16 and FP8 step rows (bench/step.py JSON,
+rows of one run) into the time FP8 can act on and the time it cannot, and the GEMM speed-up a target needs.
+
+Per config, from the bf16 row's kernel breakdown (ms per step):
+- eligible: the GEMMs DeepSeek-V3's recipe runs in FP8: the expert GEMMs, and the dense GEMMs other than the
+  output head (the head's GEMMs are the ones launched under `_ChunkedLinearCE`; the embedding, head, router, norms
+  and attention core stay bf16, as the issue says). The head is found among the breakdown's listed kernels (the
+  top 12 of the family); any dense GEMM outside that list, and the router's small float32 GEMM, count as eligible,
+  which errs in the target's favour (a larger eligible time needs a smaller speed-up);
+- the FP8 rows' added quantization work, measured: the growth of the norm/RoPE/activation (the FP8 SwiGLU that
+  also quantizes) and copies/cat/casts (activation and weight quantization) families, and of the optimizer
+  family (the weights' quantized copies), against the bf16 row;
+- the needed GEMM speed-up s: the step-time target T_bf16 / target must come from the eligible time alone,
+  eligible x (1 - 1/s) = T_bf16 - T_bf16 / target + overhead, with the step's non-kernel time unchanged;
+- the ceiling: the step at s = 2, the H200's FP8 peak over its bf16 peak (1,979 / 989 TFLOP/s dense), with the
+  measured overhead, and with the experts alone (what `moe_recipe: fp8_blockwise` runs).
+
+Usage: python bench/fp8_ceiling.py STEP.json [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
+       [--out bench/results/fp8_step_ceiling.md]
+Runs anywhere (it reads JSON only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PEAK_RATIO = 2.0  # H200 dense FP8 / bf16 tensor-core peak
+OVERHEAD_FAMILIES = ("norm/RoPE/activation", "copies/cat/casts", "optimizer")
+
+
+def head_ms(row: dict) -> float:
+    """The output head's GEMM time: dense GEMM kernels launched under the chunked linear cross-entropy."""
+    d = row["kernel_breakdown"]["dense GEMM"]
+    return sum(ms for (_, ms), ctx in zip(d["top"], d.get("top_context", [])) if "LinearCE" in ctx)
+
+
+def family(row: dict, name: str) -> float:
+    return row["kernel_breakdown"][name]["ms_per_step"]
+
+
+def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> list[str]:
+    step = bf16["step_ms_median"]
+    kernel = sum(v["ms_per_step"] for v in bf16["kernel_breakdown"].values())
+    expert = family(bf16, "expert GEMM")
+    head = head_ms(bf16)
+    dense_rest = family(bf16, "dense GEMM") - head
+    rest = kernel - expert - family(bf16, "dense GEMM") - family(bf16, "attention")
+    lines = [f"### {bf16['config']}", "",
+             f"bf16 row: step {step:.1f} ms (median), kernel time {kernel:.1f} ms: expert GEMMs {expert:.1f}, "
+             f"dense GEMMs {family(bf16, 'dense GEMM'):.1f} of which the output head {head:.1f} (stays bf16), "
+             f"attention {family(bf16, 'attention'):.1f}, the rest {rest:.1f}.",
+             "",
+             "| row | step ms | vs bf16 | expert GEMM ms | dense GEMM ms (head) | added quantization work ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |",
+             f"| bf16 | {step:.1f} | 1.000x | {expert:.1f} | {family(bf16, 'dense GEMM'):.1f} ({head:.1f}) | - |"]
+    overheads = {}
+    for r in fp8_rows:
+        over = sum(max(0.0, family(r, f) - family(bf16, f)) for f in OVERHEAD_FAMILIES)
+        overheads[r["recipe"]] = over
+        lines.append(f"| {r['recipe']} | {r['step_ms_median']:.1f} | {step / r['step_ms_median']:.3f}x | "
+                     f"{family(r, 'expert GEMM'):.1f} ({expert / family(r, 'expert GEMM'):.2f}x) | "
+                     f"{family(r, 'dense GEMM'):.1f} ({head_ms(r):.1f}) | {over:.1f} |")
+    lines.append("")
+    over_experts = overheads.get("fp8_blockwise", 0.0)
+    over_all = overheads.get("fp8", over_experts)
+    for label, eligible, over in (("experts only (`moe_recipe: fp8_blockwise`)", expert, over_experts),
+                                  ("experts and every dense GEMM but the head (`precision: fp8`)",
+                                   expert + dense_rest, over_all)):
+        ceiling = step / (step - eligible * (1 - 1 / PEAK_RATIO) + over)
+        text = (f"- {label}: eligible {eligible:.1f} ms of the step; at FP8 = {PEAK_RATIO:g}x bf16 with the "
+                f"measured {over:.1f} ms of quantization work the step could reach {ceiling:.3f}x")
+        if target:
+            need = step - step / target + over
+            s = float("inf") if need >= eligible else 1 / (1 - need / eligible)
+            text += (f"; the {target:g}x target needs {need:.1f} ms saved, i.e. those GEMMs "
+                     + (f"{s:.2f}x faster than bf16" if s != float("inf") else "faster than infinitely fast")
+                     + (" (beyond the hardware's 2x)" if s > PEAK_RATIO else ""))
+        lines.append(text + ".")
+    lines.append("")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--targets", default="small-64k=1.1,v2lite6-64k=1.25")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
+    lines = ["# FP8 step targets against the measured breakdown (`python bench/fp8_ceiling.py "
+             + " ".join(args.json) + "`)", "",
+             "Each config's rows come from one bench/step.py run (the files below); times are the rows' median step "
+             "and their profiled kernel time per family. See the script's docstring for the method.", ""]
+    for path in args.json:
+        rows = json.loads(Path(path).read_text())
+        for config in dict.fromkeys(r["config"] for r in rows):
+            mine = [r for r in rows if r["config"] == config and r["impl"] == "moela"]
+            bf16 = next((r for r in mine if r["recipe"] == "bf16"), None)
+            fp8 = [r for r in mine if r["recipe"] != "bf16"]
+            if bf16 is None or not fp8:
+                continue
+            lines.append(f"Source: `{path}` ({bf16.get('device_name', '')})")
+            lines.append("")
+            lines += analyse(bf16, fp8, targets.get(config))
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
