@@ -249,6 +249,11 @@ def main(argv: list[str]) -> int:
         return 2
     _exit_with_parent()
     started = time.perf_counter()
+    # before CUDA starts: the eager reference ops allocate and free tensors of many sizes (a dense FFN's float32
+    # SwiGLU temporaries at 64k tokens: 2.7 GiB each), and the fixed-size segments of the default allocator held
+    # 7.5 GiB free but unusable when the helper hit its cap at V2-Lite shapes
+    # (bench/results/prebuild_helper_memory.md); a user's own setting is kept
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # the small ops' Inductor-compiled forms (moela.ops.compiled: norms, RoPE, SwiGLU, losses, which eager code
     # calls on CUDA) run as their references: inside the trainer's compiled blocks they are traced into the block
     # and hold none of our kernels, and compiling them here took the helper 59-109 s of a 64k step
