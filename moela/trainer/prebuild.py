@@ -14,7 +14,9 @@ What the helper runs: the training step itself, eagerly (no torch.compile, not e
 `moela.ops.compiled`), on a model of the run's widths but only one layer of each kind (a dense block, an MoE block,
 the MTP block; for FAL blocks also the first layer, a standard block), on a synthetic micro-batch of the run's
 exact shape (padded like `moela.trainer.compile`'s `StaticShapes`, and to the graphed step's document count under
-`train.cuda_graphs`), then one optimizer step.
+`train.cuda_graphs`), then one optimizer step. Its blocks recompute their activations in backward (one block's
+activations held at a time) and its CUDA allocator uses expandable segments: the eager reference ops keep far more
+memory than the trainer's compiled blocks, and without both the helper ran past its memory cap at V2-Lite shapes.
 Every kernel the trainer's first step launches, it launches with the same shapes and dtypes, so with the same
 specialization. It is a cache warmer only: its results are discarded, its failures never stop training (the
 trainer logs them and keeps the helper's output as `prebuild.log` in the run dir), and its own autotuning results
@@ -57,10 +59,9 @@ DONE = "one step of"  # the helper's last line once its work is done (it may sti
 PARENT_ENV = "MOELA_PREBUILD_PARENT"  # the training process's pid, for the helper's watchdog
 # the largest share of the GPU's memory the helper may allocate: it runs while the trainer builds its model and
 # starts its first step on the same GPU, so a helper that needed more would fail itself (the trainer then builds
-# the kernels it did not), never push the trainer out of memory. An estimate, not measured on its own: at `small`
-# 64k the trainer peaks at 45 GiB for 13 blocks (bench/results/step_64k_cold_prebuild_run60.md), the helper holds
-# 3 of them, ~10 GiB, under the cap's 35 GiB on an H200; at V2-Lite shapes (74 GiB for 7 blocks) its 3 blocks may
-# reach the cap, and then the helper fails and is logged
+# the kernels it did not), never push the trainer out of memory. Measured with its blocks checkpointed and
+# expandable segments (bench/results/prebuild_helper_memory.md, H200, cap 35.0 GiB): 11.6 GiB at `small` 64k,
+# 32.1 GiB at V2-Lite-6L 64k (the dense FFN's float32 SwiGLU temporaries in the eager reference)
 MEMORY_FRACTION = 0.25
 
 
