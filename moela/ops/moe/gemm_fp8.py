@@ -86,9 +86,9 @@ DEFAULT_MGROUPED = "128x128_s4"
 DEFAULT_KGROUPED = "128x64_s4"
 # What impl="auto" runs on Hopper (sm_90), where the Gluon kernels can run: "gluon" or "triton" (elsewhere, and
 # under the interpreter, always "triton"); m-grouped: forward and data gradient, k-grouped: weight gradient.
-# Measured (bench/results/fp8.md, V3 shapes, 8 experts x 4096 / x 256 rows): m-grouped Gluon 1.23x / 1.41x bf16
-# (forward / data gradient) at 4096 rows against Triton's 1.07x / 1.10x; k-grouped Gluon 1.05x / 1.15x bf16 against
-# Triton's 0.61x / 0.46x.
+# Measured (bench/results/fp8.md, run 65, V3 shapes, 8 experts x 4096 rows): m-grouped Gluon 1.42x / 1.42x bf16
+# (forward / data gradient) against Triton's 1.20x / 1.12x; k-grouped Gluon 1.20x bf16 against Triton's 0.60x
+# (at 256 rows: 1.19x against 0.47x).
 AUTO_MGROUPED_IMPL = "gluon"
 AUTO_KGROUPED_IMPL = "gluon"
 
