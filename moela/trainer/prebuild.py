@@ -125,8 +125,8 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
         if isinstance(module, Block):
             # activation checkpointing: only one block's activations at a time. The eager forms of the small ops
             # keep far more than the trainer's compiled blocks do, and at V2-Lite shapes the helper's 3 blocks ran
-            # past its memory cap (bench/results/prebuild_helper_memory.md); the recomputed forward launches the
-            # same kernels again, from the in-memory cache
+            # past its memory cap (bench/results/prebuild_helper_memory_run63.md); the recomputed forward launches
+            # the same kernels again, from the in-memory cache
             module.recompute = True
     optimizer = build_optimizer(model, cfg.optim, device.type)
     log("model built")
@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
     # before CUDA starts: the eager reference ops allocate and free tensors of many sizes (a dense FFN's float32
     # SwiGLU temporaries at 64k tokens: 2.7 GiB each), and the fixed-size segments of the default allocator held
     # 7.5 GiB free but unusable when the helper hit its cap at V2-Lite shapes
-    # (bench/results/prebuild_helper_memory.md); a user's own setting is kept
+    # (bench/results/prebuild_helper_memory_run64.md); a user's own setting is kept
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # the small ops' Inductor-compiled forms (moela.ops.compiled: norms, RoPE, SwiGLU, losses, which eager code
     # calls on CUDA) run as their references: inside the trainer's compiled blocks they are traced into the block
