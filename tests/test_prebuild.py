@@ -94,6 +94,41 @@ def test_run_step_takes_the_graphed_warm_up_path_to_the_same_loss(tmp_path):
     assert run_step(graphed, torch.device("cpu")) == pytest.approx(run_step(cfg, torch.device("cpu")), rel=1e-5)
 
 
+def test_the_helpers_cuda_setup_on_an_unindexed_device(tmp_path, monkeypatch):
+    """`train.device=cuda` (no index, the default) reaches the helper as "cuda": its memory cap must still name a
+    device the way torch's own check requires (an unindexed device there made every helper exit at once, run 63),
+    and its allocator setting is made before CUDA starts, keeping a user's own. CUDA calls are recorded, not run."""
+    from torch._utils import _get_device_index
+
+    from moela.config import dump_config
+
+    calls = {}
+
+    def cap(fraction, device):
+        calls["cap"] = (fraction, _get_device_index(device, optional=False))  # raises as torch would
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", cap)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set_device", device))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(prebuild, "_exit_with_parent", lambda: None)
+    monkeypatch.setattr(prebuild, "run_step", lambda cfg, device, log: calls.setdefault("device", device) and 2.5)
+    monkeypatch.setattr(prebuild.torch._dynamo.config, "disable", False)  # restored after the test
+    for preset, want in ((None, "expandable_segments:True"), ("backend:native", "backend:native")):
+        if preset is None:
+            monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(dump_config(_cpu_cfg(tmp_path)))
+        assert prebuild.main([str(recipe), "cuda"]) == 0
+        assert calls["cap"] == (prebuild.MEMORY_FRACTION, 0)
+        assert "set_device" not in calls  # no index to set
+        assert calls["device"] == torch.device("cuda")
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == want
+        assert not recipe.exists()  # the helper removes its recipe copy
+
+
 def _wait(proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
