@@ -26,8 +26,8 @@ again itself, compiled by then).
 Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own; two runs,
 both row orders; bench/results/step_64k_cold_prebuild_run60.md, _run61.md): the first step ends 24-25 s after the
 model is built with the helper against 31-39 s without, the trainer's own Triton builds 2.1-2.4 s against
-7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends ~21 s after it starts (4-5 s of imports;
-bench/results/prebuild_helper.md).
+7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends 18-22 s after it starts at `small` 64k, 26 s
+at V2-Lite-6L (4-5 s of imports; bench/results/prebuild_helper.md, prebuild_helper_memory.md).
 
 Scope: a compiled run (`train.compile`) of one process on a CUDA device. With several processes the ranks build
 the same kernels side by side anyway, and sharded or expert-parallel layers see other shapes than this helper.
