@@ -17,7 +17,8 @@ Decisions:
   and keeps them exact. The rank is capped at min(n, m), where the approximation is exact.
 - Orthogonalization is Gram-Schmidt in fp32 with each projection applied twice ("twice is enough": as orthogonal
   as Householder QR), batched over the stack (r is small: r passes of batched matmuls, no per-matrix solver
-  call); a column that is (numerically) zero stays zero instead of being amplified, and NaN or inf stays
+  call); a column that is (numerically) dependent on the previous ones becomes zero instead of amplified
+  rounding (P of a low-rank gradient, or any P at a rank above the gradient's), and NaN or inf stays
   non-finite, so a non-finite gradient still marks the step non-finite.
 - Q starts as a standard normal matrix drawn from a generator seeded per tensor, so every rank of a replicate group
   draws the same one without communicating.
@@ -31,7 +32,9 @@ from typing import Iterable
 import torch
 
 MIN_COMPRESSION = 2.0  # compress a matrix only when P + Q are at most half its size
-ORTHO_EPS = 1e-8  # relative to a column's norm: below it a column counts as zero
+# a column whose part orthogonal to the previous ones is below this share of its norm is dependent on them: what
+# is left is fp32 rounding (about 1e-7), mostly inside their span, which normalizing would blow up into a copy
+ORTHO_EPS = 1e-5
 
 
 def matrix_shape(shape: Iterable[int], rank: int, min_compression: float = MIN_COMPRESSION

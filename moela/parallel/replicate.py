@@ -22,6 +22,9 @@ Decisions:
 - State, per rank: the error feedback of each compressed tensor (fp32, the local shard's size) and its Q (the
   mean over the replicate group, so equal across it), plus the step count; `state_dict` holds plain tensors keyed
   by the global rank (the error feedback is this rank's own), saved with the model through DCP.
+- A column of P that Gram-Schmidt drops (dependent on the others: the gradient's rank was below r this step)
+  leaves a zero column in Q, which would stay zero at every later step; it restarts from the first Q's column
+  (the same on every rank of the group, as the dropped columns are).
 - A non-finite gradient anywhere in a replicate group makes that group's decompressed gradients non-finite (the
   step is then skipped): each Q keeps its previous value and each error feedback is zeroed (restoring it exactly
   would need a second copy of every compressed gradient; the unsent residual is dropped once instead).
@@ -77,6 +80,7 @@ class ReplicateReducer:
         self.views: list[tuple[int, int, int, int] | None] = []
         self.errors: dict[str, torch.Tensor] = {}  # name -> [B, n, m] fp32
         self.qs: dict[str, torch.Tensor] = {}  # name -> [B, m, r] fp32
+        self.first_qs: dict[str, torch.Tensor] = {}  # name -> [B, m, r] fp32: refills Q's dead columns
         with torch.no_grad():
             for i, (name, p) in enumerate(self.params):
                 local = local_shard(p)
@@ -86,7 +90,8 @@ class ReplicateReducer:
                 if view is not None:
                     batch, n, m, r = view
                     self.errors[name] = torch.zeros(batch, n, m, dtype=torch.float32, device=local.device)
-                    self.qs[name] = initial_q(batch, m, r, seed + i, local.device)
+                    self.first_qs[name] = initial_q(batch, m, r, seed + i, local.device)
+                    self.qs[name] = self.first_qs[name].clone()
         sizes = [local_shard(p).numel() * p.element_size() for _, p in self.params]
         self.uncompressed_bytes = sum(sizes)
         self.compressed_bytes = sum(size if v is None else v[0] * (v[1] + v[2]) * v[3] * 4  # fp32 P and Q
@@ -130,6 +135,7 @@ class ReplicateReducer:
             approx = torch.bmm(p, q.transpose(1, 2))  # [B, n, m]: P^ P^^T mean(M)
             g.copy_(approx.view_as(g))
             m.sub_(approx).nan_to_num_(0.0, 0.0, 0.0)  # the error feedback; zeroed if non-finite
+            q = torch.where(q.abs().amax(dim=1, keepdim=True) == 0, self.first_qs[name], q)  # [B, m, r]
             self.qs[name] = torch.where(torch.isfinite(q).all(), q, self.qs[name])
         return self._stats(self.compressed_bytes)
 
