@@ -27,6 +27,7 @@ from parallel_harness import spawn
 
 RANK = 2
 TOL = 1e-4  # relative (to the reference's norm) error of fp32 PowerSGD against float64 on these small matrices
+FULL_TOL = 1e-3  # the same at full rank (up to 32 columns orthogonalized in fp32, warm-started Q ill-conditioned)
 
 
 def test_orthogonalize_spans_the_columns_like_a_float64_qr():
@@ -82,9 +83,9 @@ def _reference_step(ms: list[torch.Tensor], q: torch.Tensor, first_q: torch.Tens
     return p_hat @ new_q.transpose(1, 2), torch.where(dead[:, None, :], first_q, new_q)
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float = TOL) -> None:
     err = (actual.double() - expected).norm().item()
-    assert err <= TOL * expected.norm().item() + 1e-9, f"{what}: error {err} vs norm {expected.norm().item()}"
+    assert err <= tol * expected.norm().item() + 1e-9, f"{what}: error {err} vs norm {expected.norm().item()}"
 
 
 def _check_against_float64(model, mesh, reducer: ReplicateReducer, warmup: int, steps: int) -> None:
@@ -150,7 +151,7 @@ def _reducer_checks(rank: int, world_size: int) -> None:
         before = [_gather(local_shard(p.grad).double(), group) for _, p in full.params]
         full.reduce()
         for (name, p), grads in zip(full.params, before):
-            _close(local_shard(p.grad), sum(grads) / 2, f"full rank step {step} {name}")
+            _close(local_shard(p.grad), sum(grads) / 2, f"full rank step {step} {name}", FULL_TOL)
 
     # a NaN in one replica's gradient: that tensor is non-finite in the whole replicate group, its error feedback is
     # zeroed and its Q kept; the next finite step is finite again

@@ -34,6 +34,8 @@ Decisions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -64,10 +66,30 @@ def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
             size += t.numel() * t.element_size()
 
 
+@dataclass
+class _ShapeGroup:
+    """The compressed tensors whose matrices share (n, m, r), stacked along the batch: one bmm, one Gram-Schmidt for
+    all of them (a model repeats its shapes in every layer), so the work per step is a few kernels per shape and
+    one per tensor, not dozens per tensor."""
+
+    n: int
+    m: int
+    r: int
+    members: list[tuple[int, int, int]]  # (parameter index, first matrix, matrices) in the stacks below
+    error: torch.Tensor  # [B, n, m] fp32: error feedback; during reduce() the error-fed gradient M
+    q: torch.Tensor  # [B, m, r] fp32
+    first_q: torch.Tensor  # [B, m, r] fp32: refills Q's dead columns
+
+    @property
+    def key(self) -> str:
+        return f"{self.n}x{self.m}r{self.r}"
+
+
 class ReplicateReducer:
     """Averages the gradients of `model` over `mesh`'s dp_replicate ranks with PowerSGD of rank `rank` after
     `warmup_steps` exact steps (module docstring). `reduce()` once per optimizer step, after the backward of its
-    last micro-batch; its return is the step's byte counts for the metrics."""
+    last micro-batch; its return is the step's byte counts for the metrics. `errors`, `qs`, `first_qs`: each
+    compressed parameter's [B, n, m] / [B, m, r] views into its shape group's stacks."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, rank: int, warmup_steps: int,
                  min_compression: float = MIN_COMPRESSION, seed: int = 0):
@@ -78,20 +100,30 @@ class ReplicateReducer:
         self.steps = 0
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.views: list[tuple[int, int, int, int] | None] = []
-        self.errors: dict[str, torch.Tensor] = {}  # name -> [B, n, m] fp32
-        self.qs: dict[str, torch.Tensor] = {}  # name -> [B, m, r] fp32
-        self.first_qs: dict[str, torch.Tensor] = {}  # name -> [B, m, r] fp32: refills Q's dead columns
+        layout: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
         with torch.no_grad():
-            for i, (name, p) in enumerate(self.params):
+            for i, (_, p) in enumerate(self.params):
                 local = local_shard(p)
                 dist.broadcast(local, group=self.group, group_src=0)
                 view = matrix_shape(local.shape, rank, min_compression)
                 self.views.append(view)
                 if view is not None:
-                    batch, n, m, r = view
-                    self.errors[name] = torch.zeros(batch, n, m, dtype=torch.float32, device=local.device)
-                    self.first_qs[name] = initial_q(batch, m, r, seed + i, local.device)
-                    self.qs[name] = self.first_qs[name].clone()
+                    members = layout.setdefault(view[1:], [])
+                    members.append((i, sum(b for _, _, b in members), view[0]))
+        device = local_shard(self.params[0][1]).device if self.params else torch.device("cpu")
+        self.groups = []
+        for g, ((n, m, r), members) in enumerate(sorted(layout.items())):
+            batch = sum(b for _, _, b in members)
+            first_q = initial_q(batch, m, r, seed + g, device)
+            self.groups.append(_ShapeGroup(n, m, r, members, torch.zeros(batch, n, m, device=device),
+                                           first_q.clone(), first_q))
+        self.errors, self.qs, self.first_qs = {}, {}, {}
+        for grp in self.groups:
+            for i, first, count in grp.members:
+                name = self.params[i][0]
+                self.errors[name] = grp.error[first:first + count]
+                self.qs[name] = grp.q[first:first + count]
+                self.first_qs[name] = grp.first_q[first:first + count]
         sizes = [local_shard(p).numel() * p.element_size() for _, p in self.params]
         self.uncompressed_bytes = sum(sizes)
         self.compressed_bytes = sum(size if v is None else v[0] * (v[1] + v[2]) * v[3] * 4  # fp32 P and Q
@@ -118,25 +150,30 @@ class ReplicateReducer:
             torch._foreach_div_(grads, float(self.size))
             return self._stats(self.uncompressed_bytes)
         exact = [g for g, v in zip(grads, self.views) if v is None]
-        names = [name for (name, _), v in zip(self.params, self.views) if v is not None]
-        shards = [g for g, v in zip(grads, self.views) if v is not None]
-        ms, ps = [], []
-        for name, g in zip(names, shards):
-            m = self.errors[name].add_(g.reshape(self.errors[name].shape))  # [B, n, m]: gradient + error feedback
-            ms.append(m)
-            ps.append(torch.bmm(m, self.qs[name]))  # [B, n, r]
+        errors, shards = [], []  # per compressed parameter: its error-feedback view [B, n, m], its gradient shard
+        for grp in self.groups:
+            for i, first, count in grp.members:
+                errors.append(grp.error[first:first + count])
+                shards.append(grads[i].view(count, grp.n, grp.m))
+        torch._foreach_add_(errors, shards)  # M = gradient + error feedback, in the error stacks
+        ps = [torch.bmm(grp.error, grp.q) for grp in self.groups]  # [B, n, r] each
         _all_reduce_flat(ps + exact, self.group)
         if exact:
             torch._foreach_div_(exact, float(self.size))
-        new_qs = [torch.bmm(m.transpose(1, 2), orthogonalize_(p)) for m, p in zip(ms, ps)]  # [B, m, r]
+        new_qs = [torch.bmm(grp.error.transpose(1, 2), orthogonalize_(p)) for grp, p in zip(self.groups, ps)]
         _all_reduce_flat(new_qs, self.group)
-        for name, g, m, p, q in zip(names, shards, ms, ps, new_qs):
-            q.div_(self.size)
-            approx = torch.bmm(p, q.transpose(1, 2))  # [B, n, m]: P^ P^^T mean(M)
-            g.copy_(approx.view_as(g))
-            m.sub_(approx).nan_to_num_(0.0, 0.0, 0.0)  # the error feedback; zeroed if non-finite
-            q = torch.where(q.abs().amax(dim=1, keepdim=True) == 0, self.first_qs[name], q)  # [B, m, r]
-            self.qs[name] = torch.where(torch.isfinite(q).all(), q, self.qs[name])
+        torch._foreach_div_(new_qs, float(self.size))  # [B, m, r] each: mean(M)^T P^
+        k = 0
+        for grp, p, q in zip(self.groups, ps, new_qs):
+            for _, first, count in grp.members:
+                torch.bmm(p[first:first + count], q[first:first + count].transpose(1, 2), out=shards[k])
+                k += 1
+            dead = q.abs().amax(dim=1, keepdim=True) == 0  # [B, 1, r]
+            q = torch.where(dead, grp.first_q, q)
+            grp.q.copy_(torch.where(torch.isfinite(q).all(dim=(1, 2), keepdim=True), q, grp.q))
+        torch._foreach_sub_(errors, shards)  # the error feedback: M - P^ Q^T
+        for grp in self.groups:
+            grp.error.nan_to_num_(0.0, 0.0, 0.0)  # zeroed where the step is non-finite
         return self._stats(self.compressed_bytes)
 
     def _stats(self, sent: int) -> dict[str, float]:
@@ -144,22 +181,22 @@ class ReplicateReducer:
                 "replicate_compression": self.uncompressed_bytes / max(sent, 1)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors: this rank's error feedback and Q of every compressed parameter, and the step count, under
-        keys holding the global rank."""
+        """Plain tensors: this rank's error feedback and Q of every shape group, and the step count, under keys
+        holding the global rank."""
         prefix = f"rank{self.global_rank}."
         state = {prefix + "steps": torch.tensor(self.steps, dtype=torch.int64)}
-        for name in self.errors:
-            state[f"{prefix}{name}.error"] = self.errors[name]
-            state[f"{prefix}{name}.q"] = self.qs[name]
+        for grp in self.groups:
+            state[f"{prefix}{grp.key}.error"] = grp.error
+            state[f"{prefix}{grp.key}.q"] = grp.q
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what `state_dict` returned (the tensors are copied in place)."""
         prefix = f"rank{self.global_rank}."
         self.steps = int(state[prefix + "steps"])
-        for name in self.errors:
-            self.errors[name].copy_(state[f"{prefix}{name}.error"])
-            self.qs[name].copy_(state[f"{prefix}{name}.q"])
+        for grp in self.groups:
+            grp.error.copy_(state[f"{prefix}{grp.key}.error"])
+            grp.q.copy_(state[f"{prefix}{grp.key}.q"])
 
 
 def build_replicate_reducer(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, seed: int
