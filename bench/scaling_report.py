@@ -1,4 +1,4 @@
-"""bench/scaling.py's outputs from its rows (all runs, bench/results/scaling.jsonl): the current rows (the latest per
+"""bench/scaling.py's outputs from its rows (all runs, bench/notes/scaling.jsonl): the current rows (the latest per
 layout, GPU count and shape) as bench/results/scaling.json, and the markdown table bench/results/scaling.md.
 
 - Efficiency vs 1 GPU: tok/s per GPU over the latest 1-GPU row of the same recipe, model size, tokens per GPU and
