@@ -53,7 +53,8 @@ def test_the_checker_finds_a_missing_file(tmp_path):
 @pytest.mark.parametrize("doc", cited_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_cited_file_exists(doc):
     assert doc.is_file(), f"{doc.relative_to(ROOT)} is missing"
-    assert missing_citations(doc.read_text(), doc.parent) == [], f"{doc.relative_to(ROOT)} cites missing files"
+    missing = missing_citations(doc.read_text(), doc.parent)
+    assert missing == [], f"{doc.relative_to(ROOT)} cites files that do not exist: {missing}"
 
 
 def test_recipes_page_is_generated_from_the_schema():
