@@ -103,7 +103,8 @@ def render(rows: list[dict]) -> str:
         "# Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism",
         "",
         f"Latest run: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {last.get('triton', '-')}. The "
-        "latest row per layout, GPU count and shape (all runs: bench/notes/scaling.jsonl; machine-readable: scaling.json). One "
+        "latest row per layout, GPU count and shape (all runs: bench/notes/scaling.jsonl; machine-readable: "
+        "scaling.json). One "
         "micro-batch per data rank per step, synthetic documents of the doc column's length; bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
