@@ -97,7 +97,7 @@ class ReplicateReducer:
         self.size = mesh.size("dp_replicate")
         self.global_rank = dist.get_rank()
         self.warmup_steps = warmup_steps
-        self.steps = 0
+        self.steps = torch.zeros((), dtype=torch.int64)  # on the host: read each step without a device sync
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.views: list[tuple[int, int, int, int] | None] = []
         layout: dict[tuple[int, int, int], list[tuple[int, int, int]]] = {}
@@ -143,7 +143,7 @@ class ReplicateReducer:
         """Replace every gradient shard by its mean over the replicate group (PowerSGD's approximation for the
         compressed ones); returns {replicate_bytes, replicate_bytes_uncompressed, replicate_compression}."""
         grads = self._grads()
-        compress = self.steps >= self.warmup_steps
+        compress = int(self.steps) >= self.warmup_steps
         self.steps += 1
         if not compress:
             _all_reduce_flat(grads, self.group)
@@ -181,22 +181,14 @@ class ReplicateReducer:
                 "replicate_compression": self.uncompressed_bytes / max(sent, 1)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Plain tensors: this rank's error feedback and Q of every shape group, and the step count, under keys
-        holding the global rank."""
+        """This rank's error feedback and Q of every shape group and the step count, under keys holding the global
+        rank: the live tensors, so that loading a checkpoint into them (DCP loads in place) restores the state."""
         prefix = f"rank{self.global_rank}."
-        state = {prefix + "steps": torch.tensor(self.steps, dtype=torch.int64)}
+        state = {prefix + "steps": self.steps}
         for grp in self.groups:
             state[f"{prefix}{grp.key}.error"] = grp.error
             state[f"{prefix}{grp.key}.q"] = grp.q
         return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what `state_dict` returned (the tensors are copied in place)."""
-        prefix = f"rank{self.global_rank}."
-        self.steps = int(state[prefix + "steps"])
-        for grp in self.groups:
-            grp.error.copy_(state[f"{prefix}{grp.key}.error"])
-            grp.q.copy_(state[f"{prefix}{grp.key}.q"])
 
 
 def build_replicate_reducer(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, seed: int

@@ -331,14 +331,13 @@ def _extra_matches(path: Path, extra: dict[str, torch.Tensor]) -> bool:
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Load model and optimizer in place (collectively) and return this rank's trainer state, with `"extra":
-    True` when the `extra` tensors were loaded in place too (module docstring). Raises CorruptCheckpoint naming
-    the tensors that hold NaN or inf (the model is then partly overwritten)."""
+    """Load model and optimizer in place (collectively), and the `extra` tensors in place where the checkpoint holds
+    them (module docstring); return this rank's trainer state. Raises CorruptCheckpoint naming the tensors that
+    hold NaN or inf (the model is then partly overwritten)."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    extra_loaded = bool(extra) and _extra_matches(path, extra)
-    if extra_loaded:
+    if extra and _extra_matches(path, extra):
         state["extra"] = extra
     own_options = _keep_saved_group_options(optim_state, path, optimizer)
     with _single_process_quiet():
@@ -356,8 +355,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         for key, value in options.items():
             group.setdefault(key, value)
     own = path / f"trainer-rank{_rank()}.pt"
-    trainer_state = torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
-    return {**trainer_state, "extra": extra_loaded}
+    return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
 
 
 def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -233,15 +233,12 @@ class Trainer:
     def _fit(self) -> str:
         cfg = self.cfg
         started = time.perf_counter()
-        extra = self._extra_state()
         found = checkpoint.resume(self.run_dir, cfg.checkpoint.resume, self.model, self.optimizer,
-                                  checkpoint.fixed_settings(cfg), self._echo, extra)
+                                  checkpoint.fixed_settings(cfg), self._echo, self._extra_state())
         resume = None
         if found is not None:
             resume, state = found
             self._load_state(state)
-            if state["extra"]:
-                self.replicate.load_state_dict(extra)
             if self.step >= cfg.train.steps:
                 self.stop_prebuild(keep_log=False)
                 self._echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
@@ -527,7 +524,7 @@ class Trainer:
                 "log_window": self.window.state_dict()}
 
     def _extra_state(self) -> dict[str, torch.Tensor] | None:
-        """The replicate reducer's tensors, checkpointed through DCP with the model."""
+        """The replicate reducer's tensors, checkpointed through DCP with the model (and loaded in place)."""
         return self.replicate.state_dict() if self.replicate is not None else None
 
     _STATE_KEYS = ("step", "scheduler", "loader", "rng", "nonfinite_in_row", "skipped_total", "tokens_seen",
