@@ -2,10 +2,10 @@
 
 The math against float64: orthogonalization against a float64 QR; on 4 gloo ranks as 2 (replicate) x 2 (shard)
 with the tiny MoE model's real sharded gradients, the reducer's compressed, error-fed gradients over a warmup step
-and three compressed steps against a float64 PowerSGD computed from every replica's gradients; at full rank, the
-exact mean; a NaN in one replica's gradient marks the group's result non-finite and resets its state; and the
-bytes a CommCounter sees on the replicate all-reduces against `powersgd_bytes` and against what HSDP's own
-all-reduce sends for the same model.
+and three compressed steps against a float64 PowerSGD computed from every replica's gradients, also with the
+routed experts under expert parallelism; at full rank, the exact mean; a NaN in one replica's gradient marks the
+group's result non-finite and resets its state; and the bytes a CommCounter sees on the replicate all-reduces
+against `powersgd_bytes` and against what HSDP's own all-reduce sends for the same model.
 """
 
 from __future__ import annotations
@@ -170,5 +170,22 @@ def _reducer_checks(rank: int, world_size: int) -> None:
     assert all(torch.isfinite(local_shard(q.grad)).all() for _, q in reducer.params)
 
 
+def _expert_parallel_checks(rank: int, world_size: int) -> None:
+    """Routed experts split over ep = 2 (their own FSDP mesh): reduced over the same replicas, one matrix each."""
+    cfg = tiny_config(attention_backend="reference", moe_backend="reference")
+    pcfg = ParallelConfig(dp_replicate=2, ep=2, replicate_compression="powersgd")
+    mesh = build_mesh(pcfg, world_size, "cpu")
+    torch.manual_seed(0)
+    model = apply_parallelism(build_model(cfg, "cpu"), mesh, pcfg, mixed_precision=False)
+    reducer = ReplicateReducer(model, mesh, rank=RANK, warmup_steps=1)
+    experts = [name for name, p in reducer.params if name.endswith("experts.w13")]
+    assert experts and all(reducer.errors[name].shape[0] == cfg.n_routed_experts // 2 for name in experts)
+    _check_against_float64(model, mesh, reducer, warmup=1, steps=3)
+
+
 def test_powersgd_reducer_on_2_replicas_x_2_shards():
     spawn(_reducer_checks, 4)
+
+
+def test_powersgd_reducer_with_expert_parallelism():
+    spawn(_expert_parallel_checks, 4)
