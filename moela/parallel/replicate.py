@@ -25,9 +25,10 @@ Decisions:
 - A column of P that Gram-Schmidt drops (dependent on the others: the gradient's rank was below r this step)
   leaves a zero column in Q, which would stay zero at every later step; it restarts from the first Q's column
   (the same on every rank of the group, as the dropped columns are).
-- A non-finite gradient anywhere in a replicate group makes that group's decompressed gradients non-finite (the
-  step is then skipped): each Q keeps its previous value and each error feedback is zeroed (restoring it exactly
-  would need a second copy of every compressed gradient; the unsent residual is dropped once instead).
+- A non-finite value in one replica's gradient of a tensor makes that tensor's reduced gradient non-finite on
+  every rank of the replicate group (the trainer then skips the step): its Q keeps its previous value and its
+  error feedback is zeroed (restoring it exactly would need a second copy of every compressed gradient; the
+  unsent residual is dropped once instead).
 - A parameter without a gradient on this rank (unused by all its micro-batches) is reduced as zeros, since every
   replica must hand in the same tensors.
 """
