@@ -6,6 +6,8 @@
 - Resume: a run stopped at a checkpoint after its warmup and resumed ends with the same weights, optimizer-free
   reducer state (error feedback, Q) and losses, bit for bit, as the run that went straight through; without the
   reducer state in the checkpoint it would not (the resumed run would restart the error feedback and Q).
+- A NaN loss on one rank at a compressed step: the step is skipped and the next ones train on, every weight and
+  every error-feedback and Q tensor finite.
 - A recipe asking for compression without a replicate dimension is refused with the fix.
 """
 
@@ -17,7 +19,7 @@ import math
 import pytest
 import torch
 
-from factories import tiny_overrides
+from factories import poison_steps, tiny_overrides
 from moela.config import load_config
 from moela.configlib import ConfigError
 from moela.parallel.mesh import local_shard
@@ -40,8 +42,11 @@ def _cfg(run_dir, cache_dir, *extra):
         "parallel.dp_replicate=2", *extra])
 
 
-def _fit(rank: int, world_size: int, run_dir: str, cache_dir: str, extra: list[str], out: str | None) -> None:
+def _fit(rank: int, world_size: int, run_dir: str, cache_dir: str, extra: list[str], out: str | None,
+         poisoned: tuple[int, ...] = ()) -> None:
     trainer = Trainer(_cfg(run_dir, cache_dir, *extra))
+    if rank == 0:
+        poison_steps(trainer, poisoned)
     trainer.fit()
     if out is None:
         return
@@ -98,6 +103,18 @@ def test_resume_mid_run_is_exact(tmp_path):
     losses = [[r["loss"] for r in _records(tmp_path / run) if r["kind"] == "train"][-2:]
               for run in ("straight", "resumed")]
     assert losses[0] == losses[1] and all(math.isfinite(x) for x in losses[0])
+
+
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_and_training_goes_on(tmp_path):
+    run = tmp_path / "run"
+    spawn(_fit, 4, str(run), str(tmp_path / "cache"), ["parallel.replicate_compression=powersgd",
+          "parallel.powersgd_warmup_steps=1", "logging.log_every=1", "train.steps=5"], str(run), (3,))
+    train = [r for r in _records(run) if r["kind"] == "train"]
+    assert [r["skipped"] for r in train] == [0, 0, 1, 1, 1]
+    assert all(math.isfinite(r["loss"]) for r in train[3:]) and math.isnan(train[2]["loss"])
+    for rank in range(4):
+        state = torch.load(tmp_path / f"run-rank{rank}.pt")
+        assert all(torch.isfinite(v).all() for v in state.values()), rank
 
 
 def test_compression_without_a_replicate_dimension_is_refused():
