@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,9 +78,10 @@ def main() -> None:
     args = parser.parse_args()
     names = ["exact"] + [f"r{rank} w{warmup}" for rank, warmup in args.variants]
     runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, v in zip(names, [None] + args.variants):
-            runs[name] = train(Path(tmp) / name.replace(" ", "_"), args, v)
+    tmp = Path(tempfile.mkdtemp(prefix="powersgd_convergence_"))
+    print(f"run directories: {tmp}", flush=True)
+    for name, v in zip(names, [None] + args.variants):
+        runs[name] = train(tmp / name.replace(" ", "_"), args, v)
     by_step: dict[int, dict] = {}
     summary = []
     for name, (records, wall) in runs.items():
@@ -89,8 +91,7 @@ def main() -> None:
             row[f"{name} {'loss' if r['kind'] == 'train' else 'val'}"] = r.get("loss", r.get("val_loss"))
         final = next(r["val_loss"] for r in reversed(records) if r["kind"] == "eval")
         last = train_recs[-1]
-        summary.append({"run": name, "final_val": final, "wall_s": wall,
-                        "bytes": last.get("replicate_bytes", last.get("replicate_bytes_uncompressed")),
+        summary.append({"run": name, "final_val": final, "wall_s": wall, "bytes": last.get("replicate_bytes"),
                         "bytes_uncompressed": last.get("replicate_bytes_uncompressed")})
     base = summary[0]["final_val"]
     for s in summary:
@@ -98,6 +99,7 @@ def main() -> None:
     rows = [by_step[s] for s in sorted(by_step)]
     head = header("python bench/powersgd_convergence.py " + " ".join(sys.argv[1:]))
     full = summary[1]["bytes_uncompressed"]
+    summary[0]["bytes"] = full
     lines = ["# PowerSGD convergence: tiny recipe, exact HSDP all-reduce vs PowerSGD", "", head, "",
              f"{args.nproc} CPU processes (gloo) as dp_replicate 2 x dp_shard {args.nproc // 2}, {args.steps} steps "
              f"of `recipes/tiny.yaml` (AdamW, lr warmup 30 steps), the same seed and data in every run. PowerSGD "
@@ -122,6 +124,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"header": head, "args": {**vars(args)}, "summary": summary,
                                                     "rows": rows}, indent=1) + "\n")
     print("\n".join(lines))
+    shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":
