@@ -8,14 +8,16 @@ first use (a progress bar shows it) and reused afterwards.
 from __future__ import annotations
 
 from .balance import balanced_assign, round_robin_assign
-from .cache import TokenCache, build_or_load_cache
+from .build import build_or_load_cache
+from .cache import CacheError, TokenCache
 from .config import DataConfig, MixtureSource, SourceConfig
 from .loader import Part, TrainLoader, ValLoader, split_train_val
+from .megatron import MegatronSource
 from .sources import DocumentSource
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "load_tokenizer", "Tokenizer",
-           "TrainLoader", "ValLoader", "TokenCache", "round_robin_assign"]
+__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "open_source", "load_tokenizer",
+           "Tokenizer", "TrainLoader", "ValLoader", "TokenCache", "CacheError", "round_robin_assign"]
 
 DEFAULT_ATTN_COST_LEN = 4096  # quadratic weight of the balancing cost when neither the recipe nor a model sets it
 
@@ -49,12 +51,7 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
     train_parts, val_parts = [], []
     for source_cfg, weight in cfg.sources():
-        source = DocumentSource(source_cfg)
-        cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
-                                    num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
-        if cache.num_docs == 0:
-            raise ValueError(f"no text found in {source.describe()}: no document holds more than whitespace; "
-                             f"check data.paths (and data.text_field / data.doc_separator)")
+        cache = open_source(source_cfg, tokenizer, cfg, show_progress=show_progress)
         val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
         train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
         train_parts.append(Part(cache, train_docs, weight))
@@ -73,3 +70,19 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     val = ValLoader(val_parts, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
                     max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
     return train, val, tokenizer
+
+
+def open_source(source_cfg: SourceConfig, tokenizer: Tokenizer, cfg: DataConfig, show_progress: bool = True):
+    """One source's tokens: a Megatron dataset read in place, or the token cache (built first if missing)."""
+    if source_cfg.source == "megatron":
+        store = MegatronSource(source_cfg.paths, tokenizer.vocab_size)
+        where = store.describe()
+    else:
+        source = DocumentSource(source_cfg)
+        store = build_or_load_cache(source, tokenizer, cfg.cache_dir, shard_bytes=cfg.shard_bytes,
+                                    workers=cfg.tokenize_workers, show_progress=show_progress)
+        where = source.describe()
+    if store.num_docs == 0:
+        raise ValueError(f"no text found in {where}: no document holds more than whitespace; check data.paths "
+                         f"(and data.text_field / data.doc_separator)")
+    return store
