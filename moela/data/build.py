@@ -33,20 +33,23 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from .cache import FORMAT_VERSION, CacheError, ShardWriter, TokenCache, load_offsets, read_json, shard_name, token_dtype
+from .cache import FORMAT_VERSION, CacheError, ShardWriter, TokenCache, finish_cache, shard_name, token_dtype
 from .sources import DocumentSource, Slice
 from .tokenizer import Tokenizer
 
 DEFAULT_SHARD_BYTES = 64 << 20  # data.shard_bytes' default
 BATCH_CHARS = 1 << 20  # characters per encode call
-LONG_DOC_CHARS = 1 << 20  # a document longer than this is encoded in pieces (see the module docstring)
+LONG_DOC_CHARS = 1 << 16  # a document longer than this is encoded in pieces (see the module docstring): the
+# tokenizer's time per character grows with the text's length (3x slower at 1M characters than at 64k)
 CLAIM_STALE_S = 600.0  # a claim from another host not refreshed for this long is taken over
 HEARTBEAT_S = 30.0
 POLL_S = 0.5
@@ -97,10 +100,9 @@ class Plan:
         """Under the lock: take the first shard in `order` that is neither done nor claimed by a live worker."""
         with file_lock(self.lock):
             for i in self.order:
-                if self.done(i):
-                    continue
                 claim = self.dir / f"{shard_name(i)}.claim"
-                if claim.is_file() and _claim_alive(claim):
+                # the claim before the record: a worker writes its record, then drops its claim (not under the lock)
+                if (claim.is_file() and _claim_alive(claim)) or self.done(i):
                     continue
                 for tmp in self.dir.glob(f".{shard_name(i)}.tmp-*"):
                     tmp.unlink(missing_ok=True)
@@ -117,27 +119,10 @@ class Plan:
         with file_lock(self.lock):
             if self.complete():
                 return
-            records = [read_json(self.dir / f"{shard_name(i)}.json", self.dir) for i in range(len(self.slices))]
-            counts = [r["num_docs"] for r in records]
-            tmp = self.dir / f".offsets.tmp-{os.getpid()}.npy"
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(sum(counts) + 1,))  # [N+1]
-            out[0], doc, base = 0, 0, 0
-            for i, n in enumerate(counts):
-                local = load_offsets(self.dir / f"{shard_name(i)}.npy", self.dir)  # [n+1]
-                out[doc + 1:doc + n + 1] = local[1:] + base
-                doc, base = doc + n, base + int(local[-1])
-            out.flush()
-            del out
-            os.replace(tmp, self.dir / "offsets.npy")
             t = self.tokenizer
-            meta = {"key": self.key, "format_version": FORMAT_VERSION, "num_shards": len(self.slices), "num_docs": doc,
-                    "num_tokens": base, "dtype": self.dtype.name, "max_id": max([r["max_id"] for r in records] + [-1]),
-                    "vocab_size": t.vocab_size, "eos_id": t.eos_id, "bos_id": t.bos_id, "tokenizer": t.name,
-                    "source": self.source.fingerprint(),
-                    "slices": [[list(p) for p in s.parts] for s in self.slices]}
-            tmp = self.dir / f".meta.tmp-{os.getpid()}.json"
-            tmp.write_text(json.dumps(meta, indent=1))
-            os.replace(tmp, self.dir / "meta.json")
+            finish_cache(self.dir, self.key, len(self.slices), {
+                "vocab_size": t.vocab_size, "eos_id": t.eos_id, "bos_id": t.bos_id, "tokenizer": t.name,
+                "source": self.source.fingerprint(), "slices": [[list(p) for p in s.parts] for s in self.slices]})
             for claim in self.dir.glob("*.claim"):
                 claim.unlink(missing_ok=True)
 
@@ -162,8 +147,10 @@ def _claim_alive(path: Path) -> bool:
 def work(plan: Plan, report) -> None:
     """Claim and build shards until none is left; `report(kind, *values)` sees progress."""
     while (i := plan.claim()) is not None:
-        build_shard(plan, i, report)
-        (plan.dir / f"{shard_name(i)}.claim").unlink(missing_ok=True)
+        try:
+            build_shard(plan, i, report)
+        finally:
+            (plan.dir / f"{shard_name(i)}.claim").unlink(missing_ok=True)
 
 
 def build_shard(plan: Plan, i: int, report) -> dict:
@@ -298,6 +285,7 @@ class Builder:
 
 def _worker_main(plan: Plan, out) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: remove the partial shard and the claim
     try:
         work(plan, lambda *m: out.put(m))
     except Exception as e:  # sent to the parent, which raises it there with the same message

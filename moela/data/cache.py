@@ -130,6 +130,28 @@ class ShardWriter:
             (self.dir / f"{self.tmp}.{ext}").unlink(missing_ok=True)
 
 
+def finish_cache(cache_dir: Path, key: str, num_shards: int, info: dict) -> None:
+    """Complete a cache whose shards all exist: the global offsets, then meta.json (with `info` added)."""
+    records = [read_json(cache_dir / f"{shard_name(i)}.json", cache_dir) for i in range(num_shards)]
+    counts = [r["num_docs"] for r in records]
+    tmp = cache_dir / f".offsets.tmp-{os.getpid()}.npy"
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(sum(counts) + 1,))  # [N+1]
+    out[0], doc, base = 0, 0, 0
+    for i, n in enumerate(counts):
+        local = load_offsets(cache_dir / f"{shard_name(i)}.npy", cache_dir)  # [n+1]
+        out[doc + 1:doc + n + 1] = local[1:] + base
+        doc, base = doc + n, base + int(local[-1])
+    out.flush()
+    del out
+    os.replace(tmp, cache_dir / "offsets.npy")
+    meta = {"key": key, "format_version": FORMAT_VERSION, "num_shards": num_shards, "num_docs": doc,
+            "num_tokens": base, "dtype": records[0]["dtype"] if records else "uint16",
+            "max_id": max([r["max_id"] for r in records] + [-1]), **info}
+    tmp = cache_dir / f".meta.tmp-{os.getpid()}.json"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, cache_dir / "meta.json")
+
+
 class Shard:
     """One finished shard, memory-mapped: `tokens` [n_tokens], `offsets` int64 [n_docs+1]."""
 
