@@ -198,5 +198,4 @@ def test_a_10mb_line_tokenizes_in_bounded_memory(tmp_path):
     docs, tokens, worker_kib = map(int, out.stdout.split())
     assert docs == 1 and tokens > 1_000_000
     # encoded whole, such a document took ~155x its size (1.5 GB here); in pieces its raw text dominates
-    print(worker_kib)
     assert worker_kib < 400_000, f"the worker peaked at {worker_kib / 1024:.0f} MiB for a 10 MB document"
