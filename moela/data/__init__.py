@@ -8,12 +8,13 @@ first use (a progress bar shows it) and reused afterwards.
 from __future__ import annotations
 
 from .balance import balanced_assign, round_robin_assign
-from .build import build_or_load_cache
+from .build import build_or_load_cache, default_workers, make_plan
 from .cache import CacheError, TokenCache
 from .config import DataConfig, MixtureSource, SourceConfig
 from .loader import Part, TrainLoader, ValLoader, split_train_val
 from .megatron import MegatronSource
 from .sources import DocumentSource
+from .stream import ShardFeed, StreamLoader
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "open_source", "load_tokenizer",
@@ -49,6 +50,24 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         raise ValueError("invalid data settings:\n  " + "\n  ".join(errors))
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
+    assign = balanced_assign if cfg.balance else round_robin_assign
+    if cfg.attn_cost_len is not None:
+        coefficients = (1.0, 1.0 / cfg.attn_cost_len)
+    else:
+        coefficients = cost_coefficients or (1.0, 1.0 / DEFAULT_ATTN_COST_LEN)
+    settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
+                "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
+    common = dict(tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len, dp_rank=dp_rank,
+                  dp_size=dp_size)
+    if cfg.stream_start:
+        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), seed, cfg.shuffle)
+        train = StreamLoader(feed, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                             cost_coefficients=coefficients, settings=settings, val_fraction=cfg.val_fraction,
+                             val_max_tokens=cfg.val_max_tokens, **common)
+        val = ValLoader([Part(feed.get(0), train.val_docs)], cfg.val_max_tokens, **common)
+        return train, val, tokenizer
+
     train_parts, val_parts = [], []
     for source_cfg, weight in cfg.sources():
         cache = open_source(source_cfg, tokenizer, cfg, show_progress=show_progress)
@@ -57,18 +76,9 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         train_parts.append(Part(cache, train_docs, weight))
         val_parts.append(Part(cache, val_docs, weight))
 
-    assign = balanced_assign if cfg.balance else round_robin_assign
-    if cfg.attn_cost_len is not None:
-        coefficients = (1.0, 1.0 / cfg.attn_cost_len)
-    else:
-        coefficients = cost_coefficients or (1.0, 1.0 / DEFAULT_ATTN_COST_LEN)
-    settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
-                "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
-    train = TrainLoader(train_parts, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
-                        dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
-                        assign=assign, cost_coefficients=coefficients, settings=settings)
-    val = ValLoader(val_parts, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
-                    max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
+    train = TrainLoader(train_parts, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                        cost_coefficients=coefficients, settings=settings, **common)
+    val = ValLoader(val_parts, cfg.val_max_tokens, **common)
     return train, val, tokenizer
 
 

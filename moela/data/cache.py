@@ -156,7 +156,8 @@ class Shard:
     """One finished shard, memory-mapped: `tokens` [n_tokens], `offsets` int64 [n_docs+1]."""
 
     def __init__(self, cache_dir: Path, index: int, vocab_size: int | None = None, check: bool = True):
-        self.dir, self.name = cache_dir, shard_name(index)
+        self.dir, self.name, self.vocab_size = cache_dir, shard_name(index), vocab_size
+        self.path = cache_dir
         self.record = read_json(cache_dir / f"{self.name}.json", cache_dir)
         self.offsets = load_offsets(cache_dir / f"{self.name}.npy", cache_dir)  # [n+1]
         try:
@@ -184,6 +185,13 @@ class Shard:
             self.check_blocks(_sampled(len(self.crcs), self.name), vocab_size)
             if bool(np.any(np.diff(self.offsets) <= 0)):
                 raise _damaged(cache_dir / f"{self.name}.npy", cache_dir, "has documents of no tokens")
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)  # [n] int64
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])]
 
     def check_blocks(self, blocks, vocab_size: int | None = None) -> None:
         raw = self.tokens.view(np.uint8) if self.num_tokens else np.zeros(0, np.uint8)

@@ -178,6 +178,8 @@ class DataConfig(SourceConfig):
             errors.append(f"tokenize_workers: must be >= 1 or null (the cores available), got {self.tokenize_workers}")
         if self.shard_bytes < 1 << 16:
             errors.append(f"shard_bytes: must be >= 65536 (64 KiB), got {self.shard_bytes}")
+        if self.stream_start and self.source == "megatron":
+            errors.append("stream_start: the megatron source is tokenized already; set data.stream_start=false")
         if self.stream_start and self.mixture:
             errors.append("stream_start: streams one source, not a mixture; build the mixture's caches first "
                           "(python -m moela prepare RECIPE) and set data.stream_start=false")
