@@ -14,9 +14,10 @@ Each side runs in this process's machine with the same files, the same tokenizer
 (TOKENIZERS_PARALLELISM=false everywhere): moela's cache build with `data.tokenize_workers` = N, against
 `datasets.load_dataset("json")` + `.map(batched=True, num_proc=N)` writing the ids to Arrow (its time is reported
 with and without the load step, which converts the jsonl to Arrow first). Times to the first step run in a fresh
-process each (imports excluded), from an empty cache. Loader memory: a fresh process per row builds a synthetic
-cache of N documents (lengths 1-64 tokens, mean 32), then reports the growth of its peak RSS while building the
-loader and taking 5 steps (dp_size 8, grad_accum 4, 4096 tokens per micro-batch), i.e. per rank.
+process each (imports excluded), from an empty cache. Loader memory: a synthetic cache of N documents (lengths 1-64
+tokens, mean 32; shards of 250k documents, about 32 MB of text each), then a fresh process per row reports the growth
+of its peak RSS (after imports) while building the loader and taking 5 steps (dp_size 8, grad_accum 4, 4096 tokens
+per micro-batch), i.e. per rank; the global loader (loader.py) against the shard-by-shard one (stream.py).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ SYNTHETIC = """
 import numpy as np
 from pathlib import Path
 from moela.data.cache import ShardWriter, finish_cache
-n, path, per_shard = {n}, Path({path!r}), 1_000_000
+n, path, per_shard = {n}, Path({path!r}), 250_000
 path.mkdir(parents=True, exist_ok=True)
 shards = -(-n // per_shard)
 rng = np.random.default_rng(0)
@@ -167,7 +168,7 @@ finish_cache(path, "synthetic", shards, {{}})
 """
 
 MEMORY = """
-import json, resource, types
+import json, types
 import numpy as np
 from pathlib import Path
 from moela.data.balance import round_robin_assign
@@ -175,7 +176,15 @@ from moela.data.cache import TokenCache
 from moela.data.loader import Part, TrainLoader
 from moela.data.stream import ShardFeed, StreamLoader
 kind, path = {kind!r}, Path({path!r})
-base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def status_mib(key):
+    line = next(x for x in open("/proc/self/status") if x.startswith(key))
+    return int(line.split()[1]) / 1024
+
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak RSS restarts from the current RSS (after the imports)
+base = status_mib("VmRSS")
 common = dict(tokens_per_microbatch=4096, max_doc_len=None, dp_rank=3, dp_size=8, grad_accum=4, seed=0,
               shuffle=True, assign=round_robin_assign, cost_coefficients=(1.0, 1 / 4096), settings={{}})
 if kind == "global":
@@ -188,8 +197,7 @@ else:
     loader = StreamLoader(ShardFeed(plan, 4096, 1, 0, True), val_fraction=0.0, val_max_tokens=0, **common)
 for _ in range(5):
     loader.next_step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({{"peak_growth_mib": peak - base, "base_mib": base}}))
+print(json.dumps({{"peak_growth_mib": status_mib("VmHWM") - base, "base_mib": base}}))
 """
 
 
