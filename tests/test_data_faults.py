@@ -3,6 +3,7 @@ a zeroed or truncated token file, ids beyond the vocabulary (even with rewritten
 finds damage the sampled check on open does not read; training stops with exit code 1, no traceback."""
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -64,12 +65,20 @@ DAMAGE = {
 }
 
 
+def open_and_use(path: Path, vocab_size: int) -> TokenCache:
+    """Open a cache and read a document of every shard (each shard's content is checked at its first use)."""
+    cache = TokenCache(path, vocab_size=vocab_size)
+    for first in cache.shard_first_doc[:-1]:
+        cache.doc(int(first))
+    return cache
+
+
 @pytest.mark.parametrize("case", DAMAGE)
 def test_each_damage_is_named_with_the_directory_to_delete(cache_copy, case):
     name, damage, problem = DAMAGE[case]
     damage(cache_copy / name)
     with pytest.raises(CacheError) as info:
-        TokenCache(cache_copy, vocab_size=4096)
+        open_and_use(cache_copy, 4096)
     message = str(info.value)
     assert "\n" not in message and f"token cache file {cache_copy / name} " in message and problem in message
     assert message.endswith(f"delete {cache_copy} to rebuild it")
@@ -93,11 +102,11 @@ def test_ids_beyond_the_vocabulary_are_refused_even_with_valid_checksums(cache_c
     with pytest.raises(CacheError, match=r"00001\.bin holds token id 5000, beyond the tokenizer's 4096 tokens"):
         TokenCache(cache_copy, vocab_size=4096)
     rewrite_shard(cache_copy, 1, 10, original, update_max=True)
-    TokenCache(cache_copy, vocab_size=4096)
+    open_and_use(cache_copy, 4096)
     rewrite_shard(cache_copy, 1, 10, 5000, update_max=False)  # the record lies: the sampled blocks still show it
     with pytest.raises(CacheError, match=r"00001\.bin holds a token id beyond the tokenizer's 4096 tokens"):
-        TokenCache(cache_copy, vocab_size=4096)
-    assert TokenCache(cache_copy, vocab_size=8192).num_docs > 0
+        open_and_use(cache_copy, 4096)
+    assert open_and_use(cache_copy, 8192).num_docs > 0
 
 
 def small_block_cache(tmp_path, monkeypatch) -> tuple[list[str], TokenCache]:
@@ -121,7 +130,7 @@ def test_verify_finds_what_the_sampled_check_does_not_read(tmp_path, monkeypatch
     data = bytearray(bin_path.read_bytes())
     data[block * 4096 + 7] ^= 0x01
     bin_path.write_bytes(bytes(data))
-    TokenCache(cache.path, vocab_size=4096)  # the sampled check passes
+    open_and_use(cache.path, 4096)  # the sampled check passes
     assert moela_main(["prepare", str(ROOT / "recipes" / "tiny.yaml"), *overrides]) == 0
     capsys.readouterr()
     assert moela_main(["prepare", str(ROOT / "recipes" / "tiny.yaml"), *overrides, "--verify"]) == 1
@@ -133,11 +142,13 @@ def test_verify_finds_what_the_sampled_check_does_not_read(tmp_path, monkeypatch
 def test_training_on_a_damaged_cache_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     overrides, cache = small_block_cache(tmp_path, monkeypatch)
     args = [str(ROOT / "recipes" / "tiny.yaml"), *TINY, *overrides]
-    zero(cache.path / "00001.bin")
+    for shard in cache.shards:
+        zero(cache.path / f"{shard.name}.bin")
     assert train.main([*args, f"train.run_dir={tmp_path / 'run1'}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: cannot read the training data: token cache file {cache.path / '00001.bin'} does not "
-                   f"match its checksum (block 0: bytes 0-4096); delete {cache.path} to rebuild it"]
+    assert len(err) == 1 and re.fullmatch(
+        f"error: cannot read the training data: token cache file {re.escape(str(cache.path))}/\\d{{5}}\\.bin does not "
+        f"match its checksum \\(block 0: bytes 0-4096\\); delete {re.escape(str(cache.path))} to rebuild it", err[0])
     shutil.rmtree(cache.path)
     _, cache = small_block_cache(tmp_path, monkeypatch)
     for shard in cache.shards:  # ids beyond the vocabulary in every block the sampled check does not read

@@ -1,4 +1,4 @@
-"""Token cache on disk: an ordered list of shards, each a flat token file, checked when opened.
+"""Token cache on disk: an ordered list of shards, each a flat token file, checked when opened and when used.
 
 Layout of one cache, a directory `<cache_dir>/<key[:20]>/` (key: sha256 of the source fingerprint, the shard
 size and the tokenizer):
@@ -12,11 +12,13 @@ size and the tokenizer):
 - `meta.json`: written last of all, when every shard exists: the cache is complete exactly when it exists.
 
 Integrity: every shard records the CRC-32 of each `BLOCK_BYTES` block of its token file and of its offsets file.
-Opening a cache checks what is cheap (meta parses, file sizes agree with the offsets, offsets rise, the largest id
-fits the vocabulary, and `SAMPLED_BLOCKS` blocks of each shard against their CRCs: a zeroed or overwritten file
-fails at once); `verify()` (`python -m moela prepare --verify`) checks every block. Each problem is one line
-naming the file and saying which directory to delete to rebuild (`CacheError`, an OSError: the state on disk is
-wrong, not the recipe).
+Opening a cache checks what is cheap for any corpus size: meta and every shard record parse, file sizes agree
+with the offsets, the largest recorded id fits the vocabulary. A shard's first use (its first document read, or
+its opening by the stream loader) checks its content: `SAMPLED_BLOCKS` pseudo-random blocks plus the first and the
+last against their CRCs and the vocabulary, and that its offsets rise (a zeroed or overwritten file fails then,
+before any of its tokens reaches a batch). `verify()` (`python -m moela prepare --verify`) checks every block.
+Each problem is one line naming the file and the directory to delete to rebuild (`CacheError`, an OSError: the
+state on disk is wrong, not the recipe).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 FORMAT_VERSION = 2
 BLOCK_BYTES = 1 << 20  # integrity block of a shard's token file
-SAMPLED_BLOCKS = 4  # blocks per shard checked when a cache is opened (besides the first and the last)
+SAMPLED_BLOCKS = 4  # blocks per shard checked at its first use (besides the first and the last)
 
 
 class CacheError(OSError):
@@ -181,10 +183,16 @@ class Shard:
         if vocab_size is not None and self.max_id >= vocab_size:
             raise _damaged(path, cache_dir, f"holds token id {self.max_id}, beyond the tokenizer's {vocab_size} "
                            f"tokens (built with another tokenizer?)")
+        self.checked = False
         if check:
-            self.check_blocks(_sampled(len(self.crcs), self.name), vocab_size)
-            if bool(np.any(np.diff(self.offsets) <= 0)):
-                raise _damaged(cache_dir / f"{self.name}.npy", cache_dir, "has documents of no tokens")
+            self.check_sampled()
+
+    def check_sampled(self) -> None:
+        """The sampled blocks against their checksums and the vocabulary, and the offsets' steps (see above)."""
+        self.check_blocks(_sampled(len(self.crcs), self.name), self.vocab_size)
+        if bool(np.any(np.diff(self.offsets) <= 0)):
+            raise _damaged(self.dir / f"{self.name}.npy", self.dir, "has documents of no tokens")
+        self.checked = True
 
     @property
     def doc_lengths(self) -> np.ndarray:
@@ -223,7 +231,7 @@ def _sampled(num_blocks: int, name: str) -> list[int]:
 class TokenCache:
     """Read-only view of a complete cache: `doc(i)` -> tokens, `offsets` int64 [N+1] (memory-mapped), shards."""
 
-    def __init__(self, path: Path, vocab_size: int | None = None, check: bool = True):
+    def __init__(self, path: Path, vocab_size: int | None = None):
         self.path = Path(path)
         self.vocab_size = vocab_size
         self.meta = read_json(self.path / "meta.json", self.path)
@@ -236,7 +244,7 @@ class TokenCache:
         if version != FORMAT_VERSION:
             raise _damaged(self.path / "meta.json", self.path, f"is format {version}, this moela reads "
                            f"{FORMAT_VERSION}")
-        self.shards = [Shard(self.path, i, vocab_size, check) for i in range(num_shards)]
+        self.shards = [Shard(self.path, i, vocab_size, check=False) for i in range(num_shards)]  # checked at use
         self.offsets = load_offsets(self.path / "offsets.npy", self.path)  # [N+1]
         counts = [s.num_docs for s in self.shards]
         self.shard_first_doc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [S+1]
@@ -261,8 +269,10 @@ class TokenCache:
     def doc(self, i: int) -> np.ndarray:
         """Document i's tokens (a memory-mapped view)."""
         s = int(np.searchsorted(self.shard_first_doc, i, side="right")) - 1
-        base = self.shard_first_token[s]
-        return self.shards[s].tokens[int(self.offsets[i]) - base:int(self.offsets[i + 1]) - base]
+        shard, base = self.shards[s], self.shard_first_token[s]
+        if not shard.checked:
+            shard.check_sampled()
+        return shard.tokens[int(self.offsets[i]) - base:int(self.offsets[i + 1]) - base]
 
     def verify(self, vocab_size: int | None = None, progress=None) -> None:
         for shard in self.shards:
