@@ -92,10 +92,10 @@ def make_header(*, command: str | None = None, device: str | None = None) -> Hea
                   triton=triton_version, command=command or command_line())
 
 
-def add_out_dir(parser) -> None:
+def add_out_dir(parser, default: Path | None = RESULTS) -> None:
     """The `--out-dir` option every bench script takes (tests and smoke runs write elsewhere)."""
-    parser.add_argument("--out-dir", default=str(RESULTS),
-                        help="folder for <script>.md and <script>.json (default bench/results)")
+    parser.add_argument("--out-dir", default=None if default is None else str(default),
+                        help=f"folder for <script>.md and <script>.json (default {default or 'none: print only'})")
 
 
 def write_results(script: str, title: str, body: str, payload, *, out_dir: str | Path | None = None,
