@@ -77,19 +77,23 @@ def command_line() -> str:
     return f"python {words}"
 
 
-def make_header(*, command: str | None = None, device: str | None = None) -> Header:
-    import torch
+def make_header(*, command: str | None = None, device: str | None = None, torch: str | None = None,
+                triton: str | None = None) -> Header:
+    """This process's header; a script whose numbers come from elsewhere (child processes on another device,
+    rows of earlier runs) names the device or versions they ran with."""
+    import torch as torch_module
 
-    try:
-        import triton
+    if triton is None:
+        try:
+            import triton as triton_module
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "-"
+            triton = triton_module.__version__
+        except ImportError:
+            triton = "-"
     commit, dirty = commit_state()
     date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
-    return Header(commit=commit, dirty=dirty, date=date, device=device or device_name(), torch=torch.__version__,
-                  triton=triton_version, command=command or command_line())
+    return Header(commit=commit, dirty=dirty, date=date, device=device or device_name(),
+                  torch=torch or torch_module.__version__, triton=triton, command=command or command_line())
 
 
 def add_out_dir(parser, default: Path | None = RESULTS) -> None:
@@ -99,12 +103,13 @@ def add_out_dir(parser, default: Path | None = RESULTS) -> None:
 
 
 def write_results(script: str, title: str, body: str, payload, *, out_dir: str | Path | None = None,
-                  command: str | None = None, device: str | None = None) -> Path:
+                  **header_fields: str | None) -> Path:
     """Write `<out_dir>/<script>.md` (title, header, body) and `<script>.json` (header and `payload`, which must
-    be JSON-serializable), replacing both; `out_dir` defaults to bench/results. Returns the Markdown file's path."""
+    be JSON-serializable), replacing both; `out_dir` defaults to bench/results; `header_fields` go to
+    `make_header`. Returns the Markdown file's path."""
     if not title or "\n" in title:
         raise ValueError(f"the title must be one line, got {title!r}")
-    header = make_header(command=command, device=device)
+    header = make_header(**header_fields)
     out = Path(out_dir) if out_dir is not None else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     md = out / f"{script}.md"
