@@ -78,8 +78,7 @@ def json_rows(rows: list[dict]) -> list[dict]:
                         loss1=r["loss1"], gnorm1=r.get("gnorm1"), cp_check=cp_check(r, rows),
                         ep_dispatch=r.get("ep_dispatch"), ep_chunks=r.get("ep_chunks"), link=r.get("link") or None,
                         gpu=r.get("gpu"), torch=r.get("torch"), triton=r.get("triton"), date=r["date"],
-                        commit=r.get("commit"),
-                        command=r.get("command")))
+                        commit=r.get("commit"), command=r.get("command")))
     return out
 
 
