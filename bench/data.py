@@ -1,7 +1,7 @@
 """Data at pretraining scale on CPU: parallel tokenization against Hugging Face `datasets.map`, time to the first
 step with and without stream_start, loader host memory at 1M and 10M documents, Megatron source read speed.
 
-    python bench/data.py [--mb 64] [--workers 1 2]    # writes bench/results/data.md and data.json
+    python bench/data.py [--mb 64] [--workers 1 2] [--docs 1000000 10000000]   # bench/results/data.md + .json
 
 Corpus: generated, seeded and documented here: documents are runs of 1-40 consecutive lines taken at random
 positions of the bundled Shakespeare corpus (public domain; moela/data/corpus/SOURCE.md), with 30% of the words
@@ -23,7 +23,6 @@ per micro-batch), i.e. per rank; the global loader (loader.py) against the shard
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -42,11 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.data import DataConfig, build_loaders, load_tokenizer  # noqa: E402
 from moela.data.build import build_or_load_cache  # noqa: E402
 from moela.data.sources import BUNDLED_CORPUS, DocumentSource  # noqa: E402
 
-OUT = ROOT / "bench" / "results" / "data"
 FILE_BYTES = 16 << 20
 SYLLABLES = ["ka", "lo", "mi", "ran", "te", "vor", "sha", "qui", "bel", "dun", "ix", "os", "tra", "em", "zu", "phe"]
 
@@ -252,19 +251,15 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="generated corpus size in MB")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--docs", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    add_out_dir(parser)
     args = parser.parse_args()
     import datasets
     import tokenizers
-    import torch
 
     work = Path(tempfile.mkdtemp(prefix="moela-bench-data-"))
-    results: dict = {"command": "python bench/data.py " + " ".join(sys.argv[1:]),
-                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                     "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                              cwd=ROOT).stdout.strip(),
-                     "device": f"CPU {platform.machine()}, {len(os.sched_getaffinity(0))} cores available",
-                     "versions": {"torch": torch.__version__, "tokenizers": tokenizers.__version__,
-                                  "datasets": datasets.__version__, "python": platform.python_version()}}
+    results: dict = {"cores": len(os.sched_getaffinity(0)),
+                     "versions": {"tokenizers": tokenizers.__version__, "datasets": datasets.__version__,
+                                  "python": platform.python_version()}}
     try:
         files = generate_corpus(work, args.mb << 20)
         results["corpus_bytes"] = sum(f.stat().st_size for f in files)
@@ -288,16 +283,15 @@ def main() -> None:
         results["megatron"] = megatron_read(files, load_tokenizer(), work / "mega")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    OUT.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    OUT.with_suffix(".md").write_text(render(results))
-    print(render(results))
+    body = render(results)
+    write_results("data", "Data at pretraining scale", body, results, out_dir=args.out_dir)
+    print(body)
 
 
 def render(r: dict) -> str:
     mb = r["corpus_bytes"] / 2**20
-    lines = ["# Data at pretraining scale (bench/data.py)", "",
-             f"`{r['command']}` at commit {r['commit']}, {r['date']}; {r['device']}; "
-             + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".", "",
+    lines = [f"{r['cores']} CPU cores available; " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()) + ".",
+             "",
              f"Corpus: {mb:.0f} MB of generated jsonl (see the script's docstring for its origin). The machine's cores "
              f"are shared with other jobs, so times are noisy.", "",
              "## Tokenization (tokens/s; one core per worker)", "",
