@@ -37,6 +37,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -255,25 +256,27 @@ class Builder:
             p.start()
 
     def poll(self, timeout: float, on_progress) -> bool:
-        """Handle the workers' messages for up to `timeout` s; False once every worker has exited."""
+        """Handle the workers' messages for up to `timeout` s; False once every worker has exited (their last
+        messages handled: a worker flushes its queue before it exits)."""
+        finished = all(not p.is_alive() for p in self.procs)
         deadline = time.monotonic() + timeout
         while True:
             try:
-                message = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                message = self.queue.get(timeout=0.05 if finished else max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
             if message[0] == "error":
                 self.stop()
                 raise _rebuilt_error(*message[1:])
             on_progress(*message)
-        if all(not p.is_alive() for p in self.procs):
-            for p in self.procs:
-                p.join()
-            bad = [p.exitcode for p in self.procs if p.exitcode]
-            if bad:
-                raise RuntimeError(f"a tokenizer worker died (exit code {bad[0]}) while building {self.plan.dir}")
-            return False
-        return True
+        if not finished:
+            return True
+        for p in self.procs:
+            p.join()
+        bad = [p.exitcode for p in self.procs if p.exitcode]
+        if bad:
+            raise RuntimeError(f"a tokenizer worker died (exit code {bad[0]}) while building {self.plan.dir}")
+        return False
 
     def stop(self) -> None:
         for p in self.procs:
@@ -288,22 +291,18 @@ def _worker_main(plan: Plan, out) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: remove the partial shard and the claim
     try:
         work(plan, lambda *m: out.put(m))
-    except Exception as e:  # sent to the parent, which raises it there with the same message
-        out.put(("error", type(e).__name__, str(e)))
+    except Exception as e:  # sent to the parent, which raises it there (see _rebuilt_error)
+        kind = next((c.__name__ for c in (ValueError, TypeError, OSError) if isinstance(e, c)), None)
+        out.put(("error", kind, str(e) if kind else traceback.format_exc()))
     out.close()
     out.join_thread()
 
 
-def _rebuilt_error(kind: str, message: str) -> Exception:
-    """The worker's exception as the parent raises it: the same message, a type the caller maps to an exit code."""
-    if kind in ("ValueError", "UnicodeDecodeError", "JSONDecodeError"):
-        return ValueError(message)
-    if kind == "TypeError":
-        return TypeError(message)
-    if kind.endswith("Error") and kind in {c.__name__ for c in OSError.__subclasses__()} | {"OSError",
-                                                                                               "CacheError"}:
-        return OSError(message)
-    return RuntimeError(f"{kind}: {message}")
+def _rebuilt_error(kind: str | None, message: str) -> Exception:
+    """A worker's exception as the parent raises it: bad input (ValueError, TypeError) and unreadable or damaged
+    files (OSError) keep their message and class family, which the caller maps to an exit code; anything else is a
+    bug, raised with the worker's traceback."""
+    return {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError}.get(kind, RuntimeError)(message)
 
 
 def cache_key(source_fingerprint: dict, tokenizer: Tokenizer, shard_bytes: int) -> str:
