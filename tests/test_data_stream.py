@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from moela.data import DataConfig, MixtureSource, build_loaders
+from moela.data import DataConfig, MixtureSource, ValLoader, build_loaders, held_out_parts, load_tokenizer
 from moela.data import build as build_mod
 
 SHARD = 1 << 16
@@ -57,6 +57,9 @@ def test_stream_start_gives_the_batches_of_a_prebuilt_cache_whatever_the_speed(t
     assert prebuilt.feed.thread is None
     assert [ids(prebuilt.next_step()) for _ in range(261)] == steps
     assert ids(s_val) == ids(p_val) and len(p_val) > 0
+    evaluated = ValLoader(held_out_parts(stream_cfg(tmp_path, f), load_tokenizer()), 262144, tokens_per_microbatch=256,
+                          max_doc_len=200, dp_rank=0, dp_size=1)
+    assert ids(evaluated) == ids(p_val), "`moela eval` holds out what training held out"
     fast, _, _ = build_loaders(stream_cfg(tmp_path, f, cache="fast", tokenize_workers=2), **common)
     assert [ids(fast.next_step()) for _ in range(261)] == steps
     assert first_step_s < 30

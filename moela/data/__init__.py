@@ -17,7 +17,8 @@ from .sources import DocumentSource
 from .stream import ShardFeed, StreamLoader
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "open_source", "load_tokenizer",
+__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "held_out_parts", "open_source",
+           "load_tokenizer",
            "Tokenizer", "TrainLoader", "ValLoader", "TokenCache", "CacheError", "round_robin_assign"]
 
 DEFAULT_ATTN_COST_LEN = 4096  # quadratic weight of the balancing cost when neither the recipe nor a model sets it
@@ -68,6 +69,15 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         val = ValLoader([Part(feed.get(0), train.val_docs)], cfg.val_max_tokens, **common)
         return train, val, tokenizer
 
+    train_parts, val_parts = split_sources(cfg, tokenizer, show_progress)
+    train = TrainLoader(train_parts, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                        cost_coefficients=coefficients, settings=settings, **common)
+    val = ValLoader(val_parts, cfg.val_max_tokens, **common)
+    return train, val, tokenizer
+
+
+def split_sources(cfg: DataConfig, tokenizer: Tokenizer, show_progress: bool = True) -> tuple[list[Part], list[Part]]:
+    """(training parts, held-out parts), one of each per source, as the global loader splits them."""
     train_parts, val_parts = [], []
     for source_cfg, weight in cfg.sources():
         cache = open_source(source_cfg, tokenizer, cfg, show_progress=show_progress)
@@ -75,11 +85,17 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
         train_parts.append(Part(cache, train_docs, weight))
         val_parts.append(Part(cache, val_docs, weight))
+    return train_parts, val_parts
 
-    train = TrainLoader(train_parts, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
-                        cost_coefficients=coefficients, settings=settings, **common)
-    val = ValLoader(val_parts, cfg.val_max_tokens, **common)
-    return train, val, tokenizer
+
+def held_out_parts(cfg: DataConfig, tokenizer: Tokenizer) -> list[Part]:
+    """The held-out documents exactly as training split them: per source, or shard 0's with stream_start."""
+    if cfg.stream_start:
+        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), 0, False)
+        shard = feed.get(0)
+        return [Part(shard, split_train_val(shard.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)[1])]
+    return split_sources(cfg, tokenizer)[1]
 
 
 def open_source(source_cfg: SourceConfig, tokenizer: Tokenizer, cfg: DataConfig, show_progress: bool = True):
