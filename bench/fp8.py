@@ -11,7 +11,8 @@ bf16 result. Dense: fp8_linear forward+backward vs the bf16 linear at the small 
 
   python bench/fp8.py [--quick] [--budget-s 170] [--sections grouped,dense,small_linears]
 --quick: the V3 shapes at 4096 and 256 rows per expert, one dense shape (under a minute). Writes
-bench/results/fp8.md and fp8.json (rows: case, impl, tflops, ratio_vs_bf16, ms, rel_err, kernel_ms).
+bench/results/fp8.md and fp8.json (rows: case, impl, tflops, ratio_vs_bf16, ms, rel_err, kernel_ms; `--out-dir`
+elsewhere).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import resultfile  # noqa: E402
 from bench.attention_kernels import kernel_times  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.fp8_linear import fp8_linear  # noqa: E402
 from moela.ops.moe.kernels import gemm_fp8_gluon_mgrouped  # noqa: E402
 from moela.ops.moe.kernels.gemm_fp8_triton import kgrouped_fp8, mgrouped_fp8  # noqa: E402
@@ -182,20 +183,20 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=170)
     ap.add_argument("--sections", default="grouped,dense",
                     help="comma-separated: grouped, dense, small_linears (the small model's other FP8 linears)")
+    add_out_dir(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/fp8.py times CUDA kernels: run it on a GPU machine")
     run(args.quick, args.budget_s, tuple(args.sections.split(",")))
-    table = ["| case | impl | ms | TFLOP/s | vs bf16 | rel err vs bf16 | kernel ms |",
+    table = ["Median of do_bench. kernel ms: the profiler's sum of the call's kernels (dense rows), without the host's "
+             "launch gaps.", "", "| case | impl | ms | TFLOP/s | vs bf16 | rel err vs bf16 | kernel ms |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in ROWS:
         err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
         kms = "" if r.get("kernel_ms") is None else f"{r['kernel_ms']:.3f}"
         table.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ratio_vs_bf16']:.2f}x | "
                      f"{err} | {kms} |")
-    md = resultfile.write("fp8", "FP8 GEMMs vs bf16 (`bench/fp8.py`)", ROWS, table,
-                          ("Median of do_bench. kernel ms: the profiler's sum of the call's kernels (dense rows), "
-                           "without the host's launch gaps.",))
+    md = write_results("fp8", "FP8 GEMMs vs bf16", "\n".join(table), ROWS, out_dir=args.out_dir)
     print(md.read_text())
 
 

@@ -16,7 +16,8 @@ Per config, from the bf16 row's kernel breakdown (ms per step):
   measured overhead, and with the experts alone (what `moe_recipe: fp8_blockwise` runs).
 
 Usage: python bench/fp8_ceiling.py STEP.json [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
-Runs anywhere (it reads JSON only). Writes bench/results/fp8_ceiling.md and fp8_ceiling.json.
+Runs anywhere (it reads JSON only). Writes bench/results/fp8_ceiling.md and fp8_ceiling.json (`--out-dir`
+elsewhere), headed by the rows' device.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import resultfile  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 PEAK_RATIO = 2.0  # H200 dense FP8 / bf16 tensor-core peak
 OVERHEAD_FAMILIES = ("norm/RoPE/activation", "copies/cat/casts", "optimizer")
@@ -96,6 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--targets", default="small-64k=1.1,v2lite6-64k=1.25")
+    add_out_dir(ap)
     args = ap.parse_args()
     targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
     lines, summaries = [], []
@@ -111,12 +113,12 @@ def main() -> None:
             lines.append("")
             text, summary = analyse(bf16, fp8, targets.get(config))
             lines += text
-            summaries.append(dict(source=path, **summary))
-    md = resultfile.write("fp8_ceiling", "FP8 step targets against the measured breakdown (`bench/fp8_ceiling.py`)",
-                          summaries, lines, ("Each config's rows come from one bench/step.py run (the files below); "
-                                             "times are the rows' median step and their profiled kernel time per "
-                                             "family. See the script's docstring for the method.",),
-                          device="any (reads bench/step.py JSON)")
+            summaries.append(dict(source=path, device=bf16.get("device_name", ""), **summary))
+    body = ["Each config's rows come from one bench/step.py run (the files below); times are the rows' median step and "
+            "their profiled kernel time per family. See the script's docstring for the method.", "", *lines]
+    devices = sorted({s["device"] for s in summaries if s.get("device")})
+    md = write_results("fp8_ceiling", "FP8 step targets against the measured breakdown", "\n".join(body), summaries,
+                       out_dir=args.out_dir, device=", ".join(devices) or None)
     print(md.read_text())
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import resultfile  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 
 def run(recipe: str, precision: str, steps: int, work: Path, extra: list[str]) -> list[dict]:
@@ -65,8 +65,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--precisions", default="bf16,fp8", help="comma-separated model.precision values (bf16 first)")
     ap.add_argument("--work-dir", default="/tmp/moela_fp8_training")
-    ap.add_argument("--out-dir", default=str(resultfile.RESULTS))
     ap.add_argument("--set", nargs="*", default=[], help="more recipe overrides (section.key=value)")
+    add_out_dir(ap)
     args = ap.parse_args()
     names = args.precisions.split(",")
     if names[0] != "bf16":
@@ -80,11 +80,10 @@ def main() -> None:
              f"bf16), median step {s[n]['step_s']:.3f} s ({base['step_s'] / s[n]['step_s']:.2f}x bf16's speed), "
              f"{s[n]['skipped']} skipped (non-finite) steps" for n in names]
     curves = {n: [[r["step"], r["loss"]] for r in recs if r["kind"] == "train"] for n, recs in runs.items()}
-    md = resultfile.write("fp8_training", "FP8 vs bf16: loss curves of the same training run",
-                          [{"precision": n, "curve": curves[n], **s[n]} for n in names],
-                          [*table(runs), "", f"At step {last}: " + "; ".join(notes) + "."],
-                          (f"{args.recipe}, {args.steps} steps; the runs differ only in `model.precision`. The curves "
-                           f"are in fp8_training.json.",), out_dir=Path(args.out_dir))
+    body = [f"{args.recipe}, {args.steps} steps; the runs differ only in `model.precision`. The curves are in "
+            f"fp8_training.json.", "", *table(runs), "", f"At step {last}: " + "; ".join(notes) + "."]
+    md = write_results("fp8_training", "FP8 vs bf16: loss curves of the same training run", "\n".join(body),
+                       [{"precision": n, "curve": curves[n], **s[n]} for n in names], out_dir=args.out_dir)
     print(md.read_text())
 
 

@@ -8,7 +8,7 @@ whole path per recipe and backend (the `-m gpu` tests assert the same paths). Th
 bench/moe_layout.py (permute, quantization), bench/moe_gemm.py (grouped GEMMs), bench/fp8.py (FP8 GEMMs, linear).
 
   python bench/moe.py [--quick] [--check] [--budget-s 400]
-Writes bench/results/moe.md and moe.json.
+Writes bench/results/moe.md and moe.json (`--out-dir` elsewhere).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.moelib import SHAPES, Rows, bench, eager_layer, rel, require_cuda, routing  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.moe import moe_experts  # noqa: E402
 from moela.ops.moe.kernels import gemm_fp8_gluon_mgrouped  # noqa: E402
 from moela.ops.moe.kernels.combine import combine_bwd, unpermute_combine  # noqa: E402
@@ -194,6 +195,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the uniform V3 case only (and a small --check)")
     ap.add_argument("--check", action="store_true", help="print the GPU diagnostics first")
     ap.add_argument("--budget-s", type=float, default=400)
+    add_out_dir(ap)
     args = ap.parse_args()
     require_cuda("moe")
     torch.manual_seed(0)
@@ -201,9 +203,10 @@ def main() -> None:
     if args.check:
         section_check(rows, args.quick)
     section_layer(rows, args.quick)
-    rows.write("moe", "MoE expert layer (`bench/moe.py`)",
-               ("Median of do_bench over >= 15 forward + backward calls; FLOPs 18 * T * K * D * F; vs_bf16: the bf16 "
-                "torch_triton row's time over the row's; stage rows: each FP8 stage alone on the same inputs.",))
+    note = ("Median of do_bench over >= 15 forward + backward calls; FLOPs 18 * T * K * D * F; vs_bf16: the bf16 "
+            "torch_triton row's time over the row's; stage rows: each FP8 stage alone on the same inputs.")
+    md = write_results("moe", "MoE expert layer", rows.markdown(note), rows.rows, out_dir=args.out_dir)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Sections:
                  order), beside bf16 torch and Triton.
 
   python bench/moe_gemm.py [--sections gemm,wgrad_bf16,wgrad_configs,wgrad_fp8] [--quick] [--budget-s 400]
-Writes bench/results/moe_gemm.md and moe_gemm.json.
+Writes bench/results/moe_gemm.md and moe_gemm.json (`--out-dir` elsewhere).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.moelib import Rows, bench, rel, require_cuda, routing  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.moe.kernels import gemm_fp8_gluon_kgrouped, gemm_fp8_gluon_mgrouped, gemm_libraries  # noqa: E402
 from moela.ops.moe.kernels import gemm_grouped_triton as gemms  # noqa: E402
 from moela.ops.moe.kernels.gemm_fp8_triton import kgrouped_fp8, mgrouped_fp8  # noqa: E402
@@ -263,6 +264,7 @@ def main() -> None:
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     ap.add_argument("--quick", action="store_true", help="the first cases of each section")
     ap.add_argument("--budget-s", type=float, default=400)
+    add_out_dir(ap)
     args = ap.parse_args()
     sections = args.sections.split(",")
     if unknown := [s for s in sections if s not in SECTIONS]:
@@ -276,8 +278,9 @@ def main() -> None:
         except Exception as exc:  # a failing section must not hide the others' numbers
             print(f"section {name} failed: {type(exc).__name__}: {exc}")
         torch.cuda.empty_cache()
-    rows.write("moe_gemm", "MoE grouped GEMMs (`bench/moe_gemm.py`)",
-               ("Median of do_bench over >= 15 calls; vs_bf16 / vs_torch: the torch baseline's time over the row's.",))
+    note = "Median of do_bench over >= 15 calls; vs_bf16 / vs_torch: the torch baseline's time over the row's."
+    md = write_results("moe_gemm", "MoE grouped GEMMs", rows.markdown(note), rows.rows, out_dir=args.out_dir)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ scales differ from the baseline's. DeepSeek-V3 (D 7168, top-8, E 32) and V2-Lite
 uniform and skewed routings.
 
   python bench/moe_layout.py [--quick] [--budget-s 300]
-Writes bench/results/moe_layout.md and moe_layout.json.
+Writes bench/results/moe_layout.md and moe_layout.json (`--out-dir` elsewhere).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.moelib import SHAPES, Rows, bench, code_diff, copy_bandwidth, e4m3, require_cuda, routing  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.moe.kernels.layout import count_and_scan  # noqa: E402
 from moela.ops.moe.kernels.permute import build_layout, permute_align  # noqa: E402
 from moela.ops.moe.kernels.quantize_triton import quant_rows_cols  # noqa: E402
@@ -173,13 +174,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the V3 cases only")
     ap.add_argument("--budget-s", type=float, default=300)
+    add_out_dir(ap)
     args = ap.parse_args()
     require_cuda("moe_layout")
     torch.manual_seed(0)
     rows = Rows(args.budget_s)
     section_layout(rows, copy_bandwidth(rows), args.quick)
-    rows.write("moe_layout", "MoE permute and quantization kernels (`bench/moe_layout.py`)",
-               ("Median of do_bench over >= 15 calls; pct_copy: % of the device's measured copy bandwidth.",))
+    note = "Median of do_bench over >= 15 calls; pct_copy: % of the device's measured copy bandwidth."
+    md = write_results("moe_layout", "MoE permute and quantization kernels", rows.markdown(note), rows.rows,
+                       out_dir=args.out_dir)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

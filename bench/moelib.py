@@ -1,6 +1,6 @@
 """What the MoE benchmarks (bench/moe.py, moe_layout.py, moe_gemm.py) share: timing, routings, the rows they
-collect and the table they write (through bench/resultfile.py), the eager baselines' FP8 codes and the eager
-per-expert layer. GPU only: every script times CUDA kernels."""
+collect and their Markdown table, the eager baselines' FP8 codes and the eager per-expert layer. GPU only: every
+script times CUDA kernels."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import resultfile  # noqa: E402
 from moela.ops.moe.quant_spec import FP8_MAX  # noqa: E402
 
 SHAPES = {"v3": dict(d=7168, f=2048, k=8), "v2lite": dict(d=2048, f=1408, k=6)}  # DeepSeek-V3 / V2-Lite experts
@@ -60,15 +59,15 @@ class Rows:
         self.rows.append(dict(section=section, case=case, impl=impl, ms=ms, metric=metric, unit=unit, **extra))
         print(f"{section:7s} {case:34s} {impl:26s} {ms:9.3f} ms {metric:9.1f} {unit}", flush=True)
 
-    def write(self, script: str, title: str, notes: tuple[str, ...] = ()):
-        """bench/results/<script>.md + .json."""
-        table = ["| section | case | impl | ms | rate | notes |", "| --- | --- | --- | ---: | ---: | --- |"]
+    def markdown(self, note: str) -> str:
+        """`note`, then the rows as one table (the results file's body)."""
+        table = [note, "", "| section | case | impl | ms | rate | notes |", "| --- | --- | --- | ---: | ---: | --- |"]
         for r in self.rows:
             extra = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                               if k not in ("section", "case", "impl", "ms", "metric", "unit"))
             table.append(f"| {r['section']} | {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['metric']:.1f} "
                          f"{r['unit']} | {extra} |")
-        print(resultfile.write(script, title, self.rows, table, notes).read_text())
+        return "\n".join(table)
 
 
 def e4m3(v, inv):

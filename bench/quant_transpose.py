@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import resultfile  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.moe.kernels import quantize_gluon  # noqa: E402
 from moela.ops.moe.kernels.quantize_triton import quant_rows_cols  # noqa: E402
 from moela.ops.moe.kernels.triton_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_e4m3_bytes  # noqa: E402,E501
@@ -227,6 +227,7 @@ def main():
     ap.add_argument("--rows-cols-only", action="store_true", help="only the rows+columns table")
     ap.add_argument("--gluon", action="store_true",
                     help="only the library's kernels and the Gluon configurations (chunks, warps, persistence)")
+    add_out_dir(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
     x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
@@ -242,8 +243,8 @@ def main():
     rows = []
 
     def write():
-        resultfile.write("quant_transpose", "Transposed column quantization designs (`bench/quant_transpose.py`)",
-                         rows, lines, (note,))
+        write_results("quant_transpose", "Transposed column quantization designs", "\n".join([note, "", *lines]),
+                      rows, out_dir=args.out_dir)
 
     def add(name, bc, warps, fn, nbytes, check):
         ok = check()
