@@ -11,9 +11,10 @@
 Operands are addressed through strides, so row-major activations are read as their transposes without copies.
 Under the Triton interpreter the operands are upcast to fp32 (its bf16 dot is wrong).
 
-Launch configs: a shape in `TUNED` launches with the config measured best for it (`python bench/moe_gemm.py`
-times every one of `configs()`); any other shape is autotuned among `configs()` on its first call. The table keeps
-the autotuner's timing pass (every config of every shape compiled and timed) out of the first training step.
+Launch configs: a shape in `TUNED` launches with the config measured best for it (`bench/moe_gemm.py --sections
+wgrad_configs` times every one of `configs()`); any other shape is autotuned among `configs()` on its first call.
+The table keeps the autotuner's timing pass (every config of every shape compiled and timed) out of the first
+training step.
 
 Shapes: M_pad padded rows, N output features, K reduction, E experts.
 """
