@@ -2,7 +2,9 @@
 
 `build_loaders(cfg.data, tokens_per_microbatch=..., dp_rank=..., dp_size=..., grad_accum=..., seed=...)` returns
 `(train_loader, val_loader, tokenizer)`; see loader.py for the stream's guarantees. The token cache is built on
-first use (a progress bar shows it) and reused afterwards.
+first use by parallel workers (build.py; a progress bar shows it) and reused afterwards; with `data.stream_start`
+the shard-by-shard loader (stream.py) starts training while it is built. Megatron datasets are read in place
+(megatron.py).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from .stream import ShardFeed, StreamLoader
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "held_out_parts", "open_source",
-           "load_tokenizer",
-           "Tokenizer", "TrainLoader", "ValLoader", "TokenCache", "CacheError", "round_robin_assign"]
+           "load_tokenizer", "Tokenizer", "TrainLoader", "ValLoader", "TokenCache", "CacheError", "round_robin_assign"]
 
 DEFAULT_ATTN_COST_LEN = 4096  # quadratic weight of the balancing cost when neither the recipe nor a model sets it
 

@@ -132,8 +132,14 @@ class Slice:
 
 
 def _line_number(path: str, pos: int) -> int:
+    """The 1-based number of the line starting at byte `pos` (for messages; reads the file in chunks)."""
+    count, done = 1, 0
     with open(path, "rb") as f:
-        return f.read(pos).count(b"\n") + 1
+        while done < pos:
+            chunk = f.read(min(1 << 24, pos - done))
+            count += chunk.count(b"\n")
+            done += len(chunk)
+    return count
 
 
 def _jsonl_lines(path: str, begin: int, end: int) -> Iterator[tuple[int, bytes]]:
