@@ -2,10 +2,10 @@
 section 3.3.2: the first and second AdamW moments in BF16, master weights and gradients in FP32).
 
 Why: with fp32 master weights the fused fp32 AdamW moves 28 bytes per parameter a step (parameter read and write,
-gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200, and
-its moments hold 8 bytes per parameter. bf16
-moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory. Measured in one
-H200 run of the `small` step: this kernel 3.59 ms against the fused kernel's 5.45, peak 25.7 against 28.2 GiB.
+gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200, and its
+moments hold 8 bytes per parameter. bf16 moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters
+2.5 GB less memory. Measured in one H200 run of the `small` step: this kernel 3.59 ms against the fused kernel's
+5.45, peak 25.7 against 28.2 GiB.
 
 Decisions:
 - The update is computed in fp32 from the stored moments and the fp32 gradient; the new moments update the
