@@ -20,11 +20,10 @@ Decisions:
 - One Triton launch per parameter group updates every parameter of the group (CUDA, and Triton's interpreter):
   the program reads its parameter's tensors' addresses from a device table (rebuilt only when an address changes),
   because one launch per tensor cost ~40 us of host time each, 8.7 ms a step for `small`'s ~200 tensors, more than
-  the kernels' 3.7 ms on the GPU. The same math in torch
-  elsewhere.
+  the kernels' 3.7 ms on the GPU. The same math in torch elsewhere.
 - Gradient clipping's factor is applied as the step reads each gradient (`grad_scale`), so clipping costs no pass
-  that reads and writes every gradient (1.48 ms of `small`'s step as `_foreach_mul_`); the gradients themselves
-  stay unclipped (nothing reads them after the step).
+  that reads and writes every gradient (1.48 ms of `small`'s step as `_foreach_mul_`); the gradients themselves stay
+  unclipped (nothing reads them after the step).
 - Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
   with fused AdamW (`moela.trainer.step_metrics`): no host read. Sharded (DTensor) parameters update their local
   shards; the moments are DTensors like the parameters, so distributed checkpoints treat them as AdamW's.

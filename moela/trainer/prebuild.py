@@ -23,11 +23,11 @@ trainer logs them and keeps the helper's output as `prebuild.log` in the run dir
 are not written to the cache (it times its candidates while the trainer uses the same GPU; the trainer times them
 again itself, compiled by then).
 
-Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own; two runs,
-both row orders): the first step ends 24-25 s after the
+Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own, both
+row orders; numbers and history in bench/RESULTS.md): the first step ends 24-25 s after the
 model is built with the helper against 31-39 s without, the trainer's own Triton builds 2.1-2.4 s against
 7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends 18-22 s after it starts at `small` 64k, 26 s
-at V2-Lite-6L (4-5 s of imports).
+at V2-Lite-6L (4-5 s of imports; `python bench/prebuild_helper.py`).
 
 Scope: a compiled run (`train.compile`) of one process on a CUDA device. With several processes the ranks build
 the same kernels side by side anyway, and sharded or expert-parallel layers see other shapes than this helper.
@@ -60,7 +60,7 @@ PARENT_ENV = "MOELA_PREBUILD_PARENT"  # the training process's pid, for the help
 # the largest share of the GPU's memory the helper may allocate: it runs while the trainer builds its model and
 # starts its first step on the same GPU, so a helper that needed more would fail itself (the trainer then builds
 # the kernels it did not), never push the trainer out of memory. Measured with its blocks checkpointed and
-# expandable segments (H200, cap 35.0 GiB): 11.6 GiB at `small` 64k,
+# expandable segments (`python bench/prebuild_helper.py`, H200, cap 35.0 GiB): 11.6 GiB at `small` 64k,
 # 32.1 GiB at V2-Lite-6L 64k (the dense FFN's float32 SwiGLU temporaries in the eager reference)
 MEMORY_FRACTION = 0.25
 
