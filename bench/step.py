@@ -16,12 +16,6 @@ out-of-memory error ends only its row:
                           host (the `small` recipe graphs forward + backward, captured in the third step)
             moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
                           moments, moela's AdamW)
-            moela-nomtp-recast  moela-nomtp with the experts' backward casting / quantizing the weights again
-                          (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
-            moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
-                          `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
-            moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
-                          launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
             moela-no-prebuild  moela without the helper process that builds its kernels beside the first step's
                           compile (`train.prebuild_kernels=false`; moela.trainer.prebuild)
             moela-{fwd,dq,dkdv}-{triton,gluon}  moela on moela's attention kernels (`model.attention_backend=triton`)
@@ -84,18 +78,14 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # label -> BF16_WGRAD["impl"]
 # label -> the recipe overrides of a row timing one attention phase on one of moela's kernels
 KERNEL_ROWS = {f"moela-{phase}-{kernel}": ["model.attention_backend=triton", f"model.kernels.attention_{key}={kernel}"]
                for phase, key in (("fwd", "forward"), ("dq", "dq"), ("dkdv", "dkdv")) for kernel in ("triton", "gluon")}
-IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-recast", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-no-prebuild", *KERNEL_ROWS, "titan-compile", "hf",
-         "titan-eager")
+IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-no-prebuild", *KERNEL_ROWS,
+         "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
                "moela-no-prebuild": ["train.prebuild_kernels=false"], **KERNEL_ROWS}  # label -> recipe overrides
 MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
@@ -125,9 +115,6 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"],
-                             "save_weight_copies": impl != "moela-nomtp-recast",
-                             "bf16_wgrad_impl": WGRAD_ROWS.get(impl),
-                             "gemm_tuning": "autotune" if impl == "moela-wgrad-autotune" else None,
                              **counts})
     return rows
 
@@ -210,8 +197,8 @@ def main() -> None:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {STEPS['default'][key]} "
                                                                     f"(--quick: {STEPS['quick'][key]})")
     ap.add_argument("--fp8-wgrad-impl", choices=("auto", "triton", "gluon"), default="auto",
-                    help="the FP8 weight-gradient GEMM of the fp8 rows (gemm_fp8.AUTO_KGROUPED_IMPL; auto: the "
-                         "shipped choice), to compare kernels inside the whole step")
+                    help="the experts' FP8 weight-gradient GEMM in every row (the recipe override "
+                         "model.kernels.moe_fp8_wgrad; auto: the shipped choice), to compare kernels inside the step")
     ap.add_argument("--cold", action="store_true",
                     help="every row starts with empty kernel caches of its own (a cold first step on any machine)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -249,7 +236,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_rows(configs, impls, recipes, device, counts, str(log_dir / "run"))
     for spec in specs:
-        spec["fp8_wgrad_impl"] = args.fp8_wgrad_impl
+        spec["overrides"].append(f"model.kernels.moe_fp8_wgrad={args.fp8_wgrad_impl}")
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
     command = "python bench/step.py " + " ".join(sys.argv[1:])

@@ -10,8 +10,7 @@ from pathlib import Path
 from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
-LOSS_IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-recast",
-              "moela-wgrad-torch", "moela-wgrad-triton", "moela-wgrad-autotune", "moela-no-prebuild",
+LOSS_IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-no-prebuild",
               *(f"moela-{phase}-{kernel}" for phase in ("fwd", "dq", "dkdv") for kernel in ("triton", "gluon"))) + PEERS
 
 

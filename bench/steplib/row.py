@@ -69,10 +69,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
-    median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`) and gemm_tuning (`moe.gemm_triton.TUNING["mode"]`). Kernel
-    choices of the model are recipe overrides (`model.kernels.*`)."""
+    median_doc_len, warmup, steps, profile_steps, sync_steps. Kernel choices are recipe overrides
+    (`model.kernels.<field>=...`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -82,22 +80,6 @@ def run_row(spec: dict) -> dict:
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
                         max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
-    if spec.get("fp8_wgrad_impl", "auto") != "auto":
-        from moela.ops.moe import gemm_fp8
-
-        gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
-    if not spec.get("save_weight_copies", True):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.WEIGHT_COPIES["saved"] = False
-    if spec.get("bf16_wgrad_impl"):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.BF16_WGRAD["impl"] = spec["bf16_wgrad_impl"]
-    if spec.get("gemm_tuning"):
-        from moela.ops.moe import gemm_triton
-
-        gemm_triton.TUNING["mode"] = spec["gemm_tuning"]
     clock = CompilerClock()
     clock.install()
     impl = build_impl(spec["impl"], cfg, source, device)

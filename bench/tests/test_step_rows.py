@@ -94,23 +94,15 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-nographs", "64k", "fp8_blockwise"), ("moela-fp32-moments", "16k", "bf16"),
                       ("moela-fp32-moments", "16k", "fp8_blockwise"), ("moela-fp32-moments", "64k", "bf16"),
                       ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
-                      ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
-                      ("moela-nomtp-recast", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
-                      ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
-                      ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
-                      ("moela-wgrad-autotune", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
+                      ("moela-nomtp", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
                       ("moela-no-prebuild", "64k", "bf16"),
                       *[(label, size, "bf16") for label in kernel_rows for size in ("16k", "64k")],
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        assert mtp_off == (s["label"] in ("moela-nomtp", "moela-nomtp-recast", "titan-compile", "hf",
-                                          "titan-eager"))
-        assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
-        assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
+        assert mtp_off == (s["label"] in ("moela-nomtp", "titan-compile", "hf", "titan-eager"))
         assert ("train.prebuild_kernels=false" in s["overrides"]) == (s["label"] == "moela-no-prebuild")
-        assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
@@ -185,23 +177,19 @@ def token_cache(tmp_path_factory):
 
 
 def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
-    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); the row's
-    fp8_wgrad_impl reaches the FP8 GEMM dispatch, gemm_tuning the Triton grouped GEMMs."""
+    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); a kernel choice
+    rides in as a recipe override (`model.kernels.moe_fp8_wgrad`)."""
     from bench.steplib.row import run_row
-    from moela.ops.moe import gemm_fp8, gemm_triton
-
-    monkeypatch.setattr(gemm_fp8, "AUTO_KGROUPED_IMPL", "gluon")  # restored after the test
-    monkeypatch.setitem(gemm_triton.TUNING, "mode", "table")
 
     spec = {"config": "tiny", "impl": "moela", "label": "moela", "recipe": "bf16", "device": "cpu",
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
             "overrides": TINY + [f"data.cache_dir={token_cache}", f"train.run_dir={tmp_path}", "train.device=cpu",
                                  "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.eval_every=0",
-                                 "logging.progress_bar=never", "checkpoint.every=0"],
+                                 "logging.progress_bar=never", "checkpoint.every=0",
+                                 "model.kernels.moe_fp8_wgrad=triton"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
-            "sync_steps": 1, "fp8_wgrad_impl": "triton", "gemm_tuning": "autotune"}
+            "sync_steps": 1}
     r = run_row(spec)
-    assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton" and gemm_triton.TUNING["mode"] == "autotune"
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU
     assert r["first_step_compile_s"] == 0.0  # the tiny recipe trains uncompiled on the CPU

@@ -14,10 +14,10 @@ Decisions:
   pretraining); set `rope_scaling` to train long-context stages. `v2-lite` takes DeepSeek-V2-Lite's sizes only:
   its routing is moela's (V3's sigmoid gate with a balancing bias), not V2's softmax gate, so V2-Lite checkpoints
   do not load (`hf.py` refuses softmax-routed configs).
-- `kernels` (`KernelsConfig`) names the kernel of each op phase where moela has more than one; `auto` (every
-  default) takes the one measured fastest for the call, and the op logs which ran and why. The choices reach the
-  ops as keyword arguments, never through module state.
 - `validate()` returns messages `"<field>: <what is wrong>; <how to fix>"`; the loader prefixes `model.`.
+- `kernels` (`KernelsConfig`, YAML `model.kernels.<field>`) holds every choice of implementation inside an op; the
+  model passes each one down to its op as a keyword argument, never through module state. The defaults (`auto`)
+  take the fastest measured for the call, and the op logs which ran and why.
 """
 
 from __future__ import annotations
@@ -53,18 +53,25 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    """Which kernel runs each phase of an op (recipe `model.kernels`), each `auto` by default: the kernel measured
-    fastest for the call among those that can run it, logged once per reason."""
+    """Which kernel runs each phase of an op where moela has more than one (YAML `model.kernels.<field>`), each
+    `auto` by default: the kernel measured fastest for the call among those that can run it, logged once per
+    reason."""
 
     # Attention, where the `triton` backend runs (`model.attention_backend: triton`, or auto choosing it;
     # moela.ops.attention.phases): "triton" runs on any CUDA GPU; "gluon" is Hopper-only (bf16, no ALiBi), and
     # auto takes it wherever it supports the call, except dK/dV at head dims over 160 (Dqk + Dv)
-    attention_forward: str = "auto"
-    attention_dq: str = "auto"
-    attention_dkdv: str = "auto"
+    attention_forward: Literal["auto", "triton", "gluon"] = "auto"
+    attention_dq: Literal["auto", "triton", "gluon"] = "auto"
+    attention_dkdv: Literal["auto", "triton", "gluon"] = "auto"
+
+    # MoE
+    # the routed experts' FP8 forward and data-gradient GEMMs: auto (Gluon on Hopper, else Triton) | gluon | triton
+    moe_fp8_gemm: Literal["auto", "gluon", "triton"] = "auto"
+    # the routed experts' FP8 weight-gradient GEMM: auto (Gluon on Hopper, else Triton) | gluon | triton
+    moe_fp8_wgrad: Literal["auto", "gluon", "triton"] = "auto"
 
     def problems(self, attention_backend: str) -> list[str]:
-        """`ModelConfig.validate`'s messages for this block (it knows the attention backend)."""
+        """`ModelConfig.validate`'s messages for the attention kernels (it knows the attention backend)."""
         errors = []
         for name in ("attention_forward", "attention_dq", "attention_dkdv"):
             value = getattr(self, name)
