@@ -318,7 +318,10 @@ class Trainer:
         `grad_norm`, `expert_imbalance`, `skipped`) are 0-d device tensors, read at the next logging step
         (`moela.trainer.step_metrics`): nothing in a non-logging step waits for the device."""
         t0 = time.perf_counter()
-        batches = self.train_loader.next_step()
+        try:
+            batches = self.train_loader.next_step()
+        except OSError as e:  # a damaged token cache (moela.data.CacheError names it) or an unreadable file
+            raise TrainingError(f"cannot read the training data: {e}") from None
         # the step's totals over all data-parallel ranks: the loader plans every rank's micro-batches (no
         # collective; the ranks of a CP group share their micro-batches, so these count each one once)
         global_targets, global_tokens, global_sum_sq = self.train_loader.last_global_counts
