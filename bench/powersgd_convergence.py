@@ -7,7 +7,8 @@ and reports the training loss
 (the logged window means) and the validation loss every `--every` steps, the bytes per step on the replicate
 dimension, and whether each PowerSGD run's final validation loss is within `--tolerance` of the exact run's.
 
-Usage: python bench/powersgd_convergence.py [--steps 300] [--every 25] [--variants 4:0 4:30 ...] [--nproc 4]
+Usage: python bench/powersgd_convergence.py [--steps 300] [--every 25] [--variants 4:30 8:30 ...] [--nproc 4]
+[--parallel]
 Writes bench/results/powersgd_convergence.md and .json (or --out).
 """
 
@@ -30,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train(run_dir: Path, args, variant: tuple[int, int] | None) -> tuple[list[dict], float]:
-    """One torchrun training run, exact (`variant` None) or PowerSGD at (rank, warmup steps) -> (its metrics
-    records, wall seconds)."""
+def start(run_dir: Path, args, variant: tuple[int, int] | None) -> tuple[subprocess.Popen, float]:
+    """Start one torchrun training run, exact (`variant` None) or PowerSGD at (rank, warmup steps) -> (the process,
+    its start time)."""
     overrides = [f"train.steps={args.steps}", f"train.run_dir={run_dir}", "parallel.dp_replicate=2",
                  f"logging.log_every={args.every}", f"train.eval_every={args.every}", "logging.progress_bar=never",
                  "logging.plot=false", "checkpoint.every=0", "checkpoint.save_at_end=false"]
@@ -42,10 +43,16 @@ def train(run_dir: Path, args, variant: tuple[int, int] | None) -> tuple[list[di
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "train.py"), str(ROOT / "recipes" / "tiny.yaml"), *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL), time.perf_counter()
+
+
+def finish(run_dir: Path, proc: subprocess.Popen, started: float) -> tuple[list[dict], float]:
+    """Wait for a run -> (its metrics records, wall seconds)."""
+    if proc.wait() != 0:
+        raise SystemExit(f"training run {run_dir} failed (exit code {proc.returncode})")
+    wall = time.perf_counter() - started
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()], time.perf_counter() - start
+    return [json.loads(line) for line in lines if line.strip()], wall
 
 
 def header(command: str) -> str:
@@ -70,18 +77,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=25)
-    parser.add_argument("--variants", nargs="+", type=variant, default=[(4, 0)],
-                        help="PowerSGD runs as RANK:WARMUP_STEPS (default 4:0)")
+    parser.add_argument("--variants", nargs="+", type=variant, default=[(4, 30)],
+                        help="PowerSGD runs as RANK:WARMUP_STEPS (default 4:30: the tiny recipe's lr warmup)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the exact and PowerSGD trainings at the same time (the same results; less wall time "
+                             "where cores are shared)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "powersgd_convergence"))
     args = parser.parse_args()
     names = ["exact"] + [f"r{rank} w{warmup}" for rank, warmup in args.variants]
     runs = {}
     tmp = Path(tempfile.mkdtemp(prefix="powersgd_convergence_"))
     print(f"run directories: {tmp}", flush=True)
+    pending = []
     for name, v in zip(names, [None] + args.variants):
-        runs[name] = train(tmp / name.replace(" ", "_"), args, v)
+        pending.append((name, tmp / name.replace(" ", "_"), *start(tmp / name.replace(" ", "_"), args, v)))
+        if not args.parallel:
+            runs[name] = finish(*pending.pop()[1:])
+    for name, run_dir, proc, started in pending:
+        runs[name] = finish(run_dir, proc, started)
     by_step: dict[int, dict] = {}
     summary = []
     for name, (records, wall) in runs.items():
