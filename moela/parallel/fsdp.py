@@ -67,9 +67,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The units that FSDP and activation checkpointing wrap: main blocks, then the block of each MTP depth (the
     depth's own norms and projection are used outside that block's forward, so they stay with the root)."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         raise TypeError(f"{type(model).__name__} has no `layers` ModuleList; parallelism wraps each block of it")
-    return list(layers) + [getattr(depth, "block", depth) for depth in getattr(model, "mtp", [])]
+    mtp = getattr(model, "mtp", [])
+    # a pipeline stage keeps its blocks in ModuleDicts keyed by their index in the whole model
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    depths = list(mtp.values() if isinstance(mtp, nn.ModuleDict) else mtp)
+    return blocks + [getattr(depth, "block", depth) for depth in depths]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
