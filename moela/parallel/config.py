@@ -115,7 +115,7 @@ def pipeline_errors(cfg: ParallelConfig, model, grad_accum: int, *, cuda_graphs:
     if sched == "1f1b" and v != 1:
         errors.append(f"pp_virtual_stages: 1f1b runs one stage per rank, got {v}; use pp_schedule: "
                       f"interleaved_1f1b for virtual stages")
-    least = {"1f1b": 1, "interleaved_1f1b": cfg.pp, "zbv": cfg.pp, "dualpipev": 2 * cfg.pp}[sched]
+    least = {"1f1b": 1, "interleaved_1f1b": cfg.pp, "zbv": 2 * cfg.pp - 1, "dualpipev": 2 * cfg.pp}[sched]
     if m < least or (sched == "interleaved_1f1b" and m % cfg.pp):
         need = "a multiple of pp" if sched == "interleaved_1f1b" else f">= {least}"
         errors.append(f"pp_microbatches: {sched} with pp={cfg.pp} needs {need} micro-batches per step, got {m} "
