@@ -65,22 +65,24 @@ class StageOutput:
     expert_load: torch.Tensor | None  # [L_s, E] tokens routed to each expert of its MoE layers (detached)
 
 
-class StageChunk:
-    """Stage `index` of the pipeline (`parts` of the model), run on this rank's cut model."""
+class StageChunk(nn.Module):
+    """Stage `index` of the pipeline (`parts` of the model), run on this rank's cut model. A module of its own
+    (never a child of the model, so parameter names stay the model's) holding the stage's parts: FSDP2 shards it
+    as the stage's root unit, whose hooks then run around each call (the model's own root, whose forward a stage
+    never calls, is not a unit under pipeline parallelism)."""
 
     def __init__(self, model: Transformer, stages: list[StageParts], index: int):
-        self.model, self.index, self.parts = model, index, stages[index]
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a child: the model's names are the checkpoint's
+        self.index, self.parts = index, stages[index]
         self.is_first, self.is_last = index == 0, index == len(stages) - 1
         self.in_names = [] if self.is_first else wire_names(model.cfg, stages, index - 1)
         self.out_names = [] if self.is_last else wire_names(model.cfg, stages, index)
-        self.blocks = [model.layers[str(i)] for i in self.parts.layers]
-        self.depths = [model.mtp[str(d)] for d in self.parts.mtp]
-
-    def parameters(self) -> list[nn.Parameter]:
-        mods = self.blocks + self.depths + [m for m, on in ((self.model.embed, self.parts.embed),
-                                                            (self.model.norm, self.parts.loss),
-                                                            (self.model.head, self.parts.loss)) if on and m is not None]
-        return [p for m in mods for p in m.parameters()]
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in self.parts.layers)
+        self.depths = nn.ModuleList(model.mtp[str(d)] for d in self.parts.mtp)
+        self.embed = model.embed if self.is_first else None
+        self.norm = model.norm if self.is_last else None
+        self.head = model.head if self.is_last else None
 
     def forward(self, prep: Prepared, inputs: list[torch.Tensor]) -> StageOutput:
         """This stage's forward on a prepared micro-batch; `inputs` [T, D] each, in `in_names` order."""
@@ -118,3 +120,8 @@ class StageChunk:
         denom = num_targets.clamp_min(1) if isinstance(num_targets, torch.Tensor) else max(num_targets, 1)
         loss, metrics = model.objective(denom, lm_sum=lm_sum, mtp_sum=mtp_sum, auxs=auxs, zs=zs)
         return StageOutput(outputs, loss, metrics, torch.stack(loads).detach() if loads else None)
+
+
+def chunks_of(model: Transformer, stages: list[StageParts], mine: list[int]) -> dict[int, StageChunk]:
+    """The `StageChunk` of each of this rank's stages (on the cut model, before it is parallelized)."""
+    return {k: StageChunk(model, stages, k) for k in mine}
