@@ -65,11 +65,12 @@ def pipeline_ranks(mesh: ParallelMesh) -> tuple[list[int], list[list[int]]]:
 
 
 def build_pipeline(model_cfg: ModelConfig, pcfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
-                   microbatches: int, *, parallelize: Callable[[Transformer, list[StageChunk]], object] | None = None, seq_len: int = 4096,
-                   counts: dict | None = None) -> Pipeline:
+                   microbatches: int, *, parallelize: Callable[[Transformer, list[StageChunk]], object] | None = None,
+                   seq_len: int = 4096, counts: dict | None = None) -> Pipeline:
     """This rank's stages, parallelized by `parallelize(model, chunks)` (on the cut meta model; the chunks are
-    FSDP's root units, `apply_parallelism`'s `fsdp_roots`) and materialized, with the
-    runtime of `pcfg.pp_schedule` for steps of `microbatches` micro-batches. `counts` (tests): the transport counts its messages into it."""
+    FSDP's root units, `apply_parallelism`'s `fsdp_roots`) and materialized, with the runtime of
+    `pcfg.pp_schedule` for steps of `microbatches` micro-batches. `counts` (tests): the transport counts its
+    messages into it."""
     v = pcfg.virtual_stages
     stages = stage_layout(model_cfg, pcfg.pp, v, pcfg.pp_layout or None, seq_len=seq_len)
     placement = stage_ranks(pcfg.pp, v, pcfg.pp_schedule)
