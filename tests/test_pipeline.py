@@ -41,7 +41,7 @@ def _check(rank, world, cfg, pcfg, ref, steps, counts_expected=None):
 
 
 def _run(schedule, v, world, *, pp=2, m=4, steps=2, model=None, extra=None, counts=None):
-    cfg = tiny_config(num_hidden_layers=4, **VISIBLE_TRAINING, **(model or {}))
+    cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING, **(model or {})})
     pcfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m,
                           dp_shard=world // pp, **(extra or {}))
     ref = reference(cfg, m * (world // pp // (extra or {}).get("ep", 1) * (extra or {}).get("ep", 1)), steps)
