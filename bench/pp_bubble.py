@@ -15,11 +15,8 @@ docstring), so the measured zero-bubble rows pay I once more per backward: that 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ import torch.nn as nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.parallel.pp_comm import StageLinks  # noqa: E402
 from moela.parallel.pp_layout import stage_ranks  # noqa: E402
 from moela.parallel.pp_runtime import PipelineRuntime  # noqa: E402
@@ -127,38 +125,25 @@ def measure(schedule: str, pp: int, m: int, layer_ms: dict, layers_per_rank: int
             "formula_bubble": model["bubble"], "formula_wall_s": model["makespan"]}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "-"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--layers-per-rank", type=int, default=2)
     ap.add_argument("--layer-ms", default="F=5,I=5,W=5", help="per-layer costs in ms (forward, input grad, weight)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "pp_bubble"))
+    add_out_dir(ap)
     args = ap.parse_args()
     layer_ms = {k: float(v) for k, v in (p.split("=") for p in args.layer_ms.split(","))}
     rows = [measure(s, args.pp, args.microbatches, layer_ms, args.layers_per_rank) for s in SCHEDULES]
-    command = "python bench/pp_bubble.py " + " ".join(sys.argv[1:])
-    header = (f"Commit {_commit()}; date {datetime.date.today()}; CPU only ({platform.machine()}), gloo, {args.pp} "
-              f"ranks; torch {torch.__version__}; command `{command.strip()}`")
-    lines = ["# Pipeline bubble share per schedule (measured vs formula)", "", header, "",
-             f"{args.microbatches} micro-batches, {args.layers_per_rank} layers per rank, per-layer cost "
-             f"{args.layer_ms} ms (sleeps: fixed compute), median of 3 steps.", "",
+    lines = [f"{args.microbatches} micro-batches, {args.layers_per_rank} layers per rank, gloo on {args.pp} CPU "
+             f"ranks, per-layer cost {args.layer_ms} ms (sleeps: fixed compute), median of 3 steps.", "",
              "| schedule | pp | chunks/rank | step wall (s) | formula wall (s) | bubble measured | bubble formula |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['pp']} | {r['virtual_stages']} | {r['wall_s']:.3f} | "
                      f"{r['formula_wall_s']:.3f} | {r['bubble']:.1%} | {r['formula_bubble']:.1%} |")
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    Path(args.out + ".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1) + "\n")
-    print("\n".join(lines))
+    print(write_results("pp_bubble", "Pipeline bubble share per schedule: measured vs formula", "\n".join(lines),
+                        rows, out_dir=args.out_dir).read_text())
 
 
 if __name__ == "__main__":
