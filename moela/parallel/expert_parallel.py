@@ -270,10 +270,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch: st
 def reduce_expert_load(expert_load: torch.Tensor, mesh) -> torch.Tensor:
     """Sum `expert_load [L_moe, E]` (tokens per expert, this rank's micro-batches) over every rank that routes a
     share of the global batch: the `dp_cp` view, and with tensor (sequence) parallelism, whose ranks route
-    different rows of one micro-batch, every rank. Each rank then applies the same router-bias update. In place;
-    returns it."""
-    if mesh.size("tp") > 1:
-        dist.all_reduce(expert_load)
+    different rows of one micro-batch, every rank of the pipeline stage. Each rank then applies the same
+    router-bias update. In place; returns it."""
+    if mesh.size("tp") > 1:  # every rank of the pipeline stage (the world without pipeline parallelism)
+        dist.all_reduce(expert_load, group=mesh.group("stage"))
     elif (group := mesh.group("dp_cp")) is not None:
         dist.all_reduce(expert_load, group=group)
     return expert_load
