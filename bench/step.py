@@ -14,40 +14,13 @@ out-of-memory error ends only its row:
             moela-nomtp   the same with MTP off: the row the peers are compared with
             moela-nographs  the same with `train.cuda_graphs=false`: compiled blocks, every kernel launched by the
                           host (the `small` recipe graphs forward + backward, captured in the third step)
-            moela-graphs-add  graphed, but with the earlier gradient scheme: gradients zeroed in place before each
-                          step and every micro-batch's graph adding into them (`cuda_graphs.FIRST_ASSIGNS = False`;
-                          `moela` lets the first micro-batch's graph assign them)
             moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
                           moments, moela's AdamW)
-            moela-nomtp-ropecat  moela-nomtp with the query's RoPE out of place (split, rope, cat:
-                          `attention.Q_ROPE["mode"] = "cat"`; moela rotates its rotary columns in place)
-            moela-nomtp-recast  moela-nomtp with the experts' backward casting / quantizing the weights again
-                          (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
-            moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
-                          (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on
-                          where their attention is a graph break, so the row differs from moela-nomtp only there)
-            moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
-                          the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
-            moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
-                          `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
-            moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
-                          launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
-            moela-pointwise-tuned  moela with Inductor's pointwise kernels tuned over several launch configs at their
-                          first launch (torch's default; `trainer.compile.INDUCTOR_SETTINGS` cleared)
-            moela-mtp-own-graph  moela with the MTP block's residual stream in its input projection's dtype (bf16
-                          under autocast), a block variant of its own to compile (`transformer.MTP_STREAM_DTYPE` off;
-                          moela keeps it in the main stack's dtype, so the block reuses the MoE blocks' graphs)
             moela-no-prebuild  moela without the helper process that builds its kernels beside the first step's
                           compile (`train.prebuild_kernels=false`; moela.trainer.prebuild)
-            moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
-                          on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
-                          flash-attn-4, which `auto` prefers where it is installed)
-            moela-dkdv-triton, moela-dkdv-<config>  moela with the Triton backend's dK/dV kernel on the Triton kernel /
-                          on the Gluon kernel's config gluon_dkdv_<config> (`triton_common.SCHEDULE["dkdv"]`; bm32,
-                          bm32_pipe, bm64, bm64_pipe; rows without flash-attn-4)
-            moela-dq-<config>  moela with the Triton backend's dQ kernel on the Gluon kernel's config gluon_dq_<config>
-                          (`triton_common.SCHEDULE["dq"]`; bn64, bn64_pipe, bn128, bn64_persistent; rows without
-                          flash-attn-4)
+            moela-{fwd,dq,dkdv}-{triton,gluon}  moela on moela's attention kernels (`model.attention_backend=triton`)
+                          with one phase's kernel named (`model.kernels.attention_forward`, `attention_dq`,
+                          `attention_dkdv`), the others `auto`
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
             features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
@@ -89,7 +62,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.steplib.report import write_report  # noqa: E402
-from moela.ops.attention import gluon_bwd, gluon_dq  # noqa: E402
 
 SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -106,27 +78,16 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-DKDV_ROWS = {f"moela-dkdv-{name.removeprefix('gluon_dkdv_')}": name for name in gluon_bwd.CONFIGS}
-WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # label -> BF16_WGRAD["impl"]
-DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
-         "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
-         *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
-MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
+# label -> the recipe overrides of a row timing one attention phase on one of moela's kernels
+KERNEL_ROWS = {f"moela-{phase}-{kernel}": ["model.attention_backend=triton", f"model.kernels.attention_{key}={kernel}"]
+               for phase, key in (("fwd", "forward"), ("dq", "dq"), ("dkdv", "dkdv")) for kernel in ("triton", "gluon")}
+IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-no-prebuild", *KERNEL_ROWS,
+         "titan-compile", "hf", "titan-eager")
+MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
-               "moela-pointwise-tuned": [], "moela-mtp-own-graph": [],
-               "moela-no-prebuild": ["train.prebuild_kernels=false"], "moela-fwd-triton": [],
-               "moela-fwd-gluon": [], "moela-dkdv-triton": [],
-               **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
-MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
+               "moela-no-prebuild": ["train.prebuild_kernels=false"], **KERNEL_ROWS}  # label -> recipe overrides
+MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
                     "fp8": ["model.precision=fp8"]}
@@ -154,18 +115,6 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"],
-                             "graph_first_assigns": impl != "moela-graphs-add",
-                             "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
-                             "save_weight_copies": impl != "moela-nomtp-recast",
-                             "handoff_norms": impl != "moela-nomtp-nohandoff",
-                             "attention_in_graph": impl != "moela-nomtp-attnbreak",
-                             "bf16_wgrad_impl": WGRAD_ROWS.get(impl),
-                             "gemm_tuning": "autotune" if impl == "moela-wgrad-autotune" else None,
-                             "inductor_settings": impl != "moela-pointwise-tuned",
-                             "mtp_stream_dtype": impl != "moela-mtp-own-graph",
-                             "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
-                             "attention_dkdv": {"moela-dkdv-triton": "triton", **DKDV_ROWS}.get(impl),
-                             "attention_dq": DQ_ROWS.get(impl),
                              **counts})
     return rows
 
@@ -248,8 +197,8 @@ def main() -> None:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {STEPS['default'][key]} "
                                                                     f"(--quick: {STEPS['quick'][key]})")
     ap.add_argument("--fp8-wgrad-impl", choices=("auto", "triton", "gluon"), default="auto",
-                    help="the FP8 weight-gradient GEMM of the fp8 rows (gemm_fp8.AUTO_KGROUPED_IMPL; auto: the "
-                         "shipped choice), to compare kernels inside the whole step")
+                    help="the experts' FP8 weight-gradient GEMM in every row (the recipe override "
+                         "model.kernels.moe_fp8_wgrad; auto: the shipped choice), to compare kernels inside the step")
     ap.add_argument("--cold", action="store_true",
                     help="every row starts with empty kernel caches of its own (a cold first step on any machine)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -287,7 +236,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_rows(configs, impls, recipes, device, counts, str(log_dir / "run"))
     for spec in specs:
-        spec["fp8_wgrad_impl"] = args.fp8_wgrad_impl
+        spec["overrides"].append(f"model.kernels.moe_fp8_wgrad={args.fp8_wgrad_impl}")
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
     command = "python bench/step.py " + " ".join(sys.argv[1:])

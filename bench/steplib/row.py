@@ -69,16 +69,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
-    median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
-    q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
-    handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), gemm_tuning (`moe.gemm_triton.TUNING["mode"]`),
-    inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared), mtp_stream_dtype
-    (`transformer.MTP_STREAM_DTYPE`),
-    attention_forward (`triton_common.SCHEDULE["forward"]`: "triton", or "gluon" for `gluon_fwd.DEFAULT`),
-    attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a `gluon_bwd.CONFIGS` name) and attention_dq
-    (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
+    median_doc_len, warmup, steps, profile_steps, sync_steps. Kernel choices are recipe overrides
+    (`model.kernels.<field>=...`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -88,53 +80,6 @@ def run_row(spec: dict) -> dict:
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
                         max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
-    if spec.get("fp8_wgrad_impl", "auto") != "auto":
-        from moela.ops.moe import gemm_fp8
-
-        gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
-    if not spec.get("graph_first_assigns", True):
-        from moela.trainer import cuda_graphs
-
-        cuda_graphs.FIRST_ASSIGNS = False
-    if spec.get("q_rope", "in_place") != "in_place":
-        from moela.model import attention
-
-        attention.Q_ROPE["mode"] = spec["q_rope"]
-    if not spec.get("save_weight_copies", True):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.WEIGHT_COPIES["saved"] = False
-    from moela.ops.attention import gluon_fwd, triton_common
-
-    choices = {"forward": {"gluon": gluon_fwd.DEFAULT, "triton": "triton"}.get(spec.get("attention_forward")),
-               "dkdv": spec.get("attention_dkdv"), "dq": spec.get("attention_dq")}
-    for kernel, choice in choices.items():
-        if choice:
-            triton_common.SCHEDULE[kernel] = choice
-    if spec.get("bf16_wgrad_impl"):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.BF16_WGRAD["impl"] = spec["bf16_wgrad_impl"]
-    if spec.get("gemm_tuning"):
-        from moela.ops.moe import gemm_triton
-
-        gemm_triton.TUNING["mode"] = spec["gemm_tuning"]
-    if not spec.get("inductor_settings", True):
-        from moela.trainer import compile as trainer_compile
-
-        trainer_compile.INDUCTOR_SETTINGS.clear()
-    if not spec.get("mtp_stream_dtype", True):
-        from moela.model import transformer
-
-        transformer.MTP_STREAM_DTYPE = False
-    if not spec.get("handoff_norms", True):
-        from moela.model import transformer
-
-        transformer.HANDOFF_NORMS = False
-    if not spec.get("attention_in_graph", True):
-        from moela.model import attention
-
-        attention.IN_GRAPH["attention"] = False
     clock = CompilerClock()
     clock.install()
     impl = build_impl(spec["impl"], cfg, source, device)
