@@ -29,7 +29,6 @@ class StageLinks:
 
     def __init__(self, ranks: list[int], all_pipelines: list[list[int]], counts: dict | None = None):
         self.ranks = ranks
-        self.me = dist.get_rank() if dist.is_initialized() else 0
         self.groups: dict[tuple[int, str], dist.ProcessGroup] = {}
         for pipeline in all_pipelines:
             for k in range(len(pipeline) - 1):

@@ -12,8 +12,8 @@ The runtime executes this rank's action list (`moela.parallel.pp_schedules`) in 
   every gradient exactly what B adds. W repeats the graph walk of the inputs' part: the schedule's order is
   exact, its W costs about a whole backward rather than the weight half (capturing the intermediate gradients
   in I, as torch.distributed.pipelining does, would save that).
-- Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward interleaved by
-  phase, `moela.parallel.pp_overlap`), else f then b.
+- Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward issued together on
+  two CUDA streams, `moela.parallel.pp_overlap`), else f then b.
 Statistics: each forward adds its stage's loss and metric shares times the micro-batch's labelled tokens to a
 `StepSums`, and its expert load to this rank's rows; the trainer sums both over the pipeline.
 
@@ -22,9 +22,8 @@ Shapes: T tokens of a micro-batch (this rank's rows of it), D hidden, E experts,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +46,6 @@ class _Saved:
 class StepResult:
     sums: object  # moela.trainer.step_metrics.StepSums of this rank's stage shares
     expert_load: torch.Tensor | None  # [L_r, E], this rank's MoE layers in `Transformer.moe_layers` order
-    times: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineRuntime:
@@ -59,7 +57,6 @@ class PipelineRuntime:
         self.model, self.chunks, self.num_stages, self.actions = model, chunks, num_stages, actions
         self.links, self.device, self.overlap_f_b = links, device, overlap_f_b
         self.width = model.cfg.hidden_size
-        self.on_action: Callable[[Step, float, float], None] | None = None  # (step, start, end) for timelines
 
     # ----- one step -----
     def train_step(self, batches: list[PackedBatch], loss_scale: float, sums) -> StepResult:
@@ -67,7 +64,6 @@ class PipelineRuntime:
         StepSums to fill. Parameter gradients accumulate in place."""
         self.begin(batches, loss_scale, sums)
         for step in self.actions:
-            start = time.perf_counter()
             if isinstance(step, Overlap):
                 if self.overlap_f_b is not None:
                     self.overlap_f_b(self, step.f, step.b)
@@ -80,8 +76,6 @@ class PipelineRuntime:
                 self.weight_grad(step)
             else:
                 self.backward(step)
-            if self.on_action is not None:
-                self.on_action(step, start, time.perf_counter())
         self.links.wait_sends()
         if self._saved:
             raise RuntimeError(f"pipeline schedule left work undone: {sorted(self._saved)}")
