@@ -3,7 +3,8 @@
 One optimizer step: the loader hands this data-parallel rank its `grad_accum` packed micro-batches; the labelled
 tokens of the whole global step are counted (summed over the data-parallel ranks, once per micro-batch) before any
 backward, and micro-batch i contributes `loss_i * num_targets_i / total_targets`, so accumulation and data
-parallelism reproduce the single-process token-mean gradient exactly. Then: clip, check finiteness, AdamW step,
+parallelism reproduce the single-process token-mean gradient exactly. Then: the replicate reduction under
+`parallel.replicate_compression` (moela.parallel.replicate), clip, check finiteness, AdamW step,
 router-bias update from the expert load summed over all those ranks, LR schedule step.
 
 Decisions:
@@ -40,8 +41,9 @@ from moela.batch import PackedBatch
 from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
-from moela.model import build_model, count_params, flops_per_token
+from moela.model import build_model, count_params
 from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
+from moela.parallel.replicate import build_replicate_reducer
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import graphed_micro_batch
@@ -57,6 +59,7 @@ from moela.trainer.metrics import (
     device_peak_flops,
     loss_legend,
     memory_gib,
+    mfu,
     plot_losses,
 )
 from moela.trainer.optim import (
@@ -166,6 +169,7 @@ class Trainer:
         check_fp8_device(cfg.model, self.device)
         check_backends(cfg.model, self.device)
         self.model = self._build_model()
+        self.replicate = build_replicate_reducer(self.model, self.mesh, cfg.parallel, cfg.train.seed)
         self.static_shapes = None
         if cfg.train.compile:
             prepare_inductor()
@@ -220,7 +224,7 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         found = checkpoint.resume(self.run_dir, cfg.checkpoint.resume, self.model, self.optimizer,
-                                  checkpoint.fixed_settings(cfg), self._echo)
+                                  checkpoint.fixed_settings(cfg), self._echo, self._extra_state())
         resume = None
         if found is not None:
             resume, state = found
@@ -304,7 +308,10 @@ class Trainer:
         `grad_norm`, `expert_imbalance`, `skipped`) are 0-d device tensors, read at the next logging step
         (`moela.trainer.step_metrics`): nothing in a non-logging step waits for the device."""
         t0 = time.perf_counter()
-        batches = self.train_loader.next_step()
+        try:
+            batches = self.train_loader.next_step()
+        except OSError as e:  # a damaged token cache (moela.data.CacheError names it) or an unreadable file
+            raise TrainingError(f"cannot read the training data: {e}") from None
         # the step's totals over all data-parallel ranks: the loader plans every rank's micro-batches (no
         # collective; the ranks of a CP group share their micro-batches, so these count each one once)
         global_targets, global_tokens, global_sum_sq = self.train_loader.last_global_counts
@@ -327,6 +334,7 @@ class Trainer:
             sums.add(loss, metrics, num_targets)
             if expert_load is not None:  # a copy: a graph replay overwrites its outputs
                 load = expert_load.float().clone() if load is None else load + expert_load
+        replicate_bytes = self.replicate.reduce() if self.replicate is not None else {}
         self._all_reduce(sums.sums, "dp_cp")
         means = sums.sums / total_targets  # [M] float64
         grad_norm = self._clip_grad_norm()
@@ -350,7 +358,7 @@ class Trainer:
         self.tokens_seen += int(tokens)
         record = {"kind": "train", "step": self.step, "lr": lr, "tokens_seen": self.tokens_seen,
                   "mem_gib": memory_gib(self.device), "epoch": self.train_loader.epoch,
-                  "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0}
+                  "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0, **replicate_bytes}
         imbalance = getattr(self.train_loader, "last_imbalance", None)
         if self.pipeline is not None:
             record["pp_bubble"] = self.pipeline.bubble
@@ -432,14 +440,15 @@ class Trainer:
     def _set_time(self, record: dict, dt: float) -> None:
         record["step_time_s"] = dt
         record["tokens_per_s"] = record["_tokens"] / dt
-        record["mfu"] = self._mfu(record["_tokens"], record["_sum_sq"], dt)
+        record["mfu"] = mfu(self.cfg.model, self.peak_flops, record["_tokens"], record["_sum_sq"], dt,
+                            self.env.world_size)
 
     def save(self) -> Path:
         self._settle()
         self._read_pending()  # the log window and the counters are part of the checkpoint
         return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
                                           trainer_state(self), self.cfg.checkpoint.keep_last_k,
-                                          checkpoint.fixed_settings(self.cfg))
+                                          checkpoint.fixed_settings(self.cfg), self._extra_state())
 
     def _echo(self, text: str) -> None:
         """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
@@ -451,6 +460,10 @@ class Trainer:
         self.stop_request.request(signum)
 
     # ----------------------------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, torch.Tensor] | None:
+        """The replicate reducer's tensors, checkpointed through DCP with the model (and loaded in place)."""
+        return self.replicate.state_dict() if self.replicate is not None else None
+
     def _to_device(self, batch: PackedBatch) -> PackedBatch:
         """A micro-batch on the training device, copied without waiting for the device (pinned host memory); padded
         to the run's one shape first when the blocks are compiled."""
@@ -475,13 +488,6 @@ class Trainer:
     def _clip_grad_norm(self) -> torch.Tensor:
         return clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device,
                               across=self.mesh.group("pp"))
-
-    def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
-        if self.peak_flops is None or tokens == 0:
-            return None
-        seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
-        achieved = flops_per_token(self.cfg.model, seq_len) * tokens / dt / self.env.world_size
-        return achieved / self.peak_flops
 
 
 def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:

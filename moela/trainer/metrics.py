@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from moela.config import Config, LoggingConfig, WandbConfig, to_dict
+from moela.model.params import flops_per_token
 from moela.trainer.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -351,3 +352,14 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def mfu(model_cfg, peak_flops: float | None, tokens: float, sum_sq_len: float, dt: float,
+        world_size: int) -> float | None:
+    """Model FLOPs utilization of a step: the whole model's training FLOPs for `tokens` tokens (at their
+    token-weighted mean document length) over `dt` seconds of `world_size` devices of `peak_flops` each; the
+    model counts once however it is split (pipeline stages included). None without a known peak."""
+    if peak_flops is None or tokens == 0:
+        return None
+    seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
+    return flops_per_token(model_cfg, seq_len) * tokens / dt / world_size / peak_flops
