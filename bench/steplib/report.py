@@ -284,6 +284,13 @@ def sourced_versions(rows: list[dict]) -> dict:
     return {"torch": _joined(rows, "torch"), "triton": _joined(rows, "triton")}
 
 
+def _kept(command: str, run: list[dict]) -> str:
+    """' (impl A only)' where the run's command named implementations whose rows were not kept."""
+    named = command.split("--impls ")[1].split()[0].split(",") if "--impls " in command else []
+    kept = list(dict.fromkeys(r["impl"] for r in run))
+    return f" (impl {', '.join(kept)} only)" if set(named) - set(kept) else ""
+
+
 def render_sourced(rows: list[dict]) -> str:
     """The body for rows gathered from several runs, each row's `source` naming its run (`what`, `date`, `commit`,
     `command`, the versions): one section per run, in the rows' order, with its main table and ratios."""
@@ -302,7 +309,8 @@ def render_sourced(rows: list[dict]) -> str:
              "bf16 peak (the trainer's formula); synthetic packed documents (lognormal lengths, median 2048 before "
              "the cuts at 4096), the same for every row of a config. The peers and moela-nomtp run MTP off."]
     for (what, date, commit, command), run in runs.items():
-        lines += ["", f"## {what}", "", f"{date}, commit {commit}: `{command}`", ""] + _main_table(run)
+        lines += ["", f"## {what}", "", f"{date}, commit {commit}: `{command}`{_kept(command, run)}", ""]
+        lines += _main_table(run)
         ratios = _ratios(run)
         if ratios:
             lines += [""] + ratios
