@@ -100,14 +100,21 @@ def _run(row: dict) -> tuple:
     return (s["date"], s["commit"], s["command"]) if s else ()
 
 
+def _versions(rows: list[dict]) -> dict:
+    """torch and triton as the rows' sources name them (the header's, else this process's)."""
+    if not rows or not all("torch" in r.get("source", {}) for r in rows):
+        return {}
+    return {key: ", ".join(sorted({r["source"][key] for r in rows})) for key in ("torch", "triton")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="*", default=[str(RESULTS / "step.json")])
+    ap.add_argument("json", nargs="*", default=[str((RESULTS / "step.json").relative_to(RESULTS.parents[1]))])
     ap.add_argument("--targets", default="small-64k=1.1,v2lite6-64k=1.25")
     add_out_dir(ap)
     args = ap.parse_args()
     targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
-    lines, summaries = [], []
+    lines, summaries, used = [], [], []
     for path in args.json:
         data = json.loads(Path(path).read_text())
         rows = data["results"] if isinstance(data, dict) else data
@@ -122,12 +129,14 @@ def main() -> None:
             lines.append("")
             text, summary = analyse(bf16, fp8, targets.get(config))
             lines += text
-            summaries.append(dict(source=path, device=bf16.get("device_name", ""), **summary))
+            used += [bf16, *fp8]
+            summaries.append(dict(source=path, run=dict(zip(("date", "commit", "command"), run)),
+                                  device=bf16.get("device_name", ""), **summary))
     body = ["Each config's rows come from one bench/step.py run (the files below); times are the rows' median step and "
             "their profiled kernel time per family. See the script's docstring for the method.", "", *lines]
     devices = sorted({s["device"] for s in summaries if s.get("device")})
     md = write_results("fp8_ceiling", "FP8 step targets against the measured breakdown", "\n".join(body), summaries,
-                       out_dir=args.out_dir, device=", ".join(devices) or None)
+                       out_dir=args.out_dir, device=", ".join(devices) or None, **_versions(used))
     print(md.read_text())
 
 

@@ -247,9 +247,12 @@ def main() -> None:
         spec["overrides"].append(f"model.kernels.moe_fp8_wgrad={args.fp8_wgrad_impl}")
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
-    md = write_results("step", TITLE, render(results, counts=counts), results, out_dir=args.out_dir,
-                       device=devices(results))
-    print(md.read_text())
+    write(results, render(results, counts=counts), args.out_dir)
+
+
+def write(rows: list[dict], body: str, out_dir: str, **versions: str) -> None:
+    """step.md (the header and `body`) and step.json (the header and the rows); the device is the rows'."""
+    print(write_results("step", TITLE, body, rows, out_dir=out_dir, device=devices(rows), **versions).read_text())
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -265,9 +268,7 @@ def report_only(path: Path, out_dir: str) -> None:
     if unsourced:
         sys.exit(f"bench/step.py: --report-only needs every row's `source` (what, date, commit, command); "
                  f"{path} lacks it for {', '.join(unsourced)}")
-    md = write_results("step", TITLE, render_sourced(rows), rows, out_dir=out_dir,
-                       device=devices(rows), **sourced_versions(rows))
-    print(md.read_text())
+    write(rows, render_sourced(rows), out_dir, **sourced_versions(rows))
 
 
 if __name__ == "__main__":

@@ -180,8 +180,8 @@ def _display_order(rows: list[dict]) -> list[dict]:
 
 
 def devices(rows: list[dict]) -> str:
-    """The devices the rows ran on, for the header (the rows ran in child processes)."""
-    return ", ".join(sorted({r["device_name"] for r in _ok(rows)})) or "-"
+    """The devices the rows ran on, for the header (the rows ran in child processes); empty when none ran."""
+    return ", ".join(sorted({r["device_name"] for r in _ok(rows)}))
 
 
 def render(rows: list[dict], *, counts: dict) -> str:
