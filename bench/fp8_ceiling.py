@@ -18,7 +18,7 @@ Per config, from the bf16 row's kernel breakdown (ms per step):
 
 Usage: python bench/fp8_ceiling.py [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
 Runs anywhere (it reads JSON only). Writes bench/results/fp8_ceiling.md and fp8_ceiling.json (`--out-dir`
-elsewhere), headed by the rows' device.
+elsewhere), headed by the rows' device (and torch / triton where their sources name them).
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-fp32-moments")  # bf16 an
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
                     "fp8": ["model.precision=fp8"]}
-# warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 TITLE = "Whole training step: moela against torchtitan and transformers"
+# warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
          "quick": dict(warmup=3, steps=3, profile_steps=1, sync_steps=1)}
 
