@@ -1,8 +1,8 @@
 """`python -m moela {generate,export,import,eval,summary} ...`: argument parsing and dispatch.
 
-A command's user errors (a missing run directory, no checkpoint, a bad step or device, an invalid option value)
-print `error: ...` on stderr and exit with code 2, like argparse's own usage errors; anything else is a bug and
-keeps its traceback.
+A command's user errors (a missing run directory, no checkpoint, a bad step or device, an invalid option value) and
+checkpoints it cannot use (damaged, or holding anything beyond tensors and plain data) print `error: ...` on stderr
+and exit with code 2, like argparse's own usage errors; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import logging
 import sys
 
 from moela.tools.runs import UsageError
+from moela.trainer.errors import CorruptCheckpoint
 
 USAGE_ERROR = 2
 
@@ -40,6 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args)
-    except UsageError as e:
+    except (UsageError, CorruptCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_ERROR

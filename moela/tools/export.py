@@ -32,10 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -51,6 +48,7 @@ from moela.tools.runs import (
     load_run_tokenizer,
     single_process_dcp,
 )
+from moela.trainer import safe_load
 
 MODEL_PREFIX = "model."
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,11 +101,11 @@ def hf_plan(cfg, shapes: dict[str, torch.Size]) -> dict[str, _Ref]:
     return hf.to_hf_state_dict(fake)
 
 
-class _RangePlanner(DefaultLoadPlanner):
+class _RangePlanner(safe_load.SafeLoadPlanner):
     """Reads rows [start, start + len(dest)) of one checkpoint tensor into `dest`, from whatever chunks hold them."""
 
-    def __init__(self, fqn: str, dest: torch.Tensor, start: int):
-        super().__init__()
+    def __init__(self, checkpoint: Path, fqn: str, dest: torch.Tensor, start: int):
+        super().__init__(checkpoint)
         self.fqn, self.dest, self.start = fqn, dest, start
 
     def create_local_plan(self) -> LoadPlan:
@@ -131,14 +129,17 @@ class ExportReport:
 
 class _Exporter:
     def __init__(self, checkpoint: Path, out_dir: Path, max_shard_bytes: int, dtype: torch.dtype | None):
-        self.reader = FileSystemReader(str(checkpoint))
-        self.metadata = self.reader.read_metadata()
+        self.checkpoint = checkpoint
+        self.metadata = safe_load.read_metadata(checkpoint)
         self.out_dir, self.max_shard_bytes, self.dtype = out_dir, max_shard_bytes, dtype
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = self.reading = self.peak = self.total = 0
         self.files: list[list[str]] = []
 
     def shapes(self) -> dict[str, TensorStorageMetadata]:
+        for key in self.metadata.state_dict_metadata:
+            if key.startswith(MODEL_PREFIX):
+                safe_load.expect_tensor(self.metadata, key, self.checkpoint)
         return {k[len(MODEL_PREFIX):]: md for k, md in self.metadata.state_dict_metadata.items()
                 if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
 
@@ -152,8 +153,8 @@ class _Exporter:
         self.reading = dest.nbytes
         self._note_peak()
         with single_process_dcp():
-            dcp.load({MODEL_PREFIX + key: dest}, storage_reader=self.reader,
-                     planner=_RangePlanner(MODEL_PREFIX + key, dest, start), no_dist=True)
+            safe_load.load({MODEL_PREFIX + key: dest}, self.checkpoint,
+                           planner=_RangePlanner(self.checkpoint, MODEL_PREFIX + key, dest, start))
         return dest
 
     def add(self, name: str, ref: _Ref, source: torch.Tensor, start: int, owned: bool) -> None:

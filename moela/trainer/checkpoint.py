@@ -61,7 +61,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moela.config import Config, to_dict
-from moela.trainer.errors import InputError, TrainingError
+from moela.trainer import safe_load
+from moela.trainer.errors import CorruptCheckpoint, InputError, TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -76,10 +77,6 @@ _HASH_CHUNK = 1 << 24
 _FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "precision", "bias_update_rate",
                     "aux_loss_coef", "mtp_loss_weight", "z_loss_coef", "initializer_range")
 _FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
-
-
-class CorruptCheckpoint(TrainingError):
-    """A checkpoint's files do not match its manifest, or its tensors hold non-finite values."""
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -218,7 +215,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     _barrier()
     # The shard names come from the `.metadata` just written, read back: the Metadata that dcp.save returns has no
     # storage_data on some torch versions (2.11), and reading it back also proves the file is complete.
-    storage = dcp.FileSystemReader(str(tmp)).read_metadata().storage_data
+    storage = safe_load.read_metadata(tmp).storage_data
     shards = {info.relative_path for info in storage.values()}
     names = sorted({".metadata", *shards, *(f"trainer-rank{r}.pt" for r in range(world))})
     digests = _all_gather({name: _digest(tmp / name) for i, name in enumerate(names) if i % world == rank})
@@ -272,8 +269,8 @@ def _check_file(path: Path, name: str, entry: dict) -> str | None:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """What is wrong with checkpoint `path`'s files (each named), or None when they are as written. Collective:
-    every rank hashes a share of the files."""
+    """What is wrong with checkpoint `path`'s files (each named), or None when they are as written and its DCP
+    metadata passes the allow-list (`safe_load`). Collective: every rank hashes a share of the files."""
     rank, world = _rank(), _world()
     problems = []
     try:
@@ -284,6 +281,11 @@ def verify_checkpoint(path: Path) -> str | None:
     for i, (name, entry) in enumerate(files):
         if i % world == rank and (problem := _check_file(path, name, entry if isinstance(entry, dict) else {})):
             problems.append(problem)
+    if not problems and rank == 0:
+        try:
+            safe_load.read_metadata(path)
+        except CorruptCheckpoint as e:
+            problems.append(str(e))
     found = sorted({p for part in _all_gather(problems) for p in part})
     return "; ".join(found) if found else None
 
@@ -307,7 +309,7 @@ def _keep_saved_group_options(optim_state: dict, path: Path, optimizer: torch.op
     torch's AdamW (fp32 moments) resumes with moela's (bf16 moments, or sharded parameters on CUDA) and back: their
     groups carry different options (`moment_dtype`; `amsgrad`, `fused`, ...), and DCP refuses a key it was asked
     to fill but cannot find. The moments load into this optimizer's dtype (bf16 -> fp32 is exact)."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(safe_load.read_metadata(path).state_dict_metadata)
     own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     for i, group in enumerate(optim_state.get("param_groups", [])):
         for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
@@ -323,7 +325,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     state = {"model": model_state, "optim": optim_state}
     own_options = _keep_saved_group_options(optim_state, path, optimizer)
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        safe_load.load(state, path)
     bad = [f"model.{k}" for k, v in state["model"].items() if _nonfinite(v)]
     bad += [f"optim.{k}.{s}" for k, group in state["optim"].get("state", {}).items() for s, v in group.items()
             if _nonfinite(v)]
@@ -337,7 +339,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         for key, value in options.items():
             group.setdefault(key, value)
     own = path / f"trainer-rank{_rank()}.pt"
-    return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
+    return safe_load.load_trainer_state(own if own.exists() else path / "trainer-rank0.pt")
 
 
 def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer: torch.optim.Optimizer,

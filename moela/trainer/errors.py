@@ -25,3 +25,8 @@ class InputError(TrainingError):
     """The recipe or the data is wrong in a way only visible once the run starts; the message names what to fix."""
 
     exit_code = EXIT_INPUT
+
+
+class CorruptCheckpoint(TrainingError):
+    """A checkpoint's files do not match its manifest, hold non-finite tensors, or hold something moela refuses to
+    read (anything beyond tensors and plain data)."""

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,8 +36,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moela.model import ModelConfig
 from moela.model.hf import load_hf_config
 from moela.model.hf_folder import HFWeights, config_differences
+from moela.trainer import safe_load
 from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
-from moela.trainer.errors import TrainingError
+from moela.trainer.errors import CorruptCheckpoint, TrainingError
 
 HF_PREFIX = "hf:"
 
@@ -132,7 +132,9 @@ def _load_dcp(model: nn.Module, path: Path) -> None:
     try:
         with warnings.catch_warnings():  # DCP's "assuming a single process" warning: that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            safe_load.load({"model": state}, path)
+    except CorruptCheckpoint as e:
+        raise TrainingError(f"checkpoint.init_from: {e}") from None
     except (CheckpointException, RuntimeError) as e:
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         raise TrainingError(f"checkpoint.init_from: {path} does not fit the recipe's model section: "
