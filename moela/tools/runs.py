@@ -28,7 +28,7 @@ from moela.config import Config, ConfigError, load_config
 from moela.data.tokenizer import Tokenizer, load_tokenizer
 from moela.model import ModelConfig, Transformer, build_model
 from moela.trainer import safe_load
-from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
+from moela.trainer.checkpoint import MANIFEST, read_latest, verify_checkpoint
 from moela.trainer.errors import CorruptCheckpoint
 
 CONFIG_FILE = "config.yaml"
@@ -89,10 +89,10 @@ def _locate_checkpoint(target: str | Path, step: int | None) -> tuple[RunCheckpo
             raise UsageError(f"--step {step}: {path / CHECKPOINTS} has no step-{step}; available steps: "
                              f"{', '.join(map(str, steps))}")
         return RunCheckpoint(path, dict(found)[step], step), []
-    pointer = path / CHECKPOINTS / LATEST
-    if pointer.is_file():
-        match = _STEP_DIR.match(pointer.read_text().strip())
-        if match and int(match.group(1)) in steps:
+    named = read_latest(path / CHECKPOINTS)
+    if named:
+        match = _STEP_DIR.match(named)
+        if int(match.group(1)) in steps:
             latest = int(match.group(1))
             return RunCheckpoint(path, dict(found)[latest], latest), [f for f in found if f[0] != latest]
     return RunCheckpoint(path, found[-1][1], found[-1][0]), found[:-1]

@@ -43,7 +43,9 @@ Decisions:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -61,8 +63,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moela.config import Config, to_dict
-from moela.trainer import safe_load
+from moela.trainer import safe_load, safe_write
 from moela.trainer.errors import CorruptCheckpoint, InputError, TrainingError
+from moela.trainer.stopping import interrupt_in
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -70,6 +73,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 1 << 24
+log = logging.getLogger(__name__)
 
 # Free to change on resume: how the same network is computed (kernels, FP8 or bf16), the weights of the objective's
 # terms and the balancing rate (DeepSeek-V3 lowers the MTP weight and stops the bias updates late in training), the
@@ -108,6 +112,16 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def read_latest(root: Path) -> str | None:
+    """The `step-N` name `root/latest` holds, or None when the file is missing or holds anything else (damaged:
+    checkpoints are then chosen by step number)."""
+    try:
+        text = (root / LATEST).read_bytes()[:64].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _STEP_DIR.match(text) else None
+
+
 def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     """The checkpoints `checkpoint.resume` may continue from, preferred first: none for a fresh start. Raises
     InputError for an explicit path that is not a checkpoint directory."""
@@ -115,8 +129,8 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
         return []
     if resume == "auto":
         found = list_checkpoints(run_dir)
-        pointer = checkpoints_root(run_dir) / LATEST
-        named = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+        latest_name = read_latest(checkpoints_root(run_dir))
+        named = checkpoints_root(run_dir) / latest_name if latest_name else None
         latest = next((step for step, path in found if path == named), None)
         if latest is None:
             return [path for _, path in reversed(found)]
@@ -177,12 +191,6 @@ def _single_process_quiet():
         yield
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _digest(path: Path) -> dict[str, Any]:
     h = hashlib.sha256()
     size = 0
@@ -196,10 +204,44 @@ def _digest(path: Path) -> dict[str, Any]:
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], keep_last_k: int, settings: dict[str, Any] | None = None) -> Path:
     """Write checkpoint `step` collectively (every rank calls this) and prune to the newest `keep_last_k`.
-    `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume."""
+    `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume. A disk error raises
+    WriteFailed naming the file (the partial `step-N.tmp/` removed); a Ctrl-C inside DCP's writer threads comes out
+    as KeyboardInterrupt."""
     root = checkpoints_root(run_dir)
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
+    rank = _rank()
+    needed = previous_size(run_dir)
+    if rank == 0:
+        for entry in (root, root / LATEST, final):
+            safe_write.refuse_symlink(entry)
+        if needed and (warning := safe_write.space_warning(root.parent, needed)):
+            log.warning(warning)
+    try:
+        with safe_write.writing("checkpoint", tmp, needed=needed, partial=tmp if rank == 0 else None):
+            _write_checkpoint(root, tmp, step, model, optimizer, trainer_state, settings)
+    except BaseException as e:
+        if interrupt_in(e):
+            raise KeyboardInterrupt from None
+        raise
+    if rank == 0:
+        replaced = root / f"step-{step}.replaced.tmp"
+        if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        safe_write.write_atomic(root / LATEST, final.name + "\n", "the latest-checkpoint pointer")
+        shutil.rmtree(replaced, ignore_errors=True)
+        found = [(s, path) for s, path in list_checkpoints(run_dir) if path != final]
+        others = [path for s, path in found if s > step] + [path for s, path in found if s < step]  # prune order
+        for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _write_checkpoint(root: Path, tmp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      trainer_state: dict[str, Any], settings: dict[str, Any] | None) -> None:
+    """Every file of checkpoint `step` into `tmp`, the manifest last (flushed to disk)."""
     rank, world = _rank(), _world()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -211,7 +253,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
                  no_dist=not dist.is_initialized())
-    torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
+    buffer = io.BytesIO()  # serialized here, written by Python: torch's file writer loses the errno of a full disk
+    torch.save(trainer_state, buffer)
+    with safe_write.open_nofollow(tmp / f"trainer-rank{rank}.pt", "wb") as f:
+        f.write(buffer.getvalue())
     _barrier()
     # The shard names come from the `.metadata` just written, read back: the Metadata that dcp.save returns has no
     # storage_data on some torch versions (2.11), and reading it back also proves the file is complete.
@@ -223,22 +268,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world,
                     "files": {name: entry for part in digests for name, entry in sorted(part.items())},
                     "settings": settings or {}}
-        with open(tmp / MANIFEST, "w") as f:
+        with safe_write.open_nofollow(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        replaced = root / f"step-{step}.replaced.tmp"
-        if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name + "\n")
-        shutil.rmtree(replaced, ignore_errors=True)
-        found = [(s, path) for s, path in list_checkpoints(run_dir) if path != final]
-        others = [path for s, path in found if s > step] + [path for s, path in found if s < step]  # prune order
-        for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+
+
+def previous_size(run_dir: str | Path) -> int:
+    """Bytes of the newest complete checkpoint (its manifest's sum), or 0: what the next save will need about."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return sum(int(entry.get("bytes", 0)) for entry in read_manifest(path)["files"].values())
+        except (CorruptCheckpoint, AttributeError, TypeError, ValueError):
+            continue
+    return 0
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -347,6 +390,9 @@ def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer
     """Load the checkpoint `checkpoint.resume` selects (see the module docstring): (its path, this rank's trainer
     state), or None for a fresh start. `echo` reports each checkpoint skipped as corrupt."""
     candidates = resume_candidates(run_dir, resume_setting)
+    pointer = checkpoints_root(run_dir) / LATEST
+    if resume_setting == "auto" and candidates and pointer.exists() and read_latest(pointer.parent) is None:
+        echo(f"{pointer} does not name a checkpoint (damaged); choosing the newest intact one by step number")
     skipped = []
     for path in candidates:
         try:

@@ -68,6 +68,7 @@ from moela.trainer.optim import (
 from moela.trainer.prebuild import Prebuild, prebuild_wanted
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
+from moela.trainer.safe_write import write_atomic
 from moela.trainer.samples import format_samples, sample_texts
 from moela.trainer.startup import compile_notice, first_step_line
 from moela.trainer.step_metrics import (
@@ -244,7 +245,7 @@ class Trainer:
         elif cfg.checkpoint.init_from:
             load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_atomic(self.run_dir / "config.yaml", dump_config(cfg), "the resolved recipe")
         self._barrier()
         writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
         self.writer = writer
