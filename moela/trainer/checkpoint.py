@@ -405,7 +405,10 @@ def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer
                                  f"fixed:\n  " + "\n  ".join(changes) + "\nRestore them, or start a fresh run with "
                                  "checkpoint.resume=none or another train.run_dir")
             try:
-                return path, load_checkpoint(path, model, optimizer)
+                state = load_checkpoint(path, model, optimizer)
+                if _rank() == 0 and (warning := safe_write.space_warning(path.parent.parent, previous_size(run_dir))):
+                    echo(warning)
+                return path, state
             except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
                 if isinstance(e, (TrainingError, torch.OutOfMemoryError)):
                     raise
