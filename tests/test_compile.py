@@ -381,10 +381,10 @@ def test_compiled_training_matches_eager_and_never_recompiles_after_the_first_st
     assert counters["stats"]["unique_graphs"] == after_first >= before_eval
 
 
-def test_prepare_inductor_applies_its_settings(monkeypatch):
+def test_prepare_inductor_applies_its_settings(monkeypatch, compile_config_scope):
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config.triton, "autotune_pointwise", True)  # torch's default, restored after
+    inductor_config.triton.autotune_pointwise = True  # torch's default; compile_config_scope restores it
     trainer_compile.prepare_inductor()
     assert inductor_config.triton.autotune_pointwise is False
     monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", {"triton.autotune_pointwise": True})
