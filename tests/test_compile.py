@@ -25,6 +25,9 @@ GPU_SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, moe_in
                  n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
                  v_head_dim=32, num_attention_heads=4)
 
+# compiled blocks raise Dynamo's recompile limit and a compiled Trainer applies its Inductor settings, for the process
+pytestmark = pytest.mark.usefixtures("compile_config_scope")
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -24,6 +24,9 @@ GPU_MODEL = tiny_overrides(vocab_size=4096, hidden_size=128, intermediate_size=2
                            num_hidden_layers=2, n_routed_experts=8, q_lora_rank=64, kv_lora_rank=64,
                            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, num_attention_heads=4)
 
+# compiled blocks raise Dynamo's recompile limit and a compiled Trainer applies its Inductor settings, for the process
+pytestmark = pytest.mark.usefixtures("compile_config_scope")
+
 
 def test_pad_documents_appends_empty_documents_only_to_a_padded_batch():
     b = pad_batch(packed_batch(97, [5, 9, 3], seed=1), 40, 16)

@@ -65,7 +65,12 @@ def load_tokenizer(spec: str = "bundled", eos_token: str | None = None, bos_toke
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.is_file():
-        return Tokenizer(HFTokenizer.from_file(str(path)), eos_token, str(path), bos_token)
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+            raise ValueError(f"data.tokenizer: {path} is not a valid tokenizer.json ({e}): truncated or damaged; "
+                             f"copy it again from its source") from None
+        return Tokenizer(hf, eos_token, str(path), bos_token)
     if spec.endswith(".json"):
         raise FileNotFoundError(f"data.tokenizer: file '{spec}' not found; give a tokenizer.json path or 'bundled'")
     try:

@@ -116,7 +116,23 @@ def _load_hf(model: nn.Module, path: Path, cfg: ModelConfig) -> None:
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         error = f"checkpoint.init_from: cannot read {path}: {str(e).strip(chr(34))}"
     _agree(error)
+    _check_finite(state, path)
     set_model_state_dict(model, state)
+
+
+def _check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse weights holding NaN or inf (collective): training from them fails at once, and the learning rate
+    would be blamed."""
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    error = None
+    if bad:
+        error = (f"checkpoint.init_from: {path} holds NaN or inf in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                 f"{', ...' if len(bad) > 3 else ''}): the weights are damaged; export or download them again")
+    _agree(error)
 
 
 def _load_dcp(model: nn.Module, path: Path) -> None:
@@ -139,4 +155,5 @@ def _load_dcp(model: nn.Module, path: Path) -> None:
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         raise TrainingError(f"checkpoint.init_from: {path} does not fit the recipe's model section: "
                             f"{str(cause).strip()[:300]}") from None
+    _check_finite(state, path)
     set_model_state_dict(model, state)

@@ -72,3 +72,33 @@ def torch_saved(obj) -> bytes:
 
 def pickled(obj) -> bytes:
     return pickle.dumps(obj)
+
+
+def full_disk(monkeypatch, pattern: str) -> None:
+    """From now on (the test's monkeypatch undoes it), files whose path matches the regex `pattern` are opened on
+    /dev/full when written: every write to them fails with the kernel's own ENOSPC, as on a full disk. Covers
+    moela's own writes (os.open) and DCP's (its FileSystem.create_stream)."""
+    import contextlib
+    import os
+    import re
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    real_open, real_stream = os.open, FileSystem.create_stream
+
+    def redirected(path, flags, *args, **kwargs):
+        if re.search(pattern, str(path)) and flags & (os.O_WRONLY | os.O_RDWR):
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def stream(self, path, mode):
+        if re.search(pattern, str(path)) and "w" in mode:
+            with open("/dev/full", "wb") as f:
+                yield f
+        else:
+            with real_stream(self, path, mode) as f:
+                yield f
+
+    monkeypatch.setattr(os, "open", redirected)
+    monkeypatch.setattr(FileSystem, "create_stream", stream)
