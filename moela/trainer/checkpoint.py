@@ -122,6 +122,15 @@ def read_latest(root: Path) -> str | None:
     return text if _STEP_DIR.match(text) else None
 
 
+def newest(run_dir: str | Path) -> Path | None:
+    """The checkpoint a rerun with `resume: auto` tries first (the one `latest` names, else the highest step), or
+    None when the run has none."""
+    found = [path for _, path in list_checkpoints(run_dir) if is_complete(path)]
+    name = read_latest(checkpoints_root(run_dir))
+    named = [path for path in found if path.name == name]
+    return (named or found or [None])[-1]
+
+
 def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     """The checkpoints `checkpoint.resume` may continue from, preferred first: none for a fresh start. Raises
     InputError for an explicit path that is not a checkpoint directory."""
