@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_helpers import full_disk, overrides, run_train
+from fault_helpers import full_disk, overrides, run_moela, run_train
 from moela.trainer import checkpoint as ckpt
 from moela.trainer import safe_write
 from moela.trainer.metrics import read_metrics
@@ -86,3 +86,12 @@ def test_each_disk_errno_is_named(errno_name, said, tmp_path):
         with safe_write.writing("metrics", tmp_path / "f"):
             raise RuntimeError("wrapped") from err
     assert str(info.value).startswith(f"cannot write metrics {tmp_path / 'f'}: {said}")
+
+
+def test_a_full_disk_during_an_import_is_one_line(trained, tmp_path, capsys, monkeypatch):
+    assert run_moela(capsys, "export", trained, tmp_path / "hf")[0] == 0
+    full_disk(monkeypatch, r"step-0\.tmp/.*\.distcp$")
+    code, _, err = run_moela(capsys, "import", tmp_path / "hf", tmp_path / "imported")
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"error: cannot write the imported checkpoint {tmp_path}/imported/checkpoints/step-0: no space left" in err
+    assert leftovers(tmp_path / "imported") == []
