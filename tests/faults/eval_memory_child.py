@@ -26,7 +26,8 @@ def main(run_dir: str, mode: str) -> None:
         v_head_dim=32, num_attention_heads=4) + [
         f"train.run_dir={run_dir}", "data.max_doc_len=1024", "data.val_max_tokens=65536", "train.steps=100",
         "train.tokens_per_microbatch=16384", "train.eval_every=0", "train.device=cuda", "train.compile=true",
-        "train.cuda_graphs=true", "logging.log_every=100", "logging.plot=false", "logging.progress_bar=never"])
+        "train.cuda_graphs=true", "train.prebuild_kernels=false", "logging.log_every=100", "logging.plot=false",
+        "logging.progress_bar=never"])
     trainer = Trainer(cfg)
     trainer.writer = SimpleNamespace(log=lambda record: None, echo=print)
     for _ in range(4):  # two eager warm-up steps, then the captured graph replays
