@@ -23,7 +23,7 @@ ROOT = BENCH.parent
 NOT_BENCHMARKS = {"attention_once", "run_summary"}
 # scripts that still write their own files: each converts to write_results in its next change (a converted one
 # fails here until it leaves this set); step.json is read as a bare list of rows by fp8_ceiling.py
-PENDING = {"fp8", "fp8_ceiling", "fp8_training", "moe", "quant_transpose", "step"}
+PENDING = {"step"}
 
 
 def _is_script(tree: ast.Module) -> bool:
