@@ -134,7 +134,8 @@ class ExportReport:
 class _Exporter:
     def __init__(self, checkpoint: Path, out_dir: Path, max_shard_bytes: int, dtype: torch.dtype | None):
         self.checkpoint = checkpoint
-        self.metadata = safe_load.read_metadata(checkpoint)
+        self.reader = safe_load.SafeReader(checkpoint)
+        self.metadata = self.reader.metadata
         self.out_dir, self.max_shard_bytes, self.dtype = out_dir, max_shard_bytes, dtype
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = self.reading = self.peak = self.total = 0
@@ -157,7 +158,7 @@ class _Exporter:
         self.reading = dest.nbytes
         self._note_peak()
         with single_process_dcp():
-            safe_load.load({MODEL_PREFIX + key: dest}, self.checkpoint,
+            safe_load.load({MODEL_PREFIX + key: dest}, self.checkpoint, reader=self.reader,
                            planner=_RangePlanner(self.checkpoint, MODEL_PREFIX + key, dest, start))
         return dest
 

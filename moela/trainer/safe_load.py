@@ -105,15 +105,19 @@ def _metadata_problem(metadata: Any) -> str | None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read through the allow-list."""
+    """DCP's file reader with `.metadata` read once, through the allow-list, when it is created (a refused file
+    raises then, not inside DCP, which would catch the error and log it with a traceback before re-raising)."""
+
+    def __init__(self, checkpoint: str | Path):
+        super().__init__(str(checkpoint))
+        self.metadata = read_metadata(checkpoint)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise CorruptCheckpoint(f"{self.path}: per-rank metadata files are not read by moela")
-        metadata = read_metadata(self.path)
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        self.metadata.storage_meta = self.metadata.storage_meta or StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
 
 
 def expect_tensor(metadata: Metadata, fqn: str, checkpoint: Path) -> None:
@@ -149,10 +153,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load(state: dict[str, Any], checkpoint: str | Path, planner: DefaultLoadPlanner | None = None) -> None:
-    """`dcp.load(state)` from `checkpoint` through the safe reader and planner (`planner` must derive from
-    SafeLoadPlanner). A CorruptCheckpoint raised inside DCP comes out as itself, not wrapped."""
-    reader = SafeReader(str(checkpoint))
+def load(state: dict[str, Any], checkpoint: str | Path, planner: DefaultLoadPlanner | None = None,
+         reader: SafeReader | None = None) -> None:
+    """`dcp.load(state)` from `checkpoint` through the safe reader (`reader`: one already open on it) and planner
+    (`planner` must derive from SafeLoadPlanner). A CorruptCheckpoint raised inside DCP comes out as itself."""
+    reader = reader or SafeReader(checkpoint)
     try:
         dcp.load(state, storage_reader=reader, planner=planner or SafeLoadPlanner(checkpoint),
                  no_dist=not dist.is_initialized())
