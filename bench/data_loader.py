@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.data import DataConfig, build_loaders, load_tokenizer  # noqa: E402
-from moela.data.cache import build_or_load_cache  # noqa: E402
+from moela.data.build import build_or_load_cache  # noqa: E402
 from moela.data.packing import pack  # noqa: E402
 from moela.data.sources import BUNDLED_CORPUS, DocumentSource  # noqa: E402
 
@@ -47,8 +47,8 @@ def main() -> None:
     tok = load_tokenizer()
     cache_root = tempfile.mkdtemp(prefix="moela-bench-")
     src = DocumentSource(DataConfig())
-    build_s, cache = timed(lambda: build_or_load_cache(src, src.fingerprint(), tok, cache_root, show_progress=False))
-    reuse_s, _ = timed(lambda: build_or_load_cache(src, src.fingerprint(), tok, cache_root, show_progress=False), 5)
+    build_s, cache = timed(lambda: build_or_load_cache(src, tok, cache_root, show_progress=False))
+    reuse_s, _ = timed(lambda: build_or_load_cache(src, tok, cache_root, show_progress=False), 5)
     mb = BUNDLED_CORPUS.stat().st_size / 1e6
     payload = dict(cache=dict(docs=cache.num_docs, tokens=cache.num_tokens, build_s=build_s, reuse_s=reuse_s),
                    packing=[], next_step=[])

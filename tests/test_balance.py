@@ -169,13 +169,14 @@ def _loader(cache, rank, dp, ga, assign):
 def test_loader_with_balanced_assign_covers_the_step_and_resumes(tmp_path):
     """Through the real loader: the ranks' balanced micro-batches are exactly the round-robin ones, regrouped;
     the reported imbalance never rises; a resumed loader continues identically."""
-    from moela.data.cache import TokenCache
+    from moela.data.cache import ShardWriter, TokenCache, finish_cache
     lengths = np.random.default_rng(2).integers(1, 90, size=60)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     (tmp_path / "c").mkdir()
-    np.arange(offsets[-1], dtype=np.uint32).tofile(tmp_path / "c" / "tokens.bin")
-    np.save(tmp_path / "c" / "offsets.npy", offsets)
-    (tmp_path / "c" / "meta.json").write_text(json.dumps({"key": "c", "dtype": "uint32"}))
+    writer = ShardWriter(tmp_path / "c", 0, np.uint32)
+    writer.write(np.arange(lengths.sum(), dtype=np.uint32))
+    writer.end_docs(lengths)
+    writer.commit()
+    finish_cache(tmp_path / "c", "c", 1, {})
     cache = TokenCache(tmp_path / "c")
     dp, ga = 3, 4
     balanced = [_loader(cache, r, dp, ga, balanced_assign) for r in range(dp)]

@@ -14,18 +14,23 @@ import torch
 
 from moela.batch import IGNORE_INDEX
 from moela.data.balance import round_robin_assign
-from moela.data.cache import TokenCache
+from moela.data.cache import ShardWriter, TokenCache, finish_cache
 from moela.data.loader import Part, TrainLoader, ValLoader, split_train_val
 from moela.data.packing import make_batch, pack, split_into_pieces
 
 
-def synthetic_cache(tmp_path, doc_lengths, key="synthetic", base=0) -> TokenCache:
+def synthetic_cache(tmp_path, doc_lengths, key="synthetic", base=0, shards=2) -> TokenCache:
+    """A cache whose token values are their positions (+ base), split into `shards` shards."""
     offsets = np.concatenate([[0], np.cumsum(doc_lengths)]).astype(np.int64)
     path = tmp_path / key
     path.mkdir()
-    np.arange(base, base + offsets[-1], dtype=np.uint32).tofile(path / "tokens.bin")
-    np.save(path / "offsets.npy", offsets)
-    (path / "meta.json").write_text(json.dumps({"key": key, "dtype": "uint32"}))
+    bounds = np.linspace(0, len(doc_lengths), shards + 1).astype(int)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        writer = ShardWriter(path, i, np.uint32)
+        writer.write(np.arange(base + offsets[a], base + offsets[b], dtype=np.uint32))
+        writer.end_docs(doc_lengths[a:b])
+        writer.commit()
+    finish_cache(path, key, shards, {})
     return TokenCache(path)
 
 

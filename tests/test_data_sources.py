@@ -1,10 +1,8 @@
-"""Sources (text, jsonl, parquet, hf), the token cache (reuse, keying, crash safety, concurrent builders), the
-bundled tokenizer (round trip, byte fallback) and build_loaders end to end."""
+"""Sources (text, jsonl, parquet, hf), the cache key, the bundled tokenizer (round trip, byte fallback) and
+build_loaders end to end (the token cache itself: test_data_cache.py)."""
 
 import hashlib
-import importlib.util
 import json
-import multiprocessing as mp
 import os
 import random
 import re
@@ -12,11 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from moela.data import DataConfig, MixtureSource, build_loaders, load_tokenizer
-from moela.data.cache import build_or_load_cache
 from moela.data.sources import BUNDLED_CORPUS, DocumentSource
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +42,7 @@ def test_jsonl_source_custom_field_and_errors(tmp_path):
     f.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(DOCS)) + "\n\n")
     assert list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body"))) == nonempty(DOCS)
     capped = DocumentSource(DataConfig(source="jsonl", paths=[str(f)], text_field="body", max_docs=2))
-    assert list(capped) == nonempty(DOCS)[:2] and capped.num_documents_hint() == 2
+    assert list(capped) == nonempty(DOCS)[:2]
     with pytest.raises(ValueError, match="no field 'text'.*text_field"):
         list(DocumentSource(DataConfig(source="jsonl", paths=[str(f)])))
     bad = tmp_path / "bad.jsonl"
@@ -134,41 +130,6 @@ def test_train_tokenizer_script(tmp_path):
     assert 257 < tok.vocab_size <= 300 and tok.decode(tok.encode("zebra ✓ quick")) == "zebra ✓ quick"
 
 
-class CountingDocs:
-    def __init__(self, docs):
-        self.docs, self.iterations = docs, 0
-
-    def __iter__(self):
-        self.iterations += 1
-        return iter(self.docs)
-
-
-def test_cache_contents_and_reuse(tmp_path):
-    tok = load_tokenizer()
-    docs = CountingDocs(["alpha beta", "gamma", "delta epsilon zeta"])
-    fp = {"test": 1}
-    cache = build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
-    assert docs.iterations == 1 and cache.num_docs == 3 and cache.tokens.dtype == np.uint16
-    for i, text in enumerate(docs.docs):
-        assert cache.doc(i).tolist() == tok.encode(text) + [tok.eos_id]
-    again = build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
-    assert docs.iterations == 1, "a complete cache must be reused, not rebuilt"
-    assert again.path == cache.path
-    with_bos = load_tokenizer(bos_token="<|endoftext|>")
-    bos_cache = build_or_load_cache(docs, fp, with_bos, tmp_path, show_progress=False)
-    assert bos_cache.path != cache.path, "the BOS choice is part of the cache key"
-    assert bos_cache.doc(2).tolist() == [with_bos.bos_id] + tok.encode(docs.docs[2]) + [tok.eos_id]
-    with pytest.raises(ValueError, match="bos_token '<s>' is not in the vocabulary"):
-        load_tokenizer(bos_token="<s>")
-    before = docs.iterations
-    other = build_or_load_cache(docs, {"test": 2}, tok, tmp_path, show_progress=False)
-    assert docs.iterations == before + 1 and other.path not in (cache.path, bos_cache.path)
-    with open(cache.path / "tokens.bin", "r+b") as f:
-        f.truncate(4)
-    with pytest.raises(ValueError, match="corrupt.*delete the directory"):
-        build_or_load_cache(docs, fp, tok, tmp_path, show_progress=False)
-
-
 def test_cache_key_follows_file_changes(tmp_path):
     f = tmp_path / "d.txt"
     f.write_text("one version")
@@ -177,44 +138,6 @@ def test_cache_key_follows_file_changes(tmp_path):
     f.write_text("another version!")
     os.utime(f, ns=(1, 1))
     assert DocumentSource(cfg).fingerprint() != before
-
-
-def test_crash_mid_build_leaves_no_cache(tmp_path):
-    tok = load_tokenizer()
-
-    def failing():
-        yield "fine"
-        raise RuntimeError("disk on fire")
-
-    with pytest.raises(RuntimeError):
-        build_or_load_cache(failing(), {"x": 1}, tok, tmp_path, show_progress=False)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
-    cache = build_or_load_cache(["fine", "also fine"], {"x": 1}, tok, tmp_path, show_progress=False)
-    assert cache.num_docs == 2
-
-
-def _build_in_process(cache_dir, marker_dir, barrier):
-    def docs():
-        (Path(marker_dir) / str(os.getpid())).touch()
-        yield from ["one", "two two", "three three three"] * 200
-
-    barrier.wait()
-    cache = build_or_load_cache(docs(), {"concurrent": 1}, load_tokenizer(), cache_dir, show_progress=False)
-    assert cache.num_docs == 600
-
-
-def test_concurrent_builders_build_once(tmp_path):
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(3)
-    (tmp_path / "markers").mkdir()
-    procs = [ctx.Process(target=_build_in_process, args=(tmp_path / "c", tmp_path / "markers", barrier))
-             for _ in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
-    assert len(list((tmp_path / "markers").iterdir())) == 1, "exactly one process tokenizes"
 
 
 def test_build_loaders_bundled_end_to_end(tmp_path):
@@ -261,38 +184,6 @@ def test_build_loaders_balanced_assignment(tmp_path):
     model_ab = dict(common, cost_coefficients=(6.0, 0.5))
     assert build_loaders(DataConfig(**cfg), **model_ab)[0].cost_coefficients == (6.0, 0.5)
     assert build_loaders(DataConfig(**cfg, attn_cost_len=64), **model_ab)[0].cost_coefficients == (1.0, 1 / 64)
-
-
-def test_prepare_data_script(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-    prepare_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_data)
-    f = tmp_path / "d.jsonl"
-    f.write_text("".join(json.dumps({"text": f"document number {i} " * (i + 1)}) + "\n" for i in range(30)))
-    args = [str(REPO / "recipes" / "tiny.yaml"), "data.source=jsonl", f"data.paths=[{f}]",
-            f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.1"]
-    assert prepare_data.main(args) == 0
-    out = capsys.readouterr().out
-    assert "30 documents" in out and "validation:" in out
-    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1
-    assert prepare_data.main(args + ["data.text_field=body"]) == 2
-    assert "no field 'body'" in capsys.readouterr().err
-
-
-def test_cache_uses_uint32_for_large_vocabularies(tmp_path):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    from moela.data.tokenizer import Tokenizer
-
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, 70001)}}
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = Tokenizer(hf, name="wordlevel")
-    assert tok.vocab_size == 70001 and tok.eos_id == 0
-    cache = build_or_load_cache(["w70000 w5 w65536", "w65535"], {"big": 1}, tok, tmp_path, show_progress=False)
-    assert cache.tokens.dtype == np.uint32
-    assert cache.doc(0).tolist() == [70000, 5, 65536, 0] and cache.doc(1).tolist() == [65535, 0]
 
 
 def test_build_loaders_mixture(tmp_path):

@@ -2,20 +2,25 @@
 
 `build_loaders(cfg.data, tokens_per_microbatch=..., dp_rank=..., dp_size=..., grad_accum=..., seed=...)` returns
 `(train_loader, val_loader, tokenizer)`; see loader.py for the stream's guarantees. The token cache is built on
-first use (a progress bar shows it) and reused afterwards.
+first use by parallel workers (build.py; a progress bar shows it) and reused afterwards; with `data.stream_start`
+the shard-by-shard loader (stream.py) starts training while it is built. Megatron datasets are read in place
+(megatron.py).
 """
 
 from __future__ import annotations
 
 from .balance import balanced_assign, round_robin_assign
-from .cache import TokenCache, build_or_load_cache
+from .build import build_or_load_cache, default_workers, make_plan
+from .cache import CacheError, TokenCache
 from .config import DataConfig, MixtureSource, SourceConfig
 from .loader import Part, TrainLoader, ValLoader, split_train_val
+from .megatron import MegatronSource
 from .sources import DocumentSource
+from .stream import ShardFeed, StreamLoader
 from .tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "load_tokenizer", "Tokenizer",
-           "TrainLoader", "ValLoader", "TokenCache", "round_robin_assign"]
+__all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "held_out_parts", "open_source",
+           "load_tokenizer", "Tokenizer", "TrainLoader", "ValLoader", "TokenCache", "CacheError", "round_robin_assign"]
 
 DEFAULT_ATTN_COST_LEN = 4096  # quadratic weight of the balancing cost when neither the recipe nor a model sets it
 
@@ -47,19 +52,6 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         raise ValueError("invalid data settings:\n  " + "\n  ".join(errors))
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.eos_token, cfg.bos_token)
-    train_parts, val_parts = [], []
-    for source_cfg, weight in cfg.sources():
-        source = DocumentSource(source_cfg)
-        cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.cache_dir,
-                                    num_docs_hint=source.num_documents_hint(), show_progress=show_progress)
-        if cache.num_docs == 0:
-            raise ValueError(f"no text found in {source.describe()}: no document holds more than whitespace; "
-                             f"check data.paths (and data.text_field / data.doc_separator)")
-        val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
-        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
-        train_parts.append(Part(cache, train_docs, weight))
-        val_parts.append(Part(cache, val_docs, weight))
-
     assign = balanced_assign if cfg.balance else round_robin_assign
     if cfg.attn_cost_len is not None:
         coefficients = (1.0, 1.0 / cfg.attn_cost_len)
@@ -67,9 +59,57 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
         coefficients = cost_coefficients or (1.0, 1.0 / DEFAULT_ATTN_COST_LEN)
     settings = {"tokens_per_microbatch": tokens_per_microbatch, "max_doc_len": cfg.max_doc_len,
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
-    train = TrainLoader(train_parts, tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len,
-                        dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle,
-                        assign=assign, cost_coefficients=coefficients, settings=settings)
-    val = ValLoader(val_parts, cfg.val_max_tokens, tokens_per_microbatch=tokens_per_microbatch,
-                    max_doc_len=cfg.max_doc_len, dp_rank=dp_rank, dp_size=dp_size)
+    common = dict(tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len, dp_rank=dp_rank,
+                  dp_size=dp_size)
+    if cfg.stream_start:
+        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), seed, cfg.shuffle)
+        train = StreamLoader(feed, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                             cost_coefficients=coefficients, settings=settings, val_fraction=cfg.val_fraction,
+                             val_max_tokens=cfg.val_max_tokens, **common)
+        val = ValLoader([Part(feed.get(0), train.val_docs)], cfg.val_max_tokens, **common)
+        return train, val, tokenizer
+
+    train_parts, val_parts = split_sources(cfg, tokenizer, show_progress)
+    train = TrainLoader(train_parts, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                        cost_coefficients=coefficients, settings=settings, **common)
+    val = ValLoader(val_parts, cfg.val_max_tokens, **common)
     return train, val, tokenizer
+
+
+def split_sources(cfg: DataConfig, tokenizer: Tokenizer, show_progress: bool = True) -> tuple[list[Part], list[Part]]:
+    """(training parts, held-out parts), one of each per source, as the global loader splits them."""
+    train_parts, val_parts = [], []
+    for source_cfg, weight in cfg.sources():
+        cache = open_source(source_cfg, tokenizer, cfg, show_progress=show_progress)
+        val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
+        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
+        train_parts.append(Part(cache, train_docs, weight))
+        val_parts.append(Part(cache, val_docs, weight))
+    return train_parts, val_parts
+
+
+def held_out_parts(cfg: DataConfig, tokenizer: Tokenizer) -> list[Part]:
+    """The held-out documents exactly as training split them: per source, or shard 0's with stream_start."""
+    if cfg.stream_start:
+        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), 0, False)
+        shard = feed.get(0)
+        return [Part(shard, split_train_val(shard.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)[1])]
+    return split_sources(cfg, tokenizer)[1]
+
+
+def open_source(source_cfg: SourceConfig, tokenizer: Tokenizer, cfg: DataConfig, show_progress: bool = True):
+    """One source's tokens: a Megatron dataset read in place, or the token cache (built first if missing)."""
+    if source_cfg.source == "megatron":
+        store = MegatronSource(source_cfg.paths, tokenizer.vocab_size)
+        where = store.describe()
+    else:
+        source = DocumentSource(source_cfg)
+        store = build_or_load_cache(source, tokenizer, cfg.cache_dir, shard_bytes=cfg.shard_bytes,
+                                    workers=cfg.tokenize_workers, show_progress=show_progress)
+        where = source.describe()
+    if store.num_docs == 0:
+        raise ValueError(f"no text found in {where}: no document holds more than whitespace; check data.paths "
+                         f"(and data.text_field / data.doc_separator)")
+    return store

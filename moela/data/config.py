@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-SourceKind = Literal["bundled", "text", "jsonl", "parquet", "hf"]
+SourceKind = Literal["bundled", "text", "jsonl", "parquet", "hf", "megatron"]
 
 
 @dataclass
@@ -28,6 +28,8 @@ class SourceConfig:
     #   parquet: parquet files; each row is one document, its text in column `text_field`
     #   hf:      a Hugging Face `datasets` dataset: `hf_name` from the hub (online), or a builder such as
     #            "json" / "parquet" / "text" with local `paths` as its data_files (works offline)
+    #   megatron: already tokenized Megatron-LM indexed datasets (.bin/.idx pairs); `paths` are their prefixes
+    #            (as Megatron's --data-path; a path ending in .bin or .idx works too), read as they are, in order
     source: SourceKind = "bundled"
     # Files for text/jsonl/parquet (and data_files for hf): file paths, directories (all files inside,
     # recursively, sorted) or glob patterns; relative to the working directory; `~` and $VARS are expanded.
@@ -50,7 +52,7 @@ class SourceConfig:
 
     def validate_source(self) -> list[str]:
         errors = []
-        if self.source in ("text", "jsonl", "parquet"):
+        if self.source in ("text", "jsonl", "parquet", "megatron"):
             if not self.paths:
                 errors.append(f"paths: source '{self.source}' needs at least one file, directory or glob; "
                               f"set data.paths or use source: bundled")
@@ -66,8 +68,15 @@ class SourceConfig:
             errors.append("paths: given, but source 'bundled' reads only the shipped corpus; set data.source to "
                           "text, jsonl, parquet or hf to read these files")
         elif self.source != "bundled":
-            errors.append(f"source: unknown source '{self.source}'; use one of bundled, text, jsonl, parquet, hf")
-        for p in self.paths:
+            errors.append(f"source: unknown source '{self.source}'; use one of bundled, text, jsonl, parquet, hf, "
+                          f"megatron")
+        if self.source == "megatron":
+            from .megatron import prefix_errors
+
+            errors += prefix_errors(self.paths)
+            if self.max_docs is not None:
+                errors.append("max_docs: the megatron source reads whole datasets; remove data.max_docs")
+        for p in self.paths if self.source != "megatron" else []:
             if not expand_path(p):
                 errors.append(f"paths: '{p}' matches no file; check the path or glob pattern")
         if self.doc_separator is not None and self.source != "text":
@@ -107,6 +116,16 @@ class DataConfig(SourceConfig):
     # Token cache root. The cache of one (source, tokenizer) pair lives in a subdirectory named by their hash; it is
     # built once (a progress bar shows the tokenization) and reused by later runs. Delete it to rebuild.
     cache_dir: str = "~/.cache/moela/tokens"
+    # Worker processes that tokenize the cache's shards in parallel (one core each); null = the cores available
+    # divided among the node's ranks. Several processes or nodes sharing cache_dir split the shards among them.
+    tokenize_workers: int | None = None
+    # Source bytes per cache shard (the unit of parallel tokenization and of stream_start). Part of the cache key.
+    shard_bytes: int = 64 << 20
+    # Start training once the shards the first steps need are tokenized, the rest following in the background.
+    # The order becomes shard by shard (shards shuffled per epoch, then the documents inside each; moela.data.stream)
+    # and never depends on tokenization speed; a step whose shard is not ready waits for it. One source only
+    # (not a mixture); the held-out split comes from shard 0. Also keeps host memory flat in the corpus size.
+    stream_start: bool = False
     # Held-out validation split: this fraction of each source's documents (at least one), chosen by a fixed hash of
     # the document index, independent of the training seed; capped at `val_max_tokens` tokens in all (a mixture
     # shares the cap by weight).
@@ -155,6 +174,15 @@ class DataConfig(SourceConfig):
             errors.append(f"val_max_tokens: must be >= 0, got {self.val_max_tokens}")
         if self.max_doc_len is not None and self.max_doc_len < 2:
             errors.append(f"max_doc_len: must be >= 2 or null, got {self.max_doc_len}")
+        if self.tokenize_workers is not None and self.tokenize_workers < 1:
+            errors.append(f"tokenize_workers: must be >= 1 or null (the cores available), got {self.tokenize_workers}")
+        if self.shard_bytes < 1 << 16:
+            errors.append(f"shard_bytes: must be >= 65536 (64 KiB), got {self.shard_bytes}")
+        if self.stream_start and self.source == "megatron":
+            errors.append("stream_start: the megatron source is tokenized already; set data.stream_start=false")
+        if self.stream_start and self.mixture:
+            errors.append("stream_start: streams one source, not a mixture; build the mixture's caches first "
+                          "(python -m moela prepare RECIPE) and set data.stream_start=false")
         if self.attn_cost_len is not None and self.attn_cost_len < 1:
             errors.append(f"attn_cost_len: must be >= 1 or null (from the model's FLOPs), got {self.attn_cost_len}")
         return errors

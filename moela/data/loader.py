@@ -146,6 +146,13 @@ class TrainLoader:
         mean_len = part_tokens / np.asarray(sizes)
         return [max(1, int(round(w * self.num_tokens / m))) for w, m in zip(weights, mean_len)]
 
+    def describe(self) -> str:
+        """One line on the training split and how epoch 0 packs (for `python -m moela prepare`)."""
+        plan = self.epoch_plan(0)
+        tokens = int(self.pieces.len[plan.pieces].sum())
+        return (f"{self.num_tokens} tokens in {len(self.pieces)} pieces; an epoch packs {tokens} tokens into "
+                f"{len(plan)} micro-batches of <= {self.budget} tokens ({tokens / (len(plan) * self.budget):.1%} full)")
+
     @property
     def epoch(self) -> float:
         """Fractional epochs consumed (for logging)."""

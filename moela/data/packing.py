@@ -24,6 +24,8 @@ import torch
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 
+from .cache import CacheError
+
 MAX_OPEN_MICROBATCHES = 16
 
 
@@ -79,17 +81,22 @@ def num_targets(piece_start: np.ndarray, piece_len: np.ndarray, doc_len: np.ndar
 
 
 def make_batch(stores, piece_part, piece_doc, piece_start, piece_len) -> PackedBatch:
-    """Materialize one micro-batch. `stores[i]` has `.tokens` [total_i] and `.offsets` [N_i+1] (a TokenCache);
-    piece j is tokens [start, start + len) of document `piece_doc[j]` of store `piece_part[j]`."""
+    """Materialize one micro-batch. `stores[i]` has `.doc(d)` -> document d's tokens (a TokenCache or a
+    MegatronSource) and `.vocab_size` (None: unchecked); piece j is tokens [start, start + len) of document
+    `piece_doc[j]` of store `piece_part[j]`. An id beyond the vocabulary is a damaged store (CacheError)."""
     inputs, labels, doc_ends = [], [], 0
     for part, d, s, n in zip(piece_part.tolist(), piece_doc.tolist(), piece_start.tolist(), piece_len.tolist()):
-        tokens, offsets = stores[part].tokens, stores[part].offsets
-        begin, doc_end = int(offsets[d]) + s, int(offsets[d + 1])
-        inputs.append(np.asarray(tokens[begin:begin + n], dtype=np.int64))  # [n]
-        if begin + n < doc_end:
-            labels.append(np.asarray(tokens[begin + 1:begin + n + 1], dtype=np.int64))  # [n]
+        store = stores[part]
+        doc = store.doc(d)
+        piece = np.asarray(doc[s:s + n + 1], dtype=np.int64)  # [n or n+1]: the piece and the next token if any
+        if store.vocab_size is not None and int(piece.max()) >= store.vocab_size:
+            raise CacheError(f"token cache {store.path}: document {d} holds token id {int(piece.max())}, beyond the "
+                             f"tokenizer's {store.vocab_size} tokens; delete {store.path} to rebuild it")
+        inputs.append(piece[:n])
+        if s + n < len(doc):
+            labels.append(piece[1:])  # [n]
         else:
-            labels.append(np.asarray(tokens[begin + 1:begin + n], dtype=np.int64))  # [n-1]
+            labels.append(piece[1:n])  # [n-1]
             labels.append(np.full(1, IGNORE_INDEX, dtype=np.int64))
             doc_ends += 1
     lens = np.asarray(piece_len, dtype=np.int64)  # [N]

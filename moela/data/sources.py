@@ -21,12 +21,12 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SourceConfig, expand_path
 
 BUNDLED_CORPUS = Path(__file__).resolve().parent / "corpus" / "shakespeare.jsonl"
-HINT_MAX_BYTES = 1 << 30  # count jsonl lines for the progress bar's total only below this size
 MAX_REPLACED_SHARE = 0.01  # a text file with more undecodable characters than this share is not UTF-8 text
 
 log = logging.getLogger(__name__)
@@ -69,65 +69,123 @@ class DocumentSource:
                       hf_streaming=c.hf_streaming)
         return fp
 
-    def num_documents_hint(self) -> int | None:
-        """Number of documents if known cheaply (for the progress bar; approximate), else None."""
-        n = None
-        if self.cfg.source == "text" and self.cfg.doc_separator is None:
-            n = len(self.files)
-        elif self.cfg.source in ("bundled", "jsonl") and sum(map(os.path.getsize, self.files)) < HINT_MAX_BYTES:
-            n = sum(_count_lines(f) for f in self.files)
-        elif self.cfg.source == "parquet":
-            import pyarrow.parquet as pq
-
-            n = sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
-        if n is not None and self.cfg.max_docs is not None:
-            n = min(n, self.cfg.max_docs)
-        return n
-
-    def __iter__(self) -> Iterator[str]:
+    def slices(self, shard_bytes: int) -> list[Slice]:
+        """The source cut into contiguous slices of about `shard_bytes` each, in document order (see `Slice`).
+        The cut depends only on the files and `shard_bytes`, so every process and node computes the same one. The
+        hf source and a source with `max_docs` are one slice (read in order by one worker)."""
         kind = self.cfg.source
-        if kind == "bundled":
-            texts = _jsonl_texts(self.files[0], "text")
-        elif kind == "jsonl":
-            texts = (t for f in self.files for t in _jsonl_texts(f, self.cfg.text_field))
-        elif kind == "text":
-            texts = (t for f in self.files for t in _text_docs(f, self.cfg.doc_separator))
-        elif kind == "parquet":
-            texts = (t for f in self.files for t in _parquet_texts(f, self.cfg.text_field))
-        elif kind == "hf":
+        if kind == "hf":
+            return [Slice((("", 0, -1),), 0)]
+        if self.cfg.max_docs is not None:
+            return [Slice(tuple((f, 0, -1) for f in self.files), sum(map(os.path.getsize, self.files)))]
+        pieces = []  # (file, begin, end, bytes)
+        for f in self.files:
+            size = os.path.getsize(f)
+            if kind == "parquet":
+                import pyarrow.parquet as pq
+
+                meta = pq.ParquetFile(f).metadata
+                pieces += [(f, g, g + 1, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
+            elif kind == "text":
+                pieces.append((f, 0, -1, size))
+            else:
+                pieces += [(f, b, min(b + shard_bytes, size), min(shard_bytes, size - b))
+                           for b in range(0, size, shard_bytes)]
+        out, group, group_bytes = [], [], 0
+        for f, b, e, n in pieces:
+            if group and group_bytes + n > shard_bytes:
+                out.append(Slice(tuple(group), group_bytes))
+                group, group_bytes = [], 0
+            group.append((f, b, e))
+            group_bytes += n
+        if group or not out:
+            out.append(Slice(tuple(group), group_bytes))
+        return out
+
+    def read(self, piece: Slice) -> Iterator[str]:
+        """The non-empty documents of one slice, in order."""
+        kind = self.cfg.source
+        if kind == "hf":
             texts = _hf_texts(self.cfg, self.files)
+        elif kind in ("bundled", "jsonl"):
+            field = "text" if kind == "bundled" else self.cfg.text_field
+            texts = (t for f, b, e in piece.parts for t in _jsonl_texts(f, field, b, e))
+        elif kind == "text":
+            texts = (t for f, _, _ in piece.parts for t in _text_docs(f, self.cfg.doc_separator))
+        elif kind == "parquet":
+            texts = (t for f, b, e in piece.parts for t in _parquet_texts(f, self.cfg.text_field, b, e))
         else:
             raise ValueError(f"data.source: unknown source '{kind}'; use bundled, text, jsonl, parquet or hf")
         return itertools.islice((t for t in texts if t.strip()), self.cfg.max_docs)
 
+    def __iter__(self) -> Iterator[str]:
+        return itertools.chain.from_iterable(self.read(s) for s in self.slices(1 << 62))
 
-def _count_lines(path: str) -> int:
+
+@dataclass(frozen=True)
+class Slice:
+    """A contiguous run of a source that one worker tokenizes into one shard: (file, begin, end) parts in order,
+    each the lines starting in bytes [begin, end) of a jsonl file, row groups [begin, end) of a parquet file, or a
+    whole file (end -1); `nbytes` is what the slice reads (for the progress bar)."""
+    parts: tuple
+    nbytes: int
+
+
+def _line_number(path: str, pos: int) -> int:
+    """The 1-based number of the line starting at byte `pos` (for messages; reads the file in chunks)."""
+    count, done = 1, 0
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        while done < pos:
+            chunk = f.read(min(1 << 24, pos - done))
+            count += chunk.count(b"\n")
+            done += len(chunk)
+    return count
 
 
-def _jsonl_texts(path: str, field: str) -> Iterator[str]:
+def _jsonl_lines(path: str, begin: int, end: int) -> Iterator[tuple[int, bytes]]:
+    """(byte position, line) of each line that starts in [begin, end) (end -1: the file's end)."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                                 f"{e.start + 1}); JSON lines must be UTF-8: convert the file, e.g. with "
-                                 f"iconv -f latin1 -t utf-8") from None
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
-            if not isinstance(record, dict) or field not in record:
-                keys = list(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{lineno}: no field '{field}' (has {keys}); set data.text_field")
-            text = record[field]
-            if not isinstance(text, str):
-                raise TypeError(f"{path}:{lineno}: field '{field}' holds {type(text).__name__}, expected a string")
-            yield text
+        if begin > 0:
+            f.seek(begin - 1)
+            if f.read(1) != b"\n":
+                f.readline()  # the line that straddles `begin` belongs to the previous range
+        while True:
+            pos = f.tell()
+            if 0 <= end <= pos:
+                return
+            raw = f.readline()
+            if not raw:
+                return
+            yield pos, raw
+
+
+def _jsonl_texts(path: str, field: str, begin: int = 0, end: int = -1) -> Iterator[str]:
+    for pos, raw in _jsonl_lines(path, begin, end):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{_line_number(path, pos)}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                             f"column {e.start + 1}); JSON lines must be UTF-8: convert the file, e.g. with "
+                             f"iconv -f latin1 -t utf-8") from None
+        del raw
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{_line_number(path, pos)}: not valid JSON ({e.msg}); each line must be one "
+                             f"JSON object") from None
+        del line
+        if not isinstance(record, dict) or field not in record:
+            keys = list(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path}:{_line_number(path, pos)}: no field '{field}' (has {keys}); set "
+                             f"data.text_field")
+        text = record.pop(field)
+        del record
+        if not isinstance(text, str):
+            raise TypeError(f"{path}:{_line_number(path, pos)}: field '{field}' holds {type(text).__name__}, "
+                            f"expected a string")
+        yield text
 
 
 def _decode_text(path: str, data: bytes) -> str:
@@ -157,13 +215,16 @@ def _text_docs(path: str, separator: str | None) -> Iterator[str]:
         yield from text.split(separator)
 
 
-def _parquet_texts(path: str, column: str) -> Iterator[str]:
+def _parquet_texts(path: str, column: str, first_group: int = 0, end_group: int = -1) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
     if column not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column '{column}' (has {pf.schema_arrow.names}); set data.text_field")
-    for batch in pf.iter_batches(columns=[column], batch_size=4096):
+    groups = range(first_group, pf.metadata.num_row_groups if end_group < 0 else end_group)
+    if not len(groups):
+        return
+    for batch in pf.iter_batches(columns=[column], batch_size=4096, row_groups=list(groups)):
         for text in batch.column(0).to_pylist():
             if text is not None:
                 yield text

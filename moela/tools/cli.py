@@ -1,4 +1,4 @@
-"""`python -m moela {generate,export,import,eval,summary} ...`: argument parsing and dispatch.
+"""`python -m moela {prepare,generate,export,import,eval,summary} ...`: argument parsing and dispatch.
 
 A command's user errors (a missing run directory, no checkpoint, a bad step or device, an invalid option value) and
 checkpoints it cannot use (damaged, or holding anything beyond tensors and plain data) print `error: ...` on stderr
@@ -19,6 +19,8 @@ from moela.trainer.errors import CorruptCheckpoint, TrainingError
 USAGE_ERROR = 2
 
 COMMANDS = {
+    "prepare": ("moela.tools.prepare", "tokenize a recipe's data into its token cache ahead of training (--verify "
+                "checks it)"),
     "generate": ("moela.tools.generate", "sample text from a checkpoint (MLA latent cache, streamed)"),
     "export": ("moela.tools.export", "write a Hugging Face deepseek_v3 folder from a checkpoint"),
     "import": ("moela.tools.import_hf", "write a moela run directory from a Hugging Face deepseek_v3 folder"),
@@ -28,8 +30,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moela", description="moela after training: generate, export, "
-                                     "import, eval, summary. Training itself is `python train.py RECIPE.yaml`.")
+    parser = argparse.ArgumentParser(prog="python -m moela", description="moela around training: prepare (the "
+                                     "data), generate, export, import, eval, summary. Training itself is "
+                                     "`python train.py RECIPE.yaml`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -33,10 +33,9 @@ import torch.nn.functional as F
 
 from moela.batch import IGNORE_INDEX
 from moela.config import Config
-from moela.data.cache import build_or_load_cache
+from moela.data import held_out_parts, open_source
 from moela.data.config import SourceConfig, expand_path
-from moela.data.loader import Part, ValLoader, split_train_val
-from moela.data.sources import DocumentSource
+from moela.data.loader import Part, ValLoader
 from moela.data.tokenizer import Tokenizer
 from moela.model import Transformer
 from moela.tools.runs import (
@@ -132,13 +131,7 @@ def held_out_loader(cfg: Config, tokenizer: Tokenizer, max_tokens: int | None) -
     if cap > data.val_max_tokens:
         raise UsageError(f"--max-tokens {max_tokens}: the run's held-out split has at most data.val_max_tokens="
                          f"{data.val_max_tokens} tokens (more would take training documents); pass a smaller value")
-    parts = []
-    for source_cfg, weight in data.sources():
-        source = DocumentSource(source_cfg)
-        cache = build_or_load_cache(source, source.fingerprint(), tokenizer, data.cache_dir,
-                                    num_docs_hint=source.num_documents_hint())
-        _, val_docs = split_train_val(cache.doc_lengths, data.val_fraction, int(data.val_max_tokens * weight))
-        parts.append(Part(cache, val_docs, weight))
+    parts = held_out_parts(data, tokenizer)
     if not sum(len(p.doc_ids) for p in parts) or cap == 0:
         raise UsageError("the run has no held-out split (data.val_fraction or data.val_max_tokens is 0); evaluate "
                          "on other data with --data")
@@ -169,9 +162,7 @@ def source_from_spec(spec: str, *, text_field: str, hf_config: str | None, split
 def source_loader(cfg: Config, tokenizer: Tokenizer, source_cfg: SourceConfig, max_tokens: int) -> ValLoader:
     """Every document of `source_cfg`, in order, capped at `max_tokens` tokens."""
     try:
-        source = DocumentSource(source_cfg)
-        cache = build_or_load_cache(source, source.fingerprint(), tokenizer, cfg.data.cache_dir,
-                                    num_docs_hint=source.num_documents_hint())
+        cache = open_source(source_cfg, tokenizer, cfg.data)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise UsageError(f"cannot read the evaluation data: {e}") from None
     docs = np.arange(len(cache.doc_lengths))

@@ -74,7 +74,7 @@ def test_a_truncated_tokenizer_json_is_named(tmp_path, cache_dir, capsys):
     broken.write_bytes(bundled.read_bytes()[:500])
     code, _, err = run_train(capsys, *overrides(tmp_path / "run", cache_dir, f"data.tokenizer={broken}"))
     assert code == 2 and "Traceback" not in err
-    assert f"data.tokenizer: {broken} is not a valid tokenizer.json" in err and "truncated or damaged" in err
+    assert f"data.tokenizer: {broken} is not a readable tokenizer.json" in err
 
 
 def test_changed_training_data_on_resume_says_the_data_changed(tmp_path, cache_dir, capsys):

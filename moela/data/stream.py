@@ -1,0 +1,201 @@
+"""The shard-by-shard training stream (`data.stream_start: true`): training starts while the cache is still being
+tokenized, and host memory stays flat in the corpus size.
+
+Shapes: S shards; P_s pieces of shard s.
+
+Decisions:
+- Order, fixed by the seed over the shard list and nothing else: epoch e visits the shards in a permutation seeded
+  by (seed, e); inside shard s it shuffles the shard's pieces with a generator seeded by (seed, e, s) and packs them
+  (packing.py; micro-batches never span shards). The stream is these micro-batches end to end, epoch after epoch,
+  so which documents a step sees never depends on how fast tokenization runs: a step whose shard is not built yet
+  waits for it (`ShardFeed`, logging that it waits) while the background workers build the shards in the order
+  the stream needs them (shard 0 first: it holds the held-out split).
+- Held-out split: `split_train_val` applied to shard 0's documents (every shard is the same slice of the source
+  whatever the speed, so this is fixed too); the validation loader reads only shard 0.
+- Memory: only the current shard's pieces and packing are in memory; document offsets stay memory-mapped. The
+  state is (micro-batches consumed, the cursor: epoch, position in the epoch's shard order, first micro-batch of
+  that shard), so resuming, also with another dp_size x grad_accum, continues the same global stream without
+  replaying the epoch.
+- Every rank computes each step's micro-batches from the same (seed, position) and keeps its own share, exactly as
+  the global loader (loader.py) does; the balanced assignment plugs in the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from moela.batch import PackedBatch
+
+from .balance import imbalance_report, microbatch_cost
+from .build import Plan, build
+from .cache import Shard
+from .loader import Assign, _check_assignment, split_train_val
+from .packing import make_batch, num_targets, pack, split_into_pieces
+
+log = logging.getLogger(__name__)
+WAIT_LOG_S = 30.0  # repeat the "waiting for shard" line this often
+
+
+def shard_order(seed: int, epoch: int, num_shards: int, shuffle: bool) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_shards) if shuffle else np.arange(num_shards)
+
+
+class ShardFeed:
+    """Shards of a cache being built: `get(i)` returns shard i, waiting for it if the background build has not
+    finished it yet (and raising the build's error if it failed)."""
+
+    def __init__(self, plan: Plan, vocab_size: int, workers: int, seed: int, shuffle: bool):
+        self.plan, self.vocab_size = plan, vocab_size
+        self.num_shards = len(plan.slices)
+        first_epoch = shard_order(seed, 0, self.num_shards, shuffle).tolist()
+        plan.order = [0] + [i for i in first_epoch if i != 0]  # shard 0 holds the held-out split
+        self._open: dict[int, Shard] = {}
+        self.error: BaseException | None = None
+        self.thread = None
+        if not plan.complete():
+            self.thread = threading.Thread(target=self._build, args=(workers,), daemon=True,
+                                           name="moela-tokenize")
+            self.thread.start()
+
+    def _build(self, workers: int) -> None:
+        try:
+            build(self.plan, workers, show_progress=False)
+        except BaseException as e:  # handed to the training thread by `get`
+            self.error = e
+
+    def get(self, i: int) -> Shard:
+        if i not in self._open:
+            waited, last_log = 0.0, -WAIT_LOG_S
+            while not self.plan.done(i):
+                if self.error is not None:
+                    raise self.error
+                if waited - last_log >= WAIT_LOG_S:
+                    log.info("waiting for shard %d of %d of %s (tokenizing in the background)", i, self.num_shards,
+                             self.plan.dir)
+                    last_log = waited
+                time.sleep(0.1)
+                waited += 0.1
+            self._open[i] = Shard(self.plan.dir, i, self.vocab_size)
+        return self._open[i]
+
+
+@dataclass
+class _ShardBins:
+    """The packed micro-batches of one shard in one epoch: piece indices per micro-batch."""
+    shard: int
+    first: int  # global index of its first micro-batch
+    bins: list[np.ndarray]
+    start: np.ndarray  # [P_s] piece start within its document
+    length: np.ndarray  # [P_s]
+    doc: np.ndarray  # [P_s] document (shard-local)
+    doc_len: np.ndarray  # [P_s]
+
+
+class StreamLoader:
+    """`next_step()` -> this rank's `grad_accum` PackedBatches, over the shard-by-shard stream."""
+
+    def __init__(self, feed: ShardFeed, *, tokens_per_microbatch: int, max_doc_len: int | None, dp_rank: int,
+                 dp_size: int, grad_accum: int, seed: int, shuffle: bool, assign: Assign,
+                 cost_coefficients: tuple[float, float], settings: dict, val_fraction: float, val_max_tokens: int):
+        self.feed = feed
+        self.budget = tokens_per_microbatch
+        self.limit = min(max_doc_len or tokens_per_microbatch, tokens_per_microbatch)
+        self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
+        self.seed, self.shuffle = seed, shuffle
+        self.assign, self.cost_coefficients = assign, cost_coefficients
+        _, self.val_docs = split_train_val(feed.get(0).doc_lengths, val_fraction, val_max_tokens)
+        self.settings = {"data_key": feed.plan.key, "stream": True, "seed": seed, **settings}
+        self.consumed, self.step = 0, 0
+        self._cursor = (0, 0, 0)  # (epoch, position in the epoch's shard order, first micro-batch of that shard)
+        self._bins: _ShardBins | None = None
+        self.last_imbalance: dict = {}
+        self.last_global_counts: tuple[int, int, float] = (0, 0, 0.0)
+
+    @property
+    def num_shards(self) -> int:
+        return self.feed.num_shards
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epochs consumed (by shards; for logging)."""
+        epoch, k, _ = self._cursor
+        return epoch + k / self.num_shards
+
+    def describe(self) -> str:
+        return (f"{self.num_shards} shards, streamed shard by shard (data.stream_start) in micro-batches of <= "
+                f"{self.budget} tokens; {len(self.val_docs)} held-out documents from shard 0")
+
+    def _pack(self, epoch: int, k: int, first: int) -> _ShardBins:
+        s = int(shard_order(self.seed, epoch, self.num_shards, self.shuffle)[k])
+        shard = self.feed.get(s)
+        lengths = shard.doc_lengths  # [n]
+        docs = np.arange(len(lengths))
+        if s == 0 and len(self.val_docs):
+            docs = np.setdiff1d(docs, self.val_docs)
+        doc, start, length = split_into_pieces(docs, lengths[docs], self.limit)  # [P_s]
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, epoch, s]).permutation(len(doc))
+            doc, start, length = doc[perm], start[perm], length[perm]
+        bins = [np.asarray(b, dtype=np.int64) for b in pack(length, self.budget)] if len(length) else []
+        return _ShardBins(s, first, bins, start, length, doc, lengths[doc])
+
+    def _locate(self, g: int) -> tuple[_ShardBins, np.ndarray]:
+        """The shard and piece indices of global micro-batch g (g >= the cursor's first micro-batch)."""
+        epoch, k, first = self._cursor
+        if self._bins is None:
+            self._bins = self._pack(epoch, k, first)
+        empty = 0
+        while g >= self._bins.first + len(self._bins.bins):
+            empty = 0 if self._bins.bins else empty + 1
+            if empty > self.num_shards:
+                raise ValueError(f"{self.feed.plan.dir}: no shard holds a training document (all held out?); add "
+                                 f"data or lower data.val_fraction")
+            first = self._bins.first + len(self._bins.bins)
+            epoch, k = (epoch, k + 1) if k + 1 < self.num_shards else (epoch + 1, 0)
+            self._cursor = (epoch, k, first)
+            self._bins = self._pack(epoch, k, first)
+        return self._bins, self._bins.bins[g - self._bins.first]
+
+    def next_step(self) -> list[PackedBatch]:
+        m = self.dp_size * self.grad_accum
+        layouts = [self._locate(self.consumed + j) for j in range(m)]
+        costs = [microbatch_cost(sb.length[idx].tolist(), *self.cost_coefficients) for sb, idx in layouts]
+        groups = self.assign(costs, self.dp_size, self.grad_accum)
+        _check_assignment(groups, self.dp_size, self.grad_accum)
+        self.last_imbalance = imbalance_report(costs, self.dp_size, self.grad_accum, groups)
+        start = np.concatenate([sb.start[idx] for sb, idx in layouts])
+        length = np.concatenate([sb.length[idx] for sb, idx in layouts])
+        doc_len = np.concatenate([sb.doc_len[idx] for sb, idx in layouts])
+        lens = length.astype(np.float64)
+        self.last_global_counts = (num_targets(start, length, doc_len), int(lens.sum()), float((lens * lens).sum()))
+        self.consumed += m
+        self.step += 1
+        out = []
+        for j in groups[self.dp_rank]:
+            sb, idx = layouts[j]
+            out.append(make_batch([self.feed.get(sb.shard)], np.zeros(len(idx), dtype=np.int64), sb.doc[idx],
+                                  sb.start[idx], sb.length[idx]))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "step": self.step, "cursor": list(self._cursor), **self.settings}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = [key for key in [*self.settings, "cursor"] if key not in state]
+        if missing:
+            raise ValueError(f"the loader state lacks {', '.join(missing)} (not written by a stream_start run)")
+        for key, value in self.settings.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"loader state does not match this run: {key} was {state.get(key)!r}, now {value!r}; resume "
+                    f"with the data section, seed and tokens_per_microbatch of the checkpointed run")
+        epoch, k, first = (int(v) for v in state["cursor"])
+        if not (0 <= k < self.num_shards and 0 <= first <= int(state["consumed"])):
+            raise ValueError(f"corrupt loader state: cursor {state['cursor']} with {state['consumed']} consumed")
+        self.consumed, self.step = int(state["consumed"]), int(state["step"])
+        self._cursor, self._bins = (epoch, k, first), None
