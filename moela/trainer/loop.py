@@ -44,7 +44,7 @@ from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
 from moela.parallel.replicate import build_replicate_reducer
-from moela.trainer import checkpoint
+from moela.trainer import checkpoint, oom
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import GraphedMicroBatch
 from moela.trainer.device_checks import check_backends, check_fp8_device
@@ -70,6 +70,7 @@ from moela.trainer.optim import (
 from moela.trainer.prebuild import Prebuild, prebuild_wanted
 from moela.trainer.profiling import StepProfiler
 from moela.trainer.rundir import RunDirLock, check_writable
+from moela.trainer.safe_write import write_atomic
 from moela.trainer.samples import format_samples, sample_texts
 from moela.trainer.startup import compile_notice, first_step_line
 from moela.trainer.step_metrics import (
@@ -247,7 +248,7 @@ class Trainer:
         elif cfg.checkpoint.init_from:
             load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_atomic(self.run_dir / "config.yaml", dump_config(cfg), "the resolved recipe")
         self._barrier()
         writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
         self.writer = writer
@@ -269,7 +270,8 @@ class Trainer:
             loop_start = time.perf_counter()
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
-                record = self.train_step()
+                with self._oom("the training step"):
+                    record = self.train_step()
                 if notice:  # the first step of this process
                     writer.echo(first_step_line(self.step, time.perf_counter() - loop_start))
                     notice = None
@@ -483,7 +485,10 @@ class Trainer:
         non-finite result stops the run. Then print the samples `logging.samples` asks for."""
         if len(self.val_loader):  # the same on every rank
             self._settle()
-            record = self.evaluate()
+            if self.graphed is not None:  # the graphs' memory goes to the evaluation (re-captured after)
+                self.graphed.release()
+            with self._oom("the evaluation"):
+                record = self.evaluate()
             self.writer.log(record)
             if not math.isfinite(record["val_loss"]):
                 raise TrainingError(
@@ -492,7 +497,8 @@ class Trainer:
                     f"written. Resume from an earlier checkpoint (checkpoint.resume="
                     f"{self.run_dir / 'checkpoints'}/step-N) with a lower optim.lr or a tighter optim.grad_clip")
         if self.cfg.logging.samples:
-            self._print_samples()
+            with self._oom("the samples"):
+                self._print_samples()
 
     def _print_samples(self) -> None:
         """`logging.samples` continuations of the sample prompt (all ranks generate in lockstep; rank 0 prints)."""
@@ -506,9 +512,14 @@ class Trainer:
     def save(self) -> Path:
         self._settle()
         self._read_pending()  # the log window and the counters are part of the checkpoint
-        return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
-                                          self._trainer_state(), self.cfg.checkpoint.keep_last_k,
-                                          checkpoint.fixed_settings(self.cfg), self._extra_state())
+        with self._oom("the checkpoint save"):
+            return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
+                                              self._trainer_state(), self.cfg.checkpoint.keep_last_k,
+                                              checkpoint.fixed_settings(self.cfg), self._extra_state())
+
+    def _oom(self, phase: str):
+        """Report a CUDA out-of-memory error in `phase` as one message (moela.trainer.oom)."""
+        return oom.reported(phase, self.device, lambda: checkpoint.newest(self.run_dir))
 
     def _echo(self, text: str) -> None:
         """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
