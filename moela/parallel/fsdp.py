@@ -206,3 +206,10 @@ def clip_factor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor `torch.nn.utils.clip_grads_with_norm_` multiplies the gradients by, min(1, max_norm / (norm +
     1e-6)), as a 0-d fp32 tensor on the norm's device: for an optimizer that applies it as it reads the gradients."""
     return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step (no-op for a plain module)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)

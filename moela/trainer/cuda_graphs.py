@@ -44,7 +44,9 @@ What makes the step capturable (each is a precondition a capture would otherwise
 The replay's outputs (loss, metrics, target count, expert load) are the graph's own tensors, overwritten by the
 next replay: the trainer consumes or copies them before it (it does, on the same stream). The captured graph
 holds one micro-batch's activations in its private memory pool; the eager step's cached blocks are returned to
-the driver before the capture, so the peak stays that of one micro-batch.
+the driver before the capture, so the peak stays that of one micro-batch. The evaluation runs eagerly, so the
+trainer releases the graphs before it (`release`) and the next step captures them again: an evaluation forward
+allocating beside a pool that keeps a whole training micro-batch's memory ran out of memory where training fit.
 
 Scope: one process on one GPU (no FSDP, tensor, context or expert parallelism: their hooks and collectives are
 not captured here); `Trainer` rejects other layouts with an `InputError`.
@@ -129,6 +131,21 @@ class GraphedMicroBatch:
         self.graphs[role].replay()
         self.replays += 1
         return self.outputs[role]
+
+    def release(self) -> None:
+        """Free the graphs' private memory before work that is not a training step (the evaluation), so that work
+        allocates from the memory training used instead of beside it: the graphs, their outputs and the gradients
+        they hold go (a step's gradients are consumed by then), and the next optimizer step captures again without
+        a new warm-up (its kernels are built)."""
+        if not self.graphs:
+            return
+        self.graphs.clear()
+        self.outputs.clear()
+        self.model.zero_grad(set_to_none=True)
+        self.warmup_steps = min(self.warmup_steps, self.steps)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def note_eager(self, batch: PackedBatch) -> None:
         """A micro-batch with more than `max_docs` documents runs eagerly (the caller runs it, after this call);

@@ -46,7 +46,10 @@ def evaluate_and_log(trainer) -> None:
     non-finite result stops the run. Then print the samples `logging.samples` asks for."""
     if len(trainer.val_loader):  # the same on every rank
         trainer._settle()
-        record = evaluate(trainer)
+        if trainer.graphed is not None:  # the graphs' memory goes to the evaluation (re-captured after)
+            trainer.graphed.release()
+        with trainer._oom("the evaluation"):
+            record = evaluate(trainer)
         trainer.writer.log(record)
         if not math.isfinite(record["val_loss"]):
             raise TrainingError(
@@ -55,7 +58,8 @@ def evaluate_and_log(trainer) -> None:
                 f"written. Resume from an earlier checkpoint (checkpoint.resume="
                 f"{trainer.run_dir / 'checkpoints'}/step-N) with a lower optim.lr or a tighter optim.grad_clip")
     if trainer.cfg.logging.samples:
-        print_samples(trainer)
+        with trainer._oom("the samples"):
+            print_samples(trainer)
 
 
 def print_samples(trainer) -> None:

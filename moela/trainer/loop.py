@@ -43,8 +43,9 @@ from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params
 from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
+from moela.parallel.fsdp import set_gradient_sync
 from moela.parallel.replicate import build_replicate_reducer
-from moela.trainer import checkpoint
+from moela.trainer import checkpoint, oom
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import graphed_micro_batch
 from moela.trainer.device_checks import check_backends, check_fp8_device
@@ -72,6 +73,7 @@ from moela.trainer.pipeline_step import PipelineStep
 from moela.trainer.prebuild import Prebuild, prebuild_wanted
 from moela.trainer.profiling import StepProfiler, profile_record
 from moela.trainer.rundir import RunDirLock, check_writable
+from moela.trainer.safe_write import write_atomic
 from moela.trainer.startup import compile_notice, first_step_line
 from moela.trainer.step_metrics import (
     TAIL_KEYS,
@@ -237,7 +239,7 @@ class Trainer:
         elif cfg.checkpoint.init_from:
             load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_atomic(self.run_dir / "config.yaml", dump_config(cfg), "the resolved recipe")
         self._barrier()
         writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
         self.writer = writer
@@ -259,7 +261,8 @@ class Trainer:
             loop_start = time.perf_counter()
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
-                record = self.train_step()
+                with self._oom("the training step"):
+                    record = self.train_step()
                 if notice:  # the first step of this process
                     writer.echo(first_step_line(self.step, time.perf_counter() - loop_start))
                     notice = None
@@ -329,7 +332,7 @@ class Trainer:
             sums, load, full_load = self.pipeline.run(batches, grad_scale / total_targets, self._autocast,
                                                       self._to_device)
         for i, batch in enumerate(batches if self.pipeline is None else []):
-            _set_gradient_sync(self.model, i == len(batches) - 1)
+            set_gradient_sync(self.model, i == len(batches) - 1)
             loss, metrics, num_targets, expert_load = self._forward_backward(batch, grad_scale / total_targets)
             sums.add(loss, metrics, num_targets)
             if expert_load is not None:  # a copy: a graph replay overwrites its outputs
@@ -446,9 +449,14 @@ class Trainer:
     def save(self) -> Path:
         self._settle()
         self._read_pending()  # the log window and the counters are part of the checkpoint
-        return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
-                                          trainer_state(self), self.cfg.checkpoint.keep_last_k,
-                                          checkpoint.fixed_settings(self.cfg), self._extra_state())
+        with self._oom("the checkpoint save"):
+            return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
+                                              trainer_state(self), self.cfg.checkpoint.keep_last_k,
+                                              checkpoint.fixed_settings(self.cfg), self._extra_state())
+
+    def _oom(self, phase: str):
+        """Report a CUDA out-of-memory error in `phase` as one message (moela.trainer.oom)."""
+        return oom.reported(phase, self.device, lambda: checkpoint.newest(self.run_dir))
 
     def _echo(self, text: str) -> None:
         """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
@@ -488,10 +496,3 @@ class Trainer:
     def _clip_grad_norm(self) -> torch.Tensor:
         return clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device,
                               across=self.mesh.group("pp"))
-
-
-def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step (no-op for a plain module)."""
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(enabled)
