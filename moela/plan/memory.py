@@ -1,0 +1,330 @@
+"""Memory per GPU: parameters, gradients and optimizer state of this rank's shards (exact), the working copies
+FSDP gathers, the activations one micro-batch saves for backward, how many micro-batches are in flight, the
+expert-parallel buffers, and the allocator's reserve.
+
+Decisions:
+- Sharded state is counted, not estimated: the model is built on the meta device (no memory; V3 in a fraction of
+  a second) and every parameter's local shape follows the rules the parallel code applies, in its order: tensor
+  parallelism shards a projection's output rows (column-parallel: `wq`/`wq_b`, `wkv_b`, `w1`, `w3`, embedding,
+  head) or input columns (row-parallel: `wo`, `w2`) over tp; expert parallelism keeps E / ep routed experts;
+  FSDP2 then splits dim 0 of the local tensor like `torch.chunk` over its group (dp_shard x cp for dense weights,
+  dp_shard x cp / ep for experts), so rank 0 holds ceil(rows / n) rows, the most of any rank. The figures are
+  rank 0's, checked equal to the sharded model of `moela.plan.fake_world` by the tests.
+- Dtypes as the trainer runs on CUDA: fp32 master weights and gradients (FSDP reduces in fp32), AdamW moments in
+  `optim.moment_dtype`, one fp32 step counter per parameter tensor; FSDP gathers bf16 working copies.
+- Activations are the tensors one block keeps for its backward, per token, as the CUDA path saves them (the
+  autograd functions' `save_for_backward` lists: MLA saves q, k, v, out and the log-sum-exp; the expert op the
+  gathered SwiGLU input h [M, 2F] and output o [M, D] over its padded layout of M rows; every linear its input;
+  norms their input and 1/rms); `ACTIVATION_INVENTORY` below names each term. Under full activation
+  checkpointing a block keeps its input only, and one block's worth is rebuilt during its backward.
+- Micro-batches in flight per pipeline schedule (on the stage that holds the most): 1F1B holds pp micro-batches
+  on stage 0; interleaved 1F1B holds pp * v chunks' worth of (1 + (pp - 1) / (pp * v)) micro-batches; ZBV and
+  DualPipeV hold 2 chunks of pp + 1 micro-batches (their two directions fill both chunks of stage 0 at once), and
+  DualPipeV keeps the parameters of both chunks (each rank holds stages s and 2pp - 1 - s). Without pipelining
+  one micro-batch is in flight (gradient accumulation runs them one after the other).
+- Reserve: the CUDA context and NCCL's buffers (a fixed `CONTEXT_GIB`) and the caching allocator's fragmentation
+  (`FRAGMENTATION` of what is allocated) are assumptions, stated in the report; the measured peaks moela compares
+  against are `torch.cuda.max_memory_allocated`, which excludes both.
+
+Shapes: T tokens of a micro-batch on this rank, D hidden, H heads, K top-k, E experts, F expert width.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from moela.model.config import ModelConfig
+from moela.ops.moe.layout import build_layout_rows
+from moela.plan.layout import Layout
+
+GIB = 2**30
+CONTEXT_GIB = 1.0  # CUDA context + NCCL communicators per process (assumption; not in max_memory_allocated)
+FRAGMENTATION = 0.05  # caching allocator's reserved-over-allocated overhead at the peak (assumption)
+BF16, FP32 = 2, 4
+
+_COLWISE = ("attn.wq.weight", "attn.wq_b.weight", "attn.wkv_b.weight", "w1.weight", "w3.weight")
+_ROWWISE = ("attn.wo.weight", "w2.weight")
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    name: str
+    local_shape: tuple[int, ...]  # this rank's (rank 0's) tensor
+    padded_numel: int  # what FSDP's all-gather sends from each rank (dim 0 padded to ceil(rows / n))
+    unsharded_numel: int  # the tp/ep-local tensor FSDP gathers back
+    stage: int  # pipeline chunk (-1: first-stage root, -2: last-stage root)
+    unit: str  # FSDP unit: "block.<i>", "experts.<i>" or "root"
+    fsdp_group: str  # mesh view FSDP shards it over: dp_shard_cp or efsdp
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def _tp_dim(name: str, tp: int) -> int | None:
+    """The dim tensor parallelism shards `name` on, None if replicated over tp."""
+    if tp == 1:
+        return None
+    if name in ("embed.weight", "head.weight") or name.endswith(_COLWISE) and ".experts." not in name:
+        return 0
+    if name.endswith(_ROWWISE) and ".experts." not in name:
+        return 1
+    if name.endswith(("attn.q_qk_norm.weight", "attn.k_qk_norm.weight")):
+        return 0
+    return None
+
+
+def _chunk_rows(rows: int, n: int) -> int:
+    """Rows of rank 0 when `torch.chunk` (FSDP2's split) cuts `rows` into n pieces."""
+    return min(rows, -(-rows // n))
+
+
+def meta_model(cfg: ModelConfig):
+    """The model on the meta device (no memory)."""
+    from moela.model.transformer import Transformer
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def block_stage(index: int, blocks: int, layout: Layout) -> int:
+    """Pipeline chunk of block `index` of `blocks` (main blocks then MTP blocks): an even split over the chunks."""
+    chunks = layout.stages
+    return min(chunks - 1, index * chunks // blocks)
+
+
+def param_shards(cfg: ModelConfig, layout: Layout, model=None) -> list[ParamShard]:
+    """Every parameter's shard on rank 0 (module docstring)."""
+    model = meta_model(cfg) if model is None else model
+    main = cfg.num_hidden_layers
+    blocks = main + cfg.num_nextn_predict_layers
+    out = []
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if (dim := _tp_dim(name, layout.tp)) is not None:
+            shape[dim] //= layout.tp
+        expert = ".experts." in name
+        if expert:
+            shape[0] //= layout.ep
+        parts = name.split(".")
+        if parts[0] == "layers":
+            index = int(parts[1])
+        elif parts[0] == "mtp" and parts[2] == "block":
+            index = main + int(parts[1])
+        else:
+            index = None
+        if index is None:
+            stage, unit = (-1 if parts[0] == "embed" else -2), "root"
+        else:
+            stage, unit = block_stage(index, blocks, layout), f"{'experts' if expert else 'block'}.{index}"
+        group = "efsdp" if expert and layout.ep > 1 else "dp_shard_cp"
+        n = layout.efsdp if group == "efsdp" else layout.shard
+        rest = math.prod(shape[1:])
+        unsharded = math.prod(shape)
+        rows = _chunk_rows(shape[0], n) if layout.world > 1 else shape[0]
+        padded = -(-shape[0] // n) * rest if layout.world > 1 else unsharded
+        out.append(ParamShard(name, (rows, *shape[1:]), padded, unsharded, stage, unit, group))
+    return out
+
+
+def on_stage(shard: ParamShard, stage: int, layout: Layout) -> bool:
+    """Whether pipeline rank `stage` holds `shard` (DualPipeV / ZBV: rank s holds chunks s and 2pp - 1 - s)."""
+    last = layout.stages - 1
+    chunk = {-1: 0, -2: last}.get(shard.stage, shard.stage)
+    if layout.stages == 2 * layout.pp and layout.pp_schedule in ("zbv", "dualpipev"):
+        return chunk in (stage, last - stage) or (shard.stage == -1 and stage == 0)
+    return chunk // (layout.stages // layout.pp) == stage
+
+
+@dataclass
+class StateBytes:
+    params: int
+    grads: int
+    optimizer: int
+    tensors: int
+
+
+def state_bytes(shards: list[ParamShard], moment_bytes: int) -> StateBytes:
+    """fp32 master weights and gradients, two AdamW moments in `moment_bytes`, one fp32 step per tensor."""
+    numel = sum(s.numel for s in shards)
+    return StateBytes(FP32 * numel, FP32 * numel, 2 * moment_bytes * numel + FP32 * len(shards), len(shards))
+
+
+# ---- activations --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """What one micro-batch is on this rank: tokens, and the precision its GEMMs run in."""
+
+    tokens: int  # tokens_per_microbatch (the micro-batch before CP / TP split)
+    microbatches: int  # per optimizer step on each data-parallel rank (grad_accum, or the pipeline's)
+    fp8_experts: bool = False
+    ep_dispatch: str = "auto"
+
+
+def ep_mode(cfg: ModelConfig, layout: Layout, dispatch: str) -> str:
+    """gather or alltoall, as `ExpertParallelExperts` picks it (auto: gather when ep <= K)."""
+    if dispatch != "auto":
+        return dispatch
+    return "gather" if layout.ep <= cfg.num_experts_per_tok else "alltoall"
+
+
+def expert_rows(cfg: ModelConfig, layout: Layout, tokens: int, dispatch: str) -> int:
+    """Rows of the expert op's layout on this rank (M): its static bound in gather mode (ep x tokens x K), the
+    expected received (token, expert) pairs of uniform routing for the all-to-all."""
+    k, e_local = cfg.num_experts_per_tok, cfg.n_routed_experts // layout.ep
+    if layout.ep == 1:
+        return build_layout_rows(tokens, k, e_local)
+    if ep_mode(cfg, layout, dispatch) == "gather":
+        padded = -(-tokens // 256) * 256
+        return build_layout_rows(layout.ep * padded, k, e_local)
+    return build_layout_rows(tokens, k, e_local)
+
+
+def block_activation_terms(cfg: ModelConfig, layout: Layout, tokens: int, moe: bool, dispatch: str
+                           ) -> dict[str, int]:
+    """ACTIVATION_INVENTORY: bytes one block saves for backward for `tokens` tokens of this rank (after the CP
+    split; TP splits heads and FFN widths and keeps sequence-parallel rows)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads // layout.tp
+    t, rows = tokens, -(-tokens // layout.tp)  # tokens attention sees, sequence-parallel rows
+    qk, dv, c, r = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    cq = cfg.q_lora_rank or 0
+    terms = {
+        "residual + attn norm (fp32 x, 1/rms)": rows * (FP32 * d + FP32),
+        "normed input of wq_a / wkv_a (bf16)": rows * BF16 * d,
+        "q latent + q_norm (bf16)": t * (2 * BF16 * cq + FP32) if cq else 0,
+        "kv latent + kv_norm (bf16)": t * (BF16 * (c + r) + BF16 * c + FP32),
+        "q, k, v, out (bf16) + lse (fp32)": t * h * (BF16 * (2 * qk + 2 * dv) + FP32),
+        "ffn residual + norm (fp32 x, 1/rms; bf16 out)": rows * (FP32 * d + FP32 + BF16 * d),
+    }
+    if moe:
+        k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+        m = expert_rows(cfg, layout, rows, dispatch)
+        fs = cfg.moe_intermediate_size * cfg.n_shared_experts // layout.tp
+        terms["router logits, scores, top-k (fp32, int64)"] = rows * (FP32 * 2 * e + (8 + FP32) * k)
+        if cfg.aux_loss_coef > 0:
+            terms["balance loss (fp32 [T, E] x2)"] = rows * FP32 * 2 * e
+        terms["routed experts: h [M, 2F], o [M, D] (bf16), layout (int32)"] = (
+            m * (BF16 * (2 * cfg.moe_intermediate_size + d) + 8) + rows * k * 4)
+        if layout.ep > 1 and ep_mode(cfg, layout, dispatch) == "gather":
+            terms["EP gather: gathered x and ids/weights"] = (m // k) * (BF16 * d + FP32 * 2 * k)
+        if fs:
+            terms["shared experts: w1, w3 out + SwiGLU out (bf16)"] = t * BF16 * 3 * fs
+    else:
+        f = cfg.intermediate_size // layout.tp
+        terms["dense FFN: w1, w3 out + SwiGLU out (bf16)"] = t * BF16 * 3 * f
+    return terms
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU on the pipeline stage that holds the most (`stage`)."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    working_params: int  # FSDP's gathered bf16 copies (and their gradients) at the peak; bf16 weight casts on 1 GPU
+    activations_per_microbatch: int
+    microbatches_in_flight: float
+    activations: int
+    transient: int  # one block's backward: the gradients of its activations (and its recompute, under AC)
+    ep_buffers: int
+    logits: int
+    reserve: int
+    terms: dict[str, int] = field(default_factory=dict)  # one block's inventory (the largest block)
+
+    @property
+    def allocated(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.working_params + self.activations
+                + self.transient + self.ep_buffers + self.logits)
+
+    @property
+    def total(self) -> int:
+        return self.allocated + self.reserve
+
+
+def in_flight(layout: Layout) -> float:
+    """Micro-batches whose activations stage 0 holds at the peak, in units of the whole stage's activations of one
+    micro-batch (module docstring)."""
+    pp, v = layout.pp, layout.pp_virtual_stages
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "1f1b":
+        return float(pp)
+    if layout.pp_schedule == "interleaved_1f1b":
+        return 1.0 + (pp - 1) * (1.0 + 1.0 / v)  # warm-up of (pp - 1) * (v + 1) chunks of 1/v stage each
+    return float(pp + 1)
+
+
+def memory(cfg: ModelConfig, layout: Layout, work: Workload, *, moment_bytes: int, ac: str = "none",
+           shards: list[ParamShard] | None = None) -> Memory:
+    shards = param_shards(cfg, layout) if shards is None else shards
+    tokens = -(-work.tokens // layout.cp)
+    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    kinds = [i >= cfg.first_k_dense_replace if i < cfg.num_hidden_layers else cfg.mtp_is_moe for i in range(blocks)]
+    best = None
+    for stage in range(layout.pp):
+        mine = [s for s in shards if on_stage(s, stage, layout)]
+        st = state_bytes(mine, moment_bytes)
+        held = sorted({int(s.unit.split(".")[1]) for s in mine if s.unit != "root"})
+        acts = [sum(block_activation_terms(cfg, layout, tokens, kinds[i], work.ep_dispatch).values()) for i in held]
+        input_only = -(-tokens // layout.tp) * FP32 * cfg.hidden_size
+        kept = [input_only if ac == "full" or (ac == "selective" and j % 2 == 1) else a
+                for j, a in enumerate(acts)]
+        per_mb = sum(kept)
+        working = _working_params(mine, layout)
+        biggest = max(acts, default=0)
+        transient = biggest * (2 if ac != "none" else 1)
+        ep = _ep_buffers(cfg, layout, tokens, work.ep_dispatch) if any(kinds[i] for i in held) else 0
+        logits = _logits_bytes(cfg, layout, tokens) if any(s.stage == -2 for s in mine) else 0
+        flight = in_flight(layout) if stage == 0 else max(1.0, in_flight(layout) - stage)
+        acts_total = int(per_mb * flight)
+        mem = Memory(stage, st.params, st.grads, st.optimizer, working, per_mb, flight, acts_total, transient, ep,
+                     logits, 0)
+        if best is None or mem.allocated > best.allocated:
+            best = mem
+            big = max(held, key=lambda i: acts[held.index(i)], default=None)
+            best.terms = block_activation_terms(cfg, layout, tokens, kinds[big], work.ep_dispatch) if big is not None else {}
+    best.reserve = int(CONTEXT_GIB * GIB + FRAGMENTATION * best.allocated)
+    return best
+
+
+def _working_params(mine: list[ParamShard], layout: Layout) -> int:
+    """FSDP (world > 1): the root's gathered bf16 weights for the whole step, plus the two largest block units
+    (the one running and the one prefetched) in bf16 and, in backward, that unit's unsharded fp32 gradient for the
+    reduce-scatter. One GPU: autocast's bf16 copy of every matmul weight, saved for backward by each layer."""
+    if layout.world == 1:
+        return BF16 * sum(s.unsharded_numel for s in mine if s.numel >= 2 and len(s.local_shape) >= 2)
+    units: dict[str, int] = {}
+    for s in mine:
+        key = s.unit.replace("experts", "block")
+        units[key] = units.get(key, 0) + s.unsharded_numel
+    root = units.pop("root", 0)
+    top = sorted(units.values(), reverse=True)[:2]
+    return BF16 * root + BF16 * sum(top) + FP32 * (top[0] if top else 0)
+
+
+def _ep_buffers(cfg: ModelConfig, layout: Layout, tokens: int, dispatch: str) -> int:
+    """Expert parallelism's collective buffers of one MoE layer in flight (freed after it): the gathered tokens
+    and the partial outputs (gather), or the sent and received rows (all-to-all); both directions."""
+    if layout.ep == 1:
+        return 0
+    rows = -(-tokens // layout.tp)
+    d = cfg.hidden_size
+    if ep_mode(cfg, layout, dispatch) == "gather":
+        padded = -(-rows // 256) * 256
+        return 2 * layout.ep * padded * BF16 * d
+    return 2 * 2 * rows * cfg.num_experts_per_tok * BF16 * d
+
+
+def _logits_bytes(cfg: ModelConfig, layout: Layout, tokens: int) -> int:
+    """The fused head + cross-entropy's working set: its saved input (bf16) and per-token lse, and one chunk of
+    logits in fp32 (`moela.ops.linear_cross_entropy` processes the vocabulary in chunks) - bounded by the
+    model's full logits for small vocabularies."""
+    rows = -(-tokens // layout.tp)
+    heads = 1 + cfg.num_nextn_predict_layers
+    chunk = min(tokens * cfg.vocab_size // layout.tp, 8192 * 8192)
+    return heads * rows * (BF16 * cfg.hidden_size + FP32) + FP32 * chunk
