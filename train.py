@@ -44,6 +44,23 @@ def _is_rank0() -> bool:
         return True
 
 
+def _plan_stops(cfg) -> bool:
+    """The plan's memory check (`train.plan_check`, moela.plan.check) on a CUDA run, before any allocation; prints
+    its line on rank 0; true when it is an error."""
+    import torch
+    if cfg.train.plan_check == "off" or cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return False
+    from moela.plan.check import memory_check
+    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK") or 0))
+    found = memory_check(cfg, int(os.environ.get("WORLD_SIZE") or 1), props.name, props.total_memory)
+    if found is None:
+        return False
+    level, line = found
+    if _is_rank0():
+        print(f"{'error' if level == 'error' else 'warning'}: {line}", file=sys.stderr)
+    return level == "error"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from moela.config import ConfigError, dump_config, load_config
@@ -66,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     from moela.trainer.loop import STOPPED
 
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING, format="%(name)s: %(message)s")
+    if _plan_stops(cfg):
+        return EXIT_INPUT
     try:
         outcome = Trainer(cfg).fit()
     except TrainingError as e:

@@ -1,4 +1,4 @@
-"""`python -m moela {generate,export,import,eval,summary} ...`: argument parsing and dispatch.
+"""`python -m moela {generate,export,import,eval,summary,plan} ...`: argument parsing and dispatch.
 
 A command's user errors (a missing run directory, no checkpoint, a bad step or device, an invalid option value)
 print `error: ...` on stderr and exit with code 2, like argparse's own usage errors; anything else is a bug and
@@ -22,12 +22,13 @@ COMMANDS = {
     "import": ("moela.tools.import_hf", "write a moela run directory from a Hugging Face deepseek_v3 folder"),
     "eval": ("moela.tools.evaluate", "held-out loss, perplexity and bits per byte (or lm-eval tasks)"),
     "summary": ("moela.tools.summary", "print the summary of a training run from its run directory"),
+    "plan": ("moela.tools.plan", "predict memory, communication and step time of a recipe's layout on N GPUs"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moela", description="moela after training: generate, export, "
-                                     "import, eval, summary. Training itself is `python train.py RECIPE.yaml`.")
+                                     "import, eval, summary; before it: plan. Training itself is `python train.py RECIPE.yaml`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
