@@ -118,7 +118,8 @@ def param_shards(cfg: ModelConfig, layout: Layout, model=None) -> list[ParamShar
         if index is None:
             stage, unit = (-1 if parts[0] == "embed" else -2), "root"
         else:
-            stage, unit = block_stage(index, blocks, layout), f"{'experts' if expert else 'block'}.{index}"
+            own = expert and layout.ep > 1  # routed experts are their own FSDP unit under expert parallelism only
+            stage, unit = block_stage(index, blocks, layout), f"{'experts' if own else 'block'}.{index}"
         group = "efsdp" if expert and layout.ep > 1 else "dp_shard_cp"
         n = layout.efsdp if group == "efsdp" else layout.shard
         rest = math.prod(shape[1:])

@@ -1,0 +1,130 @@
+"""moela.plan: sharded state exact against the real model (CPU, one process and gloo ranks) and against the fake
+world at full size; the FSDP collectives against what one step issues; the CLI's errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from moela.config import OptimConfig
+from moela.model.config import preset
+from moela.model.transformer import build_model
+from moela.parallel.config import ParallelConfig
+from moela.plan.comm import fsdp_collectives
+from moela.plan.fake_world import build
+from moela.plan.layout import layout_of
+from moela.plan.memory import param_shards, state_bytes
+from moela.trainer.optim import build_optimizer
+from tests.factories import packed_batch, tiny_config
+from tests.parallel_harness import spawn
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_state_bytes_equal_real_allocation(moment_dtype):
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = build_model(cfg)
+    opt = build_optimizer(model, OptimConfig(moment_dtype=moment_dtype), "cpu")
+    out = model(packed_batch(cfg.vocab_size, [17, 30], seed=0))
+    out.loss.backward()
+    opt.step()
+    shards = param_shards(cfg, layout_of(ParallelConfig(), 1))
+    want = state_bytes(shards, 2 if moment_dtype == "bfloat16" else 4)
+    assert want.params == _tensor_bytes(model.parameters())
+    assert want.grads == _tensor_bytes(p.grad for p in model.parameters())
+    assert want.optimizer == _tensor_bytes(v for s in opt.state.values() for v in s.values())
+
+
+def _shapes_match(size: str, parallel: ParallelConfig, world: int, **overrides) -> None:
+    cfg = preset(size, **overrides)
+    fake = build(cfg, parallel, world)
+    layout = layout_of(parallel, world)
+    shards = param_shards(cfg, layout)
+    assert {s.name: s.local_shape for s in shards} == fake.local_shape
+    if parallel.tp == 1:  # the plan prices FSDP's units; under tp the replicated weights form extra units
+        plan = Counter((c.size, c.nbytes // 2) for c in fsdp_collectives(shards, layout, 1)
+                       if c.kind == "all_gather")
+        assert plan == Counter((n, padded) for n, _, padded in fake.fsdp_units if n > 1)
+
+
+def test_fake_world_v3_256_ranks_equals_plan():
+    _shapes_match("v3", ParallelConfig(ep=64), 256)
+
+
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=8), 8),
+                                            (ParallelConfig(dp_replicate=2, ep=4, tp=2), 16),
+                                            (ParallelConfig(cp=2, ep=4), 16)])
+def test_fake_world_v2_lite_equals_plan(parallel, world):
+    _shapes_match("v2-lite", parallel, world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=64, dp_replicate=4), 1024),
+                                            (ParallelConfig(ep=32, tp=8), 1024),
+                                            (ParallelConfig(ep=64, dp_replicate=8), 2048),
+                                            (ParallelConfig(ep=256), 2048)])
+def test_fake_world_v3_at_scale_equals_plan(parallel, world):
+    _shapes_match("v3", parallel, world)
+
+
+def _gloo_rank(rank: int, world: int, parallel: ParallelConfig) -> None:
+    from moela.parallel.apply import apply_parallelism
+    from moela.parallel.comm import CommCounter
+    from moela.parallel.mesh import build_mesh, local_shard
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    mesh = build_mesh(parallel, world, "cpu")
+    model = build_model(cfg, parallelize=lambda m: apply_parallelism(m, mesh, parallel))
+    layout = layout_of(parallel, world)
+    shards = param_shards(cfg, layout)
+    if rank == 0:  # the plan states rank 0's shards (the largest)
+        assert {s.name: s.local_shape for s in shards} == {n: tuple(local_shard(p).shape)
+                                                           for n, p in model.named_parameters()}
+    assert sum(local_shard(p).numel() for p in model.parameters()) <= sum(s.numel for s in shards)
+    with CommCounter() as comm:
+        model(packed_batch(cfg.vocab_size, [40, 23], seed=rank)).loss.backward()
+    # CPU runs FSDP in fp32: the gathered shards are 4 bytes per element where the plan prices bf16
+    seen = Counter(c.nbytes for c in comm.collectives if c.kind == "all_gather" and c.dtype == torch.float32
+                   and len(c.shape) == 1)
+    planned = Counter()
+    for c in fsdp_collectives(shards, layout, 1):
+        if c.kind == "all_gather":
+            planned[c.nbytes * 2] += c.count
+    assert seen == planned
+
+
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(), 2), (ParallelConfig(ep=2), 4)])
+def test_gloo_shards_and_fsdp_gathers_equal_plan(parallel, world):
+    spawn(_gloo_rank, world, parallel)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "moela", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_one_gpu_prints_the_plan():
+    r = _cli("recipes/small.yaml", "--gpus", "1")
+    assert r.returncode == 0, r.stderr
+    assert "memory per GPU" in r.stdout and "tokens/s per GPU" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [(["recipes/small.yaml", "train.tokens_per_microbatch=0", "--gpus", "1"],
+                                          "tokens_per_microbatch"),
+                                         (["recipes/small.yaml", "--gpus", "6", "--pp", "4"], "--pp 4"),
+                                         (["recipes/small.yaml", "parallel.tp=3", "--gpus", "8"], "tp"),
+                                         (["recipes/nope.yaml", "--gpus", "1"], "nope.yaml")])
+def test_cli_errors_are_one_line(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
