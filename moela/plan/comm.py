@@ -6,7 +6,8 @@ Per step, from the parallel code's structure:
 - FSDP2, per unit (a block's dense weights over dp_shard x cp; its routed experts over dp_shard x cp / ep; the
   root: embedding, final norm, head, MTP projections): an all-gather of the bf16 padded shards before each forward
   and again before each backward (blocks reshard after forward; the root does not, so it gathers once per
-  micro-batch), and one fp32 reduce-scatter per step (gradients are synchronized on the last micro-batch only).
+  micro-batch), and one fp32 reduce-scatter per step (gradients are synchronized on the last micro-batch only);
+  with pipelining one all-gather per unit and step (the stage stays gathered, `moela.plan.memory`).
   With dp_replicate > 1 (HSDP) the reduced shard is then all-reduced across replicas; `replicate_compression`
   divides those bytes (the hook a gradient compressor sets).
 - Expert parallelism, per MoE layer and micro-batch: `gather` all-gathers the padded tokens (bf16) and their ids
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from moela.model.config import ModelConfig
 from moela.plan.layout import Layout
-from moela.plan.memory import BF16, FP32, ParamShard, ep_mode, on_stage
+from moela.plan.memory import BF16, FP32, ParamShard, ep_mode, owner
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,13 @@ def fsdp_collectives(shards: list[ParamShard], layout: Layout, microbatches: int
         return []
     units: dict[tuple[str, str], int] = {}
     for s in shards:
-        if on_stage(s, stage, layout):
+        if owner(s, layout) == stage:
             units[(s.unit, s.fsdp_group)] = units.get((s.unit, s.fsdp_group), 0) + s.padded_numel
     out = []
     for (unit, group), padded in units.items():
         n = layout.efsdp if group == "efsdp" else layout.shard
         if n > 1:
-            gathers = microbatches * (1 if unit == "root" else 2)
+            gathers = 1 if layout.pp > 1 else microbatches * (1 if unit == "root" else 2)
             out.append(Collective("all_gather", group, n, gathers, BF16 * padded, f"FSDP {unit}", "fsdp"))
             out.append(Collective("reduce_scatter", group, n, 1, FP32 * padded * n, f"FSDP {unit}", "fsdp"))
         if layout.dp_replicate > 1:
@@ -74,7 +75,7 @@ def step_collectives(cfg: ModelConfig, layout: Layout, shards: list[ParamShard],
                      dispatch: str, stage: int = 0) -> list[Collective]:
     """Every collective of one step on pipeline rank `stage` (module docstring); tokens = tokens_per_microbatch."""
     out = fsdp_collectives(shards, layout, microbatches, stage)
-    blocks = sorted({int(s.unit.split(".")[1]) for s in shards if s.unit != "root" and on_stage(s, stage, layout)})
+    blocks = sorted({int(s.unit.split(".")[1]) for s in shards if s.unit != "root" and owner(s, layout) == stage})
     moe = [i for i in blocks if (i >= cfg.first_k_dense_replace if i < cfg.num_hidden_layers else cfg.mtp_is_moe)]
     local = -(-tokens // layout.cp)
     rows = -(-local // layout.tp)

@@ -89,10 +89,12 @@ class Layout:
         return self.pp * (2 if self.pp_schedule in ("zbv", "dualpipev") else self.pp_virtual_stages)
 
     def group(self, name: str) -> "Group":
-        """The group of mesh view `name` (tp, cp, ep, dp_shard_cp, efsdp, dp_replicate, pp) with its stride."""
+        """The group of mesh view `name` (tp, cp, ep, dp_shard_cp, efsdp, dp_replicate, dp_cp, pp) with its
+        stride."""
         tp, cp = self.tp, self.cp
         spans = {"tp": (1, tp), "cp": (tp, cp), "ep": (tp, self.ep), "dp_shard_cp": (tp, self.shard),
                  "efsdp": (tp * self.ep, self.efsdp), "dp_replicate": (tp * self.shard, self.dp_replicate),
+                 "dp_cp": (tp, self.dp_replicate * self.shard),
                  "pp": (tp * self.shard * self.dp_replicate, self.pp)}
         stride, size = spans[name]
         return Group(name, size, stride, self.gpus_per_node)

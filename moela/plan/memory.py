@@ -22,6 +22,10 @@ Decisions:
   DualPipeV hold 2 chunks of pp + 1 micro-batches (their two directions fill both chunks of stage 0 at once), and
   DualPipeV keeps the parameters of both chunks (each rank holds stages s and 2pp - 1 - s). Without pipelining
   one micro-batch is in flight (gradient accumulation runs them one after the other).
+- With pipelining, FSDP keeps a stage's weights gathered from the first micro-batch to the last and reduces the
+  accumulated gradients once (torchtitan's choice under PP: re-gathering every unit for each of dozens of
+  micro-batches would multiply the traffic by them); memory holds the stage's bf16 weights and fp32 gradients
+  unsharded.
 - Reserve: the CUDA context and NCCL's buffers (a fixed `CONTEXT_GIB`) and the caching allocator's fragmentation
   (`FRAGMENTATION` of what is allocated) are assumptions, stated in the report; the measured peaks moela compares
   against are `torch.cuda.max_memory_allocated`, which excludes both.
@@ -82,11 +86,12 @@ def _chunk_rows(rows: int, n: int) -> int:
     return min(rows, -(-rows // n))
 
 
-def meta_model(cfg: ModelConfig):
-    """The model on the meta device (no memory)."""
+def param_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the model, built on the meta device (no memory)."""
     from moela.model.transformer import Transformer
     with torch.device("meta"):
-        return Transformer(cfg)
+        model = Transformer(cfg)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
 def block_stage(index: int, blocks: int, layout: Layout) -> int:
@@ -95,14 +100,16 @@ def block_stage(index: int, blocks: int, layout: Layout) -> int:
     return min(chunks - 1, index * chunks // blocks)
 
 
-def param_shards(cfg: ModelConfig, layout: Layout, model=None) -> list[ParamShard]:
-    """Every parameter's shard on rank 0 (module docstring)."""
-    model = meta_model(cfg) if model is None else model
+def param_shards(cfg: ModelConfig, layout: Layout, specs: list[tuple[str, tuple[int, ...]]] | None = None
+                 ) -> list[ParamShard]:
+    """Every parameter's shard on rank 0 (module docstring); `specs`: `param_specs(cfg)`, if already made."""
+    specs = param_specs(cfg) if specs is None else specs
     main = cfg.num_hidden_layers
     blocks = main + cfg.num_nextn_predict_layers
+    sharded = layout.world > 1
     out = []
-    for name, p in model.named_parameters():
-        shape = list(p.shape)
+    for name, global_shape in specs:
+        shape = list(global_shape)
         if (dim := _tp_dim(name, layout.tp)) is not None:
             shape[dim] //= layout.tp
         expert = ".experts." in name
@@ -124,19 +131,30 @@ def param_shards(cfg: ModelConfig, layout: Layout, model=None) -> list[ParamShar
         n = layout.efsdp if group == "efsdp" else layout.shard
         rest = math.prod(shape[1:])
         unsharded = math.prod(shape)
-        rows = _chunk_rows(shape[0], n) if layout.world > 1 else shape[0]
-        padded = -(-shape[0] // n) * rest if layout.world > 1 else unsharded
+        rows = _chunk_rows(shape[0], n) if sharded else shape[0]
+        padded = -(-shape[0] // n) * rest if sharded else unsharded
         out.append(ParamShard(name, (rows, *shape[1:]), padded, unsharded, stage, unit, group))
     return out
 
 
-def on_stage(shard: ParamShard, stage: int, layout: Layout) -> bool:
-    """Whether pipeline rank `stage` holds `shard` (DualPipeV / ZBV: rank s holds chunks s and 2pp - 1 - s)."""
-    last = layout.stages - 1
-    chunk = {-1: 0, -2: last}.get(shard.stage, shard.stage)
-    if layout.stages == 2 * layout.pp and layout.pp_schedule in ("zbv", "dualpipev"):
-        return chunk in (stage, last - stage) or (shard.stage == -1 and stage == 0)
-    return chunk // (layout.stages // layout.pp) == stage
+def owner(shard: ParamShard, layout: Layout) -> int:
+    """The pipeline rank holding `shard`: chunk c on rank c // (chunks per rank), or for ZBV / DualPipeV (two
+    chunks per rank, the second mirrored) rank c for c < pp and 2pp - 1 - c after."""
+    if layout.pp == 1:
+        return 0
+    stages = layout.stages
+    chunk = {-1: 0, -2: stages - 1}.get(shard.stage, shard.stage)
+    if layout.pp_schedule in ("zbv", "dualpipev"):
+        return chunk if chunk < layout.pp else stages - 1 - chunk
+    return chunk // (stages // layout.pp)
+
+
+def by_stage(shards: list[ParamShard], layout: Layout) -> list[list[ParamShard]]:
+    """The shards of each pipeline rank."""
+    out: list[list[ParamShard]] = [[] for _ in range(layout.pp)]
+    for s in shards:
+        out[owner(s, layout)].append(s)
+    return out
 
 
 @dataclass
@@ -247,48 +265,52 @@ class Memory:
         return self.allocated + self.reserve
 
 
-def in_flight(layout: Layout) -> float:
-    """Micro-batches whose activations stage 0 holds at the peak, in units of the whole stage's activations of one
-    micro-batch (module docstring)."""
+def in_flight(layout: Layout, stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at the peak, in units of its blocks'
+    activations of one micro-batch (module docstring)."""
     pp, v = layout.pp, layout.pp_virtual_stages
     if pp == 1:
         return 1.0
     if layout.pp_schedule == "1f1b":
-        return float(pp)
-    if layout.pp_schedule == "interleaved_1f1b":
-        return 1.0 + (pp - 1) * (1.0 + 1.0 / v)  # warm-up of (pp - 1) * (v + 1) chunks of 1/v stage each
-    return float(pp + 1)
+        return float(pp - stage)
+    if layout.pp_schedule == "interleaved_1f1b":  # warm-up of (pp - 1 - s) * 2 + (v - 1) * pp chunks of 1/v each
+        return (2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v
+    return float(pp + 1)  # ZBV / DualPipeV: both chunks of every rank fill from the two ends
+
+
+def _block_kinds(cfg: ModelConfig) -> list[bool]:
+    """Whether each block (main, then MTP) is MoE."""
+    main = [i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
+    return main + [cfg.mtp_is_moe] * cfg.num_nextn_predict_layers
+
+
+def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, mine: list[ParamShard], stage: int, *,
+                 moment_bytes: int, ac: str) -> Memory:
+    """Memory of pipeline rank `stage`, which holds `mine` (stage s of 1F1B holds pp - s micro-batches)."""
+    tokens = -(-work.tokens // layout.cp)
+    kinds = _block_kinds(cfg)
+    st = state_bytes(mine, moment_bytes)
+    held = sorted({int(s.unit.split(".")[1]) for s in mine if s.unit != "root"})
+    terms = [block_activation_terms(cfg, layout, tokens, kinds[i], work.ep_dispatch) for i in held]
+    acts = [sum(t.values()) for t in terms]
+    input_only = -(-tokens // layout.tp) * FP32 * cfg.hidden_size
+    per_mb = sum(input_only if ac == "full" or (ac == "selective" and j % 2 == 1) else a for j, a in enumerate(acts))
+    flight = in_flight(layout, stage)
+    transient = max(acts, default=0) * (2 if ac != "none" else 1)
+    ep = _ep_buffers(cfg, layout, tokens, work.ep_dispatch) if any(kinds[i] for i in held) else 0
+    logits = _logits_bytes(cfg, layout, tokens) if any(s.stage == -2 for s in mine) else 0
+    largest = terms[acts.index(max(acts))] if acts else {}
+    return Memory(stage, st.params, st.grads, st.optimizer, _working_params(mine, layout), per_mb, flight,
+                  int(per_mb * flight), transient, ep, logits, 0, largest)
 
 
 def memory(cfg: ModelConfig, layout: Layout, work: Workload, *, moment_bytes: int, ac: str = "none",
            shards: list[ParamShard] | None = None) -> Memory:
+    """Memory per GPU on the pipeline rank that holds the most, with the allocator's reserve."""
     shards = param_shards(cfg, layout) if shards is None else shards
-    tokens = -(-work.tokens // layout.cp)
-    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    kinds = [i >= cfg.first_k_dense_replace if i < cfg.num_hidden_layers else cfg.mtp_is_moe for i in range(blocks)]
-    best = None
-    for stage in range(layout.pp):
-        mine = [s for s in shards if on_stage(s, stage, layout)]
-        st = state_bytes(mine, moment_bytes)
-        held = sorted({int(s.unit.split(".")[1]) for s in mine if s.unit != "root"})
-        acts = [sum(block_activation_terms(cfg, layout, tokens, kinds[i], work.ep_dispatch).values()) for i in held]
-        input_only = -(-tokens // layout.tp) * FP32 * cfg.hidden_size
-        kept = [input_only if ac == "full" or (ac == "selective" and j % 2 == 1) else a
-                for j, a in enumerate(acts)]
-        per_mb = sum(kept)
-        working = _working_params(mine, layout)
-        biggest = max(acts, default=0)
-        transient = biggest * (2 if ac != "none" else 1)
-        ep = _ep_buffers(cfg, layout, tokens, work.ep_dispatch) if any(kinds[i] for i in held) else 0
-        logits = _logits_bytes(cfg, layout, tokens) if any(s.stage == -2 for s in mine) else 0
-        flight = in_flight(layout) if stage == 0 else max(1.0, in_flight(layout) - stage)
-        acts_total = int(per_mb * flight)
-        mem = Memory(stage, st.params, st.grads, st.optimizer, working, per_mb, flight, acts_total, transient, ep,
-                     logits, 0)
-        if best is None or mem.allocated > best.allocated:
-            best = mem
-            big = max(held, key=lambda i: acts[held.index(i)], default=None)
-            best.terms = block_activation_terms(cfg, layout, tokens, kinds[big], work.ep_dispatch) if big is not None else {}
+    stages = [stage_memory(cfg, layout, work, mine, s, moment_bytes=moment_bytes, ac=ac)
+              for s, mine in enumerate(by_stage(shards, layout))]
+    best = max(stages, key=lambda m: m.allocated)
     best.reserve = int(CONTEXT_GIB * GIB + FRAGMENTATION * best.allocated)
     return best
 
@@ -296,9 +318,13 @@ def memory(cfg: ModelConfig, layout: Layout, work: Workload, *, moment_bytes: in
 def _working_params(mine: list[ParamShard], layout: Layout) -> int:
     """FSDP (world > 1): the root's gathered bf16 weights for the whole step, plus the two largest block units
     (the one running and the one prefetched) in bf16 and, in backward, that unit's unsharded fp32 gradient for the
-    reduce-scatter. One GPU: autocast's bf16 copy of every matmul weight, saved for backward by each layer."""
+    reduce-scatter. With pipelining every unit of the stage stays gathered across the micro-batches, with its
+    unsharded fp32 gradient accumulating (`PP_KEEPS_GATHERED`). One GPU: autocast's bf16 copy of every matmul
+    weight, saved for backward by each layer."""
     if layout.world == 1:
         return BF16 * sum(s.unsharded_numel for s in mine if s.numel >= 2 and len(s.local_shape) >= 2)
+    if layout.pp > 1:
+        return (BF16 + FP32) * sum(s.unsharded_numel for s in mine)
     units: dict[str, int] = {}
     for s in mine:
         key = s.unit.replace("experts", "block")

@@ -7,19 +7,20 @@ Decisions:
   token-weighted mean length (`doc_len`; default the recipe's `data.max_doc_len`, capped by the micro-batch).
 - The optimizer state's dtype is `optim.moment_dtype`; MFU uses the trainer's FLOPs per token
   (`moela.model.params.flops_per_token`) at `doc_len` and the GPU's dense bf16 peak, as the step line does.
-- The meta model is built once per model config and reused across layouts (`--search` prices hundreds).
+- The meta model is built once per model config and its parameter shapes reused across layouts (`--search`
+  prices hundreds).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moela.model.config import ModelConfig
 from moela.model.params import flops_per_token
 from moela.plan.comm import Collective, step_collectives
 from moela.plan.layout import GPU, Layout
-from moela.plan.memory import GIB, Memory, Workload, memory, meta_model, on_stage, param_shards
+from moela.plan.memory import GIB, Memory, Workload, memory, owner, param_shards, param_specs
 from moela.plan.timing import StepTime, step_time
 
 
@@ -44,8 +45,19 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=4)
-def _meta(cfg_key: tuple) -> object:
-    return meta_model(ModelConfig(**dict(cfg_key)))
+def _specs(cfg_key: tuple) -> list:
+    return param_specs(ModelConfig(**dict(cfg_key)))
+
+
+@functools.lru_cache(maxsize=256)
+def _shards(cfg_key: tuple, layout: Layout) -> list:
+    return param_shards(ModelConfig(**dict(cfg_key)), layout, _specs(cfg_key))
+
+
+def _shard_key(layout: Layout) -> Layout:
+    """The layout with only what parameter shards depend on (search varies the rest)."""
+    return replace(layout, pp_microbatches=1, activation_checkpointing="none", replicate_compression=1.0,
+                   dp_replicate=min(layout.dp_replicate, 2))
 
 
 def _key(cfg: ModelConfig) -> tuple:
@@ -57,18 +69,22 @@ def doc_length(cfg, tokens: int) -> float:
     return float(min(tokens, cfg.data.max_doc_len or cfg.model.max_position_embeddings))
 
 
-def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, microbatches: int | None = None
-            ) -> Plan:
+def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, microbatches: int | None = None,
+            only_if_fits: bool = False) -> Plan | None:
+    """The plan of `layout`; with `only_if_fits`, None for a layout whose memory exceeds the GPU's (its step time
+    is then not priced)."""
     model = cfg.model
     tokens = cfg.train.tokens_per_microbatch
     mbs = microbatches or (layout.pp_microbatches if layout.pp > 1 else cfg.train.grad_accum)
     doc = doc_len or doc_length(cfg, tokens)
-    shards = param_shards(model, layout, _meta(_key(model)))
+    shards = _shards(_key(model), _shard_key(layout))
     moment = 2 if cfg.optim.moment_dtype == "bfloat16" else 4
     work = Workload(tokens, mbs, model.expert_recipe == "fp8_blockwise", cfg.parallel.ep_dispatch)
     mem = memory(model, layout, work, moment_bytes=moment, ac=layout.activation_checkpointing, shards=shards)
+    if only_if_fits and mem.total > gpu.memory_gib * GIB:
+        return None
     colls = step_collectives(model, layout, shards, tokens, mbs, cfg.parallel.ep_dispatch, mem.stage)
-    local = sum(s.numel for s in shards if on_stage(s, mem.stage, layout))
+    local = sum(s.numel for s in shards if owner(s, layout) == mem.stage)
     recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[layout.activation_checkpointing]
     t = step_time(model, layout, gpu, colls, tokens_per_mb=tokens, microbatches=mbs, doc_len=doc,
                   params_local=local, recompute=recompute, flops_per_token=flops_per_token(model, int(doc)))

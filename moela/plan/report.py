@@ -61,7 +61,8 @@ def one_line(p: Plan) -> str:
 
 
 def search_table(plans: list[Plan], top: int = 10) -> str:
-    lines = ["| rank | layout | memory GiB | fits | tokens/s/GPU | MFU | step ms |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| rank | layout | memory GiB | fits | tokens/s/GPU | MFU | step ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for i, p in enumerate(plans[:top], 1):
         lines.append(f"| {i} | {p.layout.describe()} | {p.memory.total / GIB:.1f} | {'yes' if p.fits else 'no'} | "
                      f"{p.time.tokens_per_s_per_gpu:,.0f} | {p.time.mfu:.1%} | {p.time.seconds * 1e3:.0f} |")

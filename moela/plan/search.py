@@ -1,10 +1,11 @@
 """`--search`: the layouts of a world size that fit, ranked by predicted tokens/s per GPU.
 
 Candidates: tp among the divisors of the heads up to the node size; cp 1 or 2; ep among the divisors of the
-routed experts that divide dp_shard x cp; pp 1 or a divisor of the world up to 16 with each schedule
-(interleaved with 2 chunks per rank) and 2 pp micro-batches per stage at least; dp_replicate 1 or one replica
-per node group; activation checkpointing none or full. The global batch (tokens per step) stays the recipe's, so
-layouts trade micro-batches for data-parallel ranks as the same run would.
+routed experts that divide dp_shard x cp (from 8 up, when there are more than 8 experts); pp 1 or a power of two
+up to 16 that divides the world, with each schedule (interleaved with 2 chunks per rank) and at least 2 micro-batches
+per stage; dp_replicate 1 or 2; activation checkpointing only where a layout does not fit without it (it is never
+faster). The global batch (tokens per step) stays the recipe's, so layouts trade micro-batches for data-parallel
+ranks as the same run would. Memory is priced first; step time only for what fits.
 """
 
 from __future__ import annotations
@@ -30,18 +31,19 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_tokens: int) -> list[t
                 rest = gpus // (pp * tp * cp)
                 if rest < 1 or gpus % (pp * tp * cp):
                     continue
-                for rep in sorted({1, *[r for r in (2, 4, 8, 16, 32) if rest % r == 0]}):
+                for rep in [r for r in (1, 2) if rest % r == 0]:
                     shard = rest // rep
                     for ep in _divisors(model.n_routed_experts, shard * cp):
                         if (shard * cp) % ep or (cp > 1 and ep % cp) or (model.num_moe_blocks == 0 and ep > 1):
+                            continue
+                        if ep < min(8, model.n_routed_experts) and shard * cp >= 8:
                             continue
                         dp = rep * shard
                         mbs = max(1, global_tokens // (per_mb * dp))
                         for sched, v in schedules:
                             m = max(mbs, 2 * pp) if pp > 1 else mbs
-                            for ac in ("none", "full"):
-                                out.append((Layout(rep, shard, cp, tp, ep, pp, sched, m if pp > 1 else 1, v, ac,
-                                                   gpus_per_node=gpus_per_node), m))
+                            out.append((Layout(rep, shard, cp, tp, ep, pp, sched, m if pp > 1 else 1, v,
+                                               gpus_per_node=gpus_per_node), m))
     return out
 
 
@@ -52,8 +54,10 @@ def search(cfg, gpus: int, gpu: GPU, *, gpus_per_node: int = 8, global_tokens: i
     global_tokens = global_tokens or cfg.train.tokens_per_microbatch * cfg.train.grad_accum * base_dp
     plans = []
     for layout, mbs in candidates(cfg, gpus, gpus_per_node, global_tokens):
-        layout = replace(layout, replicate_compression=replicate_compression)
-        p = predict(cfg, layout, gpu, doc_len=doc_len, microbatches=mbs)
-        if p.fits:
-            plans.append(p)
+        for ac in ("none", "full"):
+            lay = replace(layout, replicate_compression=replicate_compression, activation_checkpointing=ac)
+            p = predict(cfg, lay, gpu, doc_len=doc_len, microbatches=mbs, only_if_fits=True)
+            if p is not None:
+                plans.append(p)
+                break
     return sorted(plans, key=lambda p: -p.time.tokens_per_s_per_gpu)

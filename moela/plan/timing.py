@@ -23,7 +23,8 @@ Decisions:
   prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last
   reduce-scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under
   DualPipeV, whose two micro-batch streams overlap one's EP all-to-alls with the other's compute; pipeline sends
-  are half hidden.
+  are half hidden. The collectives hidden on one link share it: together they hide under at most the compute
+  time, and the rest is exposed.
 - Bubble, in units of one stage's forward F and backward B (= 2F, of which W = B/2 is the weight gradient) per
   micro-batch: 1F1B (pp - 1)(F + B); interleaved 1F1B that over v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV
   (pp / 2 - 1)(F&B + B - 3W) / 2 with F&B = F + B (DualPipe's formula, chunks half a stage).
@@ -119,9 +120,10 @@ def calibration_check(name: str = "small-64k") -> tuple[float, float]:
 
 
 def link(c: Collective, layout: Layout) -> str:
-    g = layout.group(c.group) if c.group != "pp" else None
-    if c.group == "pp":
-        return "nvlink" if layout.world // layout.pp <= layout.gpus_per_node // 2 and layout.pp == 1 else "network"
+    """nvlink or network: a group inside a node, or a pipeline send to a neighbour stage on the same node."""
+    g = layout.group(c.group)
+    if c.kind == "send":
+        return "nvlink" if g.stride < layout.gpus_per_node else "network"
     return "nvlink" if g.intra_node else "network"
 
 
@@ -181,14 +183,21 @@ def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Coll
     if layout.pp_schedule == "dualpipev" and layout.pp > 1:
         overlap["ep"] = 1.0
     comm: dict[str, float] = {}
+    per_link: dict[tuple[str, str], float] = {}
     for c in collectives:
-        comm[c.overlap] = comm.get(c.overlap, 0.0) + c.count * collective_seconds(c, layout, gpu)
-    exposed = {}
-    for kind, seconds in comm.items():
-        hidden = overlap[kind] * seconds
-        if kind in ("fsdp", "replicate"):
-            hidden = min(hidden, busy)
-        exposed[kind] = seconds - hidden
+        seconds = c.count * collective_seconds(c, layout, gpu)
+        comm[c.overlap] = comm.get(c.overlap, 0.0) + seconds
+        key = (c.overlap, link(c, layout))
+        per_link[key] = per_link.get(key, 0.0) + seconds
+    exposed = dict.fromkeys(comm, 0.0)
+    for where in ("nvlink", "network"):  # what a link can hide is bounded by the compute it hides under
+        room = busy
+        for (kind, at), seconds in sorted(per_link.items()):
+            if at != where:
+                continue
+            hidden = min(overlap[kind] * seconds, room)
+            room -= hidden
+            exposed[kind] += seconds - hidden
     bubble = bubble_fraction(layout) * (busy - compute["optimizer"])
     seconds = busy + sum(exposed.values()) + bubble
     tokens = tokens_per_mb * microbatches * layout.dp

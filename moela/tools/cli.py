@@ -28,7 +28,8 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moela", description="moela after training: generate, export, "
-                                     "import, eval, summary; before it: plan. Training itself is `python train.py RECIPE.yaml`.")
+                                     "import, eval, summary; before it: plan. Training itself is "
+                                     "`python train.py RECIPE.yaml`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

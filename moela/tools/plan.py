@@ -37,7 +37,8 @@ def load_recipe(recipe: str, overrides: list[str]):
     except ConfigError as e:
         raise UsageError(f"{len(e.errors)} problem(s) in the recipe: " + "; ".join(e.errors)) from None
     except FileNotFoundError as e:
-        raise UsageError(f"{e.filename or recipe}: no such recipe file; pass a path such as recipes/small.yaml") from None
+        raise UsageError(f"{e.filename or recipe}: no such recipe file; pass a path such as "
+                         f"recipes/small.yaml") from None
 
 
 def run(args: argparse.Namespace) -> int:
