@@ -70,9 +70,9 @@ def doc_length(cfg, tokens: int) -> float:
 
 
 def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, microbatches: int | None = None,
-            only_if_fits: bool = False) -> Plan | None:
+            only_if_fits: bool = False, overlap: dict[str, float] | None = None) -> Plan | None:
     """The plan of `layout`; with `only_if_fits`, None for a layout whose memory exceeds the GPU's (its step time
-    is then not priced)."""
+    is then not priced). `overlap` replaces `moela.plan.timing.OVERLAP` (what-if studies)."""
     model = cfg.model
     tokens = cfg.train.tokens_per_microbatch
     mbs = microbatches or (layout.pp_microbatches if layout.pp > 1 else cfg.train.grad_accum)
@@ -87,5 +87,6 @@ def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, micr
     local = sum(s.numel for s in shards if owner(s, layout) == mem.stage)
     recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[layout.activation_checkpointing]
     t = step_time(model, layout, gpu, colls, tokens_per_mb=tokens, microbatches=mbs, doc_len=doc,
-                  params_local=local, recompute=recompute, flops_per_token=flops_per_token(model, int(doc)))
+                  params_local=local, recompute=recompute, flops_per_token=flops_per_token(model, int(doc)),
+                  overlap=overlap)
     return Plan(layout, gpu, mem, colls, t, tokens, mbs, doc)

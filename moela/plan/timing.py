@@ -41,7 +41,8 @@ from moela.plan.comm import Collective
 from moela.plan.layout import GPU, Layout
 
 ALPHA_S = {"nvlink": 10e-6, "network": 20e-6}  # latency per ring step (assumption)
-OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.5, "small": 0.0}
+OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "ep_dualpipev": 1.0, "tp": 0.0, "cp": 0.0, "pp": 0.5,
+           "small": 0.0}
 
 # bench/step.py on an H200, bf16 (bench/results/step.json, the `moela` bf16 rows): kernel ms per step by family,
 # tokens per step, token-weighted mean document length, and the recipe overrides of that row's model
@@ -173,15 +174,15 @@ class StepTime:
 
 
 def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Collective], *, tokens_per_mb: int,
-              microbatches: int, doc_len: float, params_local: int, recompute: float, flops_per_token: float
-              ) -> StepTime:
+              microbatches: int, doc_len: float, params_local: int, recompute: float, flops_per_token: float,
+              overlap: dict[str, float] | None = None) -> StepTime:
     share = layout.cp * layout.tp * layout.pp
     compute = compute_seconds(cfg, doc_len, tokens_per_mb * microbatches / share, 0, gpu, recompute=recompute)
     compute["optimizer"] = params_local / RATES["optimizer"] / gpu.compute_scale
     busy = sum(compute.values())
-    overlap = dict(OVERLAP)
+    overlap = dict(OVERLAP if overlap is None else overlap)
     if layout.pp_schedule == "dualpipev" and layout.pp > 1:
-        overlap["ep"] = 1.0
+        overlap["ep"] = overlap["ep_dualpipev"]
     comm: dict[str, float] = {}
     per_link: dict[tuple[str, str], float] = {}
     for c in collectives:
