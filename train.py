@@ -23,12 +23,16 @@ EXIT_CODES = """exit codes:
   130  a second Ctrl-C: aborted without a new checkpoint"""
 
 
+USAGE = """usage: python train.py RECIPE.yaml [section.key=value ...] [--print-config]
+try:   python train.py recipes/tiny.yaml    (the tiny model on CPU, about 2 minutes; --help lists the options)"""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="train.py", description="Train a DeepSeek-V3-style MLA + MoE model from a YAML recipe.",
         epilog="example: python train.py recipes/tiny.yaml train.steps=50 optim.lr=1e-3\n\n" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/tiny.yaml")
+    parser.add_argument("recipe", nargs="?", help="YAML recipe, e.g. recipes/tiny.yaml")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="override any recipe key; values are parsed as YAML (1e-3, true, null, [1, 2])")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
@@ -63,6 +67,9 @@ def _plan_stops(cfg) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.recipe is None:
+        print(USAGE, file=sys.stderr)
+        return 2
     from moela.config import ConfigError, dump_config, load_config
     from moela.trainer.errors import EXIT_FINISHED, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_STOPPED
 

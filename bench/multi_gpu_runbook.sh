@@ -60,7 +60,7 @@ fi
 (( NGPU > 4 )) && NGPU=4
 NGPU=${RUNBOOK_GPUS:-$NGPU}  # e.g. RUNBOOK_GPUS=2 for the 2-GPU stages only
 
-cp bench/results/scaling.jsonl "$OUT/scaling.jsonl"
+cp bench/notes/scaling.jsonl "$OUT/scaling.jsonl"
 ROWS=(--jsonl "$OUT/scaling.jsonl" --out "$OUT/scaling.md" --json "$OUT/scaling.json")
 { date -u; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     > "$OUT/topo.txt" 2>&1

@@ -9,7 +9,7 @@ This measures whether the cap holds at each config's shapes, and how long the he
 the trainer's torch.compile for its builds to arrive in time.
 
 Usage:  python bench/prebuild_helper.py [--device cuda] [--configs small-64k,v2lite6-64k]
-            [--recipes bf16,fp8_blockwise] [--out bench/results/prebuild_helper_memory.md]
+            [--recipes bf16,fp8_blockwise] [--out bench/results/prebuild_helper.md]
 On CPU (`--device cpu`, the default without CUDA) it runs the `tiny` config: the same code path, no memory figure.
 """
 

@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--jsonl", default="bench/results/scaling.jsonl")
+    parser.add_argument("--jsonl", default="bench/notes/scaling.jsonl")
     parser.add_argument("--out", default="bench/results/scaling.md")
     parser.add_argument("--json", default="bench/results/scaling.json")
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""bench/scaling.py's outputs from its rows (all runs, bench/results/scaling.jsonl): the current rows (the latest per
+"""bench/scaling.py's outputs from its rows (all runs, bench/notes/scaling.jsonl): the current rows (the latest per
 layout, GPU count and shape) as bench/results/scaling.json, and the markdown table bench/results/scaling.md.
 
 - Efficiency vs 1 GPU: tok/s per GPU over the latest 1-GPU row of the same recipe, model size, tokens per GPU and
@@ -103,7 +103,8 @@ def render(rows: list[dict]) -> str:
         "# Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism",
         "",
         f"Latest run: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {last.get('triton', '-')}. The "
-        "latest row per layout, GPU count and shape (all runs: scaling.jsonl; machine-readable: scaling.json). One "
+        "latest row per layout, GPU count and shape (all runs: bench/notes/scaling.jsonl; machine-readable: "
+        "scaling.json). One "
         "micro-batch per data rank per step, synthetic documents of the doc column's length; bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")

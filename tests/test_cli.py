@@ -1,6 +1,6 @@
-"""train.py: exit code 2 with every recipe error at once and no traceback; --print-config; launcher env vars;
-torchrun with 2 gloo ranks that agree to stop when one gets SIGTERM; Ctrl-C saves and exits with code 3; CI runs
-the README command."""
+"""train.py: exit code 2 with every recipe error at once and no traceback; the usage when called bare;
+--print-config; launcher env vars; torchrun with 2 gloo ranks that agree to stop when one gets SIGTERM; Ctrl-C
+saves and exits with code 3; CI runs the README command."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ def test_missing_file_bad_yaml_and_bad_override_exit_2(tmp_path, capsys):
     assert f"{broken}: invalid YAML at line" in capsys.readouterr().err
     assert train.main([str(ROOT / "recipes" / "tiny.yaml"), "train.steps"]) == 2
     assert "expected section.key=value" in capsys.readouterr().err
+
+
+def test_no_arguments_prints_the_usage_and_the_first_command_exits_2():
+    """`python train.py` alone: a short usage naming the tiny recipe to try (a file that exists), exit code 2, no
+    argparse complaint about missing overrides and no traceback."""
+    r = run_cli()
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("usage: python train.py RECIPE.yaml [section.key=value ...]")
+    assert "Traceback" not in r.stderr and "required" not in r.stderr
+    suggested = r.stderr.split("try:")[1].split()[2]
+    assert suggested == "recipes/tiny.yaml" and (ROOT / suggested).is_file()
 
 
 def test_print_config_prints_the_resolved_recipe(tmp_path, capsys):

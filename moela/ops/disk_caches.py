@@ -7,8 +7,8 @@ One root, `MOELA_CACHE_DIR` (default `~/.cache/moela`), holds every cache a trai
 - `triton/`: Triton's cache of moela's own kernels (TRITON_CACHE_DIR), with their autotuning results
   (TRITON_CACHE_AUTOTUNING): a kernel autotuned once starts with its best configuration in every later process;
 - `flash_attn/`: flash-attn-4's compiled CuTe kernels (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED / _DIR; off in
-  flash-attn-4 by default, where every process recompiles them: 6.6-8.6 s of a first step on an H200,
-  bench/notes/step.md run 23). flash-attn-4 guards its entries with file locks and a fingerprint of its sources.
+  flash-attn-4 by default, where every process recompiles them: 6.6-8.6 s of a first step on an H200); flash-attn-4
+  guards its entries with file locks and a fingerprint of its sources.
 A variable the user set wins over each default. Pointing the root at a shared file system makes every node of a
 cluster, and every restart, start with what the first run compiled. Set before Triton, Inductor or flash-attn-4
 read them: `moela.ops` calls `use_disk_caches()` on import.

@@ -14,7 +14,7 @@ Backends:
   Why at least 4096 rows and the in-GEMM accumulation: with V = 102,400 (DeepSeek-V2-Lite) 2^26 / V is 655 rows,
   so 64k tokens made 100 chunks, each with three 655-row GEMMs, a [V, D] product written in bf16 and a second
   pass adding it into the float32 accumulator, and a cast of the [V, D] weight: the non-GEMM kernels of the loss
-  took 24% of V2-Lite-6L's step (bench/results/step_v2lite6_bf16_moments.md).
+  took 24% of V2-Lite-6L's step.
   Runs on any device; `auto` picks it on CUDA.
 
 The result is a float32 scalar SUM (the model divides by the step's labelled-token count).

@@ -3,7 +3,7 @@
 MLA's query is [q_nope ; q_pe] per head, and only the last R columns rotate. Applied out of place, as
 `cat(q_nope, rope(q_pe))`, the forward writes the whole [T, H, Dqk] query again and the backward writes the whole
 gradient again to change its R rotary columns (Dqk = 192, R = 64: three times the bytes the rotation needs; the
-fused backward kernel Inductor made of it was 2.7 ms of a 110 ms `small` step, bench/notes/step.md). Here the
+fused backward kernel Inductor made of it was 2.7 ms of a 110 ms `small` step). Here the
 forward rotates the rotary columns of the projection's output where they lie, and the backward rotates the same
 columns of the attention's query gradient back: R of the D columns are read and written, in both passes.
 
@@ -22,7 +22,7 @@ Decisions:
   autograd Function into a compiled block's graph (it was a graph break) and keeps both rotations in place.
 - One program per BLOCK_T tokens and head, each token's R columns one contiguous load and store (pairs split and
   joined in registers). A first form looped over the heads in one program per token block and loaded the pairs'
-  halves with two stride-2 loads: 0.27 ms a call at small-32k, ~6x its bytes' time (bench/notes/step.md, run 16).
+  halves with two stride-2 loads: 0.27 ms a call at small-32k, ~6x its bytes' time.
 
 Shapes: T tokens, H heads, D columns per head, R rotary columns (even) starting at column col0.
 """

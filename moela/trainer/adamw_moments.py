@@ -2,11 +2,10 @@
 section 3.3.2: the first and second AdamW moments in BF16, master weights and gradients in FP32).
 
 Why: with fp32 master weights the fused fp32 AdamW moves 28 bytes per parameter a step (parameter read and write,
-gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200
-(bench/results/step_32k_hf.json, step_32k_masked_cast.json), and its moments hold 8 bytes per parameter. bf16
-moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters 2.5 GB less memory. Measured in one
-H200 run of the `small` step: this kernel 3.59 ms against the fused kernel's 5.45, peak 25.7 against 28.2 GiB
-(bench/results/step_32k_bf16_moments.json; the history in bench/notes/step.md, runs 9 and 10).
+gradient read, both moments read and written): its kernel took 5.0-5.5 ms of the `small` step on an H200, and its
+moments hold 8 bytes per parameter. bf16 moments make that 20 bytes moved and 4 held: for `small`'s 622M parameters
+2.5 GB less memory. Measured in one H200 run of the `small` step: this kernel 3.59 ms against the fused kernel's
+5.45, peak 25.7 against 28.2 GiB.
 
 Decisions:
 - The update is computed in fp32 from the stored moments and the fp32 gradient; the new moments update the
@@ -21,12 +20,10 @@ Decisions:
 - One Triton launch per parameter group updates every parameter of the group (CUDA, and Triton's interpreter):
   the program reads its parameter's tensors' addresses from a device table (rebuilt only when an address changes),
   because one launch per tensor cost ~40 us of host time each, 8.7 ms a step for `small`'s ~200 tensors, more than
-  the kernels' 3.7 ms on the GPU (bench/results/step_32k_bf16_moments_per_tensor.json). The same math in torch
-  elsewhere.
+  the kernels' 3.7 ms on the GPU. The same math in torch elsewhere.
 - Gradient clipping's factor is applied as the step reads each gradient (`grad_scale`), so clipping costs no pass
-  that reads and writes every gradient (1.48 ms of `small`'s step as `_foreach_mul_`,
-  bench/results/step_32k_bf16_moments.json); the gradients themselves stay unclipped (nothing reads them after
-  the step).
+  that reads and writes every gradient (1.48 ms of `small`'s step as `_foreach_mul_`); the gradients themselves stay
+  unclipped (nothing reads them after the step).
 - Step counts are device tensors and a non-finite step is skipped by the `found_inf` flag the trainer sets, as
   with fused AdamW (`moela.trainer.step_metrics`): no host read. Sharded (DTensor) parameters update their local
   shards; the moments are DTensors like the parameters, so distributed checkpoints treat them as AdamW's.

@@ -3,7 +3,7 @@ into the on-disk caches while the training process traces and compiles its block
 built instead of compiling each at its first launch.
 
 Why: with empty caches the first step of a compiled run on an H200 spends ~13 s compiling moela's own kernels
-(19 Triton JIT builds at `small` 64k: bench/results/step_64k_cold_run57.md's compiler table), one after another
+(19 Triton JIT builds at `small` 64k), one after another
 and each on the step's critical path, beside ~16-26 s of torch.compile. torch.compile's work needs no kernel of
 ours (it traces the custom ops' fake implementations), so the two can run side by side: Triton's compile is
 serial within a process but its cache (`moela.ops.disk_caches`: TRITON_CACHE_DIR under MOELA_CACHE_DIR) is shared
@@ -23,11 +23,11 @@ trainer logs them and keeps the helper's output as `prebuild.log` in the run dir
 are not written to the cache (it times its candidates while the trainer uses the same GPU; the trainer times them
 again itself, compiled by then).
 
-Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own; two runs,
-both row orders; bench/results/step_64k_cold_prebuild_run60.md, _run61.md): the first step ends 24-25 s after the
+Measured (H200, `small` at 64k tokens, moela's Triton attention, each row with empty caches of its own, both
+row orders; numbers and history in bench/RESULTS.md): the first step ends 24-25 s after the
 model is built with the helper against 31-39 s without, the trainer's own Triton builds 2.1-2.4 s against
 7.7-10.2 s (19 kernels), at equal tokens/s. The helper's step ends 18-22 s after it starts at `small` 64k, 26 s
-at V2-Lite-6L (4-5 s of imports; bench/results/prebuild_helper.md, prebuild_helper_memory.md).
+at V2-Lite-6L (4-5 s of imports; `python bench/prebuild_helper.py`).
 
 Scope: a compiled run (`train.compile`) of one process on a CUDA device. With several processes the ranks build
 the same kernels side by side anyway, and sharded or expert-parallel layers see other shapes than this helper.
@@ -60,7 +60,7 @@ PARENT_ENV = "MOELA_PREBUILD_PARENT"  # the training process's pid, for the help
 # the largest share of the GPU's memory the helper may allocate: it runs while the trainer builds its model and
 # starts its first step on the same GPU, so a helper that needed more would fail itself (the trainer then builds
 # the kernels it did not), never push the trainer out of memory. Measured with its blocks checkpointed and
-# expandable segments (bench/results/prebuild_helper_memory.md, H200, cap 35.0 GiB): 11.6 GiB at `small` 64k,
+# expandable segments (`python bench/prebuild_helper.py`, H200, cap 35.0 GiB): 11.6 GiB at `small` 64k,
 # 32.1 GiB at V2-Lite-6L 64k (the dense FFN's float32 SwiGLU temporaries in the eager reference)
 MEMORY_FRACTION = 0.25
 
@@ -125,7 +125,7 @@ def run_step(cfg: Config, device: torch.device, log=lambda what: None) -> float:
         if isinstance(module, Block):
             # activation checkpointing: only one block's activations at a time. The eager forms of the small ops
             # keep far more than the trainer's compiled blocks do, and at V2-Lite shapes the helper's 3 blocks ran
-            # past its memory cap (bench/results/prebuild_helper_memory_run63.md); the recomputed forward launches
+            # past its memory cap; the recomputed forward launches
             # the same kernels again, from the in-memory cache
             module.recompute = True
     optimizer = build_optimizer(model, cfg.optim, device.type)
@@ -252,13 +252,11 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     # before CUDA starts: the eager reference ops allocate and free tensors of many sizes (a dense FFN's float32
     # SwiGLU temporaries at 64k tokens: 2.7 GiB each), and the fixed-size segments of the default allocator held
-    # 7.5 GiB free but unusable when the helper hit its cap at V2-Lite shapes
-    # (bench/results/prebuild_helper_memory_run64.md); a user's own setting is kept
+    # 7.5 GiB free but unusable when the helper hit its cap at V2-Lite shapes; a user's own setting is kept
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # the small ops' Inductor-compiled forms (moela.ops.compiled: norms, RoPE, SwiGLU, losses, which eager code
     # calls on CUDA) run as their references: inside the trainer's compiled blocks they are traced into the block
     # and hold none of our kernels, and compiling them here took the helper 59-109 s of a 64k step
-    # (bench/results/prebuild_helper.md, run 59)
     torch._dynamo.config.disable = True
     cfg = load_config(argv[0])
     Path(argv[0]).unlink(missing_ok=True)  # the trainer's temporary copy of its recipe

@@ -3,9 +3,8 @@
 Why: with `train.compile` the first step traces and compiles every block variant (torch.compile) and builds each
 Triton and flash-attn-4 kernel the first time it runs. On an H200 with empty caches that is 25 s to a
 minute for `small` (24-25 s after the model is built at 64k tokens without flash-attn-4 with the kernel prebuild
-helper, 31-39 s without it; 50 s in the first process on a fresh machine, measured before the helper; 10 s when
-an earlier run left its caches: bench/results/step_64k_cold_prebuild_run60.md, _run61.md, step_64k_cold_run57.md,
-step_64k_mtp_ab_run55.md), during which the log would otherwise be silent. These
+helper, 31-39 s without it; about 50 s in the first process on a fresh machine; 10 s when an earlier run left its
+caches), during which the log would otherwise be silent. These
 lines tell a cold start from a hang, say where the caches are (a second start reads them), and report what the
 first step took.
 """

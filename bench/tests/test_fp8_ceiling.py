@@ -1,0 +1,32 @@
+"""bench/fp8_ceiling.py's arithmetic on rows with round numbers."""
+
+from __future__ import annotations
+
+from bench.steplib.kernels import FAMILIES
+
+
+def _ceiling_row(recipe: str, step_ms: float, **families: float) -> dict:
+    kb = {f: {"ms_per_step": 0.0, "share": 0.0, "top": [], "top_context": []} for f in FAMILIES}
+    for name, ms in families.items():
+        kb[name.replace("_", " ")]["ms_per_step"] = ms
+    kb["dense GEMM"]["top"] = [["nvjet_head", 30.0], ["nvjet_proj", kb["dense GEMM"]["ms_per_step"] - 30.0]]
+    kb["dense GEMM"]["top_context"] = ["aten::mm < aten::matmul < _ChunkedLinearCE", "aten::mm < CompiledFxGraph"]
+    return dict(config="c", impl="moela", recipe=recipe, step_ms_median=step_ms, kernel_breakdown=kb)
+
+
+def test_fp8_ceiling_needs_and_bounds_from_a_breakdown():
+    """bench/fp8_ceiling.py on rows with round numbers: eligible = experts + dense GEMMs but the head; the needed
+    speed-up solves eligible (1 - 1/s) = T - T / target + overhead; the ceiling puts s = 2."""
+    from bench.fp8_ceiling import analyse, head_ms
+
+    bf16 = _ceiling_row("bf16", 200.0, expert_GEMM=60.0, dense_GEMM=70.0, optimizer=5.0)
+    fp8 = _ceiling_row("fp8_blockwise", 180.0, expert_GEMM=40.0, dense_GEMM=70.0, optimizer=7.0)
+    assert head_ms(bf16) == 30.0
+    text = "\n".join(analyse(bf16, [fp8], 1.25))
+    # overhead: the optimizer grew by 2 ms; experts only: need 200 - 160 + 2 = 42 of 60 -> s = 1 / (1 - 0.7)
+    assert "| fp8_blockwise | 180.0 | 1.111x | 40.0 (1.50x) |" in text and "| 2.0 |" in text
+    assert f"{1 / (1 - 42 / 60):.2f}x faster than bf16 (beyond the hardware's 2x)" in text
+    # ceiling with the experts at 2x: 200 / (200 - 30 + 2)
+    assert f"could reach {200 / 172:.3f}x" in text
+    # experts and dense but the head: eligible 100, s = 1 / (1 - 0.42)
+    assert f"{1 / (1 - 42 / 100):.2f}x faster than bf16." in text
