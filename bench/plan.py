@@ -49,28 +49,31 @@ V3 = ["model.size=v3", "train.tokens_per_microbatch=4096", "data.max_doc_len=409
       "train.compile=false", "train.cuda_graphs=false", "optim.moment_dtype=bfloat16"]
 SEQ = 4096
 
-# name, source, GPUs, GPU, recipe overrides, published layout (pp options), global tokens, published tok/s, MFU
+# name, source, GPUs, GPU, recipe overrides (the published layout), global tokens, published tok/s, MFU
 ANCHORS = [
     dict(name="DeepSeek-V3 pretraining", source="DeepSeek-V3 report: 180K H800-hours per trillion tokens",
-         gpus=2048, gpu="h800", overrides=V3 + ["model.precision=fp8", "parallel.ep=64"],
-         layout=dict(pp=16, pp_schedule="dualpipev", pp_microbatches=120), global_tokens=15360 * SEQ,
+         gpus=2048, gpu="h800", overrides=V3 + ["model.precision=fp8", "parallel.ep=64", "parallel.pp=16",
+                                                "parallel.pp_schedule=dualpipev", "train.grad_accum=120"],
+         global_tokens=15360 * SEQ,
          published_layout="PP16 (DualPipe) EP64 ZeRO-1 DP, 15,360 x 4,096 tokens per step",
          tokens_per_s=1e12 / (180e3 * 3600), mfu=None),
     dict(name="Megatron-Core DeepSeek-V3 FP8 (dropless)", source="Megatron-Bridge performance summary, 25.09",
-         gpus=1024, gpu="h100", overrides=V3 + ["model.precision=fp8", "parallel.ep=64", "parallel.tp=2"],
-         layout=dict(pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=4, pp_microbatches=128),
+         gpus=1024, gpu="h100", overrides=V3 + ["model.precision=fp8", "parallel.ep=64", "parallel.tp=2",
+                                                "parallel.pp=8", "parallel.pp_schedule=interleaved_1f1b",
+                                                "parallel.pp_virtual_stages=4", "train.grad_accum=128"],
          global_tokens=8192 * SEQ, published_layout="TP2 PP8 VP4 EP64, 8,192 x 4,096 tokens per step",
          tokens_per_s=1297.0, mfu=338.0 / 989.0),
     dict(name="NeMo AutoModel DeepSeek-V3 BF16", source="NeMo AutoModel performance summary",
-         gpus=256, gpu="h100", overrides=V3 + ["parallel.ep=64"],
-         layout=dict(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=8, pp_microbatches=8),
+         gpus=256, gpu="h100", overrides=V3 + ["parallel.ep=64", "parallel.pp=4",
+                                               "parallel.pp_schedule=interleaved_1f1b",
+                                               "parallel.pp_virtual_stages=8", "train.grad_accum=8"],
          global_tokens=512 * SEQ, published_layout="FSDP2 64 + PP4 VP8 + EP64, 512 x 4,096 tokens per step",
          tokens_per_s=1002.0, mfu=250.0 / 989.0),
     dict(name="torchtitan DeepSeek-V3 16B", source="torchtitan (BENCHMARKS.md): ~21% MFU after tuning",
          gpus=8, gpu="b200",
          overrides=["model.size=v2-lite", "train.tokens_per_microbatch=32768", "data.max_doc_len=4096",
                     "train.device=cuda", "train.compile=false", "train.cuda_graphs=false", "parallel.ep=8"],
-         layout=dict(), global_tokens=8 * 32768, published_layout="FSDP 8 + EP8 (8 x 4,096 tokens per GPU assumed)",
+         global_tokens=8 * 32768, published_layout="FSDP 8 + EP8 (8 x 4,096 tokens per GPU assumed)",
          tokens_per_s=None, mfu=0.21),
 ]
 SENSITIVITY = {  # assumption -> how it is varied
@@ -130,7 +133,7 @@ def anchor_rows(quick: bool) -> list[dict]:
     for a in ANCHORS:
         cfg = load_config(str(ROOT / "recipes" / "tiny.yaml"), a["overrides"])
         gpu = GPUS[a["gpu"]]
-        lay = layout_of(cfg.parallel, a["gpus"], **a["layout"])
+        lay = layout_of(cfg.parallel, a["gpus"], grad_accum=cfg.train.grad_accum)
         mbs = None if lay.pp > 1 else max(1, a["global_tokens"] // (cfg.train.tokens_per_microbatch * lay.dp))
         plan = predict(cfg, lay, gpu, microbatches=mbs)
         if not plan.fits:

@@ -43,13 +43,13 @@ def test_state_bytes_equal_real_allocation(moment_dtype):
     assert want.optimizer == _tensor_bytes(v for s in opt.state.values() for v in s.values())
 
 
-def _shapes_match(size: str, parallel: ParallelConfig, world: int, **overrides) -> None:
-    cfg = preset(size, **overrides)
+def _shapes_match(size: str, parallel: ParallelConfig, world: int, grad_accum: int = 1) -> None:
+    cfg = preset(size)
     fake = build(cfg, parallel, world)
-    layout = layout_of(parallel, world)
-    shards = param_shards(cfg, layout)
+    layout = layout_of(parallel, world, grad_accum=grad_accum)
+    shards = [s for s in param_shards(cfg, layout) if s.rank == 0]  # the fake world is rank 0
     assert {s.name: s.local_shape for s in shards} == fake.local_shape
-    if parallel.tp == 1:  # the plan prices FSDP's units; under tp the replicated weights form extra units
+    if parallel.tp == 1 and parallel.pp == 1:  # under tp (pp) replicated weights (each chunk's root) are own units
         plan = Counter((c.size, c.nbytes // 2) for c in fsdp_collectives(shards, layout, 1)
                        if c.kind == "all_gather")
         assert plan == Counter((n, padded) for n, _, padded in fake.fsdp_units if n > 1)
@@ -61,18 +61,24 @@ def test_fake_world_v3_256_ranks_equals_plan():
 
 @pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=8), 8),
                                             (ParallelConfig(dp_replicate=2, ep=4, tp=2), 16),
-                                            (ParallelConfig(cp=2, ep=4), 16)])
+                                            (ParallelConfig(cp=2, ep=4), 16),
+                                            (ParallelConfig(pp=2, ep=4), 16),
+                                            (ParallelConfig(pp=4, pp_schedule="dualpipev", ep=2), 16),
+                                            (ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", ep=8), 16)])
 def test_fake_world_v2_lite_equals_plan(parallel, world):
-    _shapes_match("v2-lite", parallel, world)
+    _shapes_match("v2-lite", parallel, world, grad_accum=8)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=64, dp_replicate=4), 1024),
                                             (ParallelConfig(ep=32, tp=8), 1024),
                                             (ParallelConfig(ep=64, dp_replicate=8), 2048),
-                                            (ParallelConfig(ep=256), 2048)])
+                                            (ParallelConfig(ep=256), 2048),
+                                            (ParallelConfig(pp=16, pp_schedule="dualpipev", ep=64), 2048),
+                                            (ParallelConfig(pp=8, pp_schedule="interleaved_1f1b",
+                                                            pp_virtual_stages=4, ep=64, tp=2), 1024)])
 def test_fake_world_v3_at_scale_equals_plan(parallel, world):
-    _shapes_match("v3", parallel, world)
+    _shapes_match("v3", parallel, world, grad_accum=128)
 
 
 def _gloo_rank(rank: int, world: int, parallel: ParallelConfig) -> None:
@@ -120,7 +126,7 @@ def test_cli_one_gpu_prints_the_plan():
 
 @pytest.mark.parametrize("args,needle", [(["recipes/small.yaml", "train.tokens_per_microbatch=0", "--gpus", "1"],
                                           "tokens_per_microbatch"),
-                                         (["recipes/small.yaml", "--gpus", "6", "--pp", "4"], "--pp 4"),
+                                         (["recipes/small.yaml", "parallel.pp=4", "--gpus", "6"], "parallel"),
                                          (["recipes/small.yaml", "parallel.tp=3", "--gpus", "8"], "tp"),
                                          (["recipes/nope.yaml", "--gpus", "1"], "nope.yaml")])
 def test_cli_errors_are_one_line(args, needle):

@@ -28,7 +28,7 @@ def memory_check(cfg, world_size: int, device_name: str, total_bytes: int) -> tu
     kind = next((k for k in GPUS if k in device_name.lower()), "h100")
     gpu = replace(GPUS[kind], name=device_name, memory_gib=total_bytes / GIB)
     try:
-        layout = layout_of(cfg.parallel, world_size)
+        layout = layout_of(cfg.parallel, world_size, grad_accum=cfg.train.grad_accum)
     except ValueError:
         return None  # the trainer reports an impossible layout itself
     plan = predict(cfg, layout, gpu)

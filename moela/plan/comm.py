@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from moela.model.config import ModelConfig
 from moela.plan.layout import Layout
-from moela.plan.memory import BF16, FP32, ParamShard, ep_mode, owner
+from moela.plan.memory import BF16, FP32, ParamShard, ep_mode
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def fsdp_collectives(shards: list[ParamShard], layout: Layout, microbatches: int
         return []
     units: dict[tuple[str, str], int] = {}
     for s in shards:
-        if owner(s, layout) == stage:
+        if s.rank == stage:
             units[(s.unit, s.fsdp_group)] = units.get((s.unit, s.fsdp_group), 0) + s.padded_numel
     out = []
     for (unit, group), padded in units.items():
@@ -75,7 +75,7 @@ def step_collectives(cfg: ModelConfig, layout: Layout, shards: list[ParamShard],
                      dispatch: str, stage: int = 0) -> list[Collective]:
     """Every collective of one step on pipeline rank `stage` (module docstring); tokens = tokens_per_microbatch."""
     out = fsdp_collectives(shards, layout, microbatches, stage)
-    blocks = sorted({int(s.unit.split(".")[1]) for s in shards if s.unit != "root" and owner(s, layout) == stage})
+    blocks = sorted({int(s.unit.split(".")[1]) for s in shards if s.unit != "root" and s.rank == stage})
     moe = [i for i in blocks if (i >= cfg.first_k_dense_replace if i < cfg.num_hidden_layers else cfg.mtp_is_moe)]
     local = -(-tokens // layout.cp)
     rows = -(-local // layout.tp)

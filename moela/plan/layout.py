@@ -1,15 +1,15 @@
 """The layout a plan prices: mesh sizes (as `moela.parallel.mesh` factors the world), pipeline settings, the GPU.
 
 Decisions:
-- The world is `pp x dp_replicate x dp_shard x cp x tp`, outermost to innermost: the non-pipeline part is exactly
-  `moela.parallel.mesh.resolve_sizes` (so a plan accepts what training accepts and rejects it with the same
-  message), and pipeline stages are outermost, as torchtitan orders them, so that every other group stays inside
-  a stage's ranks. `ep` borrows ranks from `dp_shard x cp`.
+- The world is `pp x dp_replicate x dp_shard x cp x tp`, outermost to innermost, exactly as
+  `moela.parallel.mesh.resolve_sizes` factors it (so a plan accepts what training accepts and rejects it with the
+  same message): every other group stays inside a pipeline stage's ranks. `ep` borrows ranks from
+  `dp_shard x cp`.
 - A group is on one node when the ranks it spans (its stride times its size) fit in `gpus_per_node`; otherwise
   its traffic crosses the network (`Group.intra_node`).
-- Pipeline settings (`pp`, `pp_schedule`, `pp_microbatches`, `pp_virtual_stages`) are plan inputs: the blocks are
-  split evenly over `pp * pp_virtual_stages` chunks, the embedding on the first stage, the final norm, head and
-  the MTP depths on the last.
+- Pipeline settings are the recipe's (`parallel.pp`, `pp_schedule`, `pp_microbatches` or `train.grad_accum`,
+  `pp_virtual_stages`, `pp_layout`): the blocks go to the `pp x virtual stages` chunks as
+  `moela.parallel.pp_layout.stage_layout` places them, and chunk k to the rank `stage_ranks` names.
 - `replicate_compression`: the factor by which the `dp_replicate` gradient all-reduce is shrunk (1 = plain; a
   compressor such as PowerSGD sets its ratio); the communication model divides those bytes by it.
 - GPUs: memory as torch sees it, dense datasheet peaks, and the link bandwidths the alpha-beta model uses
@@ -22,9 +22,6 @@ from dataclasses import dataclass, replace
 
 from moela.parallel.config import ParallelConfig
 from moela.parallel.mesh import resolve_sizes
-
-PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv", "dualpipev")
-
 
 @dataclass(frozen=True)
 class GPU:
@@ -59,7 +56,8 @@ class Layout:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
-    pp_virtual_stages: int = 1
+    pp_virtual_stages: int = 1  # chunks per pipeline rank (2 for zbv and dualpipev)
+    pp_layout: str = ""  # moela.parallel.pp_layout's grammar; empty: balanced by FLOPs
     activation_checkpointing: str = "none"
     replicate_compression: float = 1.0
     gpus_per_node: int = 8
@@ -85,8 +83,8 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Model chunks: pp x virtual stages per rank (DualPipeV's V holds two chunks per rank)."""
-        return self.pp * (2 if self.pp_schedule in ("zbv", "dualpipev") else self.pp_virtual_stages)
+        """Model chunks: pp x virtual stages per rank."""
+        return self.pp * self.pp_virtual_stages
 
     def group(self, name: str) -> "Group":
         """The group of mesh view `name` (tp, cp, ep, dp_shard_cp, efsdp, dp_replicate, dp_cp, pp) with its
@@ -129,27 +127,16 @@ class Group:
         return (self.size - local) / (self.size - 1)
 
 
-def layout_of(parallel: ParallelConfig, gpus: int, *, pp: int = 1, pp_schedule: str = "1f1b",
-              pp_microbatches: int = 1, pp_virtual_stages: int = 1, gpus_per_node: int = 8,
+def layout_of(parallel: ParallelConfig, gpus: int, *, grad_accum: int = 1, gpus_per_node: int = 8,
               replicate_compression: float = 1.0) -> Layout:
-    """The layout of `parallel` on `gpus` GPUs; raises ValueError (one line naming the fix) for an impossible one."""
-    if pp < 1 or gpus % pp:
-        raise ValueError(f"--pp {pp} must be >= 1 and divide --gpus {gpus}; choose a divisor of {gpus}")
-    if pp_schedule not in PP_SCHEDULES:
-        raise ValueError(f"--pp-schedule: unknown {pp_schedule!r}; choose one of {', '.join(PP_SCHEDULES)}")
-    if pp > 1 and pp_microbatches < pp:
-        raise ValueError(f"--pp-microbatches {pp_microbatches} must be >= --pp {pp} (fewer leave stages idle)")
-    if pp_virtual_stages < 1 or (pp_schedule == "interleaved_1f1b") != (pp_virtual_stages > 1):
-        raise ValueError(f"--pp-virtual-stages {pp_virtual_stages}: interleaved_1f1b needs >= 2, the other "
-                         f"schedules 1 (zbv and dualpipev hold two chunks per rank by construction)")
+    """The layout of the recipe's `parallel` section on `gpus` GPUs (`grad_accum`: the step's micro-batches, what
+    a pipeline runs); raises ValueError (one line naming the fix) for an impossible one."""
     try:
-        sizes = resolve_sizes(parallel, gpus // pp)
+        sizes = resolve_sizes(parallel, gpus)
     except ValueError as e:
         raise ValueError(" ".join(str(e).split())) from None
-    return Layout(sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp, sizes.ep, pp, pp_schedule,
-                  pp_microbatches if pp > 1 else 1, pp_virtual_stages, parallel.activation_checkpointing,
-                  replicate_compression, gpus_per_node)
-
-
-def with_sizes(layout: Layout, **sizes) -> Layout:
-    return replace(layout, **sizes)
+    pipelined = sizes.pp > 1
+    return Layout(sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp, sizes.ep, sizes.pp, parallel.pp_schedule,
+                  (parallel.pp_microbatches or grad_accum) if pipelined else 1,
+                  parallel.virtual_stages if pipelined else 1, parallel.pp_layout if pipelined else "",
+                  parallel.activation_checkpointing, replicate_compression, gpus_per_node)

@@ -59,7 +59,7 @@ class ParamShard:
     local_shape: tuple[int, ...]  # this rank's (rank 0's) tensor
     padded_numel: int  # what FSDP's all-gather sends from each rank (dim 0 padded to ceil(rows / n))
     unsharded_numel: int  # the tp/ep-local tensor FSDP gathers back
-    stage: int  # pipeline chunk (-1: first-stage root, -2: last-stage root)
+    rank: int  # pipeline rank holding it
     unit: str  # FSDP unit: "block.<i>", "experts.<i>" or "root"
     fsdp_group: str  # mesh view FSDP shards it over: dp_shard_cp or efsdp
 
@@ -94,10 +94,27 @@ def param_specs(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def block_stage(index: int, blocks: int, layout: Layout) -> int:
-    """Pipeline chunk of block `index` of `blocks` (main blocks then MTP blocks): an even split over the chunks."""
-    chunks = layout.stages
-    return min(chunks - 1, index * chunks // blocks)
+def block_chunks(cfg: ModelConfig, layout: Layout) -> list[int]:
+    """Pipeline chunk of each block (main blocks, then MTP blocks), as `moela.parallel.pp_layout` places them."""
+    blocks = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    if layout.pp == 1:
+        return [0] * blocks
+    from moela.parallel.pp_layout import stage_layout
+    out = [0] * blocks
+    for k, parts in enumerate(stage_layout(cfg, layout.pp, layout.pp_virtual_stages, layout.pp_layout or None)):
+        for i in parts.layers:
+            out[i] = k
+        for d in parts.mtp:
+            out[cfg.num_hidden_layers + d] = k
+    return out
+
+
+def chunk_ranks(layout: Layout) -> list[int]:
+    """The pipeline rank of each chunk (`moela.parallel.pp_layout.stage_ranks`)."""
+    if layout.pp == 1:
+        return [0]
+    from moela.parallel.pp_layout import stage_ranks
+    return stage_ranks(layout.pp, layout.pp_virtual_stages, layout.pp_schedule)
 
 
 def param_shards(cfg: ModelConfig, layout: Layout, specs: list[tuple[str, tuple[int, ...]]] | None = None
@@ -105,7 +122,7 @@ def param_shards(cfg: ModelConfig, layout: Layout, specs: list[tuple[str, tuple[
     """Every parameter's shard on rank 0 (module docstring); `specs`: `param_specs(cfg)`, if already made."""
     specs = param_specs(cfg) if specs is None else specs
     main = cfg.num_hidden_layers
-    blocks = main + cfg.num_nextn_predict_layers
+    chunks, ranks = block_chunks(cfg, layout), chunk_ranks(layout)
     sharded = layout.world > 1
     out = []
     for name, global_shape in specs:
@@ -122,38 +139,26 @@ def param_shards(cfg: ModelConfig, layout: Layout, specs: list[tuple[str, tuple[
             index = main + int(parts[1])
         else:
             index = None
-        if index is None:
-            stage, unit = (-1 if parts[0] == "embed" else -2), "root"
+        if index is None:  # the embedding opens the first chunk; final norm, head and MTP projections the last
+            chunk, unit = (0 if parts[0] == "embed" else len(ranks) - 1), "root"
         else:
             own = expert and layout.ep > 1  # routed experts are their own FSDP unit under expert parallelism only
-            stage, unit = block_stage(index, blocks, layout), f"{'experts' if own else 'block'}.{index}"
+            chunk, unit = chunks[index], f"{'experts' if own else 'block'}.{index}"
         group = "efsdp" if expert and layout.ep > 1 else "dp_shard_cp"
         n = layout.efsdp if group == "efsdp" else layout.shard
         rest = math.prod(shape[1:])
         unsharded = math.prod(shape)
         rows = _chunk_rows(shape[0], n) if sharded else shape[0]
         padded = -(-shape[0] // n) * rest if sharded else unsharded
-        out.append(ParamShard(name, (rows, *shape[1:]), padded, unsharded, stage, unit, group))
+        out.append(ParamShard(name, (rows, *shape[1:]), padded, unsharded, ranks[chunk], unit, group))
     return out
-
-
-def owner(shard: ParamShard, layout: Layout) -> int:
-    """The pipeline rank holding `shard`: chunk c on rank c // (chunks per rank), or for ZBV / DualPipeV (two
-    chunks per rank, the second mirrored) rank c for c < pp and 2pp - 1 - c after."""
-    if layout.pp == 1:
-        return 0
-    stages = layout.stages
-    chunk = {-1: 0, -2: stages - 1}.get(shard.stage, shard.stage)
-    if layout.pp_schedule in ("zbv", "dualpipev"):
-        return chunk if chunk < layout.pp else stages - 1 - chunk
-    return chunk // (stages // layout.pp)
 
 
 def by_stage(shards: list[ParamShard], layout: Layout) -> list[list[ParamShard]]:
     """The shards of each pipeline rank."""
     out: list[list[ParamShard]] = [[] for _ in range(layout.pp)]
     for s in shards:
-        out[owner(s, layout)].append(s)
+        out[s.rank].append(s)
     return out
 
 
@@ -298,7 +303,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, mine: list[Pa
     flight = in_flight(layout, stage)
     transient = max(acts, default=0) * (2 if ac != "none" else 1)
     ep = _ep_buffers(cfg, layout, tokens, work.ep_dispatch) if any(kinds[i] for i in held) else 0
-    logits = _logits_bytes(cfg, layout, tokens) if any(s.stage == -2 for s in mine) else 0
+    logits = _logits_bytes(cfg, layout, tokens) if any(s.name.startswith("head.") for s in mine) else 0
     largest = terms[acts.index(max(acts))] if acts else {}
     return Memory(stage, st.params, st.grads, st.optimizer, _working_params(mine, layout), per_mb, flight,
                   int(per_mb * flight), transient, ep, logits, 0, largest)

@@ -3,7 +3,7 @@ and MFU - from a loaded recipe (`moela.config.Config`) and a `Layout`.
 
 Decisions:
 - What a step is: `train.tokens_per_microbatch` tokens per micro-batch, `train.grad_accum` micro-batches per
-  data-parallel rank (with pipelining, the schedule's micro-batches). Attention's cost follows the documents'
+  data-parallel rank (with pipelining, the schedule's: `parallel.pp_microbatches` or `train.grad_accum`). Attention's cost follows the documents'
   token-weighted mean length (`doc_len`; default the recipe's `data.max_doc_len`, capped by the micro-batch).
 - The optimizer state's dtype is `optim.moment_dtype`; MFU uses the trainer's FLOPs per token
   (`moela.model.params.flops_per_token`) at `doc_len` and the GPU's dense bf16 peak, as the step line does.
@@ -20,7 +20,7 @@ from moela.model.config import ModelConfig
 from moela.model.params import flops_per_token
 from moela.plan.comm import Collective, step_collectives
 from moela.plan.layout import GPU, Layout
-from moela.plan.memory import GIB, Memory, Workload, memory, owner, param_shards, param_specs
+from moela.plan.memory import GIB, Memory, Workload, memory, param_shards, param_specs
 from moela.plan.timing import StepTime, step_time
 
 
@@ -84,7 +84,7 @@ def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, micr
     if only_if_fits and mem.total > gpu.memory_gib * GIB:
         return None
     colls = step_collectives(model, layout, shards, tokens, mbs, cfg.parallel.ep_dispatch, mem.stage)
-    local = sum(s.numel for s in shards if owner(s, layout) == mem.stage)
+    local = sum(s.numel for s in shards if s.rank == mem.stage)
     recompute = {"none": 0.0, "full": 1.0, "selective": 0.5}[layout.activation_checkpointing]
     t = step_time(model, layout, gpu, colls, tokens_per_mb=tokens, microbatches=mbs, doc_len=doc,
                   params_local=local, recompute=recompute, flops_per_token=flops_per_token(model, int(doc)),

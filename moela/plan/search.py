@@ -2,8 +2,8 @@
 
 Candidates: tp among the divisors of the heads up to the node size; cp 1 or 2; ep among the divisors of the
 routed experts that divide dp_shard x cp (from 8 up, when there are more than 8 experts); pp 1 or a power of two
-up to 16 that divides the world, with each schedule (interleaved with 2 chunks per rank) and at least 2 micro-batches
-per stage; dp_replicate 1 or 2; activation checkpointing only where a layout does not fit without it (it is never
+up to 16 that divides the world, with 1F1B, interleaved 1F1B (2 chunks per rank) and DualPipeV, at least 2 pp
+micro-batches per step (interleaved: a multiple of pp), stages balanced by `moela.parallel.pp_layout`; dp_replicate 1 or 2; activation checkpointing only where a layout does not fit without it (it is never
 faster). The global batch (tokens per step) stays the recipe's, so layouts trade micro-batches for data-parallel
 ranks as the same run would. Memory is priced first; step time only for what fits.
 """
@@ -25,7 +25,7 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_tokens: int) -> list[t
     out = []
     per_mb = cfg.train.tokens_per_microbatch
     for pp in [1] + [p for p in (2, 4, 8, 16) if gpus % p == 0 and p <= model.num_hidden_layers // 2]:
-        schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved_1f1b", 2), ("dualpipev", 1)]
+        schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved_1f1b", 2), ("dualpipev", 2)]
         for tp in [t for t in (1, 2, 4, 8) if t <= gpus_per_node and model.num_attention_heads % t == 0]:
             for cp in (1, 2):
                 rest = gpus // (pp * tp * cp)
@@ -41,7 +41,7 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_tokens: int) -> list[t
                         dp = rep * shard
                         mbs = max(1, global_tokens // (per_mb * dp))
                         for sched, v in schedules:
-                            m = max(mbs, 2 * pp) if pp > 1 else mbs
+                            m = -(-max(mbs, 2 * pp) // pp) * pp if pp > 1 else mbs
                             out.append((Layout(rep, shard, cp, tp, ep, pp, sched, m if pp > 1 else 1, v,
                                                gpus_per_node=gpus_per_node), m))
     return out

@@ -1,6 +1,7 @@
 """`python -m moela plan RECIPE [section.key=value ...] --gpus N [--search]`: memory per GPU, communication per
 step, step time and MFU of the recipe's layout on N GPUs, predicted without a GPU (`moela.plan`); `--search`
-ranks the layouts that fit. Pipeline settings are plan options (`--pp`, `--pp-schedule`, ...)."""
+ranks the layouts that fit. The layout is the recipe's `parallel` section (pipeline settings included), so
+`parallel.pp=16 parallel.pp_schedule=dualpipev train.grad_accum=32` prices that pipeline."""
 
 from __future__ import annotations
 
@@ -10,16 +11,12 @@ from moela.tools.runs import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from moela.plan.layout import GPUS, PP_SCHEDULES
+    from moela.plan.layout import GPUS
     p.add_argument("recipe", help="YAML recipe, e.g. recipes/small.yaml")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="recipe overrides, as train.py takes")
     p.add_argument("--gpus", type=int, required=True, help="world size (GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (NVLink domain), default 8")
     p.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU kind, default h100")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES)
-    p.add_argument("--pp-microbatches", type=int, default=0, help="micro-batches per step (default 2 x pp)")
-    p.add_argument("--pp-virtual-stages", type=int, default=0, help="chunks per rank (interleaved_1f1b; default 2)")
     p.add_argument("--doc-len", type=float, default=None, help="token-weighted mean document length "
                    "(default: data.max_doc_len capped by the micro-batch)")
     p.add_argument("--global-tokens", type=int, default=None, help="tokens per optimizer step for --search "
@@ -61,12 +58,9 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(plan_text(plans[0]))
         return 0
-    pp = args.pp
-    virtual = args.pp_virtual_stages or (2 if args.pp_schedule == "interleaved_1f1b" else 1)
     try:
-        layout = layout_of(cfg.parallel, args.gpus, pp=pp, pp_schedule=args.pp_schedule,
-                           pp_microbatches=args.pp_microbatches or 2 * pp, pp_virtual_stages=virtual,
-                           gpus_per_node=args.gpus_per_node, replicate_compression=args.replicate_compression)
+        layout = layout_of(cfg.parallel, args.gpus, grad_accum=cfg.train.grad_accum, gpus_per_node=args.gpus_per_node,
+                           replicate_compression=args.replicate_compression)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(plan_text(predict(cfg, layout, gpu, doc_len=args.doc_len)))
