@@ -4,10 +4,11 @@ backend "fake": every collective returns at once, nothing is sent) and the meta 
 `build(model_cfg, parallel_cfg, world_size)` initializes a fake world of `world_size` ranks as rank 0, builds the
 moela mesh, the model on the meta device, cuts it to pipeline rank 0's stages as `moela.parallel.pipeline` does
 (with pp > 1), and applies `apply_parallelism` exactly as training does (mixed precision as on CUDA, the stages'
-chunks as FSDP roots), then reads back from the sharded model what rank 0 holds: every parameter's local shape and bytes, and the
-FSDP2 units' collectives (each parameter group's padded shard, its dtype and its group sizes: the all-gather and
-reduce-scatter calls one step issues). This is what `moela.plan` must equal (tests), and a check that the layout
-builds at full size. The process group is destroyed on exit, so several worlds can be built one after another.
+chunks as FSDP roots), then reads back from the sharded model what rank 0 holds: every parameter's local shape and
+bytes, and the FSDP2 units' collectives (each parameter group's padded shard, its dtype and its group sizes: the
+all-gather and reduce-scatter calls one step issues). This is what `moela.plan` must equal (tests), and a check that
+the layout builds at full size. The process group is destroyed on exit, so several worlds can be built one after
+another.
 Expert dispatch is pinned to `alltoall` here, whose setup needs no host-side twin group (the fake backend cannot
 make gloo groups); the parameters are the same either way.
 """

@@ -18,10 +18,11 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moela.parallel.config import ParallelConfig
 from moela.parallel.mesh import resolve_sizes
+
 
 @dataclass(frozen=True)
 class GPU:

@@ -3,8 +3,9 @@ and MFU - from a loaded recipe (`moela.config.Config`) and a `Layout`.
 
 Decisions:
 - What a step is: `train.tokens_per_microbatch` tokens per micro-batch, `train.grad_accum` micro-batches per
-  data-parallel rank (with pipelining, the schedule's: `parallel.pp_microbatches` or `train.grad_accum`). Attention's cost follows the documents'
-  token-weighted mean length (`doc_len`; default the recipe's `data.max_doc_len`, capped by the micro-batch).
+  data-parallel rank (with pipelining, the schedule's: `parallel.pp_microbatches` or `train.grad_accum`).
+  Attention's cost follows the documents' token-weighted mean length (`doc_len`; default the recipe's
+  `data.max_doc_len`, capped by the micro-batch).
 - The optimizer state's dtype is `optim.moment_dtype`; MFU uses the trainer's FLOPs per token
   (`moela.model.params.flops_per_token`) at `doc_len` and the GPU's dense bf16 peak, as the step line does.
 - The meta model is built once per model config and its parameter shapes reused across layouts (`--search`

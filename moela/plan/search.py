@@ -1,11 +1,12 @@
 """`--search`: the layouts of a world size that fit, ranked by predicted tokens/s per GPU.
 
-Candidates: tp among the divisors of the heads up to the node size; cp 1 or 2; ep among the divisors of the
-routed experts that divide dp_shard x cp (from 8 up, when there are more than 8 experts); pp 1 or a power of two
-up to 16 that divides the world, with 1F1B, interleaved 1F1B (2 chunks per rank) and DualPipeV, at least 2 pp
-micro-batches per step (interleaved: a multiple of pp), stages balanced by `moela.parallel.pp_layout`; dp_replicate 1 or 2; activation checkpointing only where a layout does not fit without it (it is never
-faster). The global batch (tokens per step) stays the recipe's, so layouts trade micro-batches for data-parallel
-ranks as the same run would. Memory is priced first; step time only for what fits.
+Candidates: tp among the divisors of the heads up to the node size; cp 1 or 2; ep among the divisors of the routed
+experts that divide dp_shard x cp (from 8 up, when there are more than 8 experts); pp 1 or a power of two up to 16
+that divides the world, with 1F1B, interleaved 1F1B (2 chunks per rank) and DualPipeV, at least 2 pp micro-batches
+per step (interleaved: a multiple of pp), stages balanced by `moela.parallel.pp_layout`; dp_replicate 1 or 2;
+activation checkpointing only where a layout does not fit without it (it is never faster). The global batch (tokens
+per step) stays the recipe's, so layouts trade micro-batches for data-parallel ranks as the same run would. Memory
+is priced first; step time only for what fits.
 """
 
 from __future__ import annotations
