@@ -44,7 +44,7 @@ from moela.plan.memory import GIB, param_shards  # noqa: E402
 from moela.plan.predict import predict  # noqa: E402
 from moela.plan.search import search  # noqa: E402
 
-CALIBRATION_FILES = ("step.json", "step_32k.json", "step_32k_attn_in_graph_a.json")
+CALIBRATION_FILES = ("step.json",)
 V3 = ["model.size=v3", "train.tokens_per_microbatch=4096", "data.max_doc_len=4096", "train.device=cuda",
       "train.compile=false", "train.cuda_graphs=false", "optim.moment_dtype=bfloat16"]
 SEQ = 4096

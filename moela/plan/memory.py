@@ -259,11 +259,12 @@ class Memory:
     logits: int
     reserve: int
     terms: dict[str, int] = field(default_factory=dict)  # one block's inventory (the largest block)
+    not_at_once: int = 0  # gradients not yet written while activations are still held (`backward_overlap`)
 
     @property
     def allocated(self) -> int:
         return (self.params + self.grads + self.optimizer + self.working_params + self.activations
-                + self.transient + self.ep_buffers + self.logits)
+                + self.transient + self.ep_buffers + self.logits - self.not_at_once)
 
     @property
     def total(self) -> int:
@@ -299,14 +300,31 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, mine: list[Pa
     terms = [block_activation_terms(cfg, layout, tokens, kinds[i], work.ep_dispatch) for i in held]
     acts = [sum(t.values()) for t in terms]
     input_only = -(-tokens // layout.tp) * FP32 * cfg.hidden_size
-    per_mb = sum(input_only if ac == "full" or (ac == "selective" and j % 2 == 1) else a for j, a in enumerate(acts))
+    kept = [input_only if ac == "full" or (ac == "selective" and j % 2 == 1) else a for j, a in enumerate(acts)]
+    copies = _weight_copies(mine, layout, held)
+    kept = [a + c for a, c in zip(kept, copies)]
+    per_mb = sum(kept)
     flight = in_flight(layout, stage)
     transient = max(acts, default=0) * (2 if ac != "none" else 1)
     ep = _ep_buffers(cfg, layout, tokens, work.ep_dispatch) if any(kinds[i] for i in held) else 0
     logits = _logits_bytes(cfg, layout, tokens) if any(s.name.startswith("head.") for s in mine) else 0
     largest = terms[acts.index(max(acts))] if acts else {}
+    grads = [FP32 * sum(s.numel for s in mine if s.unit != "root" and int(s.unit.split(".")[1]) == i) for i in held]
+    credit = backward_overlap(kept, grads) if work.microbatches == 1 else 0
     return Memory(stage, st.params, st.grads, st.optimizer, _working_params(mine, layout), per_mb, flight,
-                  int(per_mb * flight), transient, ep, logits, 0, largest)
+                  int(per_mb * flight), transient, ep, logits, 0, largest, credit)
+
+
+def backward_overlap(acts: list[int], grads: list[int]) -> int:
+    """Bytes that activations and gradients never hold at once in a step of one micro-batch: backward frees block
+    j's activations (`acts`, forward order) as it writes block j's gradients (`grads`), so the peak over backward is
+    max over i of (activations of blocks <= i + gradients of blocks >= i), not their sum. With several
+    micro-batches the gradients of the first stay for the rest, and nothing is saved."""
+    if not acts:
+        return 0
+    total = sum(acts) + sum(grads)
+    peak = max(sum(acts[:i + 1]) + sum(grads[i:]) for i in range(len(acts)))
+    return total - peak
 
 
 def memory(cfg: ModelConfig, layout: Layout, work: Workload, *, moment_bytes: int, ac: str = "none",
@@ -320,14 +338,26 @@ def memory(cfg: ModelConfig, layout: Layout, work: Workload, *, moment_bytes: in
     return best
 
 
+def _weight_copies(mine: list[ParamShard], layout: Layout, held: list[int]) -> list[int]:
+    """One GPU: autocast's bf16 copy of each block's matrices, which the block saves for its backward (freed with
+    its activations); FSDP gathers bf16 weights instead, counted in `_working_params`."""
+    if layout.world > 1:
+        return [0] * len(held)
+    per = dict.fromkeys(held, 0)
+    for s in mine:
+        if s.unit != "root" and len(s.local_shape) >= 2:
+            per[int(s.unit.split(".")[1])] += BF16 * s.unsharded_numel
+    return [per[i] for i in held]
+
+
 def _working_params(mine: list[ParamShard], layout: Layout) -> int:
     """FSDP (world > 1): the root's gathered bf16 weights for the whole step, plus the two largest block units
     (the one running and the one prefetched) in bf16 and, in backward, that unit's unsharded fp32 gradient for the
     reduce-scatter. With pipelining every unit of the stage stays gathered across the micro-batches, with its
-    unsharded fp32 gradient accumulating (`PP_KEEPS_GATHERED`). One GPU: autocast's bf16 copy of every matmul
-    weight, saved for backward by each layer."""
+    unsharded fp32 gradient accumulating. One GPU: autocast's bf16 copy of the output head (the blocks' copies
+    count with their activations, `_weight_copies`)."""
     if layout.world == 1:
-        return BF16 * sum(s.unsharded_numel for s in mine if s.numel >= 2 and len(s.local_shape) >= 2)
+        return BF16 * sum(s.unsharded_numel for s in mine if s.name.startswith("head."))
     if layout.pp > 1:
         return (BF16 + FP32) * sum(s.unsharded_numel for s in mine)
     units: dict[str, int] = {}

@@ -27,6 +27,7 @@ def plan_text(p: Plan) -> str:
              f"  backward transient              {_gib(m.transient)}",
              f"  expert all-to-all buffers       {_gib(m.ep_buffers)}",
              f"  head + loss                     {_gib(m.logits)}",
+             f"  not at once (backward frees activations as it writes gradients)  -{_gib(m.not_at_once)}",
              f"  allocated (peak)                {_gib(m.allocated)}",
              f"  reserve (context {CONTEXT_GIB:g} GiB + {FRAGMENTATION:.0%} allocator)  {_gib(m.reserve)}",
              f"  total                           {_gib(m.total)} of {g.memory_gib:.1f} GiB "

@@ -44,16 +44,17 @@ ALPHA_S = {"nvlink": 10e-6, "network": 20e-6}  # latency per ring step (assumpti
 OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "ep_dualpipev": 1.0, "tp": 0.0, "cp": 0.0, "pp": 0.5,
            "small": 0.0}
 
-# bench/step.py on an H200, bf16 (bench/results/step.json, the `moela` bf16 rows): kernel ms per step by family,
-# tokens per step, token-weighted mean document length, and the recipe overrides of that row's model
+# bench/step.py on an H200, bf16, its `moela` rows: kernel ms per step by family (router/top-k, norm/RoPE/activation,
+# copies/cat/casts and other together as memory-bound), tokens per step, token-weighted mean document length, the
+# model's parameters, and the recipe overrides of that row's model (bench/step.py's CONFIGS)
 CALIBRATION = {
-    "v2lite6-64k": dict(model=dict(size="v2-lite", num_hidden_layers=6), tokens=65536, doc_len=2557.39,
+    "v2lite6-64k": dict(model=dict(size="v2-lite", num_hidden_layers=6), tokens=65536, doc_len=2568.35,
                         params=3424678912,
-                        ms={"optimizer": 67.74, "attention": 47.72, "expert GEMM": 149.55, "dense GEMM": 250.91,
-                            "loss": 172.87, "memory-bound": 0.52 + 47.68 + 55.66 + 1.51}),
-    "small-64k": dict(model=dict(size="small", vocab_size=4096), tokens=65536, doc_len=2557.39, params=679483520,
-                      ms={"optimizer": 13.53, "attention": 51.0, "expert GEMM": 46.94, "dense GEMM": 45.82,
-                          "loss": 3.83, "memory-bound": 0.71 + 38.14 + 38.41 + 1.81}),
+                        ms={"optimizer": 22.27, "attention": 49.36, "expert GEMM": 154.71, "dense GEMM": 254.44,
+                            "loss": 31.02, "memory-bound": 0.54 + 42.61 + 43.46 + 1.56}),
+    "small-64k": dict(model=dict(size="small", vocab_size=4096), tokens=65536, doc_len=2618.76, params=679483520,
+                      ms={"optimizer": 5.15, "attention": 52.47, "expert GEMM": 47.4, "dense GEMM": 45.03,
+                          "loss": 3.75, "memory-bound": 0.69 + 29.88 + 29.23 + 1.7}),
 }
 REFERENCE = "v2lite6-64k"
 
