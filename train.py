@@ -52,7 +52,7 @@ def _plan_stops(cfg) -> bool:
     """The plan's memory check (`train.plan_check`, moela.plan.check) on a CUDA run, before any allocation; prints
     its line on rank 0; true when it is an error."""
     import torch
-    if cfg.train.plan_check == "off" or cfg.train.device == "cpu" or not torch.cuda.is_available():
+    if cfg.train.plan_check == "never" or cfg.train.device == "cpu" or not torch.cuda.is_available():
         return False
     from moela.plan.check import memory_check
     props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK") or 0))

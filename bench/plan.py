@@ -8,7 +8,7 @@ Sections of bench/results/plan.md (+ plan.json):
    (bench/step.py's CONFIGS and MOELA_IMPLS), with the error.
 2. Compute cross-check: the kernel time of the `small-64k` row predicted from the rates of the `v2lite6-64k` row.
 3. Fake world: each listed layout built at its real world size on the fake process group (moela.plan.fake_world);
-   rank 0's parameter bytes against the plan's, and the build time.
+   rank 0's parameter bytes against the plan's rank 0 (pipeline stage 0), and the build time.
 4. Anchors: per published run, the plan at the published layout (as moela would run it; activation
    checkpointing added when it would not fit otherwise) and at the layout `--search` picks, with predicted memory,
    tokens/s per GPU and MFU, the error against the published figure, and the sensitivity of the prediction to
@@ -82,12 +82,21 @@ SENSITIVITY = {  # assumption -> how it is varied
     "kernel rates x1.25": lambda o, g: (o, replace(g, compute_scale=g.compute_scale * 1.25)),
     "FSDP/HSDP overlap 0.5": lambda o, g: ({**o, "fsdp": 0.5, "replicate": 0.5}, g),
 }
-FAKE_WORLDS = [("v3", ParallelConfig(ep=64), 256), ("v3", ParallelConfig(ep=32, tp=8), 256),
-               ("v3", ParallelConfig(ep=64, dp_replicate=4), 1024), ("v3", ParallelConfig(ep=256, dp_replicate=4),
-                                                                     1024),
-               ("v3", ParallelConfig(ep=64, dp_replicate=8), 2048), ("v3", ParallelConfig(ep=256), 2048),
-               ("v2-lite", ParallelConfig(ep=8), 8), ("v2-lite", ParallelConfig(ep=4, tp=2), 8),
-               ("v2-lite", ParallelConfig(dp_replicate=2, ep=8), 16), ("v2-lite", ParallelConfig(cp=2, ep=4), 16)]
+FAKE_WORLDS = [  # (model, parallel section, ranks, micro-batches per step)
+    ("v3", ParallelConfig(ep=64), 256, 1),
+    ("v3", ParallelConfig(ep=32, tp=8), 256, 1),
+    ("v3", ParallelConfig(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=8, ep=64), 256, 8),
+    ("v3", ParallelConfig(ep=64, dp_replicate=4), 1024, 1),
+    ("v3", ParallelConfig(pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=4, ep=64, tp=2), 1024, 128),
+    ("v3", ParallelConfig(ep=64, dp_replicate=8), 2048, 1),
+    ("v3", ParallelConfig(ep=256), 2048, 1),
+    ("v3", ParallelConfig(pp=16, pp_schedule="dualpipev", ep=64), 2048, 120),
+    ("v2-lite", ParallelConfig(ep=8), 8, 1),
+    ("v2-lite", ParallelConfig(ep=4, tp=2), 8, 1),
+    ("v2-lite", ParallelConfig(dp_replicate=2, ep=8), 16, 1),
+    ("v2-lite", ParallelConfig(cp=2, ep=4), 16, 1),
+    ("v2-lite", ParallelConfig(pp=2, ep=4), 16, 4),
+]
 
 
 def memory_rows() -> list[dict]:
@@ -109,15 +118,16 @@ def memory_rows() -> list[dict]:
 
 def fake_world_rows(quick: bool) -> list[dict]:
     rows = []
-    for size, parallel, world in FAKE_WORLDS:
+    for size, parallel, world, mbs in FAKE_WORLDS:
         if quick and world > 1024:
             continue
         cfg = preset(size)
         start = time.perf_counter()
         fw = build(cfg, parallel, world)
         seconds = time.perf_counter() - start
-        plan_bytes = 4 * sum(s.numel for s in param_shards(cfg, layout_of(parallel, world)))
-        rows.append(dict(model=size, world=world, layout=layout_of(parallel, world).describe(),
+        layout = layout_of(parallel, world, grad_accum=mbs)
+        plan_bytes = 4 * sum(s.numel for s in param_shards(cfg, layout) if s.rank == 0)
+        rows.append(dict(model=size, world=world, layout=layout.describe(),
                          fake_world_gib=fw.param_bytes / GIB, plan_gib=plan_bytes / GIB,
                          equal=fw.param_bytes == plan_bytes, seconds=seconds))
     return rows

@@ -134,3 +134,23 @@ def test_cli_errors_are_one_line(args, needle):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_backward_overlap_is_the_timeline_peak():
+    from moela.plan.memory import backward_overlap
+    acts, grads = [5, 3, 4], [1, 2, 6]
+    # backward of block i holds activations of blocks <= i and gradients of blocks >= i
+    peaks = [5 + 9, 8 + 8, 12 + 6]
+    assert backward_overlap(acts, grads) == sum(acts) + sum(grads) - max(peaks)
+
+
+@pytest.mark.parametrize("mode,tokens,level", [("error", 1 << 20, "error"), ("warn", 1 << 20, "warn"),
+                                               ("never", 1 << 20, None), ("error", 32768, None)])
+def test_train_memory_check(mode, tokens, level):
+    from moela.config import load_config
+    from moela.plan.check import memory_check
+    cfg = load_config("recipes/small.yaml", [f"train.plan_check={mode}", f"train.tokens_per_microbatch={tokens}"])
+    found = memory_check(cfg, 1, "NVIDIA H100 80GB HBM3", 80 * 10**9)
+    assert (found and found[0]) == level
+    if found:
+        assert "\n" not in found[1] and "GiB" in found[1]

@@ -21,9 +21,9 @@ OVER = 1.15
 
 
 def memory_check(cfg, world_size: int, device_name: str, total_bytes: int) -> tuple[str, str] | None:
-    """None when the plan fits comfortably (or `train.plan_check: off`), else (level "warn" | "error", line)."""
+    """None when the plan fits comfortably (or `train.plan_check: never`), else (level "warn" | "error", line)."""
     mode = cfg.train.plan_check
-    if mode == "off":
+    if mode == "never":
         return None
     kind = next((k for k in GPUS if k in device_name.lower()), "h100")
     gpu = replace(GPUS[kind], name=device_name, memory_gib=total_bytes / GIB)

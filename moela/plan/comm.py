@@ -7,7 +7,7 @@ Per step, from the parallel code's structure:
   root: embedding, final norm, head, MTP projections): an all-gather of the bf16 padded shards before each forward
   and again before each backward (blocks reshard after forward; the root does not, so it gathers once per
   micro-batch), and one fp32 reduce-scatter per step (gradients are synchronized on the last micro-batch only);
-  with pipelining one all-gather per unit and step (the stage stays gathered, `moela.plan.memory`).
+  with pipelining one reduce-scatter per micro-batch (the pipeline leaves gradient sync on).
   With dp_replicate > 1 (HSDP) the reduced shard is then all-reduced across replicas; `replicate_compression`
   divides those bytes (the hook a gradient compressor sets).
 - Expert parallelism, per MoE layer and micro-batch: `gather` all-gathers the padded tokens (bf16) and their ids
@@ -61,9 +61,10 @@ def fsdp_collectives(shards: list[ParamShard], layout: Layout, microbatches: int
     for (unit, group), padded in units.items():
         n = layout.efsdp if group == "efsdp" else layout.shard
         if n > 1:
-            gathers = 1 if layout.pp > 1 else microbatches * (1 if unit == "root" else 2)
+            gathers = microbatches * (1 if unit == "root" else 2)
+            reduces = microbatches if layout.pp > 1 else 1
             out.append(Collective("all_gather", group, n, gathers, BF16 * padded, f"FSDP {unit}", "fsdp"))
-            out.append(Collective("reduce_scatter", group, n, 1, FP32 * padded * n, f"FSDP {unit}", "fsdp"))
+            out.append(Collective("reduce_scatter", group, n, reduces, FP32 * padded * n, f"FSDP {unit}", "fsdp"))
         if layout.dp_replicate > 1:
             nbytes = int(FP32 * padded / layout.replicate_compression)
             out.append(Collective("all_reduce", "dp_replicate", layout.dp_replicate, 1, nbytes, f"HSDP {unit}",

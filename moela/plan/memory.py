@@ -22,10 +22,9 @@ Decisions:
   DualPipeV hold 2 chunks of pp + 1 micro-batches (their two directions fill both chunks of stage 0 at once), and
   DualPipeV keeps the parameters of both chunks (each rank holds stages s and 2pp - 1 - s). Without pipelining
   one micro-batch is in flight (gradient accumulation runs them one after the other).
-- With pipelining, FSDP keeps a stage's weights gathered from the first micro-batch to the last and reduces the
-  accumulated gradients once (torchtitan's choice under PP: re-gathering every unit for each of dozens of
-  micro-batches would multiply the traffic by them); memory holds the stage's bf16 weights and fp32 gradients
-  unsharded.
+- With pipelining, FSDP runs as without it, once per micro-batch (moela's pipeline leaves gradient sync on): a
+  unit is gathered for each micro-batch's forward and backward and reduce-scatters each micro-batch's gradients,
+  so only sharded gradients are held.
 - Reserve: the CUDA context and NCCL's buffers (a fixed `CONTEXT_GIB`) and the caching allocator's fragmentation
   (`FRAGMENTATION` of what is allocated) are assumptions, stated in the report; the measured peaks moela compares
   against are `torch.cuda.max_memory_allocated`, which excludes both.
@@ -353,13 +352,10 @@ def _weight_copies(mine: list[ParamShard], layout: Layout, held: list[int]) -> l
 def _working_params(mine: list[ParamShard], layout: Layout) -> int:
     """FSDP (world > 1): the root's gathered bf16 weights for the whole step, plus the two largest block units
     (the one running and the one prefetched) in bf16 and, in backward, that unit's unsharded fp32 gradient for the
-    reduce-scatter. With pipelining every unit of the stage stays gathered across the micro-batches, with its
-    unsharded fp32 gradient accumulating. One GPU: autocast's bf16 copy of the output head (the blocks' copies
-    count with their activations, `_weight_copies`)."""
+    reduce-scatter. One GPU: autocast's bf16 copy of the output head (the blocks' copies count with their
+    activations, `_weight_copies`)."""
     if layout.world == 1:
         return BF16 * sum(s.unsharded_numel for s in mine if s.name.startswith("head."))
-    if layout.pp > 1:
-        return (BF16 + FP32) * sum(s.unsharded_numel for s in mine)
     units: dict[str, int] = {}
     for s in mine:
         key = s.unit.replace("experts", "block")

@@ -3,10 +3,11 @@
 Candidates: tp among the divisors of the heads up to the node size; cp 1 or 2; ep among the divisors of the routed
 experts that divide dp_shard x cp (from 8 up, when there are more than 8 experts); pp 1 or a power of two up to 16
 that divides the world, with 1F1B, interleaved 1F1B (2 chunks per rank) and DualPipeV, at least 2 pp micro-batches
-per step (interleaved: a multiple of pp), stages balanced by `moela.parallel.pp_layout`; dp_replicate 1 or 2;
-activation checkpointing only where a layout does not fit without it (it is never faster). The global batch (tokens
-per step) stays the recipe's, so layouts trade micro-batches for data-parallel ranks as the same run would. Memory
-is priced first; step time only for what fits.
+per step (interleaved: a multiple of pp), stages balanced by `moela.parallel.pp_layout`; dp_replicate 1, 2, or what
+leaves FSDP shard groups of 8 or 64 ranks (HSDP inside one node or eight); activation checkpointing only where a
+layout does not fit without it (it is never faster). The global batch (tokens per step) stays the recipe's, so
+layouts trade micro-batches for data-parallel ranks as the same run would. Memory is priced first; step time only
+for what fits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def candidates(cfg, gpus: int, gpus_per_node: int, global_tokens: int) -> list[t
                 rest = gpus // (pp * tp * cp)
                 if rest < 1 or gpus % (pp * tp * cp):
                     continue
-                for rep in [r for r in (1, 2) if rest % r == 0]:
+                shard_groups = [g for g in (8, 64) if rest % g == 0 and rest > g]  # HSDP: one node, eight nodes
+                for rep in sorted({r for r in (1, 2) if rest % r == 0} | {rest // g for g in shard_groups}):
                     shard = rest // rep
                     for ep in _divisors(model.n_routed_experts, shard * cp):
                         if (shard * cp) % ep or (cp > 1 and ep % cp) or (model.num_moe_blocks == 0 and ep > 1):
