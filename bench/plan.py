@@ -3,18 +3,20 @@ peaks of bench/step.py rows, its compute model's cross-check, the fake world's p
 its predictions beside the published cluster runs (BENCHMARKS.md, "Published runs at cluster scale").
 
 Sections of bench/results/plan.md (+ plan.json):
-1. Memory calibration: every moela row of the bench/step.py result files named in CALIBRATION_FILES (measured
-   `torch.cuda.max_memory_allocated`) against the plan's allocated peak for the same recipe and overrides
-   (bench/step.py's CONFIGS and MOELA_IMPLS), with the error.
+1. Memory calibration: every moela row of bench/step.py's result JSON (`--step-json`, default its current
+   table; measured `torch.cuda.max_memory_allocated`) against the plan's allocated peak for the same recipe and
+   overrides (bench/step.py's CONFIGS and MOELA_IMPLS), with the error.
 2. Compute cross-check: the kernel time of the `small-64k` row predicted from the rates of the `v2lite6-64k` row.
 3. Fake world: each listed layout built at its real world size on the fake process group (moela.plan.fake_world);
    rank 0's parameter bytes against the plan's rank 0 (pipeline stage 0), and the build time.
 4. Anchors: per published run, the plan at the published layout (as moela would run it; activation
    checkpointing added when it would not fit otherwise) and at the layout `--search` picks, with predicted memory,
    tokens/s per GPU and MFU, the error against the published figure, and the sensitivity of the prediction to
-   each assumption (the assumption whose change moves it most dominates its uncertainty).
+   each assumption (the assumption whose change moves it most dominates its uncertainty). Both layouts are built
+   in the fake world too (a layout the plan names builds at full size).
 
-Usage: python bench/plan.py [--quick]   (CPU only; --quick skips the 2,048-rank fake worlds and the searches)
+Usage: python bench/plan.py [--quick] [--step-json PATH]
+(CPU only; --quick skips the 2,048-rank fake worlds and the searches)
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from moela.plan.memory import GIB, param_shards  # noqa: E402
 from moela.plan.predict import predict  # noqa: E402
 from moela.plan.search import search  # noqa: E402
 
-CALIBRATION_FILES = ("step.json",)
 V3 = ["model.size=v3", "train.tokens_per_microbatch=4096", "data.max_doc_len=4096", "train.device=cuda",
       "train.compile=false", "train.cuda_graphs=false", "optim.moment_dtype=bfloat16"]
 SEQ = 4096
@@ -99,20 +100,19 @@ FAKE_WORLDS = [  # (model, parallel section, ranks, micro-batches per step)
 ]
 
 
-def memory_rows() -> list[dict]:
+def memory_rows(step_json: Path) -> list[dict]:
     rows = []
-    for name in CALIBRATION_FILES:
-        for r in json.loads((ROOT / "bench" / "results" / name).read_text()):
-            if not r["impl"].startswith("moela") or r["impl"] not in MOELA_IMPLS:
-                continue
-            c = CONFIGS[r["config"]]
-            overrides = list(c["overrides"]) + RECIPE_OVERRIDES[r["recipe"]] + MOELA_IMPLS[r["impl"]]
-            cfg = load_config(c["recipe"], overrides + ["train.device=cuda"])
-            plan = predict(cfg, layout_of(cfg.parallel, 1), GPUS["h200"], doc_len=r["doc_len_token_weighted"])
-            pred = plan.memory.allocated / GIB
-            rows.append(dict(file=name, config=r["config"], impl=r["impl"], recipe=r["recipe"],
-                             measured_gib=r["peak_gib"], predicted_gib=pred, error=pred / r["peak_gib"] - 1,
-                             activations_gib=plan.memory.activations / GIB))
+    for r in json.loads(step_json.read_text()):
+        if r["impl"] not in MOELA_IMPLS:
+            continue
+        c = CONFIGS[r["config"]]
+        overrides = list(c["overrides"]) + RECIPE_OVERRIDES[r["recipe"]] + MOELA_IMPLS[r["impl"]]
+        cfg = load_config(c["recipe"], overrides + ["train.device=cuda"])
+        plan = predict(cfg, layout_of(cfg.parallel, 1), GPUS["h200"], doc_len=r["doc_len_token_weighted"])
+        pred = plan.memory.allocated / GIB
+        rows.append(dict(file=step_json.name, config=r["config"], impl=r["impl"], recipe=r["recipe"],
+                         measured_gib=r["peak_gib"], predicted_gib=pred, error=pred / r["peak_gib"] - 1,
+                         activations_gib=plan.memory.activations / GIB))
     return rows
 
 
@@ -133,9 +133,13 @@ def fake_world_rows(quick: bool) -> list[dict]:
     return rows
 
 
-def _summary(p) -> dict:
+def _summary(cfg, p) -> dict:
+    """A plan's headline numbers, and whether its layout builds in the fake world (rank 0's bytes as planned)."""
+    fw = build(cfg.model, p.layout.parallel(), p.layout.world)
+    planned = 4 * sum(s.numel for s in param_shards(cfg.model, p.layout) if s.rank == 0)
     return dict(layout=p.layout.describe(), memory_gib=p.memory.total / GIB, fits=p.fits,
-                tokens_per_s=p.time.tokens_per_s_per_gpu, mfu=p.time.mfu, step_s=p.time.seconds)
+                tokens_per_s=p.time.tokens_per_s_per_gpu, mfu=p.time.mfu, step_s=p.time.seconds,
+                builds=fw.param_bytes == planned)
 
 
 def anchor_rows(quick: bool) -> list[dict]:
@@ -156,11 +160,11 @@ def anchor_rows(quick: bool) -> list[dict]:
         picked = None
         if not quick:
             found = search(cfg, a["gpus"], gpu, global_tokens=a["global_tokens"])
-            picked = _summary(found[0]) if found else None
+            picked = _summary(cfg, found[0]) if found else None
         published = a["tokens_per_s"]
         row = dict(name=a["name"], source=a["source"], gpus=a["gpus"], gpu=gpu.name,
                    published_layout=a["published_layout"], published_tokens_per_s=published,
-                   published_mfu=a["mfu"], at_published=_summary(plan), searched=picked, sensitivity=sens,
+                   published_mfu=a["mfu"], at_published=_summary(cfg, plan), searched=picked, sensitivity=sens,
                    dominant=max(sens, key=lambda k: abs(sens[k])))
         if published:
             row["error"] = plan.time.tokens_per_s_per_gpu / published - 1
@@ -197,17 +201,21 @@ def report(mem, check, worlds, anchors, header) -> str:
               "| run | GPUs | published | plan at the published layout | memory GiB | tok/s/GPU | MFU | error |"
               " --search's pick | its memory GiB | its tok/s/GPU | dominant assumption |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    built = all(r["at_published"]["builds"] and (r["searched"] or {"builds": True})["builds"] for r in anchors)
     for r in anchors:
         p, s = r["at_published"], r["searched"]
         pub = (f"{r['published_tokens_per_s']:,.0f} tok/s" if r["published_tokens_per_s"] else "") + (
             f" {r['published_mfu']:.0%} MFU" if r["published_mfu"] else "")
         lines.append(f"| {r['name']} ({r['source']}) | {r['gpus']} x {r['gpu']} | {pub.strip()}; "
-                     f"{r['published_layout']} | {p['layout']} | {p['memory_gib']:.1f} | "
+                     f"{r['published_layout']} | {p['layout']}{'' if p['fits'] else ' (does not fit)'} | "
+                     f"{p['memory_gib']:.1f} | "
                      f"{p['tokens_per_s']:,.0f} | {p['mfu']:.1%} | {r['error']:+.0%} | "
                      f"{s['layout'] if s else '-'} | {_fmt(s and s['memory_gib'], '.1f')} | "
                      f"{_fmt(s and s['tokens_per_s'])} | {r['dominant']} ({r['sensitivity'][r['dominant']]:+.0%}) |")
     lines += ["", "Error: the plan at the published layout against the published tokens/s per GPU (MFU for "
-              "torchtitan, which publishes only that). Sensitivity of each prediction (tokens/s change):", ""]
+              "torchtitan, which publishes only that). Every layout of this table built in the fake world with the "
+              f"planned bytes on rank 0: {'yes' if built else 'NO'}. A layout that does not fit is marked "
+              "(does not fit). Sensitivity of each prediction (tokens/s change):", ""]
     for r in anchors:
         parts = ", ".join(f"{k} {v:+.0%}" for k, v in r["sensitivity"].items())
         lines.append(f"- {r['name']}: {parts}")
@@ -217,13 +225,15 @@ def report(mem, check, worlds, anchors, header) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 2,048-rank fake worlds and the searches")
+    parser.add_argument("--step-json", type=Path, default=ROOT / "bench" / "results" / "step.json",
+                        help="bench/step.py's JSON to compare the one-GPU peaks with")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
-    command = "python bench/plan.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python bench/plan.py", *sys.argv[1:]])
     header = [f"{datetime.date.today()}, commit {commit}, CPU only (no GPU is touched), torch {torch.__version__}",
               "", f"`{command}`"]
-    mem = memory_rows()
+    mem = memory_rows(args.step_json)
     check = timing.calibration_check()
     worlds = fake_world_rows(args.quick)
     anchors = anchor_rows(args.quick)

@@ -154,3 +154,11 @@ def test_train_memory_check(mode, tokens, level):
     assert (found and found[0]) == level
     if found:
         assert "\n" not in found[1] and "GiB" in found[1]
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(pp=16, pp_schedule="dualpipev", ep=64),
+                                      ParallelConfig(pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=4,
+                                                     tp=2, ep=64, dp_replicate=2, activation_checkpointing="full")])
+def test_layout_reads_back_as_the_parallel_section(parallel):
+    layout = layout_of(parallel, 2048, grad_accum=128)
+    assert layout_of(layout.parallel(), 2048, grad_accum=128) == layout

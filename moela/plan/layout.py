@@ -98,6 +98,14 @@ class Layout:
         stride, size = spans[name]
         return Group(name, size, stride, self.gpus_per_node)
 
+    def parallel(self) -> ParallelConfig:
+        """The recipe's `parallel` section of this layout (what `layout_of` reads back)."""
+        return ParallelConfig(pp=self.pp, pp_schedule=self.pp_schedule,
+                              pp_virtual_stages=self.pp_virtual_stages if self.pp > 1 else 0,
+                              pp_layout=self.pp_layout, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard,
+                              cp=self.cp, tp=self.tp, ep=self.ep,
+                              activation_checkpointing=self.activation_checkpointing)
+
     def describe(self) -> str:
         parts = [f"{k}{getattr(self, k)}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
                  if getattr(self, k) > 1]

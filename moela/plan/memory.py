@@ -166,24 +166,22 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
-    tensors: int
 
 
 def state_bytes(shards: list[ParamShard], moment_bytes: int) -> StateBytes:
     """fp32 master weights and gradients, two AdamW moments in `moment_bytes`, one fp32 step per tensor."""
     numel = sum(s.numel for s in shards)
-    return StateBytes(FP32 * numel, FP32 * numel, 2 * moment_bytes * numel + FP32 * len(shards), len(shards))
+    return StateBytes(FP32 * numel, FP32 * numel, 2 * moment_bytes * numel + FP32 * len(shards))
 
 
 # ---- activations --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Workload:
-    """What one micro-batch is on this rank: tokens, and the precision its GEMMs run in."""
+    """What a step is on this rank: micro-batches of `tokens`, and how tokens reach their experts."""
 
     tokens: int  # tokens_per_microbatch (the micro-batch before CP / TP split)
     microbatches: int  # per optimizer step on each data-parallel rank (grad_accum, or the pipeline's)
-    fp8_experts: bool = False
     ep_dispatch: str = "auto"
 
 
@@ -283,7 +281,7 @@ def in_flight(layout: Layout, stage: int = 0) -> float:
     return float(pp + 1)  # ZBV / DualPipeV: both chunks of every rank fill from the two ends
 
 
-def _block_kinds(cfg: ModelConfig) -> list[bool]:
+def block_kinds(cfg: ModelConfig) -> list[bool]:
     """Whether each block (main, then MTP) is MoE."""
     main = [i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
     return main + [cfg.mtp_is_moe] * cfg.num_nextn_predict_layers
@@ -293,7 +291,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, work: Workload, mine: list[Pa
                  moment_bytes: int, ac: str) -> Memory:
     """Memory of pipeline rank `stage`, which holds `mine` (stage s of 1F1B holds pp - s micro-batches)."""
     tokens = -(-work.tokens // layout.cp)
-    kinds = _block_kinds(cfg)
+    kinds = block_kinds(cfg)
     st = state_bytes(mine, moment_bytes)
     held = sorted({int(s.unit.split(".")[1]) for s in mine if s.unit != "root"})
     terms = [block_activation_terms(cfg, layout, tokens, kinds[i], work.ep_dispatch) for i in held]

@@ -80,7 +80,7 @@ def predict(cfg, layout: Layout, gpu: GPU, *, doc_len: float | None = None, micr
     doc = doc_len or doc_length(cfg, tokens)
     shards = _shards(_key(model), _shard_key(layout))
     moment = 2 if cfg.optim.moment_dtype == "bfloat16" else 4
-    work = Workload(tokens, mbs, model.expert_recipe == "fp8_blockwise", cfg.parallel.ep_dispatch)
+    work = Workload(tokens, mbs, cfg.parallel.ep_dispatch)
     mem = memory(model, layout, work, moment_bytes=moment, ac=layout.activation_checkpointing, shards=shards)
     if only_if_fits and mem.total > gpu.memory_gib * GIB:
         return None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from moela.model.config import ModelConfig, preset
 from moela.plan.comm import Collective
 from moela.plan.layout import GPU, Layout
+from moela.plan.memory import block_kinds
 
 ALPHA_S = {"nvlink": 10e-6, "network": 20e-6}  # latency per ring step (assumption)
 OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "ep_dualpipev": 1.0, "tp": 0.0, "cp": 0.0, "pp": 0.5,
@@ -59,12 +60,6 @@ CALIBRATION = {
 REFERENCE = "v2lite6-64k"
 
 
-def _blocks(cfg: ModelConfig) -> list[bool]:
-    """Whether each block (main, then MTP) is MoE."""
-    main = [i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
-    return main + [cfg.mtp_is_moe] * cfg.num_nextn_predict_layers
-
-
 def family_work(cfg: ModelConfig, doc_len: float) -> dict[str, float]:
     """Work per token of each family (module docstring): FLOPs, or elements for memory-bound."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -72,7 +67,7 @@ def family_work(cfg: ModelConfig, doc_len: float) -> dict[str, float]:
     q = d * h * qk if cfg.q_lora_rank is None else d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk
     attn_proj = q + d * (c + r) + c * h * (cfg.qk_nope_head_dim + dv) + h * dv * d
     dense = expert = 0
-    for moe in _blocks(cfg):
+    for moe in block_kinds(cfg):
         dense += attn_proj
         if moe:
             dense += 3 * d * cfg.moe_intermediate_size * cfg.n_shared_experts + cfg.n_routed_experts * d
@@ -80,7 +75,7 @@ def family_work(cfg: ModelConfig, doc_len: float) -> dict[str, float]:
         else:
             dense += 3 * d * cfg.intermediate_size
     dense += 2 * d * d * cfg.num_nextn_predict_layers
-    blocks = len(_blocks(cfg))
+    blocks = len(block_kinds(cfg))
     return {"dense GEMM": 6.0 * dense, "expert GEMM": 6.0 * expert,
             "loss": 6.0 * cfg.vocab_size * d * (1 + cfg.num_nextn_predict_layers),
             "attention": 3.0 * h * (qk + dv) * doc_len * blocks, "memory-bound": float(blocks * d)}
