@@ -15,13 +15,16 @@ Decisions:
 - Activations are the tensors one block keeps for its backward, per token, as the CUDA path saves them (the
   autograd functions' `save_for_backward` lists: MLA saves q, k, v, out and the log-sum-exp; the expert op the
   gathered SwiGLU input h [M, 2F] and output o [M, D] over its padded layout of M rows; every linear its input;
-  norms their input and 1/rms); `ACTIVATION_INVENTORY` below names each term. Under full activation
-  checkpointing a block keeps its input only, and one block's worth is rebuilt during its backward.
-- Micro-batches in flight per pipeline schedule (on the stage that holds the most): 1F1B holds pp micro-batches
-  on stage 0; interleaved 1F1B holds pp * v chunks' worth of (1 + (pp - 1) / (pp * v)) micro-batches; ZBV and
-  DualPipeV hold 2 chunks of pp + 1 micro-batches (their two directions fill both chunks of stage 0 at once), and
-  DualPipeV keeps the parameters of both chunks (each rank holds stages s and 2pp - 1 - s). Without pipelining
-  one micro-batch is in flight (gradient accumulation runs them one after the other).
+  norms their input and 1/rms); `block_activation_terms` names each term. On one GPU each block also keeps
+  autocast's bf16 copy of its matrices. Under full activation checkpointing a block keeps its input only, and one
+  block's worth is rebuilt during its backward.
+- The peak is taken over backward: it frees a block's activations as it writes that block's gradients, so with
+  one micro-batch per step the two never peak together (`backward_overlap`).
+- Micro-batches in flight on pipeline rank s, in units of the rank's blocks' activations of one micro-batch:
+  1F1B pp - s; interleaved 1F1B with v chunks per rank (2(pp - 1 - s) + (v - 1) pp + 1) / v; ZBV and DualPipeV
+  pp + 1 (their two directions fill both chunks of every rank). Each rank holds the chunks
+  `moela.parallel.pp_layout.stage_ranks` gives it (DualPipeV: chunks s and 2pp - 1 - s). Without pipelining one
+  micro-batch is in flight (gradient accumulation runs them one after the other).
 - With pipelining, FSDP runs as without it, once per micro-batch (moela's pipeline leaves gradient sync on): a
   unit is gathered for each micro-batch's forward and backward and reduce-scatters each micro-batch's gradients,
   so only sharded gradients are held.
