@@ -20,14 +20,14 @@ Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with 
 sum(L^2) (Dqk + Dv), bwd 2 H sum(L^2) (3 Dqk + 2 Dv), halved for causal), the first call's wall time (flash-attn-4
 compiles its CuTe DSL kernels on first use, Triton its kernels unless cached: that is where the JIT time shows), and
 the largest difference of out, lse, dq, dk, dv from the case's `triton` row, relative to that tensor's largest
-magnitude. Writes --out (markdown) and --json (rows: case, impl, fwd_tflops, fwd_bwd_tflops, ...); prints, last,
-the rows of `auto.MEASURED` this run measured, ready to paste.
+magnitude. Writes bench/results/attention.md and attention.json (rows: case, impl, fwd_tflops, fwd_bwd_tflops,
+...; `--out-dir`); prints, last, the rows of `auto.MEASURED` this run measured, ready to paste.
 
 flash-attn-4's compiled kernels are kept on disk (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 unless set otherwise), so
 a run after the GPU tests reuses theirs.
 
 Usage: python bench/attention.py [--quick] [--only SUBSTR,...] [--impls triton,flash,cudnn,variants]
-                                 [--variants SUBSTR,...] [--budget SECONDS] [--out PATH] [--json PATH]
+                                 [--variants SUBSTR,...] [--budget SECONDS] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import signal
 import sys
@@ -47,10 +46,10 @@ from pathlib import Path
 os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.attention import api as attention_api  # noqa: E402
 from moela.ops.attention import gluon_bwd, gluon_dq, gluon_fwd, mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
@@ -335,8 +334,7 @@ def main() -> None:
     ap.add_argument("--impls", default="triton,flash,cudnn,variants")
     ap.add_argument("--variants", default="", help="comma list of substrings: the variant rows whose name holds one")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; rows past it are skipped and say so")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention.md"))
-    ap.add_argument("--json", default=str(Path(__file__).parent / "results" / "attention.json"))
+    add_out_dir(ap)
     args = ap.parse_args()
     impls = args.impls.split(",")
     unknown = set(impls) - {"triton", "flash", "cudnn", "variants"}
@@ -348,10 +346,7 @@ def main() -> None:
              and (not args.only or any(s in c.name for s in args.only.split(",")))]
     warmup, rep = (10, 40) if args.quick else (25, 100)
     t0 = time.time()
-    props = torch.cuda.get_device_properties(0)
-    say(f"# mla_attention benchmark (`bench/attention.py{' --quick' if args.quick else ''}`)\n\n"
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {props.name}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    say(f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
     start = time.perf_counter()
     probe = torch.empty(1, 1, 64, device=DEV, dtype=DT)
     problem = flash_problem(probe, probe, probe)
@@ -418,11 +413,8 @@ def main() -> None:
         say(f'    Measured("{name}", ({case.d_qk}, {case.d_v}), "{case.layout}", {per_doc}, "{case.feature}", '
             f'{speeds}, "bench/results/attention.json, {date}"),')
     say("```")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(LINES) + "\n")
-    meta = dict(date=date, gpu=props.name, torch=torch.__version__, triton=triton.__version__, heads=H,
-                dtype="bf16", causal=True, quick=args.quick)
-    Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+    write_results("attention", "mla_attention's backends side by side", "\n".join(LINES),
+                  dict(heads=H, dtype="bf16", causal=True, quick=args.quick, rows=rows), out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,16 @@ B=2 S=8192, 192/128, 16 heads, bf16, causal.
 
 Per case and implementation: the do_bench median of fwd+bwd (ms), then `--iters` calls under torch.profiler (CUDA
 activity only) with each kernel's device time per call, the sum of the kernels per call, and the difference of each
-kernel against the plain call of the same implementation. Writes --out (markdown) and prints it.
+kernel against the plain call of the same implementation. Writes bench/results/attention_kernels.md and .json
+(`--out-dir`) and prints the tables.
 
-Usage (GPU): python bench/attention_kernels.py [--iters 10] [--out bench/results/attention_kernels.md]
+Usage (GPU): python bench/attention_kernels.py [--iters 10] [--impls flash,triton] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import sys
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.attention import LOGNORMAL, Case, lognormal_lengths, make_inputs, moela_impl  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 
 def cases() -> list[tuple[str, list[Case]]]:
@@ -79,26 +80,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--impls", default="flash,triton")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "attention_kernels.md"))
+    add_out_dir(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/attention_kernels.py profiles GPU kernels: run it on a CUDA machine")
-    lines = ["# Attention fwd+bwd by kernel: plain vs z-loss vs ALiBi (`bench/attention_kernels.py`)", "",
-             f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}. "
-             f"Command: `python bench/attention_kernels.py {' '.join(sys.argv[1:])}`. Device microseconds per call "
-             f"(mean over {args.iters} profiled calls after warm-up); `timed` is the do_bench median of the whole "
-             f"call, so timed - kernels is time the device spent waiting for launches.", ""]
+    rows = []
+    lines = [f"Device microseconds per call (mean over {args.iters} profiled calls after warm-up); `timed` is the "
+             f"do_bench median of the whole call, so timed - kernels is time the device spent waiting for "
+             f"launches.", ""]
     for layout, trio in cases():
         for impl in args.impls.split(","):
             lines += [f"## {layout}, {impl}", ""]
-            per_feature, timed = {}, {}
+            per_feature, timed, errors = {}, {}, {}
             for case in trio:
                 try:
                     call = fwd_bwd_fn(case, impl)
                     timed[case.feature] = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
                     per_feature[case.feature] = kernel_times(call, args.iters)
                 except Exception as e:  # noqa: BLE001 - a backend that cannot run a feature is a row, not a crash
-                    lines.append(f"- {case.feature}: not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                    errors[case.feature] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    lines.append(f"- {case.feature}: not run ({errors[case.feature]})")
+            rows.append(dict(layout=layout, impl=impl, timed_us=timed, kernels_us=per_feature,
+                             errors=errors))
             if not per_feature:
                 lines.append("")
                 continue
@@ -125,9 +128,9 @@ def main() -> None:
                 for f in features if f != "plain" and "plain" in timed) + " |")
             lines.append("")
             print("\n".join(lines[-len(names) - 5:]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    md = write_results("attention_kernels", "Attention fwd+bwd by kernel: plain vs z-loss vs ALiBi", "\n".join(lines),
+                       dict(iters=args.iters, rows=rows), out_dir=args.out_dir)
+    print(f"wrote {md}")
 
 
 if __name__ == "__main__":

@@ -22,16 +22,14 @@ Document-length sources:
 - `lognormal`: synthetic long tail, L = ceil(exp(N(ln 1500, 1.6^2))) clipped to [16, 2^20]: median 1.5k tokens,
   ~10% of documents above 11k, ~1% above 62k.
 
-Usage: python bench/balance.py [--preset small] [--steps 8] [--out bench/results/balance.md]
+Usage: python bench/balance.py [--preset small] [--steps 8] [--out-dir DIR]  (bench/results/balance.md, .json)
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import sys
 import time
 import zlib
@@ -41,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.data.balance import (  # noqa: E402
     balanced_assign,
     cost_coefficients,
@@ -135,7 +134,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="8192,32768,131072")
     ap.add_argument("--dp", default="8,64")
     ap.add_argument("--ga", default="4,16")
-    ap.add_argument("--out", default="bench/results/balance.md")
+    add_out_dir(ap)
     args = ap.parse_args()
     a, b = cost_coefficients(preset(args.preset))
     corpus = corpus_lengths()
@@ -149,14 +148,8 @@ def main() -> None:
                     r = rows[-1]
                     print(f"{source:9s} {budget:>7d} dp={dp:<3d} ga={ga:<3d} before {r['before']:.3f} after "
                           f"{r['after']:.3f} gain {r['gain']:.3f}", flush=True)
-    import torch
     lines = [
-        "# DP cost balancing: round robin vs balanced_assign",
-        "",
-        f"Date {datetime.date.today()}; CPU only ({platform.processor() or platform.machine()}), "
-        f"torch {torch.__version__}; numbers are FLOP-model costs, not timings. "
-        f"Command: `{' '.join(['python bench/balance.py'] + sys.argv[1:])}`.",
-        "",
+        "Numbers are FLOP-model costs, not timings (CPU only). "
         f"Cost = a*sum L + b*sum L^2 with the `{args.preset}` preset: a = {a:.4g}, b = {b:.4g} FLOPs "
         f"(attention equals the linear layers at L = a/b = {a / b:.0f} tokens). Corpus document lengths: "
         f"{len(corpus)} documents, median {int(np.median(corpus))}, max {int(corpus.max())} tokens. "
@@ -174,8 +167,8 @@ def main() -> None:
                      f"{r['after']:.3f} | {r['attn_before']:.3f} | {r['attn_after']:.3f} | {r['bound']:.3f} | "
                      f"{r['gain']:.3f}x | {r['lock_before']:.3f} | {r['lock_after']:.3f} | {r['lock_gain']:.3f}x | "
                      f"{r['assign_ms']:.1f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    write_results("balance", "DP cost balancing: round robin vs balanced_assign", "\n".join(lines),
+                  dict(preset=args.preset, a=a, b=b, steps=args.steps, rows=rows), out_dir=args.out_dir)
     print("\n".join(lines))
 
 

@@ -19,15 +19,14 @@ Expected device time with the defaults: about 1-2 minutes per run on two H200s, 
 
 The script launches `torchrun --standalone --nproc_per_node=NPROC train.py recipes/multi_gpu.yaml ...` itself
 (NCCL on GPUs; `parallel.ep=2` from the recipe), so it is started with plain python:
-  2 GPUs:          python bench/balance_gpu.py                    # writes bench/results/balance_gpu.md
-  4 GPUs:          python bench/balance_gpu.py --nproc 4 --out bench/results/balance_gpu_4.md
-  CPU smoke test:  python bench/balance_gpu.py --smoke            # tiny model, gloo, 2 ranks; writes to --work-dir
+  2 GPUs:          python bench/balance_gpu.py              # writes bench/results/balance_gpu.md and .json
+  4 GPUs:          python bench/balance_gpu.py --nproc 4    # the same files (`--out-dir` to keep both)
+  CPU smoke test:  python bench/balance_gpu.py --smoke      # tiny model, gloo, 2 ranks; writes to --work-dir
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -39,6 +38,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
+
 CORPUS = ROOT / "moela" / "data" / "corpus" / "shakespeare.jsonl"
 CHARS_PER_TOKEN = 3.3
 
@@ -105,13 +107,13 @@ def main() -> None:
     ap.add_argument("--long-frac", type=float, default=0.02, help="fraction of long documents")
     ap.add_argument("--docs", type=int, default=6000)
     ap.add_argument("--work-dir", default="/tmp/moela_balance_gpu")
-    ap.add_argument("--out", default="bench/results/balance_gpu.md")
+    add_out_dir(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU with gloo, a few small steps")
     args = ap.parse_args()
     if args.smoke:
         args.budget, args.grad_accum, args.steps, args.warmup, args.repeats = 2048, 4, 3, 1, 1
         args.docs = 300
-        args.out = str(Path(args.work_dir) / "balance_gpu_smoke.md")
+        args.out_dir = args.work_dir
     data = Path(args.work_dir) / f"docs-{args.budget}.jsonl"
     info = write_documents(data, args.docs, args.budget, args.long_frac, seed=0)
     results: dict[bool, list[dict]] = {False: [], True: []}
@@ -119,20 +121,10 @@ def main() -> None:
         for balance in (False, True):
             results[balance].append(summarize(run(args, balance, repeat, data), args.warmup))
     import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
+    device = f"{args.nproc} x {torch.cuda.get_device_name(0)}" if not args.smoke else f"{args.nproc} CPU processes"
     base = statistics.median(r["step_time_s"] for r in results[False])
     bal = statistics.median(r["step_time_s"] for r in results[True])
     lines = [
-        f"# {args.nproc}-rank step time with and without the cost-balanced DP sampler",
-        "",
-        f"Date {datetime.date.today()}; {args.nproc} x {gpu}; torch {torch.__version__}, triton {triton_version}. "
-        f"Command: `python {' '.join(sys.argv)}`.",
-        "",
         f"`recipes/multi_gpu.yaml`{' (smoke: tiny model on CPU)' if args.smoke else ''}, {args.budget} tokens per "
         f"micro-batch, grad_accum {args.grad_accum}, {args.steps} steps (first {args.warmup} dropped); "
         f"{info['docs']} synthetic documents (median {info['median_tokens']:.0f} tokens), {info['long_docs']} of them "
@@ -147,8 +139,11 @@ def main() -> None:
             lines.append(f"| {'balanced' if balance else 'round robin'} | {i} | {r['step_time_s']:.3f} | "
                          f"{r['tokens_per_s']:.0f} | {r['imb_before']:.3f} | {r['imb_after']:.3f} |")
     lines += ["", f"Median step time: round robin {base:.3f} s, balanced {bal:.3f} s: gain {base / bal:.3f}x."]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    payload = dict(nproc=args.nproc, smoke=args.smoke, budget=args.budget, grad_accum=args.grad_accum,
+                   steps=args.steps, warmup=args.warmup, documents=info,
+                   runs={"round_robin": results[False], "balanced": results[True]}, gain=base / bal)
+    write_results("balance_gpu", f"{args.nproc}-rank step time with and without the cost-balanced DP sampler",
+                  "\n".join(lines), payload, out_dir=args.out_dir, device=device)
     print("\n".join(lines))
 
 

@@ -9,11 +9,11 @@ variant's relative difference to eager, the validation loss, the throughput of t
 (median tokens/s and MFU) and the first step's time (compilation and autotuning included). Issue target: the
 faster runs' loss equal to the eager one's within noise after 200 steps of `small` (speed must not change the
 math); bf16 autocast makes two runs differ by rounding, so "noise" is the size of the difference between two eager
-runs of different data orders, about 0.5% at step 200 (`bench/results/moe_fp8_training.md`).
+runs of different data orders, about 0.5% at step 200. Writes bench/results/compile_training.md and .json.
 
   GPU (the issue's run):  python bench/compile_training.py                        # recipes/small.yaml, 200 steps
   CPU smoke run:          python bench/compile_training.py --recipe recipes/tiny.yaml --steps 20 \\
-                              --out /tmp/compile_tiny.md                          # eager and compiled only
+                              --out-dir /tmp/compile_tiny                         # eager and compiled only
 Extra recipe overrides (all runs) go after `--set`, e.g. `--set train.tokens_per_microbatch=65536
 train.grad_accum=1`.
 """
@@ -21,7 +21,6 @@ train.grad_accum=1`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
@@ -29,6 +28,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
+
 VARIANTS = {"eager": ["train.compile=false", "train.cuda_graphs=false"],
             "compiled": ["train.compile=true", "train.cuda_graphs=false"],
             "graphed": ["train.compile=true", "train.cuda_graphs=true"]}
@@ -76,13 +78,12 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/small.yaml")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--work-dir", default="/tmp/moela_compile_training")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compile_training.md"))
+    add_out_dir(ap)
     ap.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)}, eager first (default: all on a GPU, "
                                        f"eager,compiled on the CPU)")
     ap.add_argument("--set", nargs="*", default=[], help="extra recipe overrides for every run")
     args = ap.parse_args()
     import torch
-    import triton
 
     names = (args.variants or ",".join(VARIANTS if torch.cuda.is_available() else list(VARIANTS)[:2])).split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -93,12 +94,8 @@ def main() -> None:
     records = {name: run(args.recipe, name, args.steps, work, args.set) for name in names}
     s = {name: summary(recs) for name, recs in records.items()}
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     final = {name: [r for r in recs if r["kind"] == "train"][-1]["loss"] for name, recs in records.items()}
-    lines = [f"# {', '.join(names[1:]).capitalize()} vs eager training: {args.recipe}, {args.steps} steps",
-             "", f"{datetime.date.today()}, {device}, torch {torch.__version__}, triton {triton.__version__}; "
-             f"`python bench/compile_training.py {' '.join(sys.argv[1:])}`", "",
-             "| run | final logged loss | val loss | tokens/s (median window) | MFU | first step s | peak GiB | "
+    lines = ["| run | final logged loss | val loss | tokens/s (median window) | MFU | first step s | peak GiB | "
              "skipped |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
         v = s[name]
@@ -108,9 +105,10 @@ def main() -> None:
     lines += [""] + [f"Final loss, {n} vs eager: {100 * (final[n] / final['eager'] - 1):+.2f}%; speed-up "
                      f"{s[n]['tokens_per_s'] / s['eager']['tokens_per_s']:.2f}x." for n in names[1:]] + [""]
     lines += table(records)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    title = f"{', '.join(names[1:]).capitalize()} vs eager training: {args.recipe}, {args.steps} steps"
+    write_results("compile_training", title, "\n".join(lines),
+                  dict(recipe=args.recipe, steps=args.steps, overrides=args.set, final_loss=final, summary=s,
+                       records=records), out_dir=args.out_dir)
     print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """Data pipeline benchmark on the bundled corpus: token-cache build, packing efficiency, per-step loader latency.
 
-    python bench/data_loader.py            # writes bench/results/data_loader.md
+    python bench/data_loader.py [--out-dir DIR]    # writes bench/results/data_loader.md and .json
 
 Packing is compared side by side with two baselines on the same shuffled pieces: sequential greedy packing (one
 open micro-batch, what a simple concatenating loader does without cutting documents) and offline best-fit
@@ -10,7 +10,7 @@ the shuffle). Fill = tokens / (micro-batches x budget): the fraction of each mic
 
 from __future__ import annotations
 
-import datetime
+import argparse
 import platform
 import shutil
 import sys
@@ -19,16 +19,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.data import DataConfig, build_loaders, load_tokenizer  # noqa: E402
 from moela.data.cache import build_or_load_cache  # noqa: E402
 from moela.data.packing import pack  # noqa: E402
 from moela.data.sources import BUNDLED_CORPUS, DocumentSource  # noqa: E402
-
-OUT = Path(__file__).resolve().parent / "results" / "data_loader.md"
 
 
 def timed(fn, repeat=1):
@@ -41,9 +39,10 @@ def timed(fn, repeat=1):
 
 
 def main() -> None:
-    lines = [f"# Data pipeline benchmark ({datetime.date.today()})", "",
-             f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-             f"python {platform.python_version()}; corpus {BUNDLED_CORPUS.name} "
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_dir(ap)
+    args = ap.parse_args()
+    lines = [f"Python {platform.python_version()}; corpus {BUNDLED_CORPUS.name} "
              f"({BUNDLED_CORPUS.stat().st_size / 1e6:.2f} MB)", ""]
     tok = load_tokenizer()
     cache_root = tempfile.mkdtemp(prefix="moela-bench-")
@@ -51,6 +50,8 @@ def main() -> None:
     build_s, cache = timed(lambda: build_or_load_cache(src, src.fingerprint(), tok, cache_root, show_progress=False))
     reuse_s, _ = timed(lambda: build_or_load_cache(src, src.fingerprint(), tok, cache_root, show_progress=False), 5)
     mb = BUNDLED_CORPUS.stat().st_size / 1e6
+    payload = dict(cache=dict(docs=cache.num_docs, tokens=cache.num_tokens, build_s=build_s, reuse_s=reuse_s),
+                   packing=[], next_step=[])
     lines += ["## Token cache", "", "| | time | throughput |", "|---|---:|---:|",
               f"| build (tokenize {cache.num_docs} docs, {cache.num_tokens} tokens) | {build_s:.2f} s | "
               f"{mb / build_s:.2f} MB/s, {cache.num_tokens / build_s / 1e6:.2f} M tokens/s |",
@@ -66,7 +67,9 @@ def main() -> None:
         pack_s, ours = timed(lambda: pack(lengths, budget), 3)
         greedy = pack(lengths, budget, max_open=1)
         offline = pack(np.sort(lengths)[::-1], budget, max_open=len(lengths))
-        fill = [lengths.sum() / (len(b) * budget) for b in (ours, greedy, offline)]
+        fill = [float(lengths.sum() / (len(b) * budget)) for b in (ours, greedy, offline)]
+        payload["packing"].append(dict(budget=budget, pieces=len(lengths), fill_moela=fill[0], fill_greedy=fill[1],
+                                       fill_offline=fill[2], pack_ms=pack_s * 1e3))
         lines.append(f"| {budget} | {len(lengths)} | {fill[0]:.2%} ({len(ours)} mb) | {fill[1]:.2%} ({len(greedy)} mb)"
                      f" | {fill[2]:.2%} ({len(offline)} mb) | {pack_s * 1e3:.1f} ms |")
     lines += ["", "## next_step() latency (this rank's micro-batches; layouts of the whole global step)", "",
@@ -81,11 +84,12 @@ def main() -> None:
             t0 = time.perf_counter()
             train.next_step()
             times.append(time.perf_counter() - t0)
-        lines.append(f"| {dp} | {ga} | {budget} | {balance} | {np.median(times) * 1e3:.2f} |")
+        ms = float(np.median(times) * 1e3)
+        payload["next_step"].append(dict(dp_size=dp, grad_accum=ga, budget=budget, balance=balance, ms=ms))
+        lines.append(f"| {dp} | {ga} | {budget} | {balance} | {ms:.2f} |")
     shutil.rmtree(cache_root)
-    text = "\n".join(lines) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    text = "\n".join(lines)
+    write_results("data_loader", "Data pipeline benchmark", text, payload, out_dir=args.out_dir)
     print(text)
 
 

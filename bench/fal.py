@@ -21,8 +21,6 @@ Writes bench/results/fal.md and fal.json (`--out-dir`).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from bench.step import CONFIGS, STEPS, plan_rows, run_rows  # noqa: E402
 
 VARIANTS = {
@@ -40,8 +39,8 @@ VARIANTS = {
 }
 
 
-def render(rows: list[dict], command: str, date: str) -> str:
-    lines = [f"# FAL vs standard blocks, one GPU ({date})", "", f"Command: `{command}`. Columns: `bench/fal.py`.", "",
+def render(rows: list[dict]) -> str:
+    lines = ["Columns: `bench/fal.py`.", "",
              "| config | block | tok/s | step ms | vs standard | MFU | busy | peak GiB | loss@1 |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = {r["config"]: r["tokens_per_s"] for r in rows if r["impl"] == "standard" and "error" not in r}
@@ -54,8 +53,7 @@ def render(rows: list[dict], command: str, date: str) -> str:
         busy = f"{100 * r['busy']:.1f}%" if r.get("busy") is not None else "-"
         lines.append(f"| {r['config']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.1f} | "
                      f"{ratio} | {mfu} | {busy} | {r['peak_gib']:.1f} | {r['first_step_loss']:.4f} |")
-    device = next((r["device_name"] for r in rows if "device_name" in r), "?")
-    return "\n".join(lines + ["", f"Device: {device}."]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -64,7 +62,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    add_out_dir(ap)
     ap.add_argument("--row-timeout-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=900.0)
     args = ap.parse_args()
@@ -84,11 +82,10 @@ def main() -> None:
                                  "overrides": spec["overrides"] + VARIANTS[name] + ["train.cuda_graphs=false"]})
     print(f"[fal] {len(specs)} rows, logs in {log_dir}", flush=True)
     rows = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fal.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = render(rows, "python bench/fal.py " + " ".join(sys.argv[1:]), datetime.date.today().isoformat())
-    (out / "fal.md").write_text(md)
+    md = render(rows)
+    device = next((r["device_name"] for r in rows if "device_name" in r), None)  # the rows ran in child processes
+    write_results("fal", "FAL vs standard blocks, one GPU", md, rows, out_dir=args.out_dir,
+                  device=device or ("CPU" if args.device == "cpu" else None))
     print(md)
 
 

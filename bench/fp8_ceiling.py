@@ -16,8 +16,8 @@ Per config, from the bf16 row's kernel breakdown (ms per step):
   measured overhead, and with the experts alone (what `moe_recipe: fp8_blockwise` runs).
 
 Usage: python bench/fp8_ceiling.py STEP.json [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
-       [--out bench/results/fp8_step_ceiling.md]
-Runs anywhere (it reads JSON only).
+Runs anywhere (it reads JSON only). Writes bench/results/fp8_ceiling.md and fp8_ceiling.json (`--out-dir`
+elsewhere), headed by the rows' device.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 PEAK_RATIO = 2.0  # H200 dense FP8 / bf16 tensor-core peak
 OVERHEAD_FAMILIES = ("norm/RoPE/activation", "copies/cat/casts", "optimizer")
@@ -41,7 +44,8 @@ def family(row: dict, name: str) -> float:
     return row["kernel_breakdown"][name]["ms_per_step"]
 
 
-def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> list[str]:
+def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> tuple[list[str], dict]:
+    """(Markdown lines, the same numbers as a dict) for one config's bf16 row and its FP8 rows."""
     step = bf16["step_ms_median"]
     kernel = sum(v["ms_per_step"] for v in bf16["kernel_breakdown"].values())
     expert = family(bf16, "expert GEMM")
@@ -57,9 +61,14 @@ def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> list[str]
              "| --- | ---: | ---: | ---: | ---: | ---: |",
              f"| bf16 | {step:.1f} | 1.000x | {expert:.1f} | {family(bf16, 'dense GEMM'):.1f} ({head:.1f}) | - |"]
     overheads = {}
+    summary = dict(config=bf16["config"], step_ms=step, kernel_ms=kernel, expert_gemm_ms=expert, head_ms=head,
+                   dense_gemm_ms=family(bf16, "dense GEMM"), attention_ms=family(bf16, "attention"), rows=[],
+                   ceilings={})
     for r in fp8_rows:
         over = sum(max(0.0, family(r, f) - family(bf16, f)) for f in OVERHEAD_FAMILIES)
         overheads[r["recipe"]] = over
+        summary["rows"].append(dict(recipe=r["recipe"], step_ms=r["step_ms_median"],
+                                    expert_gemm_ms=family(r, "expert GEMM"), quantization_ms=over))
         lines.append(f"| {r['recipe']} | {r['step_ms_median']:.1f} | {step / r['step_ms_median']:.3f}x | "
                      f"{family(r, 'expert GEMM'):.1f} ({expert / family(r, 'expert GEMM'):.2f}x) | "
                      f"{family(r, 'dense GEMM'):.1f} ({head_ms(r):.1f}) | {over:.1f} |")
@@ -70,6 +79,7 @@ def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> list[str]
                                   ("experts and every dense GEMM but the head (`precision: fp8`)",
                                    expert + dense_rest, over_all)):
         ceiling = step / (step - eligible * (1 - 1 / PEAK_RATIO) + over)
+        summary["ceilings"][label] = ceiling
         text = (f"- {label}: eligible {eligible:.1f} ms of the step; at FP8 = {PEAK_RATIO:g}x bf16 with the "
                 f"measured {over:.1f} ms of quantization work the step could reach {ceiling:.3f}x")
         if target:
@@ -80,20 +90,17 @@ def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> list[str]
                      + (" (beyond the hardware's 2x)" if s > PEAK_RATIO else ""))
         lines.append(text + ".")
     lines.append("")
-    return lines
+    return lines, summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--targets", default="small-64k=1.1,v2lite6-64k=1.25")
-    ap.add_argument("--out", default=None)
+    add_out_dir(ap)
     args = ap.parse_args()
     targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
-    lines = ["# FP8 step targets against the measured breakdown (`python bench/fp8_ceiling.py "
-             + " ".join(args.json) + "`)", "",
-             "Each config's rows come from one bench/step.py run (the files below); times are the rows' median step "
-             "and their profiled kernel time per family. See the script's docstring for the method.", ""]
+    lines, summaries = [], []
     for path in args.json:
         rows = json.loads(Path(path).read_text())
         for config in dict.fromkeys(r["config"] for r in rows):
@@ -104,11 +111,15 @@ def main() -> None:
                 continue
             lines.append(f"Source: `{path}` ({bf16.get('device_name', '')})")
             lines.append("")
-            lines += analyse(bf16, fp8, targets.get(config))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+            text, summary = analyse(bf16, fp8, targets.get(config))
+            lines += text
+            summaries.append(dict(source=path, device=bf16.get("device_name", ""), **summary))
+    body = ["Each config's rows come from one bench/step.py run (the files below); times are the rows' median step and "
+            "their profiled kernel time per family. See the script's docstring for the method.", "", *lines]
+    devices = sorted({s["device"] for s in summaries if s.get("device")})
+    md = write_results("fp8_ceiling", "FP8 step targets against the measured breakdown", "\n".join(body), summaries,
+                       out_dir=args.out_dir, device=", ".join(devices) or None)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

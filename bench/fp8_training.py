@@ -8,14 +8,14 @@ loss and the median step time of each run. Issue target: within 1% after 500 ste
 
   GPU (the issue's run):  python bench/fp8_training.py                                  # recipes/small.yaml, 500 steps
   CPU (reference experts, simulated FP8):
-                          python bench/fp8_training.py --recipe recipes/tiny.yaml --out /tmp/fp8_tiny.md
-Extra recipe overrides go after `--set`, e.g. `--set train.grad_accum=1`.
+                          python bench/fp8_training.py --recipe recipes/tiny.yaml --out-dir /tmp/fp8_tiny
+Extra recipe overrides go after `--set`, e.g. `--set train.grad_accum=1`. Writes <out-dir>/fp8_training.md and
+fp8_training.json (default out-dir: bench/results).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 
 def run(recipe: str, precision: str, steps: int, work: Path, extra: list[str]) -> list[dict]:
@@ -63,8 +65,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--precisions", default="bf16,fp8", help="comma-separated model.precision values (bf16 first)")
     ap.add_argument("--work-dir", default="/tmp/moela_fp8_training")
-    ap.add_argument("--out", default="bench/results/fp8_training.md")
     ap.add_argument("--set", nargs="*", default=[], help="more recipe overrides (section.key=value)")
+    add_out_dir(ap)
     args = ap.parse_args()
     names = args.precisions.split(",")
     if names[0] != "bf16":
@@ -77,22 +79,12 @@ def main() -> None:
     notes = [f"{n}: validation {s[n]['val_loss']:.4f} ({100 * (s[n]['val_loss'] / base['val_loss'] - 1):+.2f}% vs "
              f"bf16), median step {s[n]['step_s']:.3f} s ({base['step_s'] / s[n]['step_s']:.2f}x bf16's speed), "
              f"{s[n]['skipped']} skipped (non-finite) steps" for n in names]
-    lines = [
-        "# FP8 vs bf16: loss curves of the same training run",
-        "",
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Command: "
-        f"`python bench/fp8_training.py {' '.join(sys.argv[1:])}` ({args.recipe}, {args.steps} steps; the runs differ "
-        f"only in `model.precision`). Curves: {Path(args.out).with_suffix('.json').name}.",
-        "",
-        *table(runs),
-        "",
-        f"At step {last}: " + "; ".join(notes) + ".",
-    ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
     curves = {n: [[r["step"], r["loss"]] for r in recs if r["kind"] == "train"] for n, recs in runs.items()}
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"curves": curves, "summary": s}) + "\n")
-    print("\n".join(lines))
+    body = [f"{args.recipe}, {args.steps} steps; the runs differ only in `model.precision`. The curves are in "
+            f"fp8_training.json.", "", *table(runs), "", f"At step {last}: " + "; ".join(notes) + "."]
+    md = write_results("fp8_training", "FP8 vs bf16: loss curves of the same training run", "\n".join(body),
+                       [{"precision": n, "curve": curves[n], **s[n]} for n in names], out_dir=args.out_dir)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -15,22 +15,23 @@ fewer tokens (16,384 x 7,168 x 129,280). Implementations:
                            softmax in autograd)
 TFLOP/s counts the three GEMMs (6 T D V). Errors: norm-wise, of dh and dw against the unfused head's.
 
-  python bench/head_loss.py [--cases small,v2-lite,v3] [--out bench/results/head_loss]
+  python bench/head_loss.py [--cases small,v2-lite,v3] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-import moela.ops.linear_cross_entropy as lce
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import moela.ops.linear_cross_entropy as lce  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 
 CASES = {"small": (65536, 1024, 4096), "v2-lite": (65536, 2048, 102400), "v3": (16384, 7168, 129280)}
 ROWS: list[dict] = []
@@ -104,24 +105,19 @@ def run_case(name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--out", default="bench/results/head_loss")
+    add_out_dir(ap)
     args = ap.parse_args()
     for name in args.cases.split(","):
         run_case(name)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(ROWS, indent=1) + "\n")
-    lines = ["# Output head + cross-entropy, forward + backward (`bench/head_loss.py`)", "",
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
-             f"torch {torch.__version__}; bf16 autocast, float32 h and weight; median of do_bench. Command: "
-             f"`python bench/head_loss.py --cases {args.cases}`", "",
+    lines = ["bf16 autocast, float32 h and weight; median of do_bench.", "",
              "| case | impl | ms | TFLOP/s (3 GEMMs) | peak extra GiB | rel err dh / dw vs unfused |",
              "| --- | --- | ---: | ---: | ---: | --- |"]
     for r in ROWS:
         err = "" if r["rel_err_dh"] is None else f"{r['rel_err_dh']:.1e} / {r['rel_err_dw']:.1e}"
         lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['peak_extra_gib']:.2f} | "
                      f"{err} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results("head_loss", "Output head + cross-entropy, forward + backward", "\n".join(lines), ROWS,
+                  out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

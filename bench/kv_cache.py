@@ -3,7 +3,9 @@
     python bench/kv_cache.py                         # trains the tiny recipe briefly on CPU, writes the table
     python bench/kv_cache.py --run-dir runs/tiny     # or measures an existing run's newest checkpoint
     python bench/kv_cache.py --recipe recipes/small.yaml --steps 200 --device cuda \
-        --out bench/results/kv_cache_small.md        # the small model on a GPU (bf16 compute)
+        --out-dir /tmp/kv_cache_small                # the small model on a GPU (bf16 compute)
+
+Writes bench/results/kv_cache.md and .json (`--out-dir`).
 
 Quality: held-out perplexity (the run's validation split, teacher forcing) through the cached decoding path, where
 every token's latent is written to the cache (quantized for int8 / int4) and read back before its own query
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime
 import io
 import math
 import platform
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.batch import IGNORE_INDEX  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.inference import LatentDecoder, cache_bytes_per_token  # noqa: E402
@@ -42,7 +44,6 @@ from moela.tools.runs import find_checkpoint, load_model, load_run_config, load_
 from moela.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "results" / "kv_cache.md"
 CASES = [("none", 64), ("int8", 64), ("int8", 16), ("int4", 64), ("int4", 16), ("int4", 8)]
 TOKENS_PER_BATCH = 16384  # documents x longest document, per decoding batch
 CHUNK = 256  # positions per prefill chunk (bounds the [B, chunk, H, L] scores)
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny.yaml"), help="recipe to train")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16) for the measurement")
-    parser.add_argument("--out", default=str(OUT))
+    add_out_dir(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -151,7 +152,7 @@ def main() -> None:
         loader = held_out_loader(cfg, tok, None)
         docs = [(ids.to(device), labels.to(device)) for ids, labels in documents(loader)]
         ref_nll, ref_n = full_nll(model, loader)
-        rows = []
+        rows, quality = [], []
         for quant, group in CASES:
             g = min(group, cfg.model.kv_lora_rank)
             if quant != "none" and (quant, g) in [(q, min(gg, cfg.model.kv_lora_rank)) for q, gg in
@@ -164,6 +165,7 @@ def main() -> None:
             label = "none (bf16 latent)" if quant == "none" else f"{quant}, group {g}"
             ppl, ref_ppl = math.exp(nll / n), math.exp(ref_nll / ref_n)
             rows.append(f"| {label} | {bytes_layer} | {nll / n:.5f} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.3f}% |")
+            quality.append(dict(cache=quant, group=g, bytes_per_token_layer=bytes_layer, loss=nll / n, ppl=ppl))
         control = copy.deepcopy(model)
         with torch.no_grad():
             for block in control.layers:
@@ -171,15 +173,15 @@ def main() -> None:
         nll, n = cached_nll(control, docs, "none", cfg.model.kv_lora_rank)
         ppl = math.exp(nll / n)
         rows.append(f"| control: latent zeroed | - | {nll / n:.5f} | {ppl:.3f} | {100 * (ppl / ref_ppl - 1):+.3f}% |")
+        quality.append(dict(cache="control: latent zeroed", group=None, bytes_per_token_layer=None, loss=nll / n,
+                            ppl=ppl))
     mc = cfg.model
-    where = (f"{torch.cuda.get_device_name(device)}, bf16 compute" if device.type == "cuda"
-             else f"CPU ({platform.machine()}, 1 thread), float32 compute")
-    command = "python bench/kv_cache.py " + " ".join(sys.argv[1:])
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"CPU ({platform.machine()}, 1 thread)")
     trained = (f"{Path(args.recipe).name} trained {args.steps} steps on its data in {trained_s:.0f} s"
                if not args.run_dir else str(ckpt.path))
     lines = [
-        f"# MLA latent cache: memory and quality ({datetime.date.today()})", "",
-        f"{where}; torch {torch.__version__}, python {platform.python_version()}. Command: `{command.strip()}`.", "",
+        f"{'bf16' if device.type == 'cuda' else 'float32'} compute, python {platform.python_version()}.", "",
         f"Model: {trained} (kv_lora_rank {mc.kv_lora_rank}, qk_rope_head_dim {mc.qk_rope_head_dim}, "
         f"{mc.num_hidden_layers} layers; checkpoint step {ckpt.step}). Held-out split: {ref_n} labelled tokens in "
         f"{len(docs)} document pieces. Full training forward (no cache) on the same documents: loss "
@@ -198,7 +200,10 @@ def main() -> None:
         *memory_rows(ModelConfig(**PRESETS["small"]), "small preset"),
         *memory_rows(ModelConfig(**PRESETS["v3"]), "DeepSeek-V3"), "",
     ]
-    Path(args.out).write_text("\n".join(lines))
+    payload = dict(model=trained, checkpoint_step=ckpt.step, held_out_tokens=ref_n, documents=len(docs),
+                   full_forward=dict(loss=ref_nll / ref_n, ppl=math.exp(ref_nll / ref_n)), cached=quality)
+    write_results("kv_cache", "MLA latent cache: memory and quality", "\n".join(lines), payload,
+                  out_dir=args.out_dir, device=where)
     print("\n".join(lines))
 
 

@@ -2,8 +2,9 @@
 int4 codes and dequantizes them in registers, against the torch path (dequantize the visible slots into bf16, then
 the einsums and a float32 softmax), for the bf16, int8 and int4 caches, in one process on the same inputs.
 
-    python bench/kv_decode.py                                  # GPU: the table, written to bench/results/kv_decode.md
-    TRITON_INTERPRET=1 python bench/kv_decode.py --device cpu  # smoke run on tiny shapes (checks, no timing claim)
+    python bench/kv_decode.py                                  # GPU: bench/results/kv_decode.md and .json
+    TRITON_INTERPRET=1 python bench/kv_decode.py --device cpu  # smoke run on tiny shapes (checks, no timing claim;
+                                                               # printed, written only with --out-dir)
 
 Shapes: DeepSeek's latent (kv_lora_rank 512, RoPE key 64, int groups of 64), 16 heads (V2-Lite) and 128 (V3),
 batch 1 / 8 / 64, every sequence at the end of a 4k or 32k cache (one new token each). Columns: microseconds per
@@ -17,7 +18,6 @@ torch path on the same cache (bf16 tolerance) before it is timed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import platform
 import sys
@@ -28,12 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_io import RESULTS, add_out_dir, write_results  # noqa: E402
 from moela.inference.cache import cache_bytes_per_token  # noqa: E402
 from moela.inference.latent_attention import CachedLayer, latent_attention  # noqa: E402
 from moela.inference.quant import quantize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "bench" / "results" / "kv_decode.md"
 GPU_SHAPES = [(heads, batch, slots) for heads in (16, 128) for batch in (1, 8, 64) for slots in (4096, 32768)]
 CPU_SHAPES = [(5, 2, 97)]
 CACHES = [("none", None), ("int8", 8), ("int4", 4)]  # the cache's quant; "none" holds the compute dtype
@@ -126,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None, help=f"table file (default on CUDA: {OUT})")
+    add_out_dir(parser, default=None)
     args = parser.parse_args(argv)
+    out_dir = args.out_dir or (RESULTS if args.device == "cuda" else None)  # a smoke run's times mean nothing
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("kv_decode: no CUDA device; run the smoke mode with TRITON_INTERPRET=1 ... --device cpu")
     if args.device == "cuda":
@@ -135,20 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         shapes, c, r, dtype, iters = CPU_SHAPES, 64, 16, torch.float32, 1
     rows = [row for shape in shapes for row in run_shape(*shape, c, r, dtype, args.device, iters)]
-    if args.device == "cuda":
-        import triton
-
-        where = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-    else:
-        where = f"{platform.processor() or 'CPU'} (Triton interpreter smoke run; times mean nothing)"
-    text = (f"# Decoding attention over the latent cache ({datetime.date.today()}, {where})\n\n"
-            f"kv_lora_rank {c}, RoPE key {r}, groups of {GROUP}, {str(dtype).removeprefix('torch.')} queries; one "
-            f"layer, one new token per sequence, every sequence at the end of the cache. `python bench/kv_decode.py`"
-            f"\n\n{table(rows)}\n")
+    smoke = "" if args.device == "cuda" else " Triton interpreter smoke run on the CPU: the times mean nothing."
+    text = (f"kv_lora_rank {c}, RoPE key {r}, groups of {GROUP}, {str(dtype).removeprefix('torch.')} queries; one "
+            f"layer, one new token per sequence, every sequence at the end of the cache.{smoke}\n\n{table(rows)}\n")
     print(text)
-    out = args.out if args.out is not None else (OUT if args.device == "cuda" else None)
-    if out is not None:
-        out.write_text(text)
+    if out_dir is not None:
+        device = None if args.device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+        write_results("kv_decode", "Decoding attention over the latent cache", text, rows, out_dir=out_dir,
+                      device=device)
 
 
 if __name__ == "__main__":

@@ -9,22 +9,22 @@ Reported: median ms per micro-step over `--repeats` synchronized calls after two
 TFLOP/s from `flops_per_token` (6N active + causal attention), peak memory of one micro-step, and the loss of each
 candidate (printed side by side, to compare by eye: they should agree to bf16 noise).
 
-Usage (one GPU): python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out bench/results/model.md]
+Usage (one GPU): python bench/model.py [--size small] [--tokens 16384] [--doc-len 2048] [--out-dir DIR]
+Writes bench/results/model.md and .json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token, preset  # noqa: E402
 from moela.model.hf import export_hf  # noqa: E402
@@ -66,10 +66,10 @@ def measure(name: str, step, tokens: int, flops_tok: float, repeats: int) -> Non
     ms = sorted(times)[len(times) // 2]
     tflops = flops_tok * tokens / (ms * 1e-3) / 1e12
     say(f"| {name} | {ms:.1f} | {tokens / ms * 1e3:,.0f} | {tflops:.0f} | {peak:.1f} | {loss:.4f} |")
-    RESULTS[name] = ms
+    MEASURED[name] = dict(ms=ms, tokens_per_s=tokens / ms * 1e3, tflops=tflops, peak_gib=peak, loss=loss)
 
 
-RESULTS: dict[str, float] = {}
+MEASURED: dict[str, dict] = {}
 
 
 def main() -> None:
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--doc-len", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=10, help="timed micro-steps per candidate (median reported)")
-    ap.add_argument("--out", default="bench/results/model.md")
+    add_out_dir(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/model.py needs a CUDA GPU (it times the micro-step with CUDA events)")
@@ -88,10 +88,7 @@ def main() -> None:
     cfg = preset(args.size, num_nextn_predict_layers=0, aux_loss_coef=0.0)
     total, active = count_params(cfg)
     flops_tok = flops_per_token(cfg, args.doc_len)
-    say(f"# moela model step: {args.size}, {args.tokens} tokens, documents of {args.doc_len}")
-    say(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}; {total / 1e6:.0f}M params, {active / 1e6:.0f}M active; "
-        f"{flops_tok / 1e9:.2f} GFLOP/token (training)")
+    say(f"{total / 1e6:.0f}M params, {active / 1e6:.0f}M active; {flops_tok / 1e9:.2f} GFLOP/token (training)")
     say()
     say("| candidate | ms / micro-step | tokens/s | model TFLOP/s | peak GiB | loss |")
     say("| --- | --- | --- | --- | --- | --- |")
@@ -135,11 +132,12 @@ def main() -> None:
         except Exception:
             say(f"| hf/sdpa | failed: {traceback.format_exc(limit=1).splitlines()[-1]} | | | | |")
     say()
-    for name, ms in RESULTS.items():
-        if name != "moela/auto" and "moela/auto" in RESULTS:
-            say(f"moela/auto vs {name}: {ms / RESULTS['moela/auto']:.2f}x faster")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(LINES) + "\n")
+    for name, row in MEASURED.items():
+        if name != "moela/auto" and "moela/auto" in MEASURED:
+            say(f"moela/auto vs {name}: {row['ms'] / MEASURED['moela/auto']['ms']:.2f}x faster")
+    write_results("model", f"moela model step: {args.size}, {args.tokens} tokens, documents of {args.doc_len}",
+                  "\n".join(LINES), dict(size=args.size, tokens=args.tokens, doc_len=args.doc_len, rows=MEASURED),
+                  out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

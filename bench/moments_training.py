@@ -4,9 +4,9 @@ Runs `train.py RECIPE` twice with the same seed and data, differing only in `opt
 table of the logged losses (each averaged over the steps since the previous line) with the relative difference,
 the validation losses and the median throughput of the logged windows (each line's tokens/s is its window's
 average; a logged record's own `step_time_s` is the logging step, which waits for every step the host queued
-ahead, so it is not a step time); the curves as JSON beside it.
+ahead, so it is not a step time): bench/results/moments_training.md, and the curves in moments_training.json.
 
-  CPU:  python bench/moments_training.py --recipe recipes/tiny.yaml --out bench/results/moments_tiny_cpu.md
+  CPU:  python bench/moments_training.py --recipe recipes/tiny.yaml --out-dir /tmp/moments_tiny_cpu
   GPU:  python bench/moments_training.py                          # recipes/small.yaml, 500 steps
 Extra recipe overrides go after `--set`.
 """
@@ -14,7 +14,6 @@ Extra recipe overrides go after `--set`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
@@ -22,6 +21,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
+
 VARIANTS = ("float32", "bfloat16")
 
 
@@ -42,15 +44,12 @@ def main() -> None:
     ap.add_argument("--recipe", default="recipes/small.yaml")
     ap.add_argument("--steps", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--work-dir", default="/tmp/moela_moments_training")
-    ap.add_argument("--out", default="bench/results/moments_training.md")
+    add_out_dir(ap)
     ap.add_argument("--set", nargs="*", default=[], help="more recipe overrides (section.key=value)")
     args = ap.parse_args()
     runs = {v: run(args.recipe, v, args.steps, Path(args.work_dir), args.set) for v in VARIANTS}
     curves = {v: {r["step"]: r["loss"] for r in recs if r["kind"] == "train"} for v, recs in runs.items()}
-    lines = ["# AdamW moments in fp32 vs bf16: loss curves of the same training run", "",
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Command: "
-             f"`python bench/moments_training.py {' '.join(sys.argv[1:])}` ({args.recipe}; the runs differ only in "
-             f"`optim.moment_dtype`). Curves: {Path(args.out).with_suffix('.json').name}.", "",
+    lines = [f"{args.recipe}; the runs differ only in `optim.moment_dtype`. Curves: moments_training.json.", "",
              "| step | loss fp32 moments | loss bf16 moments | bf16 vs fp32 |", "| ---: | ---: | ---: | ---: |"]
     for step in sorted(set(curves["float32"]) & set(curves["bfloat16"])):
         a, b = curves["float32"][step], curves["bfloat16"][step]
@@ -66,10 +65,9 @@ def main() -> None:
         lines += ["", f"Validation at the end: fp32 moments {a['val_loss']:.4f}, bf16 moments {b['val_loss']:.4f} "
                       f"({100 * (b['val_loss'] / a['val_loss'] - 1):+.2f}%); median logged window "
                       f"{a['tokens_per_s']:,.0f} vs {b['tokens_per_s']:,.0f} tokens/s."]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    Path(args.out).with_suffix(".json").write_text(json.dumps(
-        {"curves": {v: sorted(c.items()) for v, c in curves.items()}, "summary": summary}) + "\n")
+    write_results("moments_training", "AdamW moments in fp32 vs bf16: loss curves of the same training run",
+                  "\n".join(lines), {"curves": {v: sorted(c.items()) for v, c in curves.items()}, "summary": summary},
+                  out_dir=args.out_dir)
     print("\n".join(lines))
 
 

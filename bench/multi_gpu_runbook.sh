@@ -6,15 +6,16 @@
 #      the CP=2 check, HSDP, EP=2 with two pipelined chunks, CP=2 at 64k tokens per GPU, two blocks per FSDP unit;
 #   3. with 4 GPUs: FSDP2, EP=4, EP=2, HSDP 2x2, EP=4 chunked, EP=4 all-to-all, CP=2 x DP=2, two blocks per unit;
 #   4. train.py recipes/multi_gpu.yaml for 200 steps on all GPUs (4, or 2), profiled at steps 150-152: its curve,
-#      evaluations and step-time line (bench/run_summary.py);
+#      evaluations and step-time line (bench/run_summary.py, into OUT_DIR/multi_gpu_run.md);
 #   5. with the time left (>= 40 s): the sync-free expert-parallel GPU test (tests/test_parallel_expert.py, NCCL,
 #      sync debug mode "error").
 # On a 4-GPU machine stage 1 (GPU 3) runs beside stage 2 (GPUs 0-1). Every stage has a time limit inside the total
 # budget; a stage cut short keeps what it finished (scaling rows are appended as they are measured) and the next
 # stage starts. RUNBOOK_STAGES=scaling (or train,tests) runs a subset, e.g. to split the set over two commands.
 #
-#   bench/multi_gpu_runbook.sh OUT_DIR          on the GPU machine; then copy OUT_DIR/scaling.{jsonl,md,json}
-#                                               into bench/results/ and OUT_DIR/multi_gpu_run.md beside them
+#   bench/multi_gpu_runbook.sh OUT_DIR          on the GPU machine; then copy OUT_DIR/scaling.jsonl over
+#                                               bench/notes/scaling.jsonl and OUT_DIR/scaling.{md,json} into
+#                                               bench/results/ (OUT_DIR/multi_gpu_run.md is the run's own record)
 #   bench/multi_gpu_runbook.sh --cpu OUT_DIR    dry run on CPU (gloo, tiny model, 1, 2 and 4 processes, a few
 #                                               steps): checks that every stage and output works end to end
 #   RUNBOOK_GPUS=2 ...                          only the 1- and 2-GPU stages, training on 2 (also with --cpu)
@@ -61,7 +62,7 @@ fi
 NGPU=${RUNBOOK_GPUS:-$NGPU}  # e.g. RUNBOOK_GPUS=2 for the 2-GPU stages only
 
 cp bench/notes/scaling.jsonl "$OUT/scaling.jsonl"
-ROWS=(--jsonl "$OUT/scaling.jsonl" --out "$OUT/scaling.md" --json "$OUT/scaling.json")
+ROWS=(--jsonl "$OUT/scaling.jsonl" --out-dir "$OUT")
 { date -u; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     > "$OUT/topo.txt" 2>&1
 [[ $CPU == 0 ]] && nvidia-smi topo -m >> "$OUT/topo.txt" 2>&1
@@ -130,6 +131,6 @@ if [[ -f "$RUN/metrics.jsonl" ]]; then
     python bench/run_summary.py "$RUN" --gpus "$NGPU" --from-step "$([[ $CPU == 1 ]] && echo 2 || echo 20)" \
         > "$OUT/multi_gpu_run.md"
 fi
-python bench/scaling_report.py "$OUT/scaling.jsonl" "$OUT/scaling.md" "$OUT/scaling.json" > /dev/null
+python bench/scaling.py --report-only "${ROWS[@]}" > /dev/null
 echo "$(date -u +%T) done in ${SECONDS}s" >> "$OUT/timeline.txt"
 cat "$OUT/timeline.txt"

@@ -9,14 +9,14 @@ This measures whether the cap holds at each config's shapes, and how long the he
 the trainer's torch.compile for its builds to arrive in time.
 
 Usage:  python bench/prebuild_helper.py [--device cuda] [--configs small-64k,v2lite6-64k]
-            [--recipes bf16,fp8_blockwise] [--out bench/results/prebuild_helper.md]
-On CPU (`--device cpu`, the default without CUDA) it runs the `tiny` config: the same code path, no memory figure.
+            [--recipes bf16,fp8_blockwise] [--out-dir DIR]
+On CUDA it writes bench/results/prebuild_helper.md and .json. On CPU (`--device cpu`, the default without CUDA) it
+runs the `tiny` config: the same code path, no memory figure; printed, written only with `--out-dir`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import re
 import subprocess
@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import RESULTS, add_out_dir, write_results  # noqa: E402
 from bench.step import CONFIGS, RECIPE_OVERRIDES  # noqa: E402
 from moela.config import dump_config, load_config  # noqa: E402
 from moela.trainer import prebuild  # noqa: E402
@@ -65,8 +66,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--configs", default=None)
     p.add_argument("--recipes", default="bf16")
-    p.add_argument("--out", default=None)
+    add_out_dir(p, default=None)
     args = p.parse_args()
+    out_dir = args.out_dir or (RESULTS if args.device.startswith("cuda") else None)
     configs = (args.configs or ("small-64k,v2lite6-64k" if args.device.startswith("cuda") else "tiny")).split(",")
     recipes = args.recipes.split(",")
     for name in configs:
@@ -91,11 +93,8 @@ def main() -> None:
                           f"wall {r['wall_s']:.1f} s, peak {r['peak_gib']} GiB", flush=True)
                     for line in r["log"]:
                         print("    " + line, flush=True)
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    lines = ["# The prebuild helper alone (`python bench/prebuild_helper.py`)", "",
-             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {dev}, torch {torch.__version__}"
-             + (f"; the helper's memory cap: {prebuild.MEMORY_FRACTION} of the device = {cap:.1f} GiB" if cap
-                else ""), "",
+    lines = [(f"The helper's memory cap: {prebuild.MEMORY_FRACTION} of the device = {cap:.1f} GiB." if cap
+              else "On the CPU: no memory cap."), "",
              "| config | recipe | cache | exit | step done, s from the helper's start | wall s | peak GiB |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -108,8 +107,10 @@ def main() -> None:
         lines.append("")
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out_dir is not None:
+        device = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "CPU"
+        write_results("prebuild_helper", "The prebuild helper alone", text, dict(cap_gib=cap, rows=rows),
+                      out_dir=out_dir, device=device)
 
 
 if __name__ == "__main__":

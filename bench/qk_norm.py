@@ -12,13 +12,13 @@ Several GPUs (`torchrun --nproc_per_node=P bench/qk_norm.py`): each rank holds N
   scalar     the op with the group: [T, 2] float32 statistics all-reduced, 8 bytes a token each way
   allgather  the standard formulation: q and k all-gathered over the heads, their gradients reduce-scattered
   ms forward + backward, and bytes each rank hands to collectives per step (`moela.parallel.comm.CommCounter`).
-Prints the table and writes it to --out (default bench/results/qk_norm.md on one GPU, qk_norm_tp{P}.md on P).
+Prints the table and writes bench/results/qk_norm.md and .json (`--out-dir`; a run on several GPUs replaces the
+one-GPU table, so give it another folder to keep both).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.norm import rms_norm  # noqa: E402
 from moela.ops.qk_norm import qk_rms_norm, qk_rms_norm_allgather  # noqa: E402
 from moela.parallel.comm import CommCounter  # noqa: E402
@@ -73,11 +74,12 @@ def fwd_bwd(fn, q, k, wq, wk, gq, gk, **kw):
     torch.autograd.backward((yq, yk), (gq, gk))
 
 
-def one_gpu(args) -> str:
+def one_gpu(args) -> tuple[str, list[dict]]:
     impls = {"triton": lambda *a, **kw: qk_rms_norm(*a, backend="triton", **kw), "compiled": two_norms("compiled"),
              "eager": two_norms("reference")}
     lines = ["| shape | T | N | impl | fwd ms | fwd GB/s | fwd+bwd ms | fwd+bwd GB/s | vs triton (fwd+bwd) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    out = []
     for label, t, n in SHAPES:
         data = inputs(t, n, "cuda")
         q, k, wq, wk = data[:4]
@@ -89,17 +91,19 @@ def one_gpu(args) -> str:
             both = timed(lambda fn=fn: fwd_bwd(fn, *data), args.iters)
             rows[name] = (fwd, both)
         for name, (fwd, both) in rows.items():
+            out.append(dict(shape=label, tokens=t, columns=n, impl=name, fwd_ms=fwd, fwd_bwd_ms=both))
             lines.append(f"| {label} | {t} | {n} | {name} | {fwd:.3f} | {2 * tensor_bytes / fwd / 1e6:,.0f} | "
                          f"{both:.3f} | {5 * tensor_bytes / both / 1e6:,.0f} | {both / rows['triton'][1]:.2f}x |")
-    return "\n".join(lines)
+    return "\n".join(lines), out
 
 
-def several_gpus(args) -> str:
+def several_gpus(args) -> tuple[str, list[dict]]:
     world, group = dist.get_world_size(), dist.group.WORLD
     impls = {"scalar": lambda *a: qk_rms_norm(*a, group=group, backend="triton"),
              "allgather": lambda *a: qk_rms_norm_allgather(*a, group)}
     lines = ["| shape | T | N (all ranks) | impl | fwd+bwd ms | bytes / rank / step | bytes / token |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = []
     for label, t, n in SHAPES:
         if n % world:
             continue
@@ -111,13 +115,14 @@ def several_gpus(args) -> str:
                 fwd_bwd(fn, *data)
             sent = sum(comm.bytes().values())
             lines.append(f"| {label} | {t} | {n} | {name} | {ms.item():.3f} | {sent:,} | {sent / t:.1f} |")
-    return "\n".join(lines)
+            out.append(dict(shape=label, tokens=t, columns=n, impl=name, fwd_bwd_ms=ms.item(), bytes_per_rank=sent))
+    return "\n".join(lines), out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out")
+    add_out_dir(ap)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/qk_norm.py needs a CUDA device (the kernels' CPU check is tests/test_qk_norm.py)")
@@ -125,14 +130,13 @@ def main() -> None:
     if distributed:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-    table = several_gpus(args) if distributed else one_gpu(args)
+    table, rows = several_gpus(args) if distributed else one_gpu(args)
     if not distributed or dist.get_rank() == 0:
         world = dist.get_world_size() if distributed else 1
-        head = (f"# Layer QK-Norm, {world} x {torch.cuda.get_device_name()} ({datetime.date.today().isoformat()}, "
-                f"torch {torch.__version__})\n\nCommand: `{' '.join(sys.argv)}`. Columns: `bench/qk_norm.py`.\n\n")
-        out = Path(args.out or f"bench/results/qk_norm{'' if world == 1 else f'_tp{world}'}.md")
-        out.write_text(head + table + "\n")
-        print(head + table)
+        write_results("qk_norm", f"Layer QK-Norm on {world} GPU(s)", f"Columns: `bench/qk_norm.py`.\n\n{table}",
+                      dict(gpus=world, rows=rows), out_dir=args.out_dir,
+                      device=f"{world} x {torch.cuda.get_device_name()}")
+        print(table)
     if distributed:
         dist.destroy_process_group()
 

@@ -2,9 +2,9 @@
 
 The weight-gradient GEMM reads token-contiguous e4m3 operands, so every column quantization of the MoE path writes
 the transpose of its input: qT [N, M] e4m3 and sT [N, M/128] from x [M, N] bf16, which makes it the slowest of the
-quantizing stores (bench/notes/quant_transpose.md, bench/notes/moe.md). This script times the library kernel
-(`moela.ops.moe.quantize.quant_rows_cols`, which stores the codes at transposed addresses) against candidate designs,
-each checked byte for byte against it first:
+quantizing stores. This script times the library kernel (`moela.ops.moe.kernels.quantize_triton.quant_rows_cols`,
+which stores the codes at transposed addresses) against candidate designs, each checked byte for byte against it
+first:
 
   store-T   the library's way in a one-tile-per-program kernel: a [128, BC] tile, codes stored at transposed
             addresses (uint8 stores; Triton moves them through shared memory)
@@ -16,27 +16,29 @@ each checked byte for byte against it first:
 BC (columns per tile) and warps are swept. Rows and columns from one read (both outputs) are timed for the
 library's rows+cols kernel against the row+column variant of `trans` and the designs of `_rowcol_kernel` (halves,
 satfinite, L2 re-read, program orders) and `_rowcol_persistent_kernel`; `--rows-cols-only` runs only that table.
-`--gluon` times the library's Triton and Gluon (moela.ops.moe.gluon: the tile staged in shared memory) kernels and
-the Gluon kernel at other register chunks and warp counts (the other Gluon designs measured once, and their
-numbers: bench/notes/quant_transpose.md).
-Usage:
+`--gluon` times the library's Triton and Gluon (moela.ops.moe.kernels.quantize_gluon: the tile staged in shared
+memory) kernels and the Gluon kernel at other register chunks and warp counts.
+Usage (GPU):
   python bench/quant_transpose.py [--m 69632] [--n 7168] [--rows-cols-only | --gluon]
-                                  [--out bench/results/quant_transpose.md]
+Writes bench/results/quant_transpose.md and quant_transpose.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from moela.ops.moe import gluon as moe_gluon
-from moela.ops.moe.kernel_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_e4m3_bytes
-from moela.ops.moe.quantize import quant_rows_cols
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results_io import add_out_dir, write_results  # noqa: E402
+from moela.ops.moe.kernels import quantize_gluon  # noqa: E402
+from moela.ops.moe.kernels.quantize_triton import quant_rows_cols  # noqa: E402
+from moela.ops.moe.kernels.triton_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_e4m3_bytes  # noqa: E402,E501
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -208,24 +210,24 @@ def colq(x, mode: int, bc: int, warps: int, rows: bool = False):
 
 
 def gluon_rowcol(x, rc, cc, warps, rowwise=True):
-    """The Gluon kernel of moela.ops.moe.gluon at given register chunks and warps."""
+    """The Gluon kernel of moela.ops.moe.kernels.quantize_gluon at given register chunks and warps."""
     m, n = x.shape
     q = torch.empty(m, n, device=x.device, dtype=FP8) if rowwise else None
     s = torch.empty(m, n // 128, device=x.device, dtype=torch.float32) if rowwise else None
     qt = torch.empty(n, m, device=x.device, dtype=FP8)
     st = torch.empty(n, m // 128, device=x.device, dtype=torch.float32)
-    moe_gluon.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps)
+    quantize_gluon.quant_rows_cols(x, rowwise, True, None, 1, q, s, qt, st, rc=rc, cc=cc, num_warps=warps)
     return (q, s), (qt, st)
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, default=69632)  # M_pad of the V3 layer: T 8192 x top-8 + E 32 x 128
     ap.add_argument("--n", type=int, default=7168)
-    ap.add_argument("--out", default="bench/results/quant_transpose.md")
     ap.add_argument("--rows-cols-only", action="store_true", help="only the rows+columns table")
     ap.add_argument("--gluon", action="store_true",
                     help="only the library's kernels and the Gluon configurations (chunks, warps, persistence)")
+    add_out_dir(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
     x = (torch.randn(args.m, args.n, device=DEV) * torch.rand(args.m, 1, device=DEV) * 4).to(torch.bfloat16)
@@ -234,17 +236,22 @@ def main():
     copy_gbs = 2 * a.numel() / do_bench(lambda: a.clone(), return_mode="median") / 1e6
     del a
     col_bytes, both_bytes = x.numel() * 3, x.numel() * 4  # bf16 read, one or two e4m3 writes (scales ~1%)
-    lines = [f"# Transposed column quantization designs ({datetime.date.today()})", "",
-             f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}, torch {torch.__version__}, triton "
-             f"{triton.__version__}; x [{args.m}, {args.n}] bf16; median of do_bench; copy ceiling {copy_gbs:.0f} "
-             f"GB/s; bytes = 2 per element read + 1 per e4m3 code written.", "",
-             "| design | BC | warps | ms | GB/s | % of copy | bytes equal to the library's |",
+    note = (f"x [{args.m}, {args.n}] bf16; median of do_bench; copy ceiling {copy_gbs:.0f} GB/s; bytes = 2 per "
+            f"element read + 1 per e4m3 code written.")
+    lines = ["| design | BC | warps | ms | GB/s | % of copy | bytes equal to the library's |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    rows = []
+
+    def write():
+        write_results("quant_transpose", "Transposed column quantization designs", "\n".join([note, "", *lines]),
+                      rows, out_dir=args.out_dir)
 
     def add(name, bc, warps, fn, nbytes, check):
         ok = check()
         ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
         gbs = nbytes / ms / 1e6
+        rows.append(dict(design=name, bc=bc, warps=warps, ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs,
+                         same_bytes=ok))
         lines.append(f"| {name} | {bc} | {warps} | {ms:.3f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {ok} |")
         print(lines[-1], flush=True)
 
@@ -253,8 +260,8 @@ def main():
 
     add("library quant_rows_cols(rowwise=False), Triton", 128, LAUNCH["quant_rows_or_cols"]["num_warps"],
         lambda: quant_rows_cols(x, rowwise=False, impl="triton"), col_bytes, lambda: True)
-    if moe_gluon.available(x):
-        add("library quant_rows_cols(rowwise=False), Gluon", 128, moe_gluon.NUM_WARPS,
+    if quantize_gluon.available(x):
+        add("library quant_rows_cols(rowwise=False), Gluon", 128, quantize_gluon.NUM_WARPS,
             lambda: quant_rows_cols(x, rowwise=False, impl="gluon"), col_bytes,
             lambda: same_cols(quant_rows_cols(x, rowwise=False, impl="gluon")))
     designs = ((0, "store-T"), (1, "trans"), (2, "load-T"), (3, "pack4"))
@@ -265,6 +272,7 @@ def main():
                     add(name, bc, warps, lambda: colq(x, mode, bc, warps), col_bytes,
                         lambda: same_cols(colq(x, mode, bc, warps)))
                 except Exception as exc:  # a design that does not compile must not hide the others
+                    rows.append(dict(design=name, bc=bc, warps=warps, failed=type(exc).__name__))
                     lines.append(f"| {name} | {bc} | {warps} | failed: {type(exc).__name__} | | | |")
                     print(lines[-1], flush=True)
     lines += ["", "Rows and columns from one read:", "",
@@ -276,8 +284,8 @@ def main():
 
     add("library quant_rows_cols, Triton", 128, LAUNCH["quant_rows_cols"]["num_warps"],
         lambda: quant_rows_cols(x, impl="triton"), both_bytes, lambda: True)
-    if moe_gluon.available(x):
-        add("library quant_rows_cols, Gluon (tile in shared memory)", 128, moe_gluon.NUM_WARPS,
+    if quantize_gluon.available(x):
+        add("library quant_rows_cols, Gluon (tile in shared memory)", 128, quantize_gluon.NUM_WARPS,
             lambda: quant_rows_cols(x, impl="gluon"), both_bytes,
             lambda: same_both(quant_rows_cols(x, impl="gluon")))
 
@@ -285,7 +293,7 @@ def main():
         for warps, rc, cc in ((4, 32, 64), (4, 16, 32), (8, 32, 64), (8, 16, 32)):
             add(f"Gluon rows+cols, {rc}-row / {cc}-column chunks", 128, warps, lambda: gluon_rowcol(x, rc, cc, warps),
                 both_bytes, lambda: same_both(gluon_rowcol(x, rc, cc, warps)))
-        open(args.out, "w").write("\n".join(lines) + "\n")
+        write()
         return
     for warps in (4, 8, 16):
         add("trans rows+cols", 128, warps, lambda: colq(x, 1, 128, warps, rows=True), both_bytes,
@@ -302,7 +310,7 @@ def main():
     for stages in (2, 3):  # persistent, prefetching through shared memory (8 warps: 4 spill at 255 registers)
         add(f"persistent {stages}-stage rows+cols", 128, 8, lambda: rowcol_persistent(x, stages, 8, 1), both_bytes,
             lambda: same_both(rowcol_persistent(x, stages, 8, 1)))
-    open(args.out, "w").write("\n".join(lines) + "\n")
+    write()
 
 
 if __name__ == "__main__":

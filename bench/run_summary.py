@@ -3,7 +3,9 @@ markdown: a row per logged step (loss, step time, tokens/s over all ranks, MFU, 
 imbalance), the evaluations, the profiled window's busy and collective shares, and one line: median step time over
 the steps from `--from-step` on, tokens/s per GPU, MFU and peak memory.
 
-  python bench/run_summary.py runs/multi_gpu --gpus 4 > bench/results/multi_gpu_run.md
+  python bench/run_summary.py runs/multi_gpu --gpus 4 > runs/multi_gpu/summary.md
+
+A record of one run, not a benchmark: it prints, and writes nothing into bench/results.
 """
 
 from __future__ import annotations

@@ -28,10 +28,11 @@ backward with the trainer's loss weighting, gradient clipping, AdamW, router-bia
                 (same data and weights): both must agree within bf16 noise (relative 2e-2; `CP check` lines)
 With more than one GPU the run first measures the link: NCCL all-gather, reduce-scatter and all-to-all of
 256 MiB over all ranks, bus bandwidth as nccl-tests defines it (algorithm bandwidth x (n-1)/n), written above the
-table. Every run appends its rows to `--jsonl`; the markdown table `--out` and the current rows `--json` (rows:
-layout, gpus, tokens_per_s_per_gpu, mfu, efficiency_vs_1gpu, and the other columns; the latest row per layout,
-GPU count and shape; see bench/scaling_report.py) are rebuilt from all rows, so run it once per GPU count (one
-process per GPU, NCCL; the 1-GPU run is the baseline of the "vs 1 GPU" column). bench/multi_gpu_runbook.sh runs
+table. Every run appends its rows (with its commit and command) to `--jsonl`; bench/results/scaling.md (the table)
+and scaling.json (the current rows: layout, gpus, tokens_per_s_per_gpu, mfu, efficiency_vs_1gpu, and the other
+columns; the latest row per layout, GPU count and shape; see bench/scaling_report.py) are rebuilt from all rows
+(`--out-dir`), so run it once per GPU count (one process per GPU, NCCL; the 1-GPU run is the baseline of the "vs 1
+GPU" column); `python bench/scaling.py --report-only` rebuilds them without measuring. bench/multi_gpu_runbook.sh runs
 the whole set for 1, 2 and 4 GPUs and the multi-GPU recipe, e.g.:
   torchrun --standalone --nproc_per_node=1 bench/scaling.py --layout ep=1
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --layout ep=1 --layout ep=2 --layout dp_replicate=2 \\
@@ -46,7 +47,7 @@ Without CUDA it runs on CPU with gloo, fp32 parameters (a smoke test of the scri
 numbers); keep its rows out of the results files:
   torchrun --standalone --nproc_per_node=2 bench/scaling.py --recipe recipes/tiny.yaml --layout ep=1 \\
       --layout ep=2 --set train.tokens_per_microbatch=256 --doc-len 64 --warmup 1 --steps 2 --profile-steps 1 \\
-      --jsonl /tmp/scaling.jsonl --out /tmp/scaling.md --json /tmp/scaling.json
+      --jsonl /tmp/scaling.jsonl --out-dir /tmp/scaling
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ import torch.distributed as dist
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.scaling_report import write_outputs  # noqa: E402
+from bench.results_io import add_out_dir, command_line, commit_state, write_results  # noqa: E402
+from bench.scaling_report import json_rows, render  # noqa: E402
 from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
@@ -228,7 +230,8 @@ def run_layout(args, layout: str, world: int, device) -> dict:
                **{f"share_{k}": float(summed[2 + j]) / world for j, k in enumerate(SHARES)},
                busy=float(summed[-1]) / world, ep_dispatch=cfg.parallel.ep_dispatch, ep_chunks=cfg.parallel.ep_chunks,
                gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, triton=triton.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               commit=commit_state()[0], command=command_line())
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
@@ -248,9 +251,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--jsonl", default="bench/notes/scaling.jsonl")
-    parser.add_argument("--out", default="bench/results/scaling.md")
-    parser.add_argument("--json", default="bench/results/scaling.json")
+    add_out_dir(parser)
+    parser.add_argument("--report-only", action="store_true", help="rebuild the tables from --jsonl, measure nothing")
     args = parser.parse_args()
+    if args.report_only:
+        print(write_report(Path(args.jsonl), args.out_dir))
+        return
     if "LOCAL_RANK" not in os.environ:
         sys.exit("bench/scaling.py runs under torchrun, e.g. "
                  "torchrun --standalone --nproc_per_node=2 bench/scaling.py --layout ep=2")
@@ -276,8 +282,20 @@ def main() -> None:
             with path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     if dist.get_rank() == 0:
-        print(write_outputs(path, Path(args.out), Path(args.json)), flush=True)
+        print(write_report(path, args.out_dir), flush=True)
     dist.destroy_process_group()
+
+
+def write_report(jsonl: Path, out_dir: str) -> str:
+    """Rebuild scaling.md and scaling.json from every row of `jsonl`; the header's device and versions are the
+    current rows' (each row keeps its own date, commit and command)."""
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    current = json_rows(rows)
+    body = render(rows)
+    ran = {key: ", ".join(sorted({str(r[key] or "-") for r in current})) for key in ("gpu", "torch", "triton")}
+    write_results("scaling", "Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism", body, current,
+                  out_dir=out_dir, device=ran["gpu"], torch=ran["torch"], triton=ran["triton"])
+    return body
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""bench/scaling.py's outputs from its rows (all runs, bench/notes/scaling.jsonl): the current rows (the latest per
-layout, GPU count and shape) as bench/results/scaling.json, and the markdown table bench/results/scaling.md.
+"""bench/scaling.py's tables from its rows (all runs, bench/notes/scaling.jsonl): the current rows (the latest per
+layout, GPU count and shape) for bench/results/scaling.json, and the markdown table for bench/results/scaling.md
+(bench/scaling.py writes both).
 
 - Efficiency vs 1 GPU: tok/s per GPU over the latest 1-GPU row of the same recipe, model size, tokens per GPU and
   document length (weak scaling: the same work per GPU).
@@ -9,9 +10,6 @@ layout, GPU count and shape) as bench/results/scaling.json, and the markdown tab
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 CP_TOLERANCE = 2e-2
 SHARES = ("a2a", "AG", "RS", "AR", "ep")
@@ -79,18 +77,9 @@ def json_rows(rows: list[dict]) -> list[dict]:
                         shares={k: r[f"share_{k}"] for k in SHARES if f"share_{k}" in r},
                         loss1=r["loss1"], gnorm1=r.get("gnorm1"), cp_check=cp_check(r, rows),
                         ep_dispatch=r.get("ep_dispatch"), ep_chunks=r.get("ep_chunks"), link=r.get("link") or None,
-                        gpu=r.get("gpu"), torch=r.get("torch"), date=r["date"]))
+                        gpu=r.get("gpu"), torch=r.get("torch"), triton=r.get("triton"), date=r["date"],
+                        commit=r.get("commit"), command=r.get("command")))
     return out
-
-
-def write_outputs(jsonl: Path, markdown: Path, current: Path) -> str:
-    """Rebuild the markdown table and the current-rows JSON from every row of `jsonl`; returns the markdown."""
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    text = render(rows)
-    for path, content in ((markdown, text), (current, json.dumps(json_rows(rows), indent=1) + "\n")):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(content)
-    return text
 
 
 def _pct(value) -> str:
@@ -100,11 +89,9 @@ def _pct(value) -> str:
 def render(rows: list[dict]) -> str:
     last = rows[-1]
     lines = [
-        "# Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism",
-        "",
-        f"Latest run: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {last.get('triton', '-')}. The "
-        "latest row per layout, GPU count and shape (all runs: bench/notes/scaling.jsonl; machine-readable: "
-        "scaling.json). One "
+        f"Latest row: {last['date']}; {last['gpu']}; torch {last['torch']}; triton {last.get('triton', '-')}. The "
+        "latest row per layout, GPU count and shape (each row's date, GPU and versions: scaling.json; all runs: "
+        "bench/notes/scaling.jsonl). One "
         "micro-batch per data rank per step, synthetic documents of the doc column's length; bf16 autocast, "
         + ("FSDP2 fp32 params (CPU smoke run)" if last["gpu"] == "cpu"
            else "FSDP2 bf16 params / fp32 reduce (unless the layout sets reduce_dtype)")
@@ -138,11 +125,3 @@ def render(rows: list[dict]) -> str:
     if checks:
         lines += [""] + checks
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) != 4:
-        raise SystemExit("usage: python bench/scaling_report.py ROWS.jsonl TABLE.md CURRENT.json")
-    print(write_outputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])), end="")

@@ -21,17 +21,11 @@ out-of-memory error ends only its row:
                           moments, moela's AdamW)
             moela-nomtp-ropecat  moela-nomtp with the query's RoPE out of place (split, rope, cat:
                           `attention.Q_ROPE["mode"] = "cat"`; moela rotates its rotary columns in place)
-            moela-nomtp-recast  moela-nomtp with the experts' backward casting / quantizing the weights again
-                          (`moe.autograd.WEIGHT_COPIES["saved"] = False`; moela's forward hands its copies over)
             moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
                           (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on
                           where their attention is a graph break, so the row differs from moela-nomtp only there)
             moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
                           the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
-            moela-wgrad-torch, moela-wgrad-triton  moela with the bf16 experts' weight gradient on
-                          `torch._grouped_mm` / on moela's Triton kernel (`moe.autograd.BF16_WGRAD["impl"]`)
-            moela-wgrad-autotune  moela with the Triton grouped GEMMs autotuned on their first call instead of
-                          launched with the measured table's config (`moe.gemm_triton.TUNING["mode"]`)
             moela-pointwise-tuned  moela with Inductor's pointwise kernels tuned over several launch configs at their
                           first launch (torch's default; `trainer.compile.INDUCTOR_SETTINGS` cleared)
             moela-mtp-own-graph  moela with the MTP block's residual stream in its input projection's dtype (bf16
@@ -107,21 +101,17 @@ CONFIGS = {
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
 DKDV_ROWS = {f"moela-dkdv-{name.removeprefix('gluon_dkdv_')}": name for name in gluon_bwd.CONFIGS}
-WGRAD_ROWS = {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}  # label -> BF16_WGRAD["impl"]
 DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
 IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-         "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
+         "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-pointwise-tuned", "moela-mtp-own-graph",
          "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
          *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
 MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-recast": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
                "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-wgrad-torch": [], "moela-wgrad-triton": [], "moela-wgrad-autotune": [],
                "moela-pointwise-tuned": [], "moela-mtp-own-graph": [],
                "moela-no-prebuild": ["train.prebuild_kernels=false"], "moela-fwd-triton": [],
                "moela-fwd-gluon": [], "moela-dkdv-triton": [],
@@ -156,11 +146,8 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "median_doc_len": c["median_doc_len"],
                              "graph_first_assigns": impl != "moela-graphs-add",
                              "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
-                             "save_weight_copies": impl != "moela-nomtp-recast",
                              "handoff_norms": impl != "moela-nomtp-nohandoff",
                              "attention_in_graph": impl != "moela-nomtp-attnbreak",
-                             "bf16_wgrad_impl": WGRAD_ROWS.get(impl),
-                             "gemm_tuning": "autotune" if impl == "moela-wgrad-autotune" else None,
                              "inductor_settings": impl != "moela-pointwise-tuned",
                              "mtp_stream_dtype": impl != "moela-mtp-own-graph",
                              "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
@@ -248,8 +235,8 @@ def main() -> None:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {STEPS['default'][key]} "
                                                                     f"(--quick: {STEPS['quick'][key]})")
     ap.add_argument("--fp8-wgrad-impl", choices=("auto", "triton", "gluon"), default="auto",
-                    help="the FP8 weight-gradient GEMM of the fp8 rows (gemm_fp8.AUTO_KGROUPED_IMPL; auto: the "
-                         "shipped choice), to compare kernels inside the whole step")
+                    help="the experts' FP8 weight-gradient GEMM in every row (the recipe override "
+                         "model.kernels.moe_fp8_wgrad; auto: the shipped choice), to compare kernels inside the step")
     ap.add_argument("--cold", action="store_true",
                     help="every row starts with empty kernel caches of its own (a cold first step on any machine)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
@@ -287,7 +274,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_rows(configs, impls, recipes, device, counts, str(log_dir / "run"))
     for spec in specs:
-        spec["fp8_wgrad_impl"] = args.fp8_wgrad_impl
+        spec["overrides"].append(f"model.kernels.moe_fp8_wgrad={args.fp8_wgrad_impl}")
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
     command = "python bench/step.py " + " ".join(sys.argv[1:])

@@ -168,36 +168,39 @@ def attention_gluon_kernels():
 
 
 def moe_kernels():
-    from moela.ops.moe import gemm_triton
+    """The MoE path's Triton GEMMs at the V3 layer's shapes: the persistent FP8 GEMMs (m-grouped: forward and data
+    gradient; k-grouped: weight gradient) with their one launch configuration, and the bf16 weight gradient with the
+    largest autotune configuration as the training step launches it (both operands the row-major activations read
+    transposed, token-strided; fp32 output)."""
+    from moela.ops.moe.kernels import gemm_fp8_triton as fp8_gemms
+    from moela.ops.moe.kernels import gemm_grouped_triton as gemms
 
-    largest = max(gemm_triton.configs(), key=lambda c: (c.kwargs["BN"], c.num_stages))
-    tile = dict(BN=largest.kwargs["BN"], GROUP_M=largest.kwargs["GROUP_M"])
-    opts = dict(num_warps=largest.num_warps, num_stages=largest.num_stages)
-    n, k = 4096, 7168
-    fp8 = dict(a_scale_ptr="*fp32", b_scale_ptr="*fp32", c_ptr="*bf16", N=n, K=k, FP8=True, UPCAST=False, BK=128)
-    out = {"moe mgrouped fp8": compile_sm90(gemm_triton._mgrouped_kernel, dict(
-        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", m_idx_ptr="*i32", M=16384, stride_am=k, stride_ak=1,
-        stride_asm=k // 128, stride_ask=1, stride_be=n * k, stride_bn=k, stride_bk=1, stride_bse=n * k // 2 ** 14,
-        stride_bsn=k // 128, stride_bsk=1, stride_cm=n, BM=128, **fp8, **tile), **opts)}
-    out["moe kgrouped fp8"] = compile_sm90(gemm_triton._kgrouped_kernel, dict(
-        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", offsets_ptr="*i64", order_ptr="*i32", stride_an=16384, stride_at=1,
-        stride_bk=16384, stride_bt=1, stride_asn=128, stride_ast=1, stride_bsk=128, stride_bst=1, stride_ce=n * k,
-        stride_cn=k, BT=128, ORDERED=False, **fp8, **tile), **opts)
-    # the bf16 weight gradient as the training step launches it: both operands the row-major activations read
-    # transposed (token-strided), fp32 output
-    out["moe kgrouped bf16"] = compile_sm90(gemm_triton._kgrouped_kernel, dict(
-        a_ptr="*bf16", b_ptr="*bf16", offsets_ptr="*i64", order_ptr="*i32", stride_an=1, stride_at=n, stride_bk=1,
-        stride_bt=k, a_scale_ptr="*bf16", stride_asn=0, stride_ast=0, b_scale_ptr="*bf16", stride_bsk=0,
-        stride_bst=0, c_ptr="*fp32", stride_ce=n * k, stride_cn=k, N=n, K=k, FP8=False, UPCAST=False, ORDERED=False,
-        BT=64, BK=128, **tile), **opts)
+    m, n, k, e = 69632, 4096, 7168, 32
+    fp8, f32 = "*fp8e4nv", "*fp32"
+    cfg = fp8_gemms.MGROUPED
+    out = {"moe mgrouped fp8": compile_sm90(fp8_gemms._mgrouped_fp8_kernel, dict(
+        a_ptr=fp8, as_ptr=f32, s_asm=k // 128, s_ask=1, b_ptr=fp8, bs_ptr=f32, s_bse=n * k // 2 ** 14,
+        s_bsn=k // 128, s_bsk=1, c_ptr="*bf16", m_idx_ptr="*i32", off_ptr="*i64", M=m, N=n, K=k, E=e,
+        NUM_PROGRAMS=132, GROUPED=True, BM=cfg.bm, BN=cfg.bn, BK=128, GROUP=cfg.group),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)}
+    cfg = fp8_gemms.KGROUPED
+    out["moe kgrouped fp8"] = compile_sm90(fp8_gemms._kgrouped_fp8_kernel, dict(
+        a_ptr=fp8, as_ptr=f32, s_asn=m // 128, s_ast=1, b_ptr=fp8, bs_ptr=f32, s_bsk=m // 128, s_bst=1, c_ptr=f32,
+        off_ptr="*i64", N=n, K=k, M=m, E=e, NUM_PROGRAMS=132, GROUPED=True, BN=cfg.bm, BK=cfg.bn, BT=128,
+        GROUP=cfg.group), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    largest = max(gemms.configs(), key=lambda c: (c.kwargs["BN"], c.num_stages))
+    out["moe kgrouped bf16"] = compile_sm90(gemms._kgrouped_kernel, dict(
+        a_ptr="*bf16", b_ptr="*bf16", offsets_ptr="*i64", stride_an=1, stride_at=n, stride_bk=1, stride_bt=k,
+        c_ptr=f32, stride_ce=n * k, stride_cn=k, N=n, K=k, UPCAST=False, BT=64, BK=128, BN=largest.kwargs["BN"],
+        GROUP_M=largest.kwargs["GROUP_M"]), num_warps=largest.num_warps, num_stages=largest.num_stages)
     return out
 
 
 def moe_triton_kernels():
     """The non-GEMM MoE kernels at the V3 layer shape (T 8192, top-8, E 32, D 7168, F 2048, M_pad 69632) with their
     launchers' warps and block sizes; fp8 (quant) variants and the bf16 ones where the code differs."""
-    from moela.ops.moe import activation, combine, layout, masked_cast, permute, quantize
-    from moela.ops.moe.kernel_common import LAUNCH
+    from moela.ops.moe.kernels import combine, layout, permute, quantize_triton, swiglu
+    from moela.ops.moe.kernels.triton_common import LAUNCH
 
     t, k, e, d, f = 8192, 8, 32, 7168, 2048
     m = layout.build_layout_rows(t, k, e)
@@ -222,78 +225,72 @@ def moe_triton_kernels():
             scale_ptr=f32 if quant else bf16, T=t, M_pad=m, E=e, C=chunks, D=d, K=k, K_PAD=k,
             BLOCK_D=permute.PERMUTE_BLOCK_D, CH=layout.CHUNK, E_PAD=e, QUANT=quant, PLACE=place, DATA=data),
             **LAUNCH["permute"])
-    add("rowcol_quant gather colwise", quantize._rowcol_quant_kernel, dict(
+    add("rowcol_quant gather colwise", quantize_triton._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=i32, q_ptr=bf16, s_ptr=bf16, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=k,
         GATHER=True, ROWWISE=False, COLWISE=True), **LAUNCH["quant_rows_or_cols"])
-    add("rowcol_quant rows+cols", quantize._rowcol_quant_kernel, dict(
+    add("rowcol_quant rows+cols", quantize_triton._rowcol_quant_kernel, dict(
         x_ptr=bf16, src_ptr=bf16, q_ptr=fp8, s_ptr=f32, qt_ptr=fp8, st_ptr=f32, M=m, N=d, ld_x=d, gather_div=1,
         GATHER=False, ROWWISE=True, COLWISE=True), **LAUNCH["quant_rows_cols"])
-    add("weight_quant", quantize._weight_quant_kernel, dict(  # w13 [E, 2F, D]
+    add("weight_quant", quantize_triton._weight_quant_kernel, dict(  # w13 [E, 2F, D]
         w_ptr=bf16, q_ptr=fp8, s_ptr=f32, stride_we=2 * f * d, stride_wn=d, stride_wk=1, N=2 * f, K=d),
         **LAUNCH["weight_quant"])
+    add("swiglu_bwd fp8", swiglu._swiglu_bwd_kernel, dict(
+        h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8, dh_s_ptr=f32, dht_ptr=fp8, dht_s_ptr=f32, actt_ptr=fp8,
+        actt_s_ptr=f32, M=m, F=f), **LAUNCH["swiglu_bwd"])
+    add("swiglu_bwd_plain bf16", swiglu._swiglu_bwd_plain_kernel, dict(
+        h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=bf16, act_ptr=bf16, F=f,
+        BLOCK_M=swiglu.SWIGLU_BWD_PLAIN_ROWS), **LAUNCH["swiglu_bwd_plain"])
     for quant in (True, False):
         tag = "fp8" if quant else "bf16"
-        add(f"swiglu_fwd {tag}", activation._swiglu_fwd_kernel, dict(
+        add(f"swiglu_fwd {tag}", swiglu._swiglu_fwd_kernel, dict(
             h_ptr=bf16, m_idx_ptr=i32, out_ptr=fp8 if quant else bf16, s_ptr=f32 if quant else bf16, M=m, F=f,
             QUANT=quant), **LAUNCH["swiglu_fwd"])
-        add(f"swiglu_bwd {tag}", activation._swiglu_bwd_kernel, dict(
-            h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=fp8 if quant else bf16, dh_s_ptr=f32 if quant else bf16,
-            dht_ptr=fp8 if quant else bf16, dht_s_ptr=f32 if quant else bf16, actt_ptr=fp8 if quant else bf16,
-            actt_s_ptr=f32 if quant else bf16, M=m, F=f, QUANT=quant), **LAUNCH["swiglu_bwd"])
-        if not quant:
-            add("swiglu_bwd_plain bf16", activation._swiglu_bwd_plain_kernel, dict(
-                h_ptr=bf16, dact_ptr=bf16, m_idx_ptr=i32, dh_ptr=bf16, act_ptr=bf16, F=f,
-                BLOCK_M=activation.SWIGLU_BWD_PLAIN_ROWS), **LAUNCH["swiglu_bwd_plain"])
         add(f"combine_bwd {tag}", combine._combine_bwd_kernel, dict(
             dy_ptr=bf16, o_ptr=bf16, src_ptr=i32, w_ptr=f32, do_ptr=fp8 if quant else bf16,
             do_s_ptr=f32 if quant else bf16, dot_ptr=fp8 if quant else bf16, dot_s_ptr=f32 if quant else bf16,
             partial_ptr=f32, M=m, D=d, K=k, QUANT=quant), **LAUNCH["combine_bwd"])
     add("combine", combine._combine_kernel, dict(o_ptr=bf16, row_map_ptr=i32, w_ptr=f32, y_ptr=bf16, D=d, K=k,
                                            BLOCK_D=block_d, WEIGHTED=True), **LAUNCH["combine"])
-    add("masked_cast", masked_cast._masked_cast_kernel, dict(x_ptr=bf16, counts_ptr="*i64", y_ptr=f32,
-                                                             per_expert=2 * f * d, BLOCK=masked_cast.BLOCK),
-        num_warps=4)
     return out
 
 
 def moe_gluon_kernels():
-    """The Gluon kernels (moela.ops.moe.gluon) at the V3 layer shape: the row+column quantization (both outputs,
-    and the gathered column-only variant of the weight-gradient path), the SwiGLU backward and the weight
-    quantization."""
-    from moela.ops.moe import gluon as moe_gluon
-    from moela.ops.moe.layout import build_layout_rows
+    """The Gluon kernels (moela.ops.moe.kernels.quantize_gluon) at the V3 layer shape: the row+column quantization
+    (both outputs, and the gathered column-only variant of the weight-gradient path), the SwiGLU backward and the
+    weight quantization."""
+    from moela.ops.moe.kernels import quantize_gluon as qg
+    from moela.ops.moe.kernels.layout import build_layout_rows
 
-    if moe_gluon.gluon is None:
+    if qg.gluon is None:
         return {}
     m, d, k = build_layout_rows(8192, 8, 32), 7168, 8
-    shared = moe_gluon.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    shared = qg.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc = f"tensordesc<bf16[128, 128],{shared}>"
-    chunks = dict(RC=moe_gluon.ROW_CHUNK, CC=moe_gluon.COL_CHUNK)
-    return {"moe_gluon rowcol rows+cols": compile_sm90(moe_gluon._rowcol_tma_kernel, dict(
+    chunks = dict(RC=qg.ROW_CHUNK, CC=qg.COL_CHUNK)
+    return {"moe_gluon rowcol rows+cols": compile_sm90(qg._rowcol_tma_kernel, dict(
         x_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m, N=d, ROWWISE=True,
-        COLWISE=True, **chunks), num_warps=moe_gluon.NUM_WARPS),
-        "moe_gluon rowcol gather colwise": compile_sm90(moe_gluon._rowcol_gather_kernel, dict(
+        COLWISE=True, **chunks), num_warps=qg.NUM_WARPS),
+        "moe_gluon rowcol gather colwise": compile_sm90(qg._rowcol_gather_kernel, dict(
             x_ptr="*bf16", src_ptr="*i32", q_ptr="*bf16", s_ptr="*bf16", qt_ptr="*fp8e4nv", st_ptr="*fp32", M=m,
-            N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, **chunks),
-            num_warps=moe_gluon.NUM_WARPS),
-        "moe_gluon swiglu_bwd": compile_sm90(moe_gluon._swiglu_bwd_kernel, dict(
+            N=d, ld_x=d, gather_div=k, ROWWISE=False, COLWISE=True, **chunks), num_warps=qg.NUM_WARPS),
+        "moe_gluon swiglu_bwd": compile_sm90(qg._swiglu_bwd_kernel, dict(
             h_desc=desc, dact_desc=desc, m_idx_ptr="*i32", dh_ptr="*fp8e4nv", dh_s_ptr="*fp32",
             dht_ptr="*fp8e4nv", dht_s_ptr="*fp32", actt_ptr="*fp8e4nv", actt_s_ptr="*fp32", M=m, F=2048,
-            RC=moe_gluon.ROW_CHUNK, CC=moe_gluon.SWIGLU_COL_CHUNK), num_warps=moe_gluon.SWIGLU_WARPS),
-        "moe_gluon weight_quant": compile_sm90(moe_gluon._weight_quant_kernel, dict(  # w13 [E, 2F, D]
-            w_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", N=4096, K=d, RC=moe_gluon.ROW_CHUNK,
-            CC=moe_gluon.COL_CHUNK, TRANSPOSED=True), num_warps=moe_gluon.NUM_WARPS)}
+            RC=qg.ROW_CHUNK, CC=qg.SWIGLU_COL_CHUNK), num_warps=qg.SWIGLU_WARPS),
+        "moe_gluon weight_quant": compile_sm90(qg._weight_quant_kernel, dict(  # w13 [E, 2F, D]
+            w_desc=desc, q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", N=4096, K=d, RC=qg.ROW_CHUNK,
+            CC=qg.COL_CHUNK, TRANSPOSED=True), num_warps=qg.NUM_WARPS)}
 
 
 def moe_gluon_gemm_kernels():
-    """The warp-specialized FP8 GEMMs (moela.ops.moe.gemm_fp8_gluon, gemm_fp8_gluon_kgrouped) at the V3 layer's
-    shapes (M_pad 69632, 2F 4096, D 7168, E 32: GEMM1's forward and weight gradient) with bf16 and fp32 outputs and
-    the launchers' ring depths. Their PTX must hold the fp8 wgmma of the consumer warpgroups, the register
-    reallocation of the partitions (setmaxnreg) and the TMA loads (the weight gradient also the cp.async scale copies
-    tracked by the ring's barriers); ptxas reports the launch budget (registers per thread over the 3 warpgroups),
-    the consumers run at CONSUMER_REGS."""
-    from moela.ops.moe import gemm_fp8_gluon as ws
-    from moela.ops.moe import gemm_fp8_gluon_kgrouped as kg
+    """The warp-specialized FP8 GEMMs (moela.ops.moe.kernels.gemm_fp8_gluon_mgrouped, gemm_fp8_gluon_kgrouped) at the
+    V3 layer's shapes (M_pad 69632, 2F 4096, D 7168, E 32: GEMM1's forward and weight gradient) with bf16 and fp32
+    outputs and the launchers' ring depths. Their PTX must hold the fp8 wgmma of the consumer warpgroups, the
+    register reallocation of the partitions (setmaxnreg) and the TMA loads (the weight gradient also the cp.async
+    scale copies tracked by the ring's barriers); ptxas reports the launch budget (registers per thread over the 3
+    warpgroups), the consumers run at CONSUMER_REGS."""
+    from moela.ops.moe.kernels import gemm_fp8_gluon_kgrouped as kg
+    from moela.ops.moe.kernels import gemm_fp8_gluon_mgrouped as ws
 
     if ws.gluon is None:
         return {}
@@ -307,20 +304,16 @@ def moe_gluon_gemm_kernels():
     for dtype, nbytes in (("bf16", 2), ("fp32", 4)):
         out_tile = gl.NVMMASharedLayout.get_default_for([64, ws.BN], gl.bfloat16 if nbytes == 2 else gl.float32)
         c_desc = f"tensordesc<{dtype}[64, {ws.BN}],{out_tile}>"
-        # the default configs (the `_pp` variants are not compiled here: they only add the turn barriers' waits and
-        # arrivals, and the suite's time is better spent elsewhere; their GPU tests run both variants)
-        cfg = ws.MGROUPED_CONFIGS[ws.DEFAULT_MGROUPED]
         out[f"moe_gluon fp8 gemm ws {dtype}"] = compile_sm90(ws._mgrouped_ws_kernel, dict(
-            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", m_idx_ptr="*i32",
-            off_ptr="*i64", M=m, N=n, K=k, E=e, s_asm=k // 128, s_ask=1, s_bse=n * k // 2 ** 14, s_bsn=k // 128,
-            s_bsk=1, NUM_PROGRAMS=132, GROUPED=True, GROUP=cfg.group, STAGES=ws.fit_stages(cfg.stages, nbytes),
-            PINGPONG=cfg.pingpong), num_warps=ws.NUM_WARPS, require=require)
-        cfg = kg.KGROUPED_CONFIGS[kg.DEFAULT_KGROUPED]
+            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", s_asm=k // 128, s_ask=1,
+            bs_ptr="*fp32", s_bse=n * k // 2 ** 14, s_bsn=k // 128, s_bsk=1, m_idx_ptr="*i32", off_ptr="*i64", M=m,
+            N=n, K=k, E=e, NUM_PROGRAMS=132, GROUPED=True, GROUP=ws.GROUP, STAGES=ws.fit_stages(ws.STAGES, nbytes)),
+            num_warps=ws.NUM_WARPS, require=require)
         out[f"moe_gluon fp8 wgrad ws {dtype}"] = compile_sm90(kg._kgrouped_ws_kernel, dict(
-            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", bs_ptr="*fp32", off_ptr="*i64",
-            order_ptr="*i32", N=n, K=k, M=m, E=e, s_asn=1, s_ast=n, s_bsk=1, s_bst=k,  # scales token-block-major
-            NUM_PROGRAMS=132, GROUPED=True, GROUP=cfg.group, STAGES=kg.fit_stages(cfg.stages, nbytes),
-            PINGPONG=cfg.pingpong), num_warps=ws.NUM_WARPS, require=require + ("cp.async.mbarrier.arrive",))
+            a_desc=fp8_desc, b_desc=fp8_desc, c_desc=c_desc, as_ptr="*fp32", s_asn=1, s_ast=n, bs_ptr="*fp32",
+            s_bsk=1, s_bst=k, off_ptr="*i64", order_ptr="*i32", N=n, K=k, M=m, E=e,  # scales token-block-major
+            NUM_PROGRAMS=132, GROUPED=True, GROUP=ws.GROUP, STAGES=kg.fit_stages(kg.STAGES, nbytes)),
+            num_warps=ws.NUM_WARPS, require=require + ("cp.async.mbarrier.arrive",))
     return out
 
 

@@ -285,7 +285,7 @@ def test_loader_is_generic_over_schemas_and_presets(tmp_path):
 
 
 def test_a_named_moe_backend_the_recipe_rules_out_is_a_recipe_error():
-    """Named fast MoE backends need 128-aligned expert shapes, `torch` runs bf16 experts only, `cublas` FP8 only:
+    """Named fast MoE backends need 128-aligned expert shapes, `torch_triton` runs bf16 experts only, `cublas` FP8 only:
     recipe errors naming the fix, not a ValueError from inside the first forward. `auto` and `reference` run
     anything."""
     errors = errors_of(None, ["model.moe_backend=cublas"])  # the default model: 128 wide, experts 64
@@ -293,8 +293,8 @@ def test_a_named_moe_backend_the_recipe_rules_out_is_a_recipe_error():
                for e in errors)
     assert any("'cublas' (blockwise FP8 torch._scaled_mm) runs only recipe='fp8_blockwise'" in e for e in errors)
     wide = ["model.hidden_size=256", "model.moe_intermediate_size=128"]
-    assert any("'torch' (torch._grouped_mm) runs only recipe='bf16'" in e
-               for e in errors_of(None, ["model.moe_backend=torch", "model.precision=fp8_experts", *wide]))
+    assert any("'torch_triton' (torch._grouped_mm) runs only recipe='bf16'" in e
+               for e in errors_of(None, ["model.moe_backend=torch_triton", "model.precision=fp8_experts", *wide]))
     for name in ("triton", "deep_gemm"):
         load_config(None, [f"model.moe_backend={name}", "model.precision=fp8", *wide])
     for name in ("auto", "reference"):

@@ -1,5 +1,5 @@
-"""FP8 end to end: the persistent grouped FP8 GEMMs (moela.ops.moe.gemm_fp8) against float64 math on the same
-quantized operands and against a simulated-quantization reference, the quantized-weight cache, the FP8 linear,
+"""FP8 end to end: the persistent grouped FP8 GEMMs (moela.ops.moe.kernels.gemm_fp8_triton) against float64 math on
+the same quantized operands and against a simulated-quantization reference, the quantized-weight cache, the FP8 linear,
 the expert path under torch.compile, and the model's `precision` recipe. Kernels run under TRITON_INTERPRET=1 on
 CPU on odd shapes (odd expert counts, empty experts, token counts that are not multiples of 128)."""
 
@@ -13,9 +13,9 @@ import torch
 from factories import packed_batch, tiny_config
 from moela.ops import weight_cache
 from moela.ops.fp8_linear import fp8_linear, fp8_linear_reference
-from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
-from moela.ops.moe.permute import build_layout
-from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
+from moela.ops.moe.kernels.gemm_fp8_triton import kgrouped_fp8, mgrouped_fp8
+from moela.ops.moe.kernels.permute import build_layout
+from moela.ops.moe.quant_spec import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernels need TRITON_INTERPRET=1")
 
@@ -200,7 +200,7 @@ def test_precision_recipe_puts_fp8_on_the_named_linears():
 def test_gluon_descriptors_use_the_default_swizzled_layouts():
     """The cached shared-memory layouts of the Gluon GEMMs' TMA descriptors are the ones Gluon picks for each tile
     shape and dtype, and the descriptors cover the operands (built on the host: no GPU needed)."""
-    from moela.ops.moe import gemm_fp8_gluon as ws
+    from moela.ops.moe.kernels import gemm_fp8_gluon_mgrouped as ws
 
     if ws.gluon is None:
         pytest.skip("this Triton has no Gluon")

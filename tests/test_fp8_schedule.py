@@ -1,9 +1,9 @@
-"""The persistent schedule of the Gluon k-grouped FP8 GEMM (moela.ops.moe.gemm_fp8_gluon_kgrouped), on the CPU: the
-kernel's own tile -> (expert, row block, column block) map and ring arithmetic (plain functions the kernel jits) must
-cover every output tile exactly once at any shape, and a step-by-step model of the producer warp and the two consumer
-warpgroups (their mbarrier waits and arrivals, a random interleaving) over ragged and empty experts with several
-tiles per program must hand every consumer step the scales and tiles its producer step loaded, never overwriting a
-slot a consumer still reads."""
+"""The persistent schedule of the Gluon k-grouped FP8 GEMM (moela.ops.moe.kernels.gemm_fp8_gluon_kgrouped), on the CPU:
+the kernel's own tile -> (expert, row block, column block) map and ring arithmetic (plain functions the kernel jits)
+must cover every output tile exactly once at any shape, and a step-by-step model of the producer warp and the two
+consumer warpgroups (their mbarrier waits and arrivals, a random interleaving) over ragged and empty experts with
+several tiles per program must hand every consumer step the scales and tiles its producer step loaded, never
+overwriting a slot a consumer still reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from moela.ops.moe.gemm_fp8_gluon_kgrouped import (
+from moela.ops.moe.kernels.gemm_fp8_gluon_kgrouped import (
     experts_by_load,
     ring_position,
     snake_index,

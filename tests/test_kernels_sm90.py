@@ -1,12 +1,12 @@
-"""The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200)
-with its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The block
-loops of the attention and grouped-GEMM kernels must be pipelined (the Gluon attention forward's by its TMA
-producer, without spills); the MoE path's non-GEMM kernels (moe_triton ...)
-must not spill registers, nor must the Gluon kernels (moe_gluon: moela.ops.moe.gluon and the warp-specialized FP8
-GEMMs of moela.ops.moe.gemm_fp8_gluon*, whose PTX must also hold fp8 wgmma, setmaxnreg and TMA copies), nor the
-QK-Norm kernels (qk_norm: moela.ops.qk_norm_triton), nor the decoding attention over the latent cache
-(latent_attention: moela.inference.latent_attention_triton), whose slot loop must be pipelined too, nor moela's
-AdamW with bf16 moments (adamw: moela.trainer.adamw_moments)."""
+"""The GPU build of the Triton kernels, checked on a machine without a GPU: each is compiled for sm_90 (H100/H200) with
+its production launch configuration (tests/sm90_compile.py, in a process without TRITON_INTERPRET). The block loops
+of the attention and grouped-GEMM kernels must be pipelined (the Gluon attention forward's by its TMA producer,
+without spills); the MoE path's non-GEMM kernels (moe_triton ...) must not spill registers, nor must the Gluon
+kernels (moe_gluon: moela.ops.moe.kernels.quantize_gluon and the warp-specialized FP8 GEMMs of
+moela.ops.moe.kernels.gemm_fp8_gluon_*, whose PTX must also hold fp8 wgmma, setmaxnreg and TMA copies), nor the QK-
+Norm kernels (qk_norm: moela.ops.qk_norm_triton), nor the decoding attention over the latent cache (latent_attention:
+moela.inference.latent_attention_triton), whose slot loop must be pipelined too, nor moela's AdamW with bf16 moments
+(adamw: moela.trainer.adamw_moments)."""
 
 import json
 import os

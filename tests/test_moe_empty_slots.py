@@ -3,17 +3,12 @@ experts live on other ranks, and padding rows with no slot at all. An empty slot
 of the layout and its weight gets no gradient; every backend must agree with float64 math over the used slots.
 Kernels run under TRITON_INTERPRET=1 on CPU (fp16 operands: the interpreter's bf16 dot is wrong)."""
 
-import os
-
 import pytest
 import torch
 
+from moe_cases import DEV, KERNELS, exact_grads, rel, run
 from moela.ops.moe import moe_experts
-from moela.ops.moe.permute import permute_align
-from test_moe_ops import _exact_grads, _rel, _run
-
-KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from moela.ops.moe.kernels.permute import permute_align
 
 
 def _problem_with_empty_slots(t, d, f, e, k, dtype):
@@ -31,8 +26,8 @@ def _problem_with_empty_slots(t, d, f, e, k, dtype):
 
 def test_reference_ignores_empty_slots():
     x, ids, w, w13, w2, g = _problem_with_empty_slots(23, 24, 20, 5, 3, torch.float64)
-    got = _run(x, ids, w, w13, w2, g, "bf16", "reference")
-    exact = _exact_grads(x, ids, w, w13, w2, g)
+    got = run(x, ids, w, w13, w2, g, "bf16", "reference")
+    exact = exact_grads(x, ids, w, w13, w2, g)
     for name, a, b in zip(["y", "dx", "dw", "dw13", "dw2"], got, exact):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)  # float32 weights vs float64
     assert (got[2][ids < 0] == 0).all()
@@ -60,14 +55,14 @@ def test_fused_path_with_empty_slots_vs_float64(recipe):
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
     prob = _problem_with_empty_slots(19, 128, 128, 3, 2, dtype)
     ids = prob[1]
-    got = _run(*prob, recipe, "triton")
-    ref = _run(*prob, recipe, "reference")
-    exact = _exact_grads(*prob)
+    got = run(*prob, recipe, "triton")
+    ref = run(*prob, recipe, "reference")
+    exact = exact_grads(*prob)
     slack = 4 * torch.finfo(dtype).eps / 2 if recipe == "bf16" else 1e-3
     factor = 2.0 if recipe == "bf16" else 2.5
     for name, a, r, ex in zip(["y", "dx", "dw", "dw13", "dw2"], got, ref, exact):
         assert torch.isfinite(a).all(), name
-        assert _rel(a, ex) <= factor * _rel(r, ex) + slack, (name, _rel(a, ex), _rel(r, ex))
+        assert rel(a, ex) <= factor * rel(r, ex) + slack, (name, rel(a, ex), rel(r, ex))
     assert (got[0][-5:] == 0).all() and (got[1][-5:] == 0).all()  # tokens with no slot: y = 0, dx = 0
     assert (got[2][ids < 0] == 0).all()  # empty slots' weights get no gradient
 

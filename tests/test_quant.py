@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from moela.ops.moe.quant import (
+from moela.ops.moe.quant_spec import (
     AMAX_EPS,
     FP8_MAX,
     dequant_1x128,
@@ -108,7 +108,7 @@ def test_random_normal_gemm_error_is_in_the_fp8_range():
 
 @needs_kernels
 def test_rows_cols_kernel_matches_reference_bitwise():
-    from moela.ops.moe.quantize import quant_rows_cols
+    from moela.ops.moe.kernels.quantize_triton import quant_rows_cols
 
     x = (torch.randn(256, 384, device=DEV) * torch.rand(256, 1, device=DEV) * 10).to(torch.bfloat16)
     x[5] = 0
@@ -121,7 +121,7 @@ def test_rows_cols_kernel_matches_reference_bitwise():
 
 @needs_kernels
 def test_rows_cols_kernel_gathers_rows():
-    from moela.ops.moe.quantize import quant_rows_cols
+    from moela.ops.moe.kernels.quantize_triton import quant_rows_cols
 
     x = torch.randn(50, 128, device=DEV, dtype=torch.float16)
     src = torch.randint(-1, 50 * 3, (256,), device=DEV, dtype=torch.int32)
@@ -132,7 +132,7 @@ def test_rows_cols_kernel_gathers_rows():
 
 
 def test_rows_cols_impl_is_checked():
-    from moela.ops.moe.quantize import quant_rows_cols
+    from moela.ops.moe.kernels.quantize_triton import quant_rows_cols
 
     x = torch.zeros(128, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="impl=.gluon. needs bf16 CUDA tensors"):
@@ -146,8 +146,8 @@ def test_rows_cols_impl_is_checked():
 def test_gluon_rows_cols_equal_the_triton_kernel(case):
     """The shared-memory (Gluon) row+column quantization writes the Triton kernel's bytes: 3 x 7 tiles of fresh
     random data with zero rows, one output or both, a row-strided view (TMA descriptor strides), gathered rows."""
-    from moela.ops.moe import gluon as moe_gluon
-    from moela.ops.moe.quantize import quant_rows_cols
+    from moela.ops.moe.kernels import quantize_gluon
+    from moela.ops.moe.kernels.quantize_triton import quant_rows_cols
 
     wide = (torch.randn(384, 1152, device=DEV) * torch.rand(384, 1, device=DEV) * 10).to(torch.bfloat16)
     wide[7] = 0
@@ -157,7 +157,7 @@ def test_gluon_rows_cols_equal_the_triton_kernel(case):
         x = x[:100]
         kw = dict(src=torch.randint(-1, 300, (384,), device=DEV, dtype=torch.int32), gather_div=3,
                   rowwise=case == "gather rows+cols", colwise=True)
-    if not moe_gluon.available(x):
+    if not quantize_gluon.available(x):
         pytest.skip("the Gluon kernels need a Hopper (sm_90) GPU and a Triton with Gluon")
     got = quant_rows_cols(x, impl="gluon", **kw)
     want = quant_rows_cols(x, impl="triton", **kw)
@@ -177,13 +177,13 @@ def test_gluon_rows_cols_equal_the_triton_kernel(case):
 def test_gluon_weight_quant_equals_the_triton_kernel(transposed):
     """One read per block (Gluon) gives the Triton launches' bytes: q, the block scales and the transposed copy, for
     experts of very different magnitudes, a zero block and 3 x 5 blocks per expert."""
-    from moela.ops.moe import gluon as moe_gluon
-    from moela.ops.moe.quantize import quant_weights
+    from moela.ops.moe.kernels import quantize_gluon
+    from moela.ops.moe.kernels.quantize_triton import quant_weights
 
     w = torch.randn(3, 384, 640, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
     w[1, :128, 128:256] = 0
     w = w.to(torch.bfloat16)
-    if not moe_gluon.available(w):
+    if not quantize_gluon.available(w):
         pytest.skip("the Gluon kernels need a Hopper (sm_90) GPU and a Triton with Gluon")
     got = quant_weights(w, transposed=transposed, impl="gluon")
     want = quant_weights(w, transposed=transposed, impl="triton")
@@ -198,14 +198,13 @@ def test_gluon_weight_quant_equals_the_triton_kernel(transposed):
 
 
 @needs_kernels
-@pytest.mark.parametrize("transpose_by,dtype", [("quant", torch.bfloat16), ("quant", torch.float32),
-                                               ("torch", torch.float32)])
-def test_weight_quant_kernel_all_experts_and_transposed_copy(transpose_by, dtype):
-    from moela.ops.moe.quantize import quant_weights
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_quant_kernel_all_experts_and_transposed_copy(dtype):
+    from moela.ops.moe.kernels.quantize_triton import quant_weights
 
     w = torch.randn(3, 256, 384, device=DEV) * torch.tensor([1e-3, 1.0, 30.0], device=DEV)[:, None, None]
     w = w.to(dtype)
-    q, s, qt = quant_weights(w, transpose_by=transpose_by)
+    q, s, qt = quant_weights(w)
     for e in range(3):
         rq, rs = quant_128x128(w[e])
         assert_same_quant(q[e], s[e], rq, rs)

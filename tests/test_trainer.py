@@ -382,7 +382,7 @@ def test_a_named_backend_this_machine_cannot_run_is_refused_before_the_build(mon
     from moela.trainer.device_checks import check_backends
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    for name in ("triton", "torch", "cublas", "deep_gemm"):
+    for name in ("triton", "torch_triton", "cublas", "deep_gemm"):
         with pytest.raises(InputError, match=f"model.moe_backend: '{name}' runs CUDA kernels .* on the cpu; use "
                                              f"model.moe_backend: auto"):
             check_backends(ModelConfig(moe_backend=name), cpu)

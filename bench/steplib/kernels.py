@@ -38,7 +38,7 @@ _MOELA_EXPERT_GEMM = ("_mgrouped_kernel", "_kgrouped_kernel")
 # experts, or one group for fp8_linear (the Triton kernels and the warp-specialized Gluon one)
 _MOELA_FP8_GEMM = ("_mgrouped_fp8_kernel", "_kgrouped_fp8_kernel", "_mgrouped_ws_kernel", "_kgrouped_ws_kernel")
 _MOELA_COPIES = ("_permute_kernel", "_combine_kernel", "_combine_bwd_kernel", "_rowcol_quant_kernel",
-                 "_weight_quant_kernel", "_rowcol_tma_kernel", "_rowcol_gather_kernel", "_masked_cast_kernel")
+                 "_weight_quant_kernel", "_rowcol_tma_kernel", "_rowcol_gather_kernel")
 _MOELA_ACTIVATION = ("_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_swiglu_bwd_plain_kernel")
 _MOELA_ROUTER = ("_layout_count_kernel", "_layout_scan_kernel", "_router_fwd_kernel")
 

@@ -11,9 +11,8 @@ from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
 LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-              "moela-nomtp-recast", "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-wgrad-torch",
-              "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned",
-              "moela-mtp-own-graph", "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon") + PEERS
+              "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-pointwise-tuned", "moela-mtp-own-graph",
+              "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon") + PEERS
 
 
 def _versions() -> str:

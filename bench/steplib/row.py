@@ -69,13 +69,11 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
-    median_doc_len, warmup, steps, profile_steps, sync_steps, and optionally fp8_wgrad_impl (sets
-    `gemm_fp8.AUTO_KGROUPED_IMPL` in this row's process), graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
-    q_rope (`attention.Q_ROPE["mode"]`), save_weight_copies (`moe.autograd.WEIGHT_COPIES["saved"]`),
-    handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph (`attention.IN_GRAPH["attention"]`) and
-    bf16_wgrad_impl (`moe.autograd.BF16_WGRAD["impl"]`), gemm_tuning (`moe.gemm_triton.TUNING["mode"]`),
-    inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared), mtp_stream_dtype
-    (`transformer.MTP_STREAM_DTYPE`),
+    median_doc_len, warmup, steps, profile_steps, sync_steps (the MoE kernel choices are recipe overrides,
+    `model.kernels.<field>=...`), and optionally graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
+    q_rope (`attention.Q_ROPE["mode"]`), handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph
+    (`attention.IN_GRAPH["attention"]`), inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared),
+    mtp_stream_dtype (`transformer.MTP_STREAM_DTYPE`),
     attention_forward (`triton_common.SCHEDULE["forward"]`: "triton", or "gluon" for `gluon_fwd.DEFAULT`),
     attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a `gluon_bwd.CONFIGS` name) and attention_dq
     (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
@@ -88,10 +86,6 @@ def run_row(spec: dict) -> dict:
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
                         max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
-    if spec.get("fp8_wgrad_impl", "auto") != "auto":
-        from moela.ops.moe import gemm_fp8
-
-        gemm_fp8.AUTO_KGROUPED_IMPL = spec["fp8_wgrad_impl"]
     if not spec.get("graph_first_assigns", True):
         from moela.trainer import cuda_graphs
 
@@ -100,10 +94,6 @@ def run_row(spec: dict) -> dict:
         from moela.model import attention
 
         attention.Q_ROPE["mode"] = spec["q_rope"]
-    if not spec.get("save_weight_copies", True):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.WEIGHT_COPIES["saved"] = False
     from moela.ops.attention import gluon_fwd, triton_common
 
     choices = {"forward": {"gluon": gluon_fwd.DEFAULT, "triton": "triton"}.get(spec.get("attention_forward")),
@@ -111,14 +101,6 @@ def run_row(spec: dict) -> dict:
     for kernel, choice in choices.items():
         if choice:
             triton_common.SCHEDULE[kernel] = choice
-    if spec.get("bf16_wgrad_impl"):
-        from moela.ops.moe import autograd as moe_autograd
-
-        moe_autograd.BF16_WGRAD["impl"] = spec["bf16_wgrad_impl"]
-    if spec.get("gemm_tuning"):
-        from moela.ops.moe import gemm_triton
-
-        gemm_triton.TUNING["mode"] = spec["gemm_tuning"]
     if not spec.get("inductor_settings", True):
         from moela.trainer import compile as trainer_compile
 

@@ -22,7 +22,10 @@ def test_fp8_ceiling_needs_and_bounds_from_a_breakdown():
     bf16 = _ceiling_row("bf16", 200.0, expert_GEMM=60.0, dense_GEMM=70.0, optimizer=5.0)
     fp8 = _ceiling_row("fp8_blockwise", 180.0, expert_GEMM=40.0, dense_GEMM=70.0, optimizer=7.0)
     assert head_ms(bf16) == 30.0
-    text = "\n".join(analyse(bf16, [fp8], 1.25))
+    lines, summary = analyse(bf16, [fp8], 1.25)
+    text = "\n".join(lines)
+    assert summary["rows"] == [dict(recipe="fp8_blockwise", step_ms=180.0, expert_gemm_ms=40.0, quantization_ms=2.0)]
+    assert summary["ceilings"]["experts only (`moe_recipe: fp8_blockwise`)"] == 200 / 172
     # overhead: the optimizer grew by 2 ms; experts only: need 200 - 160 + 2 = 42 of 60 -> s = 1 / (1 - 0.7)
     assert "| fp8_blockwise | 180.0 | 1.111x | 40.0 (1.50x) |" in text and "| 2.0 |" in text
     assert f"{1 / (1 - 42 / 60):.2f}x faster than bf16 (beyond the hardware's 2x)" in text

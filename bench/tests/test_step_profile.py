@@ -106,7 +106,6 @@ KERNELS = [
     ("_swiglu_fwd_kernel", ("MoEExpertsFn",), "norm/RoPE/activation"),
     ("_swiglu_bwd_kernel", (), "norm/RoPE/activation"),
     ("_swiglu_bwd_plain_kernel", ("moela::moe_experts_bwd",), "norm/RoPE/activation"),
-    ("_masked_cast_kernel", ("moela::moe_experts_bwd",), "copies/cat/casts"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig<at::native::(anonymous namespace)::"
      "OpaqueType<2u>, unsigned int, 3, 128, 1>(...)", ("aten::cat",), "copies/cat/casts"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda(at::"

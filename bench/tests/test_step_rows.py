@@ -96,13 +96,9 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("moela-fp32-moments", "16k", "fp8_blockwise"), ("moela-fp32-moments", "64k", "bf16"),
                       ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
                       ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-ropecat", "16k", "bf16"),
-                      ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-recast", "16k", "bf16"),
-                      ("moela-nomtp-recast", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
+                      ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
                       ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
-                      ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-wgrad-torch", "16k", "bf16"),
-                      ("moela-wgrad-torch", "64k", "bf16"), ("moela-wgrad-triton", "16k", "bf16"),
-                      ("moela-wgrad-triton", "64k", "bf16"), ("moela-wgrad-autotune", "16k", "bf16"),
-                      ("moela-wgrad-autotune", "64k", "bf16"), ("moela-pointwise-tuned", "16k", "bf16"),
+                      ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-pointwise-tuned", "16k", "bf16"),
                       ("moela-pointwise-tuned", "64k", "bf16"), ("moela-mtp-own-graph", "16k", "bf16"),
                       ("moela-mtp-own-graph", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
                       ("moela-no-prebuild", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
@@ -118,12 +114,9 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-wgrad-torch",
-                  "moela-wgrad-triton", "moela-wgrad-autotune", "moela-pointwise-tuned", "moela-mtp-own-graph",
-                  "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon")
+        mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-pointwise-tuned",
+                  "moela-mtp-own-graph", "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon")
         assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
-        assert s["bf16_wgrad_impl"] == {"moela-wgrad-torch": "torch", "moela-wgrad-triton": "triton"}.get(s["label"])
-        assert s["gemm_tuning"] == ("autotune" if s["label"] == "moela-wgrad-autotune" else None)
         assert s["inductor_settings"] == (s["label"] != "moela-pointwise-tuned")
         assert s["mtp_stream_dtype"] == (s["label"] != "moela-mtp-own-graph")
         assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
@@ -135,7 +128,6 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
         assert ("train.prebuild_kernels=false" in s["overrides"]) == (s["label"] == "moela-no-prebuild")
         assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
-        assert s["save_weight_copies"] == (s["label"] != "moela-nomtp-recast")
         assert s["handoff_norms"] == (s["label"] != "moela-nomtp-nohandoff")
         assert s["attention_in_graph"] == (s["label"] != "moela-nomtp-attnbreak")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
@@ -207,16 +199,13 @@ def token_cache(tmp_path_factory):
 
 
 def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
-    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); the row's
-    fp8_wgrad_impl reaches the FP8 GEMM dispatch, gemm_tuning the Triton grouped GEMMs, inductor_settings the
-    trainer's Inductor settings and mtp_stream_dtype the MTP block."""
+    """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); a kernel choice
+    rides in as a recipe override (`model.kernels.moe_fp8_wgrad`), inductor_settings reaches the trainer's Inductor
+    settings and mtp_stream_dtype the MTP block."""
     from bench.steplib.row import run_row
     from moela.model import transformer
-    from moela.ops.moe import gemm_fp8, gemm_triton
     from moela.trainer import compile as trainer_compile
 
-    monkeypatch.setattr(gemm_fp8, "AUTO_KGROUPED_IMPL", "gluon")  # restored after the test
-    monkeypatch.setitem(gemm_triton.TUNING, "mode", "table")
     monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", dict(trainer_compile.INDUCTOR_SETTINGS))
     monkeypatch.setattr(transformer, "MTP_STREAM_DTYPE", True)
 
@@ -224,12 +213,11 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
             "overrides": TINY + [f"data.cache_dir={token_cache}", f"train.run_dir={tmp_path}", "train.device=cpu",
                                  "train.tokens_per_microbatch=128", "train.grad_accum=2", "train.eval_every=0",
-                                 "logging.progress_bar=never", "checkpoint.every=0"],
+                                 "logging.progress_bar=never", "checkpoint.every=0",
+                                 "model.kernels.moe_fp8_wgrad=triton"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
-            "sync_steps": 1, "fp8_wgrad_impl": "triton", "gemm_tuning": "autotune", "inductor_settings": False,
-            "mtp_stream_dtype": False}
+            "sync_steps": 1, "inductor_settings": False, "mtp_stream_dtype": False}
     r = run_row(spec)
-    assert gemm_fp8.AUTO_KGROUPED_IMPL == "triton" and gemm_triton.TUNING["mode"] == "autotune"
     assert trainer_compile.INDUCTOR_SETTINGS == {} and transformer.MTP_STREAM_DTYPE is False
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU

@@ -15,12 +15,14 @@ Decisions:
   its routing is moela's (V3's sigmoid gate with a balancing bias), not V2's softmax gate, so V2-Lite checkpoints
   do not load (`hf.py` refuses softmax-routed configs).
 - `validate()` returns messages `"<field>: <what is wrong>; <how to fix>"`; the loader prefixes `model.`.
+- `kernels` (`KernelsConfig`, YAML `model.kernels.<field>`) holds every choice of implementation inside an op; the
+  model passes each one down to its op as a keyword argument. The defaults are the fastest measured.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from moela.configlib import Presets
@@ -45,6 +47,17 @@ class RopeScaling:
     mscale_all_dim: float = 1.0
     attention_factor: float | None = None  # the cos / sin scale; null: from factor, mscale and mscale_all_dim
     truncate: bool = True  # round the correction range to whole dimensions (floor / ceil), as YaRN does
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    """Which kernel runs a step of an op where moela has more than one (YAML `model.kernels.<field>`)."""
+
+    # MoE
+    # the routed experts' FP8 forward and data-gradient GEMMs: auto (Gluon on Hopper, else Triton) | gluon | triton
+    moe_fp8_gemm: Literal["auto", "gluon", "triton"] = "auto"
+    # the routed experts' FP8 weight-gradient GEMM: auto (Gluon on Hopper, else Triton) | gluon | triton
+    moe_fp8_wgrad: Literal["auto", "gluon", "triton"] = "auto"
 
 
 @dataclass
@@ -90,6 +103,7 @@ class ModelConfig:
     # bf16 | fp8_experts (routed experts in DeepSeek-V3's FP8) | fp8 (also the attention projections, shared
     # experts, dense FFNs and MTP eh_proj); embedding, output head, router, norms and attention core stay bf16
     precision: Literal["bf16", "fp8_experts", "fp8"] = "bf16"
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
     @property
     def expert_recipe(self) -> str:

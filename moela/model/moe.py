@@ -71,13 +71,15 @@ class RoutedExperts(nn.Module):
         super().__init__()
         e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.recipe, self.backend = cfg.expert_recipe, cfg.moe_backend
+        # our FP8 GEMMs' implementations (`model.kernels`), passed to every moe_experts call
+        self.kernels = dict(fp8_gemm=cfg.kernels.moe_fp8_gemm, fp8_wgrad=cfg.kernels.moe_fp8_wgrad)
         self.w13 = nn.Parameter(torch.empty(e, 2 * f, d))  # rows [0, F): W1 (gate), [F, 2F): W3 (up)
         self.w2 = nn.Parameter(torch.empty(e, d, f))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: nn.Module | None = None) -> torch.Tensor:
         y = call_op(moe_experts, MOE_DISPATCH, x, topk_ids, topk_weights, self.w13, self.w2, recipe=self.recipe,
-                    backend=self.backend)  # [T, D]
+                    backend=self.backend, **self.kernels)  # [T, D]
         return y if shared is None else y + shared(x)
 
 

@@ -7,8 +7,9 @@ everywhere.
 """
 
 ATTENTION_BACKENDS = ("auto", "reference", "triton", "sdpa", "flash")
-MOE_BACKENDS = ("auto", "reference", "triton", "torch", "cublas", "deep_gemm")
+MOE_BACKENDS = ("auto", "reference", "triton", "torch_triton", "cublas", "deep_gemm")
 MOE_RECIPES = ("bf16", "fp8_blockwise")
+FP8_GEMM_IMPLS = ("auto", "gluon", "triton")  # our FP8 grouped GEMMs (moela.ops.moe.kernels.gemm_fp8_triton)
 RMS_NORM_BACKENDS = ("auto", "reference", "compiled")
 ROPE_BACKENDS = ("auto", "reference", "compiled")
 SWIGLU_BACKENDS = ("auto", "reference", "compiled")
@@ -29,8 +30,9 @@ def moe_backend_problems(backend: str, recipe: str, d: int, f: int) -> list[str]
     if d % 128 or f % 128:
         problems.append(f"needs D and F (hidden_size, moe_intermediate_size) multiples of 128, got D={d}, F={f} "
                         f"(reference runs any)")
-    if backend == "torch" and recipe != "bf16":
+    if backend == "torch_triton" and recipe != "bf16":
         problems.append("(torch._grouped_mm) runs only recipe='bf16' (fp8_blockwise: triton, cublas or deep_gemm)")
     if backend == "cublas" and recipe != "fp8_blockwise":
-        problems.append("(blockwise FP8 torch._scaled_mm) runs only recipe='fp8_blockwise' (bf16: torch or triton)")
+        problems.append("(blockwise FP8 torch._scaled_mm) runs only recipe='fp8_blockwise' (bf16: torch_triton or "
+                        "triton)")
     return problems

@@ -5,16 +5,17 @@
 - wgrad    dW [N, K] = dy^T [N, T] (1x128 along tokens) @ x^T [K, T] (1x128 along tokens)^T
 fp32 accumulation with promotion every 128 of the reduction; y and dx in the activation dtype, dW in the weight's
 dtype (fp32 master weights stay fp32). Backends:
-- `reference`: quantize -> dequantize in torch (moela.ops.moe.quant: the codes the kernels produce), GEMMs in fp32;
-  any device, the specification.
+- `reference`: quantize -> dequantize in torch (moela.ops.moe.quant_spec: the codes the kernels produce), GEMMs in
+  fp32; any device, the specification.
 - `triton`: one fused Triton/Gluon quantization kernel per activation tensor that reads it once and writes both its
   row codes (for the next GEMM) and its transposed column codes (for the weight gradient; saved for backward in
   place of x, at half x's bytes); the weight's codes, scales and transposed codes once per optimizer step
-  (moela.ops.weight_cache); the GEMMs are moela.ops.moe.gemm_fp8's persistent TMA kernels with one group. The
-  token dim is padded to a multiple of 128 inside the quantization (zero rows), so any T works. Forward and
-  backward are the torch.library ops `moela::fp8_linear_fwd` / `moela::fp8_linear_bwd` (fake implementations,
-  an autograd formula), so a compiled block holds its FP8 linears as ops of its graph instead of breaking around
-  them; the weight cache is consulted when the op runs, on the real parameter, as the expert path's is.
+  (moela.ops.weight_cache); the GEMMs are moela.ops.moe.kernels.gemm_fp8_triton's persistent kernels with one group
+  (Gluon on Hopper, else Triton). The token dim is padded to a multiple of 128 inside the quantization (zero
+  rows), so any T works. Forward and backward are the torch.library ops `moela::fp8_linear_fwd` /
+  `moela::fp8_linear_bwd` (fake implementations, an autograd formula), so a compiled block holds its FP8 linears as
+  ops of its graph instead of breaking around them; the weight cache is consulted when the op runs, on the real
+  parameter, as the expert path's is.
 `auto`: `triton` on CUDA for features that are multiples of 128 (the quantization kernels' tiles), else the
 plain bf16 linear (no FP8 for a layer the kernels cannot tile, e.g. MLA's wkv_a with 512 + 64 outputs; nor on a GPU
 without FP8 tensor cores, logged once: the tools can evaluate an FP8 run there, the trainer refuses to train one).
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from moela.ops import weight_cache
 from moela.ops.fp8_device import fp8_device_problem
-from moela.ops.moe.quant import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
+from moela.ops.moe.quant_spec import dequant_1x128, dequant_128x128, quant_1x128, quant_128x128
 
 FP8_LINEAR_BACKENDS = ("auto", "reference", "triton")
 log = logging.getLogger("moela.ops")
@@ -92,13 +93,13 @@ def _padded_rows(t: int, device: torch.device) -> torch.Tensor | None:
 
 
 def _quant_act(x: torch.Tensor, src: torch.Tensor, rowwise: bool = True):
-    from moela.ops.moe.quantize import quant_rows_cols
+    from moela.ops.moe.kernels.quantize_triton import quant_rows_cols
 
     return quant_rows_cols(x, rowwise=rowwise, colwise=True, src=src)
 
 
 def _fp8_weight(w: torch.Tensor):
-    from moela.ops.moe.quantize import quant_weights
+    from moela.ops.moe.kernels.quantize_triton import quant_weights
 
     def compute(v):
         q, s, qt = quant_weights(v[None])
@@ -121,7 +122,7 @@ def fp8_linear_fwd(x: torch.Tensor, weight: torch.Tensor
     (`_fp8_weight`), looked up here, when the op runs, on the real parameter; its scales and transposed codes are
     handed to the backward as detached aliases of the cache's tensors (outputs may alias no input and no other
     output; a lookup in the backward would miss under CUDA-graph capture, where the cache is off)."""
-    from moela.ops.moe.gemm_fp8 import mgrouped_fp8
+    from moela.ops.moe.kernels.gemm_fp8_triton import mgrouped_fp8
 
     t = x.shape[0]
     src = _padded_rows(t, x.device)
@@ -146,7 +147,7 @@ def fp8_linear_bwd(dy: torch.Tensor, xqt: torch.Tensor, xst: torch.Tensor, ws: t
                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [T, K] in dy's dtype, dW [N, K] in the weight's dtype) from dy [T, N] (the forward's output dtype,
     contiguous) and the forward's saved codes; `weight` only gives dW's dtype."""
-    from moela.ops.moe.gemm_fp8 import kgrouped_fp8, mgrouped_fp8
+    from moela.ops.moe.kernels.gemm_fp8_triton import kgrouped_fp8, mgrouped_fp8
 
     t = dy.shape[0]
     (dyq, dys), (dyqt, dyst) = _quant_act(dy, _padded_rows(t, dy.device))  # [M, N]; [N, M]

@@ -107,8 +107,8 @@ class ExpertParallelExperts(nn.Module):
     """Routed experts of one MoE layer, E / ep of them on each rank of `ep_mesh`; global routing in, y out."""
 
     def __init__(self, num_experts: int, dim: int, ffn_dim: int, ep_mesh: DeviceMesh, *, recipe: str = "bf16",
-                 backend: str = "auto", dispatch: str = "auto", chunks: int = 1, cpu_group=None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 backend: str = "auto", kernels: dict | None = None, dispatch: str = "auto", chunks: int = 1,
+                 cpu_group=None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         ep = ep_mesh.size()
         if num_experts % ep:
@@ -120,6 +120,7 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"parallel.ep_chunks: {chunks} is not supported; use 1, or 2 to pipeline the expert "
                              f"GEMMs of one half of the tokens with the collectives of the other")
         self.num_experts, self.ep_mesh, self.recipe, self.backend = num_experts, ep_mesh, recipe, backend
+        self.kernels = dict(kernels or {})  # moe_experts' kernel choices (fp8_gemm, fp8_wgrad), as the model's
         self.dispatch, self.chunks, self._cpu_group = dispatch, chunks, cpu_group
         self.num_local = num_experts // ep
         self.grad_scale = 1.0  # 1/ep under FSDP (set by apply_fsdp; see the module docstring)
@@ -135,13 +136,14 @@ class ExpertParallelExperts(nn.Module):
 
     @classmethod
     def from_module(cls, experts: nn.Module, ep_mesh: DeviceMesh, **options) -> "ExpertParallelExperts":
-        """Replacement for a single-process experts module (stacked `w13`, `w2`): same recipe/backend; this rank's
-        slice of its weights is copied when they are materialized (left uninitialized on the meta device).
+        """Replacement for a single-process experts module (stacked `w13`, `w2`): same recipe, backend and kernels;
+        this rank's slice of its weights is copied when they are materialized (left uninitialized on the meta device).
         `options`: dispatch, chunks, cpu_group."""
         w13, w2 = experts.w13, experts.w2
         e, two_f, d = w13.shape
         new = cls(e, d, two_f // 2, ep_mesh, recipe=getattr(experts, "recipe", "bf16"),
-                  backend=getattr(experts, "backend", "auto"), device=w13.device, dtype=w13.dtype, **options)
+                  backend=getattr(experts, "backend", "auto"), kernels=getattr(experts, "kernels", None),
+                  device=w13.device, dtype=w13.dtype, **options)
         if w13.device.type != "meta":
             lo = ep_mesh.get_local_rank() * new.num_local
             with torch.no_grad():
@@ -209,7 +211,7 @@ class ExpertParallelExperts(nn.Module):
             ids = mg[:, :k].long() - lo  # [R, K] local expert ids
             mine = (ids >= 0) & (ids < self.num_local)
             y_part = moe_experts(xg, torch.where(mine, ids, -1), torch.where(mine, mg[:, k:], 0.0), w13, w2,
-                                 recipe=self.recipe, backend=self.backend)  # [R, D] this rank's experts' share
+                                 recipe=self.recipe, backend=self.backend, **self.kernels)  # [R, D] this rank's share
             scatters.append(scatter_start(_in_graph(y_part, xg, mg, w13, w2), group))
         done = [finish(out, handle) for out, handle in scatters]  # [P/chunks, D] each
         y = (done[0] if len(done) == 1 else torch.cat(done))[:t]  # [T, D]
@@ -234,8 +236,8 @@ class ExpertParallelExperts(nn.Module):
         local_ids = torch.arange(e_local, device=x.device).repeat(ep)  # [ep * E_local]
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=x_recv.shape[0])  # [R]
         ones = torch.ones(x_recv.shape[0], 1, device=x.device, dtype=torch.float32)  # [R, 1]
-        y_recv = moe_experts(x_recv, local_ids[:, None], ones, w13, w2, recipe=self.recipe,
-                             backend=self.backend)  # [R, D]
+        y_recv = moe_experts(x_recv, local_ids[:, None], ones, w13, w2, recipe=self.recipe, backend=self.backend,
+                             **self.kernels)  # [R, D]
         y_recv = _in_graph(y_recv, x_recv, w13, w2)
         y_back = all_to_all(y_recv, in_splits, out_splits, group)  # [T*K, D] in `order`
         gate = topk_weights.reshape(-1)[order].float()  # [T*K]

@@ -73,7 +73,7 @@ _HASH_CHUNK = 1 << 24
 # Free to change on resume: how the same network is computed (kernels, FP8 or bf16), the weights of the objective's
 # terms and the balancing rate (DeepSeek-V3 lowers the MTP weight and stops the bias updates late in training), the
 # init scale (used only at init), and where the same data is cached and how its micro-batches go to ranks.
-_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "precision", "bias_update_rate",
+_FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "precision", "kernels", "bias_update_rate",
                     "aux_loss_coef", "mtp_loss_weight", "z_loss_coef", "initializer_range")
 _FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
 

@@ -10,6 +10,8 @@ Weights are stacked for all experts: `w13 [E, 2F, D]` (rows [0, F) are W1 (gate)
 fp8 recipe simulated by quantize -> dequantize), and the fast backends of moela.ops.moe.providers (CUDA; on CPU only
 when asked for by name, under TRITON_INTERPRET=1 for tests), which share the fused Triton layout / quantization
 kernels and differ in their grouped GEMMs. `auto` falls back to the reference for a call no fast backend supports.
+`DISPATCH` is the one place that chooses the backend, for eager and compiled calls alike; `fp8_gemm` and
+`fp8_wgrad` choose the implementation of our FP8 GEMMs inside a fast backend (moela.ops.moe.autograd).
 
 Shapes: T tokens, D hidden, E experts, K top-k, F expert FFN width.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from moela.ops.backends import MOE_BACKENDS, MOE_RECIPES
+from moela.ops.backends import FP8_GEMM_IMPLS, MOE_BACKENDS, MOE_RECIPES
 from moela.ops.dispatch import Dispatch
 from moela.ops.moe.reference import moe_experts_reference
 
@@ -27,9 +29,12 @@ DISPATCH = Dispatch("moe_experts", MOE_BACKENDS, needs="CUDA and its package")
 
 
 def _check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor, recipe: str) -> None:
+                  w2: torch.Tensor, recipe: str, fp8_gemm: str, fp8_wgrad: str) -> None:
     if recipe not in MOE_RECIPES:
         raise ValueError(f"moe_experts: unknown recipe {recipe!r}; choose one of {', '.join(MOE_RECIPES)}")
+    for name, impl in (("fp8_gemm", fp8_gemm), ("fp8_wgrad", fp8_wgrad)):
+        if impl not in FP8_GEMM_IMPLS:
+            raise ValueError(f"moe_experts: unknown {name} {impl!r}; choose one of {', '.join(FP8_GEMM_IMPLS)}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts wants x [T, D] and topk_ids [T, K]; got {tuple(x.shape)}, "
                          f"{tuple(topk_ids.shape)}")
@@ -58,16 +63,19 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, *, recipe: str = "bf16", backend: str = "auto") -> torch.Tensor:
+                w2: torch.Tensor, *, recipe: str = "bf16", backend: str = "auto", fp8_gemm: str = "auto",
+                fp8_wgrad: str = "auto") -> torch.Tensor:
     """Weighted sum over each token's top-k experts of SwiGLU expert FFNs. x [T, D] -> y [T, D] (x's dtype, or
-    the autocast dtype when autocast is on)."""
+    the autocast dtype when autocast is on). fp8_gemm (forward and data gradient) and fp8_wgrad (weight gradient):
+    our FP8 GEMMs' implementation, "auto" (Gluon on Hopper, else Triton), "gluon" or "triton"."""
     DISPATCH.check(backend)
-    _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe)
+    _check_inputs(x, topk_ids, topk_weights, w13, w2, recipe, fp8_gemm, fp8_wgrad)
     x = autocast_input(x)
     chosen = DISPATCH.choose(backend, x, topk_ids, topk_weights, w13, w2, recipe=recipe, reason=f"recipe {recipe}")
     if chosen == "reference":
         return moe_experts_reference(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
-    return DISPATCH.impl(chosen)(x, topk_ids, topk_weights, w13, w2, recipe=recipe)
+    return DISPATCH.impl(chosen)(x, topk_ids, topk_weights, w13, w2, recipe=recipe, fp8_gemm=fp8_gemm,
+                                 fp8_wgrad=fp8_wgrad)
 
 
 try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moela.ops.moe.quant import fake_quant_1x128, fake_quant_128x128
+from moela.ops.moe.quant_spec import fake_quant_1x128, fake_quant_128x128
 
 
 def moe_experts_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,

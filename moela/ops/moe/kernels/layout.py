@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe.kernel_common import ALIGN, LAUNCH
+from moela.ops.moe.kernels.triton_common import ALIGN, LAUNCH
 
 
 @dataclass

@@ -2,8 +2,8 @@
 gathering its rows through the layout), and the 128x128 quantization of all experts' weights with the transposed
 copy the data-gradient GEMM reads.
 
-On Hopper, for bf16 inputs, both run the Gluon kernels of gluon.py (the tile staged in shared memory) where they can;
-the Triton kernels here run everywhere else, the interpreter included, and write the same bytes.
+On Hopper, for bf16 inputs, both run the Gluon kernels of quantize_gluon.py (the tile staged in shared memory) where
+they can; the Triton kernels here run everywhere else, the interpreter included, and write the same bytes.
 
 Shapes: M rows (M_pad in the layout), N columns; E experts, N x K expert weights.
 """
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe import gluon as moe_gluon
-from moela.ops.moe.kernel_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_tile_quantized
+from moela.ops.moe.kernels import quantize_gluon
+from moela.ops.moe.kernels.triton_common import FP8, LAUNCH, e4m3_codes, fp8_scale_inverse, store_tile_quantized
 from moela.ops.triton_env import INTERPRET
 
 
@@ -54,11 +54,11 @@ def _rowcol_quant_kernel(
 
 
 def use_gluon(op: str, impl: str, *tensors: torch.Tensor) -> bool:
-    """Whether `op` runs its Gluon kernel (moela.ops.moe.gluon): impl "gluon" demands it, "auto" takes it where it
-    can run (never under the interpreter), "triton" never."""
+    """Whether `op` runs its Gluon kernel (quantize_gluon.py): impl "gluon" demands it, "auto" takes it where it can
+    run (never under the interpreter), "triton" never."""
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"{op}: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
-    ok = all(moe_gluon.available(t) for t in tensors)
+    ok = all(quantize_gluon.available(t) for t in tensors)
     if impl == "gluon" and not ok:
         got = ", ".join(f"{t.dtype} on {t.device}" for t in tensors)
         raise ValueError(f"{op}: impl='gluon' needs bf16 CUDA tensors on a Hopper (sm_90) GPU and a Triton with Gluon "
@@ -74,7 +74,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     """One read of x [M, N] (or of rows x[src // gather_div], zero where src < 0, M = len(src)); returns
     (q [M, N] e4m3, s [M, N/128]) rowwise and (qT [N, M] e4m3, sT [N, M/128]) columnwise (None where not asked).
     M and N must be multiples of 128 (the padded layout guarantees M). impl: "triton" (the tile in registers; runs
-    everywhere, the interpreter included), "gluon" (the tile staged in shared memory, moela.ops.moe.gluon: bf16 on
+    everywhere, the interpreter included), "gluon" (the tile staged in shared memory, quantize_gluon.py: bf16 on
     sm_90), "auto" (gluon where it can run, else triton). Both give the same bytes."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
@@ -87,7 +87,7 @@ def quant_rows_cols(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Tr
     qt = torch.empty(n, m, device=dev, dtype=FP8) if colwise else None
     st = torch.empty(n, m // 128, device=dev, dtype=torch.float32) if colwise else None
     if gluon:
-        moe_gluon.quant_rows_cols(x, rowwise, colwise, src, gather_div, q, s, qt, st)
+        quantize_gluon.quant_rows_cols(x, rowwise, colwise, src, gather_div, q, s, qt, st)
         return (q, s), (qt, st)
     unused = x  # any pointer for an output not asked for
     _rowcol_quant_kernel[(m // 128, n // 128) if src is not None else (n // 128, m // 128)](
@@ -135,34 +135,26 @@ def _weight_quant_launch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def quant_weights(w: torch.Tensor, *, transposed: bool = True, transpose_by: str = "quant", impl: str = "auto"
+def quant_weights(w: torch.Tensor, *, transposed: bool = True, impl: str = "auto"
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """w [E, N, K] -> q [E, N, K] e4m3, s [E, N/128, K/128] fp32, and qT [E, K, N] (whose scales are
     s.transpose(1, 2)) when `transposed`. N and K must be multiples of 128.
-    impl "gluon" (moela.ops.moe.gluon; contiguous bf16 on sm_90; "auto" takes it where it can run): one read of w,
+    impl "gluon" (quantize_gluon.py; contiguous bf16 on sm_90; "auto" takes it where it can run): one read of w,
     each 128x128 block staged in shared memory, its codes written to q and, read back by columns, to qT.
-    impl "triton": transpose_by="quant" runs the kernel again on the transposed view of w (every 128x128 block has
-    the same amax, hence the same scale and codes, so qT is exactly q's transpose, written with coalesced row
-    stores); "torch" copies q.transpose(1, 2). Writing qT from the same Triton launch gave wrong bytes on the H200
-    (bench/notes/quant_transpose.md)."""
+    impl "triton": qT from a second launch on the transposed view of w (every 128x128 block has the same amax, hence
+    the same scale and codes, so qT is exactly q's transpose, written with coalesced row stores). Writing qT from the
+    same Triton launch gave wrong bytes on the H200 (`store_e4m3_bytes`)."""
     e, n, k = w.shape
     if n % 128 or k % 128:
         raise ValueError(f"quant_weights: expert weight shape ({n}, {k}) must be multiples of 128")
-    if transpose_by not in ("quant", "torch"):
-        raise ValueError(f"quant_weights: transpose_by={transpose_by!r}; use 'quant' or 'torch'")
-    if impl == "gluon" and transpose_by != "quant":
-        raise ValueError("quant_weights: transpose_by='torch' is a way of the Triton kernel; use impl='triton'")
-    if impl == "auto" and (not w.is_contiguous() or transpose_by != "quant"):
+    if impl == "auto" and not w.is_contiguous():
         impl = "triton"
     if use_gluon("quant_weights", impl, w):
-        w = w.contiguous()
         q = torch.empty(e, n, k, device=w.device, dtype=FP8)
         s = torch.empty(e, n // 128, k // 128, device=w.device, dtype=torch.float32)
         qt = torch.empty(e, k, n, device=w.device, dtype=FP8) if transposed else None
-        moe_gluon.quant_weights(w, q, s, qt)
+        quantize_gluon.quant_weights(w.contiguous(), q, s, qt)
         return q, s, qt
     q, s = _weight_quant_launch(w)
-    if not transposed:
-        return q, s, None
-    qt = _weight_quant_launch(w.transpose(1, 2))[0] if transpose_by == "quant" else q.transpose(1, 2).contiguous()
+    qt = _weight_quant_launch(w.transpose(1, 2))[0] if transposed else None
     return q, s, qt  # qt [E, K, N]

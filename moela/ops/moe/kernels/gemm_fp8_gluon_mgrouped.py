@@ -1,6 +1,6 @@
 """Warp-specialized blockwise FP8 grouped GEMM for Hopper (sm_90) in Gluon: the m-grouped product (forward and data
-gradient; with one group a dense GEMM) of moela.ops.moe.gemm_fp8, same arguments and results, organized the way
-DeepGEMM organizes its sm90 FP8 GEMM.
+gradient; with one group a dense GEMM) of gemm_fp8_triton.py, same arguments and results, organized the way DeepGEMM
+organizes its sm90 FP8 GEMM.
 
 Shapes: M rows (the padded expert layout, experts 128-aligned; any count with one group), N output features,
 K reduction, E experts. out [M, N] = A [M, K] @ B_e [N, K]^T for each 128-row block, e = m_indices[block's first
@@ -12,9 +12,9 @@ P = A[rows, kb] @ B_e[cols, kb]^T in fp32 (at most 128 products summed in their 
 consumer adds P[m, n] * sa[m, kb] * sb[e, n / 128, kb] to an fp32 accumulator in registers. Output in out's dtype
 (bf16 or fp32), stored through shared memory by TMA.
 
-Why warp specialization: Triton's tl.dot loop (gemm_fp8.py) waits on each wgmma before promoting and brackets each
-shared-memory refill with CTA-wide barriers, so neither the promotion (~25% of a step's tensor-core time) nor the
-refills overlap the tensor cores. Here the CTA runs three partitions that meet only at mbarriers:
+Why warp specialization: Triton's tl.dot loop (gemm_fp8_triton.py) waits on each wgmma before promoting and brackets
+each shared-memory refill with CTA-wide barriers, so neither the promotion (~25% of a step's tensor-core time) nor
+the refills overlap the tensor cores. Here the CTA runs three partitions that meet only at mbarriers:
 
 - producer (one warp, 40 registers): walks the tile schedule and, per 128-wide step, waits until a ring slot is
   free (`empty`), then issues the TMA loads of the A tile [128, 128] and the B tile [128, 128] into it; the slot's
@@ -22,14 +22,11 @@ refills overlap the tensor cores. Here the CTA runs three partitions that meet o
 - two consumer warpgroups (the default partition and a worker; 232 registers each after setmaxnreg): warpgroup g
   owns rows [64g, 64g + 64) of the tile. Per step it waits on `ready`, issues the asynchronous wgmma of its 64 rows
   into an fp32 partial, waits for it, releases the slot (`empty` counts one arrival per warpgroup) and promotes
-  the partial with its row scales and the block scale. The configs ending in `_pp` make the two warpgroups take
-  turns issuing their products (two turn barriers, `_wait_turn`), so that one's promotion must run under the
-  other's product; measured no faster than leaving the order to the hardware (bench/results/fp8_pingpong.md:
-  equal for this kernel, -4% for the weight gradient at 4096 rows per expert, +5% at 256), so the defaults leave
-  it off and bench/fp8.py times both. Scales are read from global memory (L2) one step ahead, across tiles
-  too (the next tile's expert is read during the current tile), so no load latency sits between two steps. Each
-  warpgroup stores its 64 x 128 result through its own shared-memory tile and a TMA store, and waits for that
-  store only at its next tile's epilogue.
+  the partial with its row scales and the block scale; the two warpgroups' products are left to the hardware to
+  order (making them take turns, so that one's promotion runs under the other's product, was no faster). Scales
+  are read from global memory (L2) one step ahead, across tiles too (the next tile's expert is read during the
+  current tile), so no load latency sits between two steps. Each warpgroup stores its 64 x 128 result through its
+  own shared-memory tile and a TMA store, and waits for that store only at its next tile's epilogue.
 
 Tile 128 x 128: per consumer thread 64 fp32 accumulators + the 64 of one partial, no spills. Wider tiles lose to
 registers: a 128 x 256 tile takes two independent 128-column products per step (one per weight scale block), and
@@ -39,8 +36,8 @@ per stage: 6 stages + the two output tiles (32 KB in bf16) fill 224 of the 227 K
 
 The schedule is persistent (one CTA per SM) over the tiles of the rows the routing filled (offsets[E], read on the
 device by every partition: no host sync, capturable in a CUDA graph; empty experts own no row block), in grouped
-order: GROUP consecutive row blocks per column block, so the B tiles the CTAs in flight read stay in L2. Gluon
-does not run in the Triton interpreter: on CPU gemm_fp8's Triton kernel runs, tests/sm90_compile.py compiles this
+order: GROUP (8) consecutive row blocks per column block, so the B tiles the CTAs in flight read stay in L2. Gluon
+does not run in the Triton interpreter: on CPU gemm_fp8_triton's kernel runs, tests/sm90_compile.py compiles this
 kernel for sm_90 (registers, spills, shared memory; wgmma and setmaxnreg in the PTX) and tests/test_fp8_gluon.py
 checks it on the GPU against float64 math on the same quantized operands.
 """
@@ -48,7 +45,6 @@ checks it on the GPU against float64 math on the same quantized operands.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -65,7 +61,7 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a Triton without Gluon: gemm_fp8's Triton kernels serve every call
+except ImportError:  # a Triton without Gluon: gemm_fp8_triton's kernels serve every call
     gluon = None
 else:  # the TMA builtins' names: Triton 3.6 (async_copy_*) and newer ones (async_load / async_store)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -78,28 +74,8 @@ SHARED_BYTES = HOPPER_SHARED_BYTES
 CONSUMER_REGS = 232  # registers per thread of each consumer warpgroup after reallocation
 PRODUCER_REGS = 40  # registers per thread of the producer's warpgroup
 NUM_WARPS = 4  # the default partition: consumer warpgroup 0
-
-
-@dataclass(frozen=True)
-class GluonGemmConfig:
-    """GROUP row blocks per column block in the tile order, the ring depth (stages; lowered at launch to what
-    shared memory holds next to the output tiles), and whether the two consumer warpgroups take turns issuing
-    their products (`pingpong`, see _wait_turn)."""
-
-    group: int
-    stages: int
-    pingpong: bool = False
-
-
-MGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
-    "ws_128x128_s6": GluonGemmConfig(8, 6),
-    "ws_128x128_s4": GluonGemmConfig(8, 4),
-    "ws_128x128_s6_g16": GluonGemmConfig(16, 6),
-    "ws_128x128_s6_g4": GluonGemmConfig(4, 6),
-    "ws_128x128_s6_pp": GluonGemmConfig(8, 6, True),
-}
-DEFAULT_MGROUPED = "ws_128x128_s6"
-PINGPONG_MGROUPED = "ws_128x128_s6_pp"  # the default with the warpgroups in turns: no faster (bench/fp8.py)
+GROUP = 8  # row blocks per column block in the tile order
+STAGES = 6  # ring depth, lowered at launch to what shared memory holds next to the output tiles (`fit_stages`)
 
 
 def available(device: torch.device) -> bool:
@@ -109,9 +85,9 @@ def available(device: torch.device) -> bool:
 
 
 def shared_bytes(stages: int, out_bytes: int) -> int:
-    """Shared memory of one CTA: the ring (A and B tiles per stage), both warpgroups' output tiles, the barriers
-    (the ring's and the two turn barriers)."""
-    return stages * (BM + BN) * BK + BM * BN * out_bytes + (2 * stages + 2) * 8
+    """Shared memory of one CTA: the ring (A and B tiles per stage), both warpgroups' output tiles, the ring's
+    barriers."""
+    return stages * (BM + BN) * BK + BM * BN * out_bytes + 2 * stages * 8
 
 
 def fit_stages(stages: int, out_bytes: int) -> int:
@@ -127,28 +103,6 @@ if gluon is not None:
     _BK = gl.constexpr(BK)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
-
-    @gluon.jit
-    def _wait_turn(turn, it, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong (CUTLASS's and FA3's ordered warpgroups): before issuing its step-`it` product, warpgroup WG
-        waits until the other one has issued its own product of the step before (warpgroup 0's first wait passes:
-        a fresh barrier's previous phase counts as complete). The intent: products issued in turn run one after the
-        other on the tensor cores, so each warpgroup's promotion hides under the other's product. Measured no
-        faster than the unordered kernels (module docstring), so the default configs leave it off."""
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (it & 1) ^ (1 - WG))
-
-    @gluon.jit
-    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Ping-pong: warpgroup WG has issued its product; the other may issue its own (one arrival per step)."""
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
-
-    @gluon.jit
-    def _init_turns(turn):
-        """The two turn barriers (one arrival completes a phase); unused without ping-pong."""
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
 
     @gluon.constexpr_function
     def _acc_layout():
@@ -187,8 +141,18 @@ if gluon is not None:
         return e
 
     @gluon.jit
-    def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS,
-                  GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):
+    def _producer(
+        a_desc,  # TMA descriptor of A [M, K] e4m3, [128, 128] blocks
+        b_desc,  # TMA descriptor of B [E * N, K] e4m3, [128, 128] blocks
+        a_ring,  # [STAGES, 128, 128] e4m3 shared, written
+        b_ring,  # [STAGES, 128, 128] e4m3 shared, written
+        ready,  # [STAGES] mbarriers: a slot's tiles have landed
+        empty,  # [STAGES] mbarriers: both consumer warpgroups released a slot
+        m_idx_ptr,  # [M] int32 expert of each row, -1 on padding (GROUPED)
+        off_ptr,  # [E + 1] int64 expert block starts (GROUPED)
+        M, N, K, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+    ):
         """One warp: for every step of every tile of this CTA, claim the next ring slot and load A and B into it.
         The next tile's expert is read while this tile's loads are issued."""
         num_tiles, num_m, num_n = _tiles(m_idx_ptr, off_ptr, M, N, E, GROUPED)
@@ -221,9 +185,20 @@ if gluon is not None:
         return as_ptr + rows * s_asm, (rows < M) & valid
 
     @gluon.jit
-    def _consumer(a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E,
-                  s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                  STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _consumer(
+        a_ring,  # [STAGES, 128, 128] e4m3 shared
+        b_ring,  # [STAGES, 128, 128] e4m3 shared
+        c_tiles,  # [2, 64, 128] shared, one output tile per consumer warpgroup
+        ready,  # [STAGES] mbarriers: a slot's tiles have landed
+        empty,  # [STAGES] mbarriers: both consumer warpgroups released a slot
+        c_desc,  # TMA descriptor of C [M, N] (bf16 or fp32), [64, 128] blocks, written
+        as_ptr, s_asm, s_ask,  # A's scales [M, K/128] fp32
+        bs_ptr, s_bse, s_bsn, s_bsk,  # B's scales [E, N/128, K/128] fp32
+        m_idx_ptr,  # [M] int32 expert of each row, -1 on padding (GROUPED)
+        off_ptr,  # [E + 1] int64 expert block starts (GROUPED)
+        M, N, K, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+    ):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each tile; promotion in registers, TMA store. Scales
         come one step ahead, the next tile's expert during this tile and its first scales during this tile's last
         step, so no tile starts waiting on a global load."""
@@ -267,9 +242,7 @@ if gluon is not None:
                 mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
                 a_tile = a_ring.index(slot).slice(WG * 64, 64)  # [64, BK]
                 b_tile = b_ring.index(slot).permute((1, 0))  # [BK, BN], K-major
-                _wait_turn(turn, it, WG, PINGPONG)
                 partial = warpgroup_mma(a_tile, b_tile, partial, use_acc=False, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
                 partial = warpgroup_mma_wait(0, deps=(partial, ))
                 mbarrier.arrive(empty.index(slot), count=1)
                 # step 3: promotion, while the other warpgroup's product runs
@@ -285,9 +258,17 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _mgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N, K, E, s_asm, s_ask,
-                            s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    def _mgrouped_ws_kernel(
+        a_desc,  # TMA descriptor of A [M, K] e4m3, [128, 128] blocks
+        b_desc,  # TMA descriptor of B [E * N, K] e4m3 (the experts stacked), [128, 128] blocks
+        c_desc,  # TMA descriptor of C [M, N] (bf16 or fp32), [64, 128] blocks, written
+        as_ptr, s_asm, s_ask,  # A's scales [M, K/128] fp32
+        bs_ptr, s_bse, s_bsn, s_bsk,  # B's scales [E, N/128, K/128] fp32
+        m_idx_ptr,  # [M] int32 expert of each row, -1 on padding (GROUPED)
+        off_ptr,  # [E + 1] int64 expert block starts; offsets[E] the rows in use (GROUPED)
+        M, N, K, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+    ):
         """Persistent: CTA p computes tiles p, p + NUM_PROGRAMS, ... of the filled rows' (M / 128) x (N / 128)
         tiles. a_desc [M, K] and b_desc [E * N, K] with [128, 128] blocks, c_desc [M, N] with [64, 128] blocks (one
         per consumer warpgroup); scales by pointer and strides."""
@@ -299,14 +280,12 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)  # the producer's expect; the TMA bytes complete it
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        _init_turns(turn)
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N,
-                         K, E, s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
-            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, turn, c_desc, as_ptr, bs_ptr, m_idx_ptr, off_ptr, M, N,
-                         K, E, s_asm, s_ask, s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
+            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, s_asm, s_ask, bs_ptr, s_bse, s_bsn,
+                         s_bsk, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0)),
+            (_consumer, (a_ring, b_ring, c_tiles, ready, empty, c_desc, as_ptr, s_asm, s_ask, bs_ptr, s_bse, s_bsn,
+                         s_bsk, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1)),
             (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, m_idx_ptr, off_ptr, M, N, K, E, NUM_PROGRAMS,
                          GROUPED, GROUP, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -330,19 +309,15 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor):
     return a_desc, b_desc, c_desc
 
 
-def mgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                    m_indices: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor,
-                    num_programs: int, config: str | None = None) -> torch.Tensor:
-    """Fill out [M, N] (bf16 or fp32) as moela.ops.moe.gemm_fp8.mgrouped_fp8 does; that function checks the
-    operands (a [M, K] and b [E, N, K] e4m3 contiguous, scales fp32 with any strides, m_indices and offsets for
-    the grouped layout, whose rows at or past offsets[E] stay unwritten). num_programs: the persistent grid's
-    size (the SM count)."""
-    name = config or DEFAULT_MGROUPED
-    if name not in MGROUPED_CONFIGS:
-        raise ValueError(f"unknown Gluon FP8 GEMM config {name!r}; choose one of {', '.join(MGROUPED_CONFIGS)}")
+def mgrouped_fp8_gluon(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                       m_indices: torch.Tensor | None, offsets: torch.Tensor | None, out: torch.Tensor,
+                       num_programs: int) -> torch.Tensor:
+    """Fill out [M, N] (bf16 or fp32) as gemm_fp8_triton.mgrouped_fp8 does; that function checks the operands (a
+    [M, K] and b [E, N, K] e4m3 contiguous, scales fp32 with any strides, m_indices and offsets for the grouped
+    layout, whose rows at or past offsets[E] stay unwritten). num_programs: the persistent grid's size (the SM
+    count)."""
     if out.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"mgrouped_fp8 (gluon): out_dtype {out.dtype} must be bf16 or fp32")
-    cfg = MGROUPED_CONFIGS[name]
     m, k = a.shape
     e, n, _ = b.shape
     if m == 0:  # no rows: nothing to compute (a TMA descriptor needs a non-empty tensor)
@@ -352,8 +327,13 @@ def mgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
     grid = max(1, min(num_programs, -(-m // BM) * -(-n // BN)))
     dummy = a_scale  # in place of the layout's tensors when there is one group (never read)
     _mgrouped_ws_kernel[(grid, )](
-        a_desc, b_desc, c_desc, a_scale, b_scale, m_indices if grouped else dummy, offsets if grouped else dummy,
-        m, n, k, e, a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
-        grid, GROUPED=grouped, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
-        PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
+        a_desc,
+        b_desc,
+        c_desc,
+        a_scale, a_scale.stride(0), a_scale.stride(1),
+        b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        m_indices if grouped else dummy,
+        offsets if grouped else dummy,
+        m, n, k, e, grid,
+        GROUPED=grouped, GROUP=GROUP, STAGES=fit_stages(STAGES, out.element_size()), num_warps=NUM_WARPS)
     return out

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe import gluon as moe_gluon
-from moela.ops.moe.kernel_common import FP8, LAUNCH, store_tile_quantized
-from moela.ops.moe.quantize import use_gluon
+from moela.ops.moe.kernels import quantize_gluon
+from moela.ops.moe.kernels.quantize_triton import use_gluon
+from moela.ops.moe.kernels.triton_common import FP8, LAUNCH, store_tile_quantized
 
 SWIGLU_BWD_PLAIN_ROWS = 64  # rows per program of the unquantized backward (M_pad is a multiple of 128)
 
@@ -67,8 +67,9 @@ def swiglu_fwd(h: torch.Tensor, m_indices: torch.Tensor, *, quant: bool
 
 @triton.jit
 def _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
-                     pid_m, pid_f, QUANT: tl.constexpr, PART: tl.constexpr):
-    """Output PART of tile (pid_m, pid_f): 0 dg and 1 du (into dh's columns [0, F) and [F, 2F)), 2 act."""
+                     pid_m, pid_f, PART: tl.constexpr):
+    """Output PART of tile (pid_m, pid_f), quantized: 0 dg and 1 du (into dh's columns [0, F) and [F, 2F)), by rows
+    and by columns; 2 act, by columns."""
     rows = pid_m * 128 + tl.arange(0, 128)
     cols = pid_f * 128 + tl.arange(0, 128)
     valid = tl.load(m_idx_ptr + rows) >= 0
@@ -83,27 +84,19 @@ def _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_
     if PART != 2:
         dact = tl.load(dact_ptr + rows64[:, None] * F + cols[None, :], mask=valid[:, None],
                        other=0.0).to(tl.float32)
-    # the output tile
+    # the output tile, quantized
     if PART == 0:
         out = dact * up * (sig + silu * (1.0 - sig))
     elif PART == 1:
         out = dact * silu
     else:
         out = silu * up
-    # stored plain, or quantized: act by columns only, dh by rows and by columns
     if PART == 2:
-        if QUANT:
-            store_tile_quantized(out, rows, cols, rows < M, cols < F, actt_ptr, 0, actt_s_ptr, 0, actt_ptr, M,
-                                 actt_s_ptr, M // 128, False, True)
-        else:
-            tl.store(actt_ptr + rows64[:, None] * F + cols[None, :], out.to(actt_ptr.dtype.element_ty))
+        store_tile_quantized(out, rows, cols, rows < M, cols < F, actt_ptr, 0, actt_s_ptr, 0, actt_ptr, M,
+                             actt_s_ptr, M // 128, False, True)
     else:
-        dh_cols = cols + PART * F
-        if QUANT:
-            store_tile_quantized(out, rows, dh_cols, rows < M, cols < F, dh_ptr, 2 * F, dh_s_ptr, 2 * F // 128,
-                                 dht_ptr, M, dht_s_ptr, M // 128, True, True)
-        else:
-            tl.store(dh_ptr + rows64[:, None] * (2 * F) + dh_cols[None, :], out.to(dh_ptr.dtype.element_ty))
+        store_tile_quantized(out, rows, cols + PART * F, rows < M, cols < F, dh_ptr, 2 * F, dh_s_ptr, 2 * F // 128,
+                             dht_ptr, M, dht_s_ptr, M // 128, True, True)
 
 
 @triton.jit
@@ -111,29 +104,28 @@ def _swiglu_bwd_kernel(
     h_ptr,  # [M_pad, 2F] GEMM1 output
     dact_ptr,  # [M_pad, F] gradient of act
     m_idx_ptr,  # [M_pad] int32 expert of each row, -1 on padding
-    dh_ptr,  # [M_pad, 2F] dh, written (rowwise e4m3 codes when QUANT, else h's dtype)
-    dh_s_ptr,  # [M_pad, 2F/128] fp32 rowwise scales, written (QUANT)
-    dht_ptr,  # [2F, M_pad] e4m3 dh's columnwise codes, transposed, written (QUANT)
-    dht_s_ptr,  # [2F, M_pad/128] fp32, written (QUANT)
-    actt_ptr,  # [F, M_pad] e4m3 act's columnwise codes, transposed (QUANT); else act [M_pad, F] in h's dtype
-    actt_s_ptr,  # [F, M_pad/128] fp32, written (QUANT)
+    dh_ptr,  # [M_pad, 2F] e4m3 dh's rowwise codes, written
+    dh_s_ptr,  # [M_pad, 2F/128] fp32 rowwise scales, written
+    dht_ptr,  # [2F, M_pad] e4m3 dh's columnwise codes, transposed, written
+    dht_s_ptr,  # [2F, M_pad/128] fp32, written
+    actt_ptr,  # [F, M_pad] e4m3 act's columnwise codes, transposed, written
+    actt_s_ptr,  # [F, M_pad/128] fp32, written
     M, F,
-    QUANT: tl.constexpr,
 ):
-    """Program (part, f block, m block) writes one output of the 128x128 tile: part 0 dg, 1 du, 2 act, each its
-    own code, so only one fp32 result tile and its quantization are live (all three in one program spilled at 255
-    registers). The three programs of a tile are neighbours in launch order: their shared inputs come from L2.
-    Grid: (3, F/128, M_pad/128)."""
+    """The quantized backward. Program (part, f block, m block) writes one output of the 128x128 tile: part 0 dg,
+    1 du, 2 act, each its own code, so only one fp32 result tile and its quantization are live (all three in one
+    program spilled at 255 registers). The three programs of a tile are neighbours in launch order: their shared
+    inputs come from L2. Grid: (3, F/128, M_pad/128)."""
     part, pid_f, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if part == 0:
         _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
-                         pid_m, pid_f, QUANT, 0)
+                         pid_m, pid_f, 0)
     elif part == 1:
         _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
-                         pid_m, pid_f, QUANT, 1)
+                         pid_m, pid_f, 1)
     else:
         _swiglu_bwd_part(h_ptr, dact_ptr, m_idx_ptr, dh_ptr, dh_s_ptr, dht_ptr, dht_s_ptr, actt_ptr, actt_s_ptr, M, F,
-                         pid_m, pid_f, QUANT, 2)
+                         pid_m, pid_f, 2)
 
 
 @triton.jit
@@ -149,7 +141,7 @@ def _swiglu_bwd_plain_kernel(
     """The unquantized backward: program (f block, m block) reads the three input tiles once and writes dg, du
     and act, so every input byte crosses DRAM once (the quantized kernel above gives each output its own program
     because three quantizations do not fit the registers; unquantized, a 64 x 128 tile at 4 warps holds 64 values
-    per thread of each input). Grid: (F/128, M_pad/BLOCK_M)."""
+    per thread of each input; three programs per tile were slower). Grid: (F/128, M_pad/BLOCK_M)."""
     pid_f, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_f * 128 + tl.arange(0, 128)
@@ -170,46 +162,44 @@ def _swiglu_bwd_plain_kernel(
 def swiglu_bwd(h: torch.Tensor, dact: torch.Tensor, m_indices: torch.Tensor, *, quant: bool, impl: str = "auto"
                ) -> tuple:
     """Returns (dh_rowwise, dh_colwise, act_colwise) as (q, s) pairs when quant; else (dh, None, act) in h's dtype
-    with act recomputed (the bf16 weight gradient reads it row-major). impl, quant: "triton" (one program per
-    output tile, the inputs in registers), "gluon" (moela.ops.moe.gluon: the three input tiles staged in shared
-    memory, every output from one read; bf16 on sm_90), "auto" (gluon where it can run); unquantized: "auto" (one
-    program per tile, all three outputs) or "split" (the quantized kernel's three programs per tile, unquantized;
-    kept for bench/moe.py's comparison). Same bytes either way."""
+    with act recomputed (the bf16 weight gradient reads it row-major). impl, quantized: "triton" (one program per
+    output tile, the inputs in registers), "gluon" (quantize_gluon.py: the three input tiles staged in shared
+    memory, every output from one read; bf16 on sm_90), "auto" (gluon where it can run); same bytes either way."""
     m, two_f = h.shape
     f = two_f // 2
     dev = h.device
-    if quant:
-        h, dact = h.contiguous(), dact.contiguous()
-        dh = torch.empty(m, two_f, device=dev, dtype=FP8)
-        dh_s = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
-        dht = torch.empty(two_f, m, device=dev, dtype=FP8)
-        dht_s = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
-        actt = torch.empty(f, m, device=dev, dtype=FP8)
-        actt_s = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
-        if use_gluon("swiglu_bwd", impl, h, dact):
-            moe_gluon.swiglu_bwd(h, dact, m_indices, dh, dh_s, dht, dht_s, actt, actt_s)
-            return (dh, dh_s), (dht, dht_s), (actt, actt_s)
-    else:
+    if not quant:
         dh = torch.empty(m, two_f, device=dev, dtype=h.dtype)
         act = torch.empty(m, f, device=dev, dtype=h.dtype)
-        if impl != "split":
-            _swiglu_bwd_plain_kernel[(f // 128, m // SWIGLU_BWD_PLAIN_ROWS)](
-                h, dact, m_indices, dh, act, f, BLOCK_M=SWIGLU_BWD_PLAIN_ROWS, **LAUNCH["swiglu_bwd_plain"])
-            return dh, None, act
-        dh_s = dht = dht_s = dh  # not written
-        actt, actt_s = act, act
-    _swiglu_bwd_kernel[(3, f // 128, m // 128)](  # (part, f, m): the parts of a tile run side by side
-        h,
-        dact,
-        m_indices,
-        dh,
-        dh_s,
-        dht,
-        dht_s,
-        actt,
-        actt_s,
-        m, f,
-        QUANT=quant, **LAUNCH["swiglu_bwd"])
-    if quant:
-        return (dh, dh_s), (dht, dht_s), (actt, actt_s)
-    return dh, None, act
+        _swiglu_bwd_plain_kernel[(f // 128, m // SWIGLU_BWD_PLAIN_ROWS)](
+            h,
+            dact,
+            m_indices,
+            dh,
+            act,
+            f,
+            BLOCK_M=SWIGLU_BWD_PLAIN_ROWS, **LAUNCH["swiglu_bwd_plain"])
+        return dh, None, act
+    h, dact = h.contiguous(), dact.contiguous()
+    dh = torch.empty(m, two_f, device=dev, dtype=FP8)
+    dh_s = torch.empty(m, two_f // 128, device=dev, dtype=torch.float32)
+    dht = torch.empty(two_f, m, device=dev, dtype=FP8)
+    dht_s = torch.empty(two_f, m // 128, device=dev, dtype=torch.float32)
+    actt = torch.empty(f, m, device=dev, dtype=FP8)
+    actt_s = torch.empty(f, m // 128, device=dev, dtype=torch.float32)
+    if use_gluon("swiglu_bwd", impl, h, dact):
+        quantize_gluon.swiglu_bwd(h, dact, m_indices, dh, dh_s, dht, dht_s, actt, actt_s)
+    else:
+        _swiglu_bwd_kernel[(3, f // 128, m // 128)](  # (part, f, m): the parts of a tile run side by side
+            h,
+            dact,
+            m_indices,
+            dh,
+            dh_s,
+            dht,
+            dht_s,
+            actt,
+            actt_s,
+            m, f,
+            **LAUNCH["swiglu_bwd"])
+    return (dh, dh_s), (dht, dht_s), (actt, actt_s)

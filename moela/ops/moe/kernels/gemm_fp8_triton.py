@@ -1,5 +1,7 @@
 """Persistent blockwise FP8 GEMMs (DeepSeek-V3 scaling) for the MoE expert path and the FP8 linear layers: one
-launch each, expert bounds read from device memory (no host sync, capturable in a CUDA graph).
+launch each, expert bounds read from device memory (no host sync, capturable in a CUDA graph). `mgrouped_fp8` and
+`kgrouped_fp8` are the entry points: they check the operands and run the Triton kernel here or the Gluon kernel of
+the same product (`impl`).
 
 - m-grouped (forward and data gradient; with one group: a dense GEMM): out [M, N] = A [M, K] @ B_e [N, K]^T for
   each BM-row block of A, e = m_indices[block's first row] (DeepGEMM's contiguous layout: expert blocks 128-aligned,
@@ -22,17 +24,15 @@ sm_90 PTX by tests/sm90_compile.py, with no register spills). The grid is one pr
 tiles pid, pid + #SMs, ... in a grouped order (GROUP consecutive row blocks share each column block, so the B
 tiles they read stay in L2), so one launch covers every expert whatever the routing, and a tile past the routed
 rows costs one comparison. Triton 3.6 does not warp-specialize on sm_90 (a `warp_specialize=True` loop compiles
-to the same single-partition code), so the loads are hidden by software pipelining only. Configurations are
-named (`MGROUPED_CONFIGS`, `KGROUPED_CONFIGS`) and chosen per call without autotuning (a timing pass at the
-first call would run inside CUDA graph capture or a compiled step); `bench/fp8.py` sweeps them. Under the Triton
-interpreter (CPU tests) loops whose bounds come from device memory are `while` loops (the interpreter cannot
-range over a loaded value).
+to the same single-partition code), so the loads are hidden by software pipelining only. Each kernel has one
+launch configuration (`MGROUPED`, `KGROUPED`), chosen without autotuning (a timing pass at the first call would
+run inside CUDA graph capture or a compiled step).
 
 Both products have a second implementation on Hopper, warp-specialized in Gluon (a TMA producer warp, two
-consumer warpgroups promoting while the other's wgmma runs): moela.ops.moe.gemm_fp8_gluon (m-grouped) and
-gemm_fp8_gluon_kgrouped, same arguments and results. `impl` picks it ("gluon"), the Triton kernel ("triton") or,
-with "auto", AUTO_MGROUPED_IMPL / AUTO_KGROUPED_IMPL where the Gluon kernel can run; a config name of a Gluon table
-("ws_...") implies it.
+consumer warpgroups promoting while the other's wgmma runs): gemm_fp8_gluon_mgrouped.py and
+gemm_fp8_gluon_kgrouped.py, same arguments and results. `impl`: "gluon", "triton", or "auto" (the Gluon kernel
+wherever it can run, the faster of the two on Hopper at every measured shape; this Triton kernel elsewhere and
+under the interpreter). The recipe keys `model.kernels.moe_fp8_gemm` / `moe_fp8_wgrad` choose it for the experts.
 
 Shapes: M rows (padded layout or tokens), N output features, K reduction, E experts (groups).
 """
@@ -46,16 +46,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe import gemm_fp8_gluon, gemm_fp8_gluon_kgrouped
+from moela.ops.moe.kernels import gemm_fp8_gluon_kgrouped, gemm_fp8_gluon_mgrouped
 from moela.ops.triton_env import INTERPRET
 
 INTERPRETER_SMS = 3  # programs of the persistent grid under the interpreter: several tiles per program get tested
+FP8_GEMM_IMPLS = ("auto", "gluon", "triton")
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch configuration: tile BM x BN (x 128 of the reduction), GROUP row blocks per column block in the
-    tile order, warps and pipeline stages."""
+    """A launch configuration: tile BM x BN (x 128 of the reduction), GROUP row blocks per column block in the tile
+    order, warps and pipeline stages."""
 
     bm: int
     bn: int
@@ -69,38 +70,13 @@ class GemmConfig:
 # A 128 x 256 tile needs 4 x 64 (Triton issues both halves' products before promoting either) and spills on sm_90.
 # The k-grouped tiles carry a row and a column scale vector per step (the column one is 32 registers per thread at
 # 64 wide, 64 at 128 wide, twice that with the next step's prefetched): 128 x 64 keeps them without spilling.
-MGROUPED_CONFIGS: dict[str, GemmConfig] = {
-    "128x128_s4": GemmConfig(128, 128, 8, 8, 4),
-    "128x128_s3": GemmConfig(128, 128, 8, 8, 3),
-    "128x128_s6": GemmConfig(128, 128, 8, 8, 6),
-    "128x128_s4_g16": GemmConfig(128, 128, 16, 8, 4),
-    "64x128_s6": GemmConfig(64, 128, 8, 4, 6),
-}
-KGROUPED_CONFIGS: dict[str, GemmConfig] = {
-    "128x64_s4": GemmConfig(128, 64, 8, 8, 4),
-    "128x64_s6": GemmConfig(128, 64, 8, 8, 6),
-    "128x64_s4_g16": GemmConfig(128, 64, 16, 8, 4),
-    "64x128_s4": GemmConfig(64, 128, 8, 4, 4),
-}
-DEFAULT_MGROUPED = "128x128_s4"
-DEFAULT_KGROUPED = "128x64_s4"
-# What impl="auto" runs on Hopper (sm_90), where the Gluon kernels can run: "gluon" or "triton" (elsewhere, and
-# under the interpreter, always "triton"); m-grouped: forward and data gradient, k-grouped: weight gradient.
-# Measured (bench/results/fp8.md, run 65, V3 shapes, 8 experts x 4096 rows): m-grouped Gluon 1.42x / 1.42x bf16
-# (forward / data gradient) against Triton's 1.20x / 1.12x; k-grouped Gluon 1.20x bf16 against Triton's 0.60x
-# (at 256 rows: 1.19x against 0.47x).
-AUTO_MGROUPED_IMPL = "gluon"
-AUTO_KGROUPED_IMPL = "gluon"
+MGROUPED = GemmConfig(128, 128, 8, 8, 4)
+KGROUPED = GemmConfig(128, 64, 8, 8, 4)
 
 
-def _config(name: str | None, table: dict[str, GemmConfig], default: str) -> GemmConfig:
-    name = name or default
-    if name not in table:
-        raise ValueError(f"unknown FP8 GEMM config {name!r}; choose one of {', '.join(table)}")
-    cfg = table[name]
-    if INTERPRET:  # the same tiles, a small tile group (several groups per test) and no pipeline
-        return GemmConfig(cfg.bm, cfg.bn, 2, cfg.num_warps, 1)
-    return cfg
+def _launch_config(cfg: GemmConfig) -> GemmConfig:
+    """Under the interpreter: the same tiles, a small tile group (several groups per test) and no pipeline."""
+    return GemmConfig(cfg.bm, cfg.bn, 2, cfg.num_warps, 1) if INTERPRET else cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,6 +101,21 @@ def _set_allocator(device: torch.device) -> None:
         triton.set_allocator(_alloc)
 
 
+def _uses_gluon(op: str, impl: str, out_dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Whether this call of `op` runs the Gluon kernel: "gluon" demands it, "auto" takes it where it can run,
+    "triton" never."""
+    if impl not in FP8_GEMM_IMPLS:
+        raise ValueError(f"{op}: impl={impl!r}; use one of {', '.join(FP8_GEMM_IMPLS)}")
+    dev = tensors[0].device
+    runs = (not INTERPRET and gemm_fp8_gluon_mgrouped.available(dev) and out_dtype in (torch.bfloat16, torch.float32)
+            and all(t.data_ptr() % 16 == 0 for t in tensors))
+    if impl == "gluon" and not runs:
+        raise ValueError(f"{op}: impl='gluon' needs a Hopper (sm_90) GPU, a Triton with Gluon, no "
+                         f"TRITON_INTERPRET, 16-byte aligned operands and a bf16 or fp32 output (got {dev}, "
+                         f"{out_dtype}); use impl='triton'")
+    return runs and impl != "triton"
+
+
 @triton.jit
 def _tile_mn(tile, num_m, num_n, GROUP: tl.constexpr):
     """Tile index -> (row block, column block), GROUP row blocks per column block (consecutive tiles share B)."""
@@ -147,22 +138,22 @@ def _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb, k_steps, bs_base, s_asm, 
 
 
 @triton.jit
-def _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK: tl.constexpr):
-    """One 128-wide reduction step: the fp8 product, then the promotion acc += product * (scale_a[row] * scale_b)."""
-    a = a_desc.load([m0, kb * BK])  # [BM, BK] e4m3
-    b = b_desc.load([b_row, kb * BK])  # [BN, BK] e4m3
-    return acc + tl.dot(a, b.T) * (sa * sb)[:, None]
-
-
-@triton.jit
-def _mgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, off_ptr, M, N, K, E, s_asm, s_ask,
-                         s_bse, s_bsn, s_bsk, NUM_PROGRAMS, GROUPED: tl.constexpr, INTERP: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
-    """Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of the (M/BM) x (N/BN) output. A [M, K] and
-    B [E*N, K] row-major (B's experts stacked: a tile of expert e's last column block may read expert e+1's rows
-    into columns past N, which are not stored), C [M, N] row-major; GROUPED: M is the padded layout's bound, rows
-    past offsets[E] are skipped; otherwise E = 1 and M is the real row count (a ragged last block). Each step's
-    scales are loaded one step ahead (plain loads: a [BM, 1] column of a row-major scale matrix is no TMA box)."""
+def _mgrouped_fp8_kernel(
+    a_ptr,  # [M, K] e4m3 row-major
+    as_ptr, s_asm, s_ask,  # a's scales [M, K/128] fp32
+    b_ptr,  # [E * N, K] e4m3 row-major: the experts' [N, K] stacked
+    bs_ptr, s_bse, s_bsn, s_bsk,  # b's scales [E, N/128, K/128] fp32
+    c_ptr,  # [M, N] row-major, written (rows past offsets[E] not written when GROUPED)
+    m_idx_ptr,  # [M] int32 expert of each row, -1 on padding (GROUPED)
+    off_ptr,  # [E + 1] int64 expert block starts; offsets[E] = the rows in use (GROUPED)
+    M, N, K, E, NUM_PROGRAMS,
+    GROUPED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+):
+    """Persistent: program p computes tiles p, p + NUM_PROGRAMS, ... of the (M/BM) x (N/BN) output. A tile of
+    expert e's last column block may read expert e+1's rows of B into columns past N, which are not stored.
+    GROUPED: M is the padded layout's bound and rows past offsets[E] are skipped; otherwise E = 1 and M is the real
+    row count (a ragged last block). Each step's scales are loaded one step ahead (plain loads: a [BM, 1] column of
+    a row-major scale matrix is no TMA box)."""
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BN, BK])
@@ -186,53 +177,26 @@ def _mgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_idx_ptr, off_ptr
             b_row = e * N + n0
             bs_base = e * s_bse + (n0 // 128) * s_bsn
             acc = tl.zeros((BM, BN), tl.float32)
-            kb = pid * 0  # the step index as a tensor
-            sa, sb = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb, k_steps, bs_base, s_asm, s_ask, s_bsk)
-            if INTERP:
-                while kb < k_steps:
-                    sa_n, sb_n = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb + 1, k_steps, bs_base, s_asm,
-                                                  s_ask, s_bsk)
-                    acc = _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK)
-                    sa, sb = sa_n, sb_n
-                    kb += 1
-            else:
-                for kb in range(0, k_steps):
-                    sa_n, sb_n = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb + 1, k_steps, bs_base, s_asm,
-                                                  s_ask, s_bsk)
-                    acc = _mgrouped_step(acc, sa, sb, a_desc, b_desc, m0, b_row, kb, BK)
-                    sa, sb = sa_n, sb_n
+            sa, sb = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, 0, k_steps, bs_base, s_asm, s_ask, s_bsk)
+            for kb in range(0, k_steps):
+                # the next step's scales in flight while this step's fp8 product runs; then the promotion
+                sa_next, sb_next = _mgrouped_scales(as_ptr, bs_ptr, rows, row_ok, kb + 1, k_steps, bs_base, s_asm,
+                                                    s_ask, s_bsk)
+                a = a_desc.load([m0, kb * BK])  # [BM, BK] e4m3
+                b = b_desc.load([b_row, kb * BK])  # [BN, BK] e4m3
+                acc += tl.dot(a, b.T) * (sa * sb)[:, None]
+                sa, sb = sa_next, sb_next
             c_desc.store([m0, n0], acc.to(c_desc.dtype))
-
-
-def _pick_impl(op: str, impl: str, config: str | None, gluon_configs: dict, auto: str, out_dtype: torch.dtype,
-               *tensors: torch.Tensor) -> str:
-    """The implementation of one call of `op`: "gluon" or "triton" (see the module docstring)."""
-    if impl not in ("auto", "triton", "gluon"):
-        raise ValueError(f"{op}: impl={impl!r}; use 'auto', 'triton' or 'gluon'")
-    if impl == "auto" and config is not None:
-        impl = "gluon" if config in gluon_configs else "triton"
-    dev = tensors[0].device
-    runs = (not INTERPRET and gemm_fp8_gluon.available(dev) and out_dtype in (torch.bfloat16, torch.float32)
-            and all(t.data_ptr() % 16 == 0 for t in tensors))
-    if impl == "gluon" and not runs:
-        raise ValueError(f"{op}: impl='gluon' needs a Hopper (sm_90) GPU, a Triton with Gluon, no "
-                         f"TRITON_INTERPRET, 16-byte aligned operands and a bf16 or fp32 output (got {dev}, "
-                         f"{out_dtype}); use impl='triton'")
-    if impl == "auto":
-        impl = auto if runs else "triton"
-    return impl
 
 
 def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  m_indices: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
-                 out_dtype: torch.dtype = torch.bfloat16, config: str | None = None,
-                 impl: str = "auto") -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, impl: str = "auto") -> torch.Tensor:
     """out [M, N] = a [M, K] @ b[e] [N, K]^T per row block, e from m_indices (grouped) or 0 (b [1, N, K] or
     [N, K]: a dense GEMM with any M). a, b e4m3 and K-contiguous (b's experts stacked contiguously); scales fp32
     with any strides: a_scale [M, ceil(K/128)], b_scale [E, ceil(N/128), ceil(K/128)] (or 2-D for one group).
     Grouped (m_indices [M] and offsets [E+1] of the 128-aligned layout): rows at or past offsets[E] are left
-    unwritten. impl: "triton", "gluon" (sm_90, moela.ops.moe.gemm_fp8_gluon) or "auto"; config: a name of the
-    chosen implementation's table (MGROUPED_CONFIGS or gemm_fp8_gluon.MGROUPED_CONFIGS)."""
+    unwritten. impl: "triton", "gluon" (sm_90, gemm_fp8_gluon_mgrouped.py) or "auto" (module docstring)."""
     if b.dim() == 2:
         b, b_scale = b[None], b_scale[None]
     m, k = a.shape
@@ -249,20 +213,24 @@ def mgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         raise ValueError("mgrouped_fp8: a and b must be row-major and contiguous, K a multiple of 16 and N of 8 "
                          "(TMA: 16-byte aligned rows)")
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    if _pick_impl("mgrouped_fp8", impl, config, gemm_fp8_gluon.MGROUPED_CONFIGS, AUTO_MGROUPED_IMPL, out_dtype,
-                  a, b) == "gluon":
-        return gemm_fp8_gluon.mgrouped_fp8_ws(a, a_scale, b, b_scale, m_indices, offsets, out,
-                                              _num_sms(a.device.index or 0), config)
-    cfg = _config(config, MGROUPED_CONFIGS, DEFAULT_MGROUPED)
-    tiles = triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn)
-    grid = _grid_size(a.device, tiles)
+    if _uses_gluon("mgrouped_fp8", impl, out_dtype, a, b):
+        return gemm_fp8_gluon_mgrouped.mgrouped_fp8_gluon(a, a_scale, b, b_scale, m_indices, offsets, out,
+                                                          _num_sms(a.device.index or 0))
+    cfg = _launch_config(MGROUPED)
+    grid = _grid_size(a.device, triton.cdiv(m, cfg.bm) * triton.cdiv(n, cfg.bn))
     _set_allocator(a.device)
-    dummy = a_scale
+    dummy = a_scale  # in place of the layout's tensors when there is one group (never read)
     _mgrouped_fp8_kernel[(grid,)](
-        a, a_scale, b, b_scale, out, m_indices if grouped else dummy, offsets if grouped else dummy, m, n, k, e,
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2), grid,
-        GROUPED=grouped, INTERP=INTERPRET, BM=cfg.bm, BN=cfg.bn, BK=128, GROUP=cfg.group,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        a,
+        a_scale, a_scale.stride(0), a_scale.stride(1),
+        b,
+        b_scale, b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        out,
+        m_indices if grouped else dummy,
+        offsets if grouped else dummy,
+        m, n, k, e, grid,
+        GROUPED=grouped, BM=cfg.bm, BN=cfg.bn, BK=128, GROUP=cfg.group, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
@@ -279,12 +247,19 @@ def _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb, end_tb, s_asn, s_as
 
 
 @triton.jit
-def _kgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst,
-                         NUM_PROGRAMS, GROUPED: tl.constexpr, INTERP: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr, BT: tl.constexpr, GROUP: tl.constexpr):
+def _kgrouped_fp8_kernel(
+    a_ptr,  # [N, M] e4m3 token-contiguous
+    as_ptr, s_asn, s_ast,  # a's scales along tokens [N, M/128] fp32
+    b_ptr,  # [K, M] e4m3 token-contiguous
+    bs_ptr, s_bsk, s_bst,  # b's scales along tokens [K, M/128] fp32
+    c_ptr,  # [E * N, K] row-major, written
+    off_ptr,  # [E + 1] int64 expert block starts, 128-aligned (GROUPED)
+    N, K, M, E, NUM_PROGRAMS,
+    GROUPED: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, GROUP: tl.constexpr,
+):
     """Persistent over E x (N/BN) x (K/BK) tiles, expert-major (the programs in flight share one expert's token
     slices in L2); tile (e, n, k) reduces over expert e's tokens [offsets[e], offsets[e+1]) (GROUPED) or all M,
-    promoting each 128-token block with its row and column scales (loaded one block ahead). C [E*N, K] row-major."""
+    promoting each 128-token block with its row and column scales (loaded one block ahead)."""
     pid = tl.program_id(0)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, M], strides=[M, 1], block_shape=[BN, BT])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, M], strides=[M, 1], block_shape=[BK, BT])
@@ -303,38 +278,32 @@ def _kgrouped_fp8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, off_ptr, N, K, M, 
             start = tl.load(off_ptr + e).to(tl.int32) // BT  # expert blocks are 128-aligned
             end = tl.load(off_ptr + e + 1).to(tl.int32) // BT
         else:
-            start = pid * 0  # a tensor: masks are built from the block index
-            end = start + tl.cdiv(M, BT)
+            start = 0
+            end = tl.cdiv(M, BT)
         acc = tl.zeros((BN, BK), tl.float32)
         sa, sb = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, start, end, s_asn, s_ast, s_bsk, s_bst)
-        if INTERP:
-            tb = start
-            while tb < end:
-                sa_n, sb_n = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb + 1, end, s_asn, s_ast, s_bsk,
-                                              s_bst)
-                acc += tl.dot(a_desc.load([n0, tb * BT]), b_desc.load([k0, tb * BT]).T) * sa[:, None] * sb[None, :]
-                sa, sb = sa_n, sb_n
-                tb += 1
-        else:
-            for tb in range(start, end):
-                sa_n, sb_n = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb + 1, end, s_asn, s_ast, s_bsk,
-                                              s_bst)
-                acc += tl.dot(a_desc.load([n0, tb * BT]), b_desc.load([k0, tb * BT]).T) * sa[:, None] * sb[None, :]
-                sa, sb = sa_n, sb_n
+        for tb in range(start, end):
+            # the next block's scales in flight while this block's fp8 product runs; then the promotion
+            sa_next, sb_next = _kgrouped_scales(as_ptr, bs_ptr, rn, n_ok, rk, k_ok, tb + 1, end, s_asn, s_ast, s_bsk,
+                                                s_bst)
+            a = a_desc.load([n0, tb * BT])  # [BN, BT] e4m3
+            b = b_desc.load([k0, tb * BT])  # [BK, BT] e4m3
+            acc += tl.dot(a, b.T) * sa[:, None] * sb[None, :]
+            sa, sb = sa_next, sb_next
         c_desc.store([e * N + n0, k0], acc.to(c_desc.dtype))
 
 
 def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                 offsets: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32,
-                 config: str | None = None, impl: str = "auto", order: torch.Tensor | None = None) -> torch.Tensor:
+                 offsets: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float32, impl: str = "auto",
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """out [E, N, K]: out[e] = a[:, s:t] @ b[:, s:t]^T with [s, t) = offsets[e:e+2] (128-aligned, on the device);
     without offsets one group over all M columns (out [1, N, K]). a [N, M], b [K, M] e4m3, token-contiguous rows
     (M a multiple of 16: TMA rows are 16-byte aligned; columns past the real tokens must hold zero codes or lie past
     M); scales fp32 along tokens a_scale [N, ceil(M/128)], b_scale [K, ceil(M/128)] (any strides). Grouped: N a
     multiple of 128 (a tile never spans two experts' outputs). impl: "triton", "gluon" (sm_90,
-    moela.ops.moe.gemm_fp8_gluon_kgrouped) or "auto"; config: a name of the chosen implementation's table.
-    order: the Gluon kernel's expert order (`gemm_fp8_gluon_kgrouped.experts_by_load(offsets)` when None; a caller
-    with two weight gradients over one layout sorts once)."""
+    gemm_fp8_gluon_kgrouped.py) or "auto" (module docstring). order: the Gluon kernel's expert order
+    (`gemm_fp8_gluon_kgrouped.experts_by_load(offsets)` when None; a caller with two weight gradients over one
+    layout sorts once)."""
     n, m = a.shape
     k, m2 = b.shape
     if m2 != m or a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
@@ -344,22 +313,23 @@ def kgrouped_fp8(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         raise ValueError("kgrouped_fp8: a and b must be contiguous, the token count and K multiples of 16")
     grouped = offsets is not None
     e = offsets.numel() - 1 if grouped else 1
-    if _pick_impl("kgrouped_fp8", impl, config, gemm_fp8_gluon_kgrouped.KGROUPED_CONFIGS, AUTO_KGROUPED_IMPL,
-                  out_dtype, a, b) == "gluon":
-        if grouped and n % gemm_fp8_gluon_kgrouped.BM:
-            raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of 128 for the grouped weight gradient")
-        out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
-        return gemm_fp8_gluon_kgrouped.kgrouped_fp8_ws(a, a_scale, b, b_scale, offsets, out,
-                                                       _num_sms(a.device.index or 0), config, order)
-    cfg = _config(config, KGROUPED_CONFIGS, DEFAULT_KGROUPED)
-    if grouped and n % cfg.bm:
-        raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of {cfg.bm} for the grouped weight gradient")
+    if grouped and n % 128:
+        raise ValueError(f"kgrouped_fp8: N={n} must be a multiple of 128 for the grouped weight gradient")
     out = torch.empty(e, n, k, device=a.device, dtype=out_dtype)
-    tiles = e * triton.cdiv(n, cfg.bm) * triton.cdiv(k, cfg.bn)
-    grid = _grid_size(a.device, tiles)
+    if _uses_gluon("kgrouped_fp8", impl, out_dtype, a, b):
+        return gemm_fp8_gluon_kgrouped.kgrouped_fp8_gluon(a, a_scale, b, b_scale, offsets, out,
+                                                          _num_sms(a.device.index or 0), order)
+    cfg = _launch_config(KGROUPED)
+    grid = _grid_size(a.device, e * triton.cdiv(n, cfg.bm) * triton.cdiv(k, cfg.bn))
     _set_allocator(a.device)
     _kgrouped_fp8_kernel[(grid,)](
-        a, a_scale, b, b_scale, out, offsets if grouped else a_scale, n, k, m, e, a_scale.stride(0),
-        a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid, GROUPED=grouped, INTERP=INTERPRET,
-        BN=cfg.bm, BK=cfg.bn, BT=128, GROUP=cfg.group, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        a,
+        a_scale, a_scale.stride(0), a_scale.stride(1),
+        b,
+        b_scale, b_scale.stride(0), b_scale.stride(1),
+        out,
+        offsets if grouped else a_scale,
+        n, k, m, e, grid,
+        GROUPED=grouped, BN=cfg.bm, BK=cfg.bn, BT=128, GROUP=cfg.group, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out

@@ -1,6 +1,6 @@
 """Warp-specialized blockwise FP8 k-grouped GEMM (the weight gradient) for Hopper (sm_90) in Gluon: the product of
-moela.ops.moe.gemm_fp8.kgrouped_fp8, same arguments and results, built like the m-grouped kernel of
-moela.ops.moe.gemm_fp8_gluon (read its docstring first).
+gemm_fp8_triton.kgrouped_fp8, same arguments and results, built like the m-grouped kernel of
+gemm_fp8_gluon_mgrouped.py (read its docstring first).
 
 Shapes: M tokens (the padded expert layout, experts 128-aligned), N and K the weight's dims, E experts.
 out[e] [N, K] = A[:, s:t] @ B[:, s:t]^T, [s, t) = offsets[e:e+2] (read on the device; an empty expert gets zeros);
@@ -19,10 +19,9 @@ the slot's `ready` barrier: cp.async.mbarrier.arrive.noinc, so the barrier's ini
 every phase, the 32 lanes' copies and the expect of the TMA bytes) and issues the TMA loads of the A tile
 [128 rows of N, 128 tokens] and the B tile [128 rows of K, 128 tokens]. Two consumer warpgroups own rows [64g,
 64g + 64) of the 128 x 128 output tile; per step each reads its scales from shared memory, issues its wgmma, waits,
-releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). The `_pp`
-config orders the two warpgroups' products (gemm_fp8_gluon's `_wait_turn`) so that one's promotion, twice the
-m-grouped kernel's work per element, runs under the other's product: no faster at 4096 rows per expert
-(bench/results/fp8_pingpong.md), so the promotion is not what holds this kernel at ~1.1x bf16. Registers per
+releases the slot and promotes (one multiply for the scale product, one fused multiply-add per element). Ordering
+the two warpgroups' products so that one's promotion (twice the m-grouped kernel's work per element) runs under
+the other's product was no faster: the promotion is not what limits this kernel. Registers per
 consumer thread: 64 accumulators + 64 partial + 32 column scales. Output tiles are written by TMA in out's dtype
 (fp32 for the weight gradient: 64 KB of output tiles, 4 ring stages of 33 KB; bf16: 5 stages).
 
@@ -34,10 +33,8 @@ Since a tile's work is its expert's token count, the experts are taken in `order
 tokens first, a device-side sort of the offsets' differences) and the tiles dealt to the CTAs in rounds that
 alternate direction (`snake_index`: round i gives position p of the list to CTA p when i is even, to CTA P-1-p when
 odd), so each CTA gets one long and one short tile per pair of rounds. With the experts in index order and tile t
-on CTA t mod P, the CTAs that drew the busiest experts' tiles set the kernel's time: at 64k tokens of `small` with
-a skewed load (the busiest expert 5.6x the mean) the bf16 weight gradient on a statically scheduled persistent
-kernel (torch's CUTLASS) took 26.9 ms a step, a dynamically scheduled one 16.2 ms (bench/results/step_64k_wgrad_a.json,
-bench/notes/step.md, runs 25-27).
+on CTA t mod P, the CTAs that drew the busiest experts' tiles set the kernel's time: under a skewed load a
+statically scheduled persistent kernel waits for the few CTAs holding the busiest experts' tiles.
 The range is not read one tile ahead and carried to the next tile: Triton 3.6's Gluon front end does not carry a
 value reassigned after a nested loop when it feeds that loop's bounds (the reassignment is dropped), so every
 tile would reduce over its program's first tile's tokens.
@@ -47,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from moela.ops.moe import gemm_fp8_gluon as ws
-from moela.ops.moe.gemm_fp8_gluon import BK, BM, BN, NUM_WARPS, SHARED_BYTES, GluonGemmConfig
+from moela.ops.moe.kernels import gemm_fp8_gluon_mgrouped as ws
+from moela.ops.moe.kernels.gemm_fp8_gluon_mgrouped import BK, BM, BN, GROUP, NUM_WARPS, SHARED_BYTES
 
 if ws.gluon is not None:
     from triton.experimental import gluon
@@ -64,14 +61,7 @@ if ws.gluon is not None:
 
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
-KGROUPED_CONFIGS: dict[str, GluonGemmConfig] = {
-    "ws_128x128_s5": GluonGemmConfig(8, 5),
-    "ws_128x128_s3": GluonGemmConfig(8, 3),
-    "ws_128x128_s5_g16": GluonGemmConfig(16, 5),
-    "ws_128x128_s5_pp": GluonGemmConfig(8, 5, True),
-}
-DEFAULT_KGROUPED = "ws_128x128_s5"
-PINGPONG_KGROUPED = "ws_128x128_s5_pp"  # the default with the warpgroups in turns: no faster (bench/fp8.py)
+STAGES = 5  # ring depth, lowered at launch to what shared memory holds next to the output tiles (`fit_stages`)
 
 
 def scale_slots(stages: int) -> int:
@@ -82,9 +72,8 @@ def scale_slots(stages: int) -> int:
 
 def shared_bytes(stages: int, out_bytes: int) -> int:
     """Shared memory of one CTA: per stage the A and B tiles, 2 x 128 fp32 scales per scale slot, the output tiles
-    and the barriers (the ring's and the two turn barriers)."""
-    return (stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes
-            + (2 * stages + 2) * 8)
+    and the ring's barriers."""
+    return stages * (BM + BN) * BK + scale_slots(stages) * (BM + BN) * 4 + BM * BN * out_bytes + 2 * stages * 8
 
 
 def fit_stages(stages: int, out_bytes: int) -> int:
@@ -175,9 +164,22 @@ if ws.gluon is not None:
         return start, end
 
     @gluon.jit
-    def _producer(a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr, order_ptr,
-                  N, K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                  STAGES: gl.constexpr):
+    def _producer(
+        a_desc,  # TMA descriptor of A [N, M] e4m3, [128, 128] blocks
+        b_desc,  # TMA descriptor of B [K, M] e4m3, [128, 128] blocks
+        a_ring,  # [STAGES, 128, 128] e4m3 shared, written
+        b_ring,  # [STAGES, 128, 128] e4m3 shared, written
+        sa_ring,  # [slots, 128] fp32 shared: a step's row scales, written
+        sb_ring,  # [slots, 128] fp32 shared: a step's column scales, written
+        ready,  # [STAGES] mbarriers: a slot's tiles and scales have landed
+        empty,  # [STAGES] mbarriers: both consumer warpgroups released a slot
+        as_ptr, s_asn, s_ast,  # A's scales [N, M/128] fp32, token blocks adjacent
+        bs_ptr, s_bsk, s_bst,  # B's scales [K, M/128] fp32, token blocks adjacent
+        off_ptr,  # [E + 1] int64 expert block starts (GROUPED)
+        order_ptr,  # [E] int32 the experts in the order their tiles are dealt (GROUPED)
+        N, K, M, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+    ):
         """One warp: per token block of every tile of this CTA, claim the next slot; copy the block's row and column
         scales (cp.async) and load the A and B tiles (TMA) into it."""
         vec: gl.constexpr = gl.BlockedLayout([_BM // 32], [32], [1], [0])
@@ -209,9 +211,20 @@ if ws.gluon is not None:
                 it += 1
 
     @gluon.jit
-    def _consumer(a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N, K, M,
-                  E, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                  WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _consumer(
+        a_ring,  # [STAGES, 128, 128] e4m3 shared
+        b_ring,  # [STAGES, 128, 128] e4m3 shared
+        sa_ring,  # [slots, 128] fp32 shared: a step's row scales
+        sb_ring,  # [slots, 128] fp32 shared: a step's column scales
+        c_tiles,  # [2, 64, 128] shared, one output tile per consumer warpgroup
+        ready,  # [STAGES] mbarriers: a slot's tiles and scales have landed
+        empty,  # [STAGES] mbarriers: both consumer warpgroups released a slot
+        c_desc,  # TMA descriptor of C [E * N, K] (bf16 or fp32), [64, 128] blocks, written
+        off_ptr,  # [E + 1] int64 expert block starts (GROUPED)
+        order_ptr,  # [E] int32 the experts in the order their tiles are dealt (GROUPED)
+        N, K, M, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+    ):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of each output tile; promotion in registers, TMA store."""
         acc_layout: gl.constexpr = ws._acc_layout()
         num_n = gl.cdiv(N, _BM)
@@ -234,9 +247,7 @@ if ws.gluon is not None:
                 # step 2: the fp8 product over the 128 tokens; wait for it and release the slot
                 a_tile = a_ring.index(slot).slice(WG * 64, 64)  # [64 rows of N, 128 tokens]
                 b_tile = b_ring.index(slot).permute((1, 0))  # [128 tokens, 128 columns of K], token-major
-                ws._wait_turn(turn, it, WG, PINGPONG)
                 partial = warpgroup_mma(a_tile, b_tile, partial, use_acc=False, is_async=True)
-                ws._pass_turn(turn, WG, PINGPONG)
                 partial = warpgroup_mma_wait(0, deps=(partial, ))
                 mbarrier.arrive(empty.index(slot), count=1)
                 # step 3: promotion by the outer product of the scales, while the other warpgroup's product runs
@@ -250,13 +261,19 @@ if ws.gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _kgrouped_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, off_ptr, order_ptr, N, K, M, E, s_asn, s_ast,
-                            s_bsk, s_bst, NUM_PROGRAMS, GROUPED: gl.constexpr, GROUP: gl.constexpr,
-                            STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    def _kgrouped_ws_kernel(
+        a_desc,  # TMA descriptor of A [N, M] e4m3, [128, 128] blocks
+        b_desc,  # TMA descriptor of B [K, M] e4m3, [128, 128] blocks
+        c_desc,  # TMA descriptor of C [E * N, K] (bf16 or fp32), [64, 128] blocks, written
+        as_ptr, s_asn, s_ast,  # A's scales [N, M/128] fp32, token blocks adjacent
+        bs_ptr, s_bsk, s_bst,  # B's scales [K, M/128] fp32, token blocks adjacent
+        off_ptr,  # [E + 1] int64 expert block starts (GROUPED)
+        order_ptr,  # [E] int32 the experts in the order their tiles are dealt (GROUPED)
+        N, K, M, E, NUM_PROGRAMS,
+        GROUPED: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+    ):
         """Persistent: CTA p computes its positions of the E x (N / 128) x (K / 128) output tiles, in the balanced
-        order (module docstring; order_ptr [E] int32, read when GROUPED).
-        a_desc [N, M] and b_desc [K, M] with [128, 128] blocks, c_desc [E * N, K] with [64, 128] blocks; scales by
-        pointer and strides."""
+        order (module docstring)."""
         a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, _BM, _BK], a_desc.layout)
         b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, _BN, _BK], b_desc.layout)
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per slot: 128 plain fp32
@@ -270,26 +287,23 @@ if ws.gluon is not None:
             # the producer's expect and its 32 lanes' cp.async arrivals; the TMA bytes complete it
             mbarrier.init(ready.index(i), count=1 + _LANES)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ws._init_turns(turn)
         fence_async_shared()  # the initialized barriers visible to the TMA engine
         gl.warp_specialize([
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N,
-                         K, M, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0, PINGPONG)),
-            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, turn, c_desc, off_ptr, order_ptr, N,
-                         K, M, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1, PINGPONG)),
-            (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, bs_ptr, off_ptr,
-                         order_ptr, N, K, M, E, s_asn, s_ast, s_bsk, s_bst, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, order_ptr, N, K, M,
+                         E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 0)),
+            (_consumer, (a_ring, b_ring, sa_ring, sb_ring, c_tiles, ready, empty, c_desc, off_ptr, order_ptr, N, K, M,
+                         E, NUM_PROGRAMS, GROUPED, GROUP, STAGES, 1)),
+            (_producer, (a_desc, b_desc, a_ring, b_ring, sa_ring, sb_ring, ready, empty, as_ptr, s_asn, s_ast, bs_ptr,
+                         s_bsk, s_bst, off_ptr, order_ptr, N, K, M, E, NUM_PROGRAMS, GROUPED, GROUP, STAGES)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
 def token_block_major(scale: torch.Tensor) -> torch.Tensor:
     """scale [rows, M/128] with the token blocks adjacent in memory ([M/128, rows] storage, returned as the [rows,
     M/128] view), copied only if it is not laid out so already. The producer warp then reads a step's 128 scales of
-    an operand as one contiguous 512-byte run (coalesced cp.async) instead of 128 reads M/128 x 4 bytes apart: the
-    weight gradient ran 1.17x faster at 8 x 4096 rows per expert and 1.16x at 256 with the same values in this
-    layout (bench/results/fp8_scale_layout.md). The scales are 1/128 of the operand's elements, so the copy is
-    small (4 MB for a [4096, 32768] operand)."""
+    an operand as one contiguous 512-byte run (coalesced cp.async) instead of 128 reads M/128 x 4 bytes apart
+    (measurably faster for the whole weight gradient). The scales are 1/128 of the operand's elements, so the copy
+    is small (4 MB for a [4096, 32768] operand)."""
     return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
 
 
@@ -299,19 +313,15 @@ def experts_by_load(offsets: torch.Tensor) -> torch.Tensor:
     return torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True).to(torch.int32)
 
 
-def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                    offsets: torch.Tensor | None, out: torch.Tensor, num_programs: int,
-                    config: str | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
-    """Fill out [E, N, K] (bf16 or fp32) as moela.ops.moe.gemm_fp8.kgrouped_fp8 does; that function checks the
-    operands (a [N, M] and b [K, M] e4m3 contiguous, scales fp32 with any strides, N a multiple of 128 when
-    grouped). num_programs: the persistent grid's size (the SM count). order: [E] int32, a permutation of the
-    experts to deal their tiles in (default `experts_by_load(offsets)`)."""
-    name = config or DEFAULT_KGROUPED
-    if name not in KGROUPED_CONFIGS:
-        raise ValueError(f"unknown Gluon FP8 GEMM config {name!r}; choose one of {', '.join(KGROUPED_CONFIGS)}")
+def kgrouped_fp8_gluon(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                       offsets: torch.Tensor | None, out: torch.Tensor, num_programs: int,
+                       order: torch.Tensor | None = None) -> torch.Tensor:
+    """Fill out [E, N, K] (bf16 or fp32) as gemm_fp8_triton.kgrouped_fp8 does; that function checks the operands
+    (a [N, M] and b [K, M] e4m3 contiguous, scales fp32 with any strides, N a multiple of 128 when grouped).
+    num_programs: the persistent grid's size (the SM count). order: [E] int32, a permutation of the experts to
+    deal their tiles in (default `experts_by_load(offsets)`)."""
     if out.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"kgrouped_fp8 (gluon): out_dtype {out.dtype} must be bf16 or fp32")
-    cfg = KGROUPED_CONFIGS[name]
     n, m = a.shape
     k = b.shape[0]
     e = out.shape[0]
@@ -319,16 +329,18 @@ def kgrouped_fp8_ws(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_s
         return out.zero_()
     a_scale, b_scale = token_block_major(a_scale), token_block_major(b_scale)
     tile = ws.shared_layout(BM, BK, torch.float8_e4m3fn)
-    a_desc = ws.TensorDescriptor.from_tensor(a, [BM, BK], tile)
-    b_desc = ws.TensorDescriptor.from_tensor(b, [BN, BK], tile)
-    c_desc = ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN], ws.shared_layout(64, BN, out.dtype))
     grid = max(1, min(num_programs, e * -(-n // BM) * -(-k // BN)))
-    if offsets is not None and order is None:
+    grouped = offsets is not None
+    if grouped and order is None:
         order = experts_by_load(offsets)
     _kgrouped_ws_kernel[(grid, )](
-        a_desc, b_desc, c_desc, a_scale, b_scale, offsets if offsets is not None else a_scale,
-        order if offsets is not None else a_scale, n, k, m, e,
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), grid,
-        GROUPED=offsets is not None, GROUP=cfg.group, STAGES=fit_stages(cfg.stages, out.element_size()),
-        PINGPONG=cfg.pingpong, num_warps=NUM_WARPS)
+        ws.TensorDescriptor.from_tensor(a, [BM, BK], tile),
+        ws.TensorDescriptor.from_tensor(b, [BN, BK], tile),
+        ws.TensorDescriptor.from_tensor(out.view(e * n, k), [64, BN], ws.shared_layout(64, BN, out.dtype)),
+        a_scale, a_scale.stride(0), a_scale.stride(1),
+        b_scale, b_scale.stride(0), b_scale.stride(1),
+        offsets if grouped else a_scale,
+        order if grouped else a_scale,
+        n, k, m, e, grid,
+        GROUPED=grouped, GROUP=GROUP, STAGES=fit_stages(STAGES, out.element_size()), num_warps=NUM_WARPS)
     return out

@@ -10,8 +10,7 @@ are free of bank conflicts on the unswizzled tile). The column codes then change
 that 8 threads store 128 contiguous bytes of a qT row; ~100 registers per thread and 41 KB of shared memory allow
 five blocks per SM, each with a whole tile in flight. The same staging serves the SwiGLU backward (gate, up and
 dact tiles by TMA; dh's row and column codes and act's column codes from one read of each) and the weight
-quantization (each 128x128 block once: its amax, q by rows and the transposed copy by columns). The designs
-measured against these, and the bandwidths: bench/notes/quant_transpose.md, bench/notes/moe.md.
+quantization (each 128x128 block once: its amax, q by rows and the transposed copy by columns).
 
 Codes and scales are the same bytes as the Triton kernels' (same `div_rn` scale math, same saturating e4m3
 conversion, same SwiGLU expressions): the GPU tests `test_gluon_*` of tests/test_quant.py and tests/test_moe_ops.py
@@ -36,7 +35,7 @@ else:  # the copy builtins' names: Triton 3.6 (the GPU machine) and newer ones (
     _cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-from moela.ops.moe.quant import AMAX_EPS, FP8_MAX
+from moela.ops.moe.quant_spec import AMAX_EPS, FP8_MAX
 
 FP8 = torch.float8_e4m3fn
 ROW_CHUNK = 32  # rows per register chunk of the rowwise pass
@@ -61,7 +60,7 @@ if gluon is not None:
 
     @gluon.jit
     def _fp8_scale_inverse(amax):
-        """(scale, inverse) of groups with this amax, rounded as moela.ops.moe.quant rounds them."""
+        """(scale, inverse) of groups with this amax, rounded as moela.ops.moe.quant_spec rounds them."""
         clamped = gl.maximum(amax, _EPS)
         return gl.div_rn(clamped, _FMAX), gl.div_rn(gl.full_like(clamped, 1.0), clamped) * _FMAX
 
@@ -338,7 +337,7 @@ def quant_rows_cols(x: torch.Tensor, rowwise: bool, colwise: bool, src: torch.Te
                     q: torch.Tensor | None, s: torch.Tensor | None, qt: torch.Tensor | None, st: torch.Tensor | None,
                     *, rc: int = ROW_CHUNK, cc: int = COL_CHUNK, num_warps: int = NUM_WARPS) -> None:
     """Fill the outputs allocated by quantize.quant_rows_cols (which checks the shapes); rc, cc and num_warps are
-    the register chunks and warps (bench/quant_transpose.py --gluon sweeps them)."""
+    the register chunks and warps (bench/quant_transpose.py sweeps them)."""
     m = src.numel() if src is not None else x.shape[0]
     n = x.shape[1]
     consts = dict(ROWWISE=rowwise, COLWISE=colwise, RC=rc, CC=cc, num_warps=num_warps)

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe.kernel_common import FP8, LAUNCH, store_tile_quantized
-from moela.ops.moe.layout import Layout
+from moela.ops.moe.kernels.layout import Layout
+from moela.ops.moe.kernels.triton_common import FP8, LAUNCH, store_tile_quantized
 
 
 @triton.jit

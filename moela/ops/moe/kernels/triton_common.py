@@ -5,7 +5,7 @@ FP8 scales follow DeepGEMM's SM90 format: fp32, `scale = amax / 448`, activation
 "columnwise" 128x1 groups along tokens are stored as the 1x128 quantization of the transposed matrix
 (qT [N, M_pad], sT [N, M_pad/128]) because the weight-gradient GEMM reduces over tokens; weights 128x128
 ([E, N/128, K/128]) plus a transposed fp8 copy for the data-gradient GEMM. codes = e4m3(x * ((1 / amax) * 448))
-with one `div_rn` per group, so results match `moela.ops.moe.quant` (the specification) bit for bit.
+with one `div_rn` per group, so results match `moela.ops.moe.quant_spec` (the specification) bit for bit.
 
 Shapes: M rows (M_pad in the layout), N columns.
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.moe.quant import AMAX_EPS, FP8_MAX
+from moela.ops.moe.quant_spec import AMAX_EPS, FP8_MAX
 from moela.ops.triton_env import INTERPRET, require_interpreter_support
 
 require_interpreter_support()
@@ -33,7 +33,7 @@ _INTERPRET = tl.constexpr(INTERPRET)
 # unquantized one (all three outputs of a 64 x 128 tile in one program) runs at 4. The tile
 # kernels' grids put the column blocks on the fastest axis, so the blocks in flight read long contiguous stretches
 # of each row. On Hopper, for bf16 inputs, the quantizations that read a tile by rows and by columns run the Gluon
-# kernels of gluon.py instead. Measurements: bench/notes/moe.md, bench/notes/quant_transpose.md.
+# kernels of quantize_gluon.py instead.
 LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_cols=dict(num_warps=4),
               quant_rows_or_cols=dict(num_warps=4), weight_quant=dict(num_warps=4), swiglu_fwd=dict(num_warps=4),
               swiglu_bwd=dict(num_warps=16), swiglu_bwd_plain=dict(num_warps=4), combine=dict(num_warps=4),
@@ -42,7 +42,7 @@ LAUNCH = dict(layout=dict(num_warps=4), permute=dict(num_warps=4), quant_rows_co
 
 @triton.jit
 def fp8_scale_inverse(amax):
-    """(scale, inverse) of groups with this amax: amax / 448 and (1 / amax) * 448, rounded as moela.ops.moe.quant
+    """(scale, inverse) of groups with this amax: amax / 448 and (1 / amax) * 448, rounded as moela.ops.moe.quant_spec
     rounds them (the codes are x * inverse)."""
     clamped = tl.maximum(amax, _EPS)
     return tl.math.div_rn(clamped, _FMAX), tl.math.div_rn(1.0, clamped) * _FMAX
@@ -76,7 +76,7 @@ def store_e4m3_bytes(ptrs, codes, mask):
     transposed (tl.trans of fp8 tiles is reported to corrupt them on Hopper) and the store is an 8-bit integer one
     (triton-lang/triton#11111: an fp8 store through a layout conversion next to a second store is reported
     corrupted). Storing the same codes twice, row-major and transposed, gave wrong transposed bytes on the H200,
-    hence quant_weights' second launch (bench/notes/quant_transpose.md)."""
+    hence quant_weights' second launch."""
     tl.store(ptrs.to(tl.pointer_type(tl.uint8)), codes.to(tl.uint8, bitcast=True), mask=mask)
 
 

@@ -1,5 +1,6 @@
-"""The MoE path's grouped GEMMs from libraries, over the same m-grouped layout as gemm_triton.py: torch._grouped_mm
-(bf16), DeepGEMM's m-grouped FP8 GEMM (when `deep_gemm` imports), cuBLAS blockwise FP8 through torch._scaled_mm.
+"""The MoE path's grouped GEMMs from libraries, over the same m-grouped layout as gemm_grouped_triton.py:
+torch._grouped_mm (bf16, m-grouped), DeepGEMM's m-grouped FP8 GEMM (when `deep_gemm` imports), cuBLAS blockwise FP8
+through torch._scaled_mm.
 
 cuBLAS (CUDA >= 12.9, torch >= 2.10, compute capability 9.x) takes DeepSeek's fp32 scales in its own layouts (with
 `torch._scaled_mm(a [M, K] row-major, b [K, N] column-major)`): 1x128 scales of a as [M, K/128] with strides
@@ -8,8 +9,7 @@ strides (1, L4), L4 = K/128 rounded up to 4 (torch 2.11 accepts only K/128 = L4:
 wrappers reorder the (small) scale tensors (once per call, except a's 1x128 scales in the m-grouped GEMM: once per
 expert, since cuBLAS wants their M-stride to equal the expert's row count) and launch one `torch._scaled_mm` per
 non-empty expert over its padded block (the expert bounds come from the host, one sync per layer, made by the
-caller). `torch._grouped_mm` exists on torch 2.11 CUDA and on torch 2.13 CPU (the CPU tests), including the
-2-D x 2-D form with `offs` for the weight gradient.
+caller). `torch._grouped_mm` exists on torch 2.11 CUDA and on torch 2.13 CPU (the CPU tests).
 """
 from __future__ import annotations
 
@@ -18,20 +18,10 @@ import importlib.util
 
 import torch
 
-from moela.ops.moe.masked_cast import masked_cast
-
 
 def torch_mgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """bf16 m-grouped GEMM by torch._grouped_mm: rows past offsets[-1] are left unwritten (consumers mask them)."""
     return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
-
-
-def torch_kgrouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """bf16 k-grouped GEMM by torch._grouped_mm; experts with no rows get zeros (masked_cast.py: with the cast to
-    `out_dtype`, one pass)."""
-    out = torch._grouped_mm(a, b.t(), offs=offsets[1:].to(torch.int32))  # [E, N, K]
-    return masked_cast(out, counts, out_dtype)
 
 
 def _deep_gemm_imports() -> bool:
