@@ -49,15 +49,16 @@ def reference(cfg, microbatches: int, steps: int, *, seed: int = 100, record_gra
 
 
 def pipelined(cfg, pcfg, world_size: int, steps: int, *, seed: int = 100, counts: dict | None = None,
-              initial: dict | None = None):
+              initial: dict | None = None, overlap: bool = True):
     """-> (step losses, first gradients of this rank's parameters, step metric sums, this rank's final state)
     under `pcfg` (pp > 1); the data-parallel ranks of one step split its micro-batches as the loader does.
     `initial`: the whole model's initial state, loaded into the stages (FSDP on the CPU initializes each shard
-    from its rank's generator, so a sharded stage does not draw the whole model's values itself)."""
+    from its rank's generator, so a sharded stage does not draw the whole model's values itself). `overlap`: run
+    dualpipev's pairs through the overlap function (else forward then backward)."""
     mesh = build_mesh(pcfg, world_size, "cpu")
     dp, m = mesh.size("dp"), pcfg.pp_microbatches
     torch.manual_seed(0)
-    pipe = build_pipeline(cfg, pcfg, mesh, torch.device("cpu"), m, counts=counts,
+    pipe = build_pipeline(cfg, pcfg, mesh, torch.device("cpu"), m, counts=counts, overlap=overlap,
                           parallelize=lambda model, roots: apply_parallelism(model, mesh, pcfg, mixed_precision=False,
                                                                                fsdp_roots=roots))
     model = pipe.model

@@ -25,9 +25,10 @@ from pp_harness import pipelined, reference
 SCHEDULES = [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
-def _check(rank, world, cfg, pcfg, ref, steps, counts_expected=None):
+def _check(rank, world, cfg, pcfg, ref, steps, counts_expected=None, overlap=True):
     counts = {} if counts_expected is not None else None
-    losses, grads, metrics, state = pipelined(cfg, pcfg, world, steps, initial=ref[4], counts=counts)
+    losses, grads, metrics, state = pipelined(cfg, pcfg, world, steps, initial=ref[4], counts=counts,
+                                              overlap=overlap)
     assert losses == pytest.approx(ref[0], rel=2e-5)
     for key, value in metrics[0].items():
         assert value == pytest.approx(ref[2][0][key], rel=2e-5, abs=1e-7), key
@@ -40,18 +41,25 @@ def _check(rank, world, cfg, pcfg, ref, steps, counts_expected=None):
         assert counts == counts_expected[rank]
 
 
-def _run(schedule, v, world, *, pp=2, m=4, steps=2, model=None, extra=None, counts=None):
-    cfg = tiny_config(num_hidden_layers=4, **VISIBLE_TRAINING, **(model or {}))
+def _run(schedule, v, world, *, pp=2, m=4, steps=2, model=None, extra=None, counts=None, overlap=True):
+    cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING, **(model or {})})
     pcfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m,
                           dp_shard=world // pp, **(extra or {}))
     ref = reference(cfg, m * (world // pp // (extra or {}).get("ep", 1) * (extra or {}).get("ep", 1)), steps)
-    spawn(_check, world, cfg, pcfg, ref, steps, counts)
+    spawn(_check, world, cfg, pcfg, ref, steps, counts, overlap)
 
 
 @pytest.mark.parametrize("schedule,v", [SCHEDULES[0], SCHEDULES[3],
                                         *(pytest.param(*s, marks=pytest.mark.slow) for s in SCHEDULES[1:3])])
 def test_two_stages_equal_one_process(schedule, v):
     _run(schedule, v, 2, steps=5)
+
+
+def test_dualpipev_pairs_forward_then_backward_equal_the_overlap_function():
+    """The runtime's plain pair (forward, then backward) against the same reference as the overlap function's
+    (test_two_stages_equal_one_process[dualpipev]); on the CPU the function keeps the order, so both must agree
+    with the one-process step, and with each other."""
+    _run("dualpipev", 2, 2, overlap=False)
 
 
 def test_without_mtp_and_z_loss():

@@ -25,6 +25,7 @@ from moela.parallel.config import ParallelConfig
 from moela.parallel.mesh import ParallelMesh
 from moela.parallel.pp_comm import StageLinks
 from moela.parallel.pp_layout import StageParts, stage_layout, stage_ranks
+from moela.parallel.pp_overlap import StreamPairOverlap
 from moela.parallel.pp_runtime import PipelineRuntime
 from moela.parallel.pp_schedules import schedule_actions
 from moela.parallel.pp_stage import StageChunk, chunks_of, keep_stages
@@ -58,6 +59,8 @@ def _moe_rows(cfg: ModelConfig, layers: list[int], depths: list[int]) -> list[in
 
 def pipeline_ranks(mesh: ParallelMesh) -> tuple[list[int], list[list[int]]]:
     """(global ranks of this rank's pipeline by pp rank, the same for every pipeline)."""
+    if mesh.world is None:  # one process: every stage on it
+        return [0], [[0]]
     grid = mesh.world.mesh.reshape(mesh.sizes.pp, -1)  # [pp, ranks per stage]
     everyone = grid.T.tolist()
     me = torch.distributed.get_rank()
@@ -66,11 +69,11 @@ def pipeline_ranks(mesh: ParallelMesh) -> tuple[list[int], list[list[int]]]:
 
 def build_pipeline(model_cfg: ModelConfig, pcfg: ParallelConfig, mesh: ParallelMesh, device: torch.device,
                    microbatches: int, *, parallelize: Callable[[Transformer, list[StageChunk]], object] | None = None,
-                   seq_len: int = 4096, counts: dict | None = None) -> Pipeline:
+                   seq_len: int = 4096, counts: dict | None = None, overlap: bool = True) -> Pipeline:
     """This rank's stages, parallelized by `parallelize(model, chunks)` (on the cut meta model; the chunks are
     FSDP's root units, `apply_parallelism`'s `fsdp_roots`) and materialized, with the runtime of
     `pcfg.pp_schedule` for steps of `microbatches` micro-batches. `counts` (tests): the transport counts its
-    messages into it."""
+    messages into it. `overlap`: dualpipev's pairs through `StreamPairOverlap` (else forward then backward)."""
     v = pcfg.virtual_stages
     stages = stage_layout(model_cfg, pcfg.pp, v, pcfg.pp_layout or None, seq_len=seq_len)
     placement = stage_ranks(pcfg.pp, v, pcfg.pp_schedule)
@@ -89,7 +92,8 @@ def build_pipeline(model_cfg: ModelConfig, pcfg: ParallelConfig, mesh: ParallelM
     ranks, everyone = pipeline_ranks(mesh)
     links = StageLinks([ranks[r] for r in placement], [[p[r] for r in placement] for p in everyone], counts)
     actions = schedule_actions(pcfg.pp_schedule, pcfg.pp, microbatches, v)[pp_rank]
-    runtime = PipelineRuntime(model, chunks, len(stages), actions, links, device)
+    pair = StreamPairOverlap(pcfg.pp, device) if overlap and pcfg.pp_schedule == "dualpipev" else None
+    runtime = PipelineRuntime(model, chunks, len(stages), actions, links, device, overlap_f_b=pair)
     layers = sorted(i for k in mine for i in stages[k].layers)
     depths = sorted(d for k in mine for d in stages[k].mtp)
     return Pipeline(model, runtime, stages, mine, _moe_rows(model_cfg, layers, depths))

@@ -65,10 +65,7 @@ class PipelineRuntime:
     def train_step(self, batches: list[PackedBatch], loss_scale: float, sums) -> StepResult:
         """Forward and backward of every micro-batch (on the device) through this rank's stages; `sums` a fresh
         StepSums to fill. Parameter gradients accumulate in place."""
-        self._batches, self._loss_scale, self._sums = batches, loss_scale, sums
-        self._preps: dict[int, Prepared] = {}
-        self._saved: dict[tuple[int, int], _Saved] = {}
-        self._loads: dict[int, torch.Tensor] = {}
+        self.begin(batches, loss_scale, sums)
         for step in self.actions:
             start = time.perf_counter()
             if isinstance(step, Overlap):
@@ -90,6 +87,13 @@ class PipelineRuntime:
             raise RuntimeError(f"pipeline schedule left work undone: {sorted(self._saved)}")
         loads = [self._loads[s] for s in sorted(self._loads)]
         return StepResult(sums, torch.cat(loads) if loads else None)
+
+    def begin(self, batches: list[PackedBatch], loss_scale: float, sums) -> None:
+        """Start a step on `batches` (what `train_step` does before its actions; benchmarks run actions alone)."""
+        self._batches, self._loss_scale, self._sums = batches, loss_scale, sums
+        self._preps: dict[int, Prepared] = {}
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._loads: dict[int, torch.Tensor] = {}
 
     def prepared(self, mb: int) -> Prepared:
         if mb not in self._preps:

@@ -60,7 +60,8 @@ from typing import Callable
 import torch
 
 from moela.batch import FILLER_DOC, PackedBatch, pad_documents
-from moela.trainer.errors import TrainingError
+from moela.trainer.compile import StaticShapes
+from moela.trainer.errors import InputError, TrainingError
 
 MIN_AUTO_DOCS = 64
 # False: the scheme before the assigning first graph (gradients allocated up front, zeroed in place before every
@@ -225,3 +226,22 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def graphed_micro_batch(trainer) -> GraphedMicroBatch | None:
+    """`train.cuda_graphs` for a `Trainer`: the graphed forward + backward (one GPU, no parallelism), micro-batches
+    padded to one shape (setting the trainer's `static_shapes` if compilation did not); None when off."""
+    cfg = trainer.cfg.train
+    if not cfg.cuda_graphs:
+        return None
+    if trainer.device.type != "cuda":
+        raise InputError(f"train.cuda_graphs needs a CUDA device, this run trains on {trainer.device.type}; set "
+                         f"train.cuda_graphs=false")
+    if trainer.env.world_size > 1:
+        raise InputError(f"train.cuda_graphs captures the step of one process on one GPU; this run has "
+                         f"{trainer.env.world_size} processes (FSDP / tensor / context / expert parallelism hooks "
+                         f"and collectives are not captured). Set train.cuda_graphs=false")
+    if trainer.static_shapes is None:
+        trainer.static_shapes = StaticShapes(cfg.tokens_per_microbatch, trainer.cfg.data.max_doc_len)
+    return GraphedMicroBatch(trainer.model, trainer.device, trainer._autocast, max_docs=cfg.graph_max_docs,
+                             echo=trainer._echo)
