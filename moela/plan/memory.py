@@ -20,11 +20,11 @@ Decisions:
   block's worth is rebuilt during its backward.
 - The peak is taken over backward: it frees a block's activations as it writes that block's gradients, so with
   one micro-batch per step the two never peak together (`backward_overlap`).
-- Micro-batches in flight on pipeline rank s, in units of the rank's blocks' activations of one micro-batch:
-  1F1B pp - s; interleaved 1F1B with v chunks per rank (2(pp - 1 - s) + (v - 1) pp + 1) / v; ZBV and DualPipeV
-  pp + 1 (their two directions fill both chunks of every rank). Each rank holds the chunks
-  `moela.parallel.pp_layout.stage_ranks` gives it (DualPipeV: chunks s and 2pp - 1 - s). Without pipelining one
-  micro-batch is in flight (gradient accumulation runs them one after the other).
+- Micro-batches in flight on pipeline rank s, in units of the rank's blocks' activations of one micro-batch: 1F1B pp -
+  s; interleaved 1F1B with v chunks per rank (2(pp - 1 - s) + (v - 1) pp + 1) / v; ZBV pp and DualPipeV pp + 1/2
+  (their two directions fill both chunks of every rank; the counts of moela's schedules). Each rank holds the chunks
+  `moela.parallel.pp_layout.stage_ranks` gives it (DualPipeV: chunks s and 2pp - 1 - s). Without pipelining one micro-
+  batch is in flight (gradient accumulation runs them one after the other).
 - With pipelining, FSDP runs as without it, once per micro-batch (moela's pipeline leaves gradient sync on): a
   unit is gathered for each micro-batch's forward and backward and reduce-scatters each micro-batch's gradients,
   so only sharded gradients are held.
@@ -273,7 +273,7 @@ class Memory:
 
 def in_flight(layout: Layout, stage: int = 0) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at the peak, in units of its blocks'
-    activations of one micro-batch (module docstring)."""
+    activations of one micro-batch (the schedules' counts in docs/parallelism.md)."""
     pp, v = layout.pp, layout.pp_virtual_stages
     if pp == 1:
         return 1.0
@@ -281,7 +281,7 @@ def in_flight(layout: Layout, stage: int = 0) -> float:
         return float(pp - stage)
     if layout.pp_schedule == "interleaved_1f1b":  # warm-up of (pp - 1 - s) * 2 + (v - 1) * pp chunks of 1/v each
         return (2 * (pp - 1 - stage) + (v - 1) * pp + 1) / v
-    return float(pp + 1)  # ZBV / DualPipeV: both chunks of every rank fill from the two ends
+    return pp + (0.5 if layout.pp_schedule == "dualpipev" else 0.0)  # both chunks fill from the two ends
 
 
 def block_kinds(cfg: ModelConfig) -> list[bool]:

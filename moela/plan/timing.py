@@ -21,14 +21,16 @@ Decisions:
   bandwidth per GPU. An all-to-all sends the share of its rows bound for other nodes over the network, the rest
   over NVLink; a pipeline send is one transfer.
 - Overlap (`OVERLAP`, the share of each kind's time hidden under compute): FSDP's gathers and reduce-scatters are
-  prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last
-  reduce-scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under
-  DualPipeV, whose two micro-batch streams overlap one's EP all-to-alls with the other's compute; pipeline sends
-  are half hidden. The collectives hidden on one link share it: together they hide under at most the compute
-  time, and the rest is exposed.
+  prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last reduce-
+  scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under DualPipeV,
+  whose overlapped pairs run one chunk's forward beside the other's backward: moela queues the pair on two CUDA
+  streams (not DualPipe's phase-by-phase interleaving), assumed to hide half of the expert collectives; pipeline sends
+  are half hidden. The collectives hidden on one link share it: together they hide under at most the compute time, and
+  the rest is exposed.
 - Bubble, in units of one stage's forward F and backward B (= 2F, of which W = B/2 is the weight gradient) per
-  micro-batch: 1F1B (pp - 1)(F + B); interleaved 1F1B that over v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV
-  (pp / 2 - 1)(F&B + B - 3W) / 2 with F&B = F + B (DualPipe's formula, chunks half a stage).
+  micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B that over
+  v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. ZBV's weight pass
+  walks the stage's graph again (about a whole backward), so its blocks cost F + 1.5B, a third more.
 
 Shapes: D hidden, H heads, K top-k, F expert width, V vocabulary.
 """
@@ -43,7 +45,7 @@ from moela.plan.layout import GPU, Layout
 from moela.plan.memory import block_kinds
 
 ALPHA_S = {"nvlink": 10e-6, "network": 20e-6}  # latency per ring step (assumption)
-OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "ep_dualpipev": 1.0, "tp": 0.0, "cp": 0.0, "pp": 0.5,
+OVERLAP = {"fsdp": 1.0, "replicate": 1.0, "ep": 0.0, "ep_dualpipev": 0.5, "tp": 0.0, "cp": 0.0, "pp": 0.5,
            "small": 0.0}
 
 # bench/step.py on an H200, bf16, its `moela` rows: kernel ms per step by family (router/top-k, norm/RoPE/activation,
@@ -154,7 +156,7 @@ def bubble_fraction(layout: Layout) -> float:
     f, b, w = 1.0, 2.0, 1.0
     bubble = {"1f1b": (pp - 1) * (f + b), "interleaved_1f1b": (pp - 1) * (f + b) / layout.pp_virtual_stages,
               "zbv": (pp - 1) * (f + b - 2 * w) / 2,
-              "dualpipev": max(0, pp // 2 - 1) * ((f + b) + b - 3 * w) / 2}[layout.pp_schedule]
+              "dualpipev": (pp - 1) * ((f + b) + b - 3 * w) / 2}[layout.pp_schedule]
     return bubble / (m * (f + b))
 
 
@@ -174,6 +176,8 @@ def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Coll
               microbatches: int, doc_len: float, params_local: int, recompute: float, flops_per_token: float,
               overlap: dict[str, float] | None = None) -> StepTime:
     share = layout.cp * layout.tp * layout.pp
+    if layout.pp > 1 and layout.pp_schedule == "zbv":
+        recompute += 1.0  # the W pass: half a backward more = one forward more (module docstring)
     compute = compute_seconds(cfg, doc_len, tokens_per_mb * microbatches / share, 0, gpu, recompute=recompute)
     compute["optimizer"] = params_local / RATES["optimizer"] / gpu.compute_scale
     busy = sum(compute.values())
