@@ -21,12 +21,12 @@ Decisions:
   bandwidth per GPU. An all-to-all sends the share of its rows bound for other nodes over the network, the rest
   over NVLink; a pipeline send is one transfer.
 - Overlap (`OVERLAP`, the share of each kind's time hidden under compute): FSDP's gathers and reduce-scatters are
-  prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last reduce-
-  scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under DualPipeV,
-  whose overlapped pairs run one chunk's forward beside the other's backward: moela queues the pair on two CUDA
-  streams (not DualPipe's phase-by-phase interleaving), assumed to hide half of the expert collectives; pipeline sends
-  are half hidden. The collectives hidden on one link share it: together they hide under at most the compute time, and
-  the rest is exposed.
+  prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last
+  reduce-scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under
+  DualPipeV, whose overlapped pairs run one chunk's forward beside the other's backward: moela queues the pair on two
+  CUDA streams (not DualPipe's phase-by-phase interleaving), assumed to hide half of the expert collectives; pipeline
+  sends are half hidden. The collectives hidden on one link share it: together they hide under at most the compute
+  time, and the rest is exposed.
 - Bubble, in units of one stage's forward F and backward B (= 2F, of which W = B/2 is the weight gradient) per
   micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B that over
   v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. ZBV's weight pass
