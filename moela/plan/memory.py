@@ -23,8 +23,8 @@ Decisions:
 - Micro-batches in flight on pipeline rank s, in units of the rank's blocks' activations of one micro-batch:
   1F1B pp - s; interleaved 1F1B with v chunks per rank (2(pp - 1 - s) + (v - 1) pp + 1) / v; ZBV pp and
   DualPipeV pp + 1/2 (their two directions fill both chunks of every rank; the counts of moela's schedules). Each
-  rank holds the chunks `moela.parallel.pp_layout.stage_ranks` gives it (DualPipeV: chunks s and 2pp - 1 - s). Without pipelining one
-  micro-batch is in flight (gradient accumulation runs them one after the other).
+  rank holds the chunks `moela.parallel.pp_layout.stage_ranks` gives it (DualPipeV: chunks s and 2pp - 1 - s).
+  Without pipelining one micro-batch is in flight (gradient accumulation runs them one after the other).
 - With pipelining, FSDP runs as without it, once per micro-batch (moela's pipeline leaves gradient sync on): a
   unit is gathered for each micro-batch's forward and backward and reduce-scatters each micro-batch's gradients,
   so only sharded gradients are held.
