@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 import torch
 
 from moela.model.config import ModelConfig
-from moela.ops.moe.layout import build_layout_rows
 from moela.plan.layout import Layout
 
 GIB = 2**30
@@ -198,6 +197,7 @@ def ep_mode(cfg: ModelConfig, layout: Layout, dispatch: str) -> str:
 def expert_rows(cfg: ModelConfig, layout: Layout, tokens: int, dispatch: str) -> int:
     """Rows of the expert op's layout on this rank (M): its static bound in gather mode (ep x tokens x K), the
     expected received (token, expert) pairs of uniform routing for the all-to-all."""
+    from moela.ops.moe.kernels.layout import build_layout_rows  # the expert op's own bound (imports Triton)
     k, e_local = cfg.num_experts_per_tok, cfg.n_routed_experts // layout.ep
     if layout.ep == 1:
         return build_layout_rows(tokens, k, e_local)
