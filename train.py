@@ -55,8 +55,12 @@ def _plan_stops(cfg) -> bool:
     if cfg.train.plan_check == "never" or cfg.train.device == "cpu" or not torch.cuda.is_available():
         return False
     from moela.plan.check import memory_check
-    props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK") or 0))
-    found = memory_check(cfg, int(os.environ.get("WORLD_SIZE") or 1), props.name, props.total_memory)
+    try:
+        local_rank, world_size = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return False  # a malformed launcher environment: the trainer reports it
+    props = torch.cuda.get_device_properties(local_rank)
+    found = memory_check(cfg, world_size, props.name, props.total_memory)
     if found is None:
         return False
     level, line = found
