@@ -10,11 +10,11 @@ Cases (16 heads, bf16, causal; 192/128 unless the name says 128/128; --quick run
   q  z-loss (the lse returned, a gradient on it): the lognormal packing; B=2 S=8192
   q  ALiBi: B=2 S=8192; the lognormal packing
   q  96/64 (the `small` model's heads): 40 lognormal documents of at most 4096 tokens, 65k tokens
-Implementations: `triton` (moela's kernels as configured), `flash` (flash-attn-4 through moela's backend), `cudnn`
-(SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and the Triton
-schedule variants (`VARIANTS`: the previous per-document grid, other tile shapes, the Gluon forward and backward
-kernels' configs, the previous Triton backward) as extra rows on
-the cases marked for them, so one run times them all (the backward's kernels also on the 96/64 case).
+Implementations: `triton` (moela's kernels, each phase's `auto` choice), `flash` (flash-attn-4 through moela's
+backend), `cudnn` (SDPA's cuDNN backend on a [B, H, S, D] copy: equal lengths, no lse, no ALiBi; "-" elsewhere), and
+the kernel variants (`VARIANTS`: one phase of the `triton` backend named on its Triton or its Gluon kernel, or every
+phase on Triton's; `mla_attention`'s forward_kernel / dq_kernel / dkdv_kernel) as extra rows on the cases marked for
+them, so one run times them all (the backward's kernels also on the 96/64 case).
 
 Per row: fwd and fwd+bwd time (`triton.testing.do_bench` medians), TFLOP/s with BENCHMARKS.md's counts (fwd 2 H
 sum(L^2) (Dqk + Dv), bwd 2 H sum(L^2) (3 Dqk + 2 Dv), halved for causal), the first call's wall time (flash-attn-4
@@ -33,9 +33,7 @@ Usage: python bench/attention.py [--quick] [--only SUBSTR,...] [--impls triton,f
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
 import os
 import signal
 import sys
@@ -51,9 +49,9 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results_io import add_out_dir, write_results  # noqa: E402
 from moela.ops.attention import api as attention_api  # noqa: E402
-from moela.ops.attention import gluon_bwd, gluon_dq, gluon_fwd, mla_attention  # noqa: E402
+from moela.ops.attention import mla_attention  # noqa: E402
 from moela.ops.attention.flash import flash_problem  # noqa: E402
-from moela.ops.attention.triton_common import CONFIGS, SCHEDULE, head_class  # noqa: E402
+from moela.ops.attention.kernels.triton_common import CONFIGS  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -74,7 +72,7 @@ class Case:
     d_v: int = 128
     feature: str = "plain"  # "plain", "zloss" or "alibi"
     quick: bool = True
-    variants: bool = False  # time the Triton schedule variants too
+    variants: bool = False  # time the kernel variants too
 
     @property
     def layout(self) -> str:
@@ -134,40 +132,12 @@ def all_cases() -> list[Case]:
     ]
 
 
-# Triton schedule variants: (SCHEDULE overrides, CONFIGS overrides for the case's head-dim class). The first is the
-# launch moela used before the work list; the others are candidates for the defaults in triton_common.py.
-VARIANTS: dict[str, tuple[dict, dict]] = {
-    "triton, per-document grid (previous)": ({"grid": "documents"}, {}),
-    "triton, dkdv 32x64 3 stages, dq 128x32": ({}, {"dkdv": (32, 64, 8, 3), "dq": (128, 32, 8, 3)}),
-    "triton, dkdv 64x32, dq 64x64": ({}, {"dkdv": (64, 32, 8, 2), "dq": (64, 64, 8, 3)}),
-    # the forward on triton_fwd.py's kernel (the default before the Gluon forward), and the warp-specialized Gluon
-    # forward (moela/ops/attention/gluon_fwd.py) in each of its configs; the Triton backward in every row
-    "triton, triton fwd (previous)": ({"forward": "triton"}, {}),
-    **{f"triton, {name} fwd": ({"forward": name}, {}) for name in gluon_fwd.CONFIGS},
-    # the warp-specialized Gluon dK/dV kernel (moela/ops/attention/gluon_bwd.py) in each of its configs, and the
-    # Triton one (the default `auto` picks per head dims); the warp-specialized Gluon dQ kernel (gluon_dq.py) in each
-    # of its configs (with the default dK/dV)
-    "triton, triton dkdv": ({"dkdv": "triton"}, {}),
-    "triton, triton dq": ({"dq": "triton"}, {}),
-    "triton, triton backward (previous)": ({"dkdv": "triton", "dq": "triton"}, {}),
-    **{f"triton, {name}": ({"dkdv": name}, {}) for name in gluon_bwd.CONFIGS},
-    **{f"triton, {name}": ({"dq": name}, {}) for name in gluon_dq.CONFIGS},
+# kernel variants: mla_attention's kernel choices for the `triton` backend (moela.ops.attention.phases)
+VARIANTS: dict[str, dict[str, str]] = {
+    **{f"triton, {kernel} {phase}": {f"{key}_kernel": kernel} for phase, key in
+       (("fwd", "forward"), ("dq", "dq"), ("dkdv", "dkdv")) for kernel in ("triton", "gluon")},
+    "triton, all-Triton kernels": dict(forward_kernel="triton", dq_kernel="triton", dkdv_kernel="triton"),
 }
-
-
-@contextlib.contextmanager
-def variant(schedule: dict, configs: dict, d_qk: int, d_v: int):
-    cls = head_class(d_qk, d_v)
-    saved_schedule, saved = dict(SCHEDULE), {kernel: CONFIGS[kernel][cls] for kernel in configs}
-    SCHEDULE.update(schedule)
-    for kernel, cfg in configs.items():
-        CONFIGS[kernel][cls] = cfg
-    try:
-        yield
-    finally:
-        SCHEDULE.update(saved_schedule)
-        for kernel, cfg in saved.items():
-            CONFIGS[kernel][cls] = cfg
 
 
 class RowTimeout(Exception):
@@ -223,9 +193,9 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
     return Inputs(q, k, v, dout, dlse, cu, slopes)
 
 
-def moela_impl(backend: str):
+def moela_impl(backend: str, **kernels: str):
     def build(case: Case, x: Inputs):
-        kw = dict(alibi_slopes=x.slopes, return_lse=case.feature == "zloss", backend=backend)
+        kw = dict(alibi_slopes=x.slopes, return_lse=case.feature == "zloss", backend=backend, **kernels)
 
         def fwd():
             res = mla_attention(x.q, x.k, x.v, x.cu, max(case.lens), **kw)
@@ -269,7 +239,7 @@ def run_row(case: Case, impl: str, x: Inputs, reference: list | None, warmup: in
     if impl == "cudnn":
         fwd, grads, to_packed, leaves = cudnn_impl(case, x)
     else:
-        fwd, grads, to_packed = moela_impl("flash" if impl == "flash" else "triton")(case, x)
+        fwd, grads, to_packed = moela_impl("flash" if impl == "flash" else "triton", **VARIANTS.get(impl, {}))(case, x)
         leaves = (x.q, x.k, x.v)
 
     def fwd_bwd():  # gradients returned, not accumulated into .grad (an extra pass over q, k, v per call)
@@ -356,7 +326,7 @@ def main() -> None:
         say(f"flash-attn-4 {version('flash-attn-4')} (import {time.perf_counter() - start:.1f} s)")
     else:
         say(f"flash-attn-4: {problem}")
-    say(f"Triton schedule: {SCHEDULE}; launch configs: {CONFIGS}\n")
+    say(f"Triton launch configs: {CONFIGS}\n")
     rows, measured, references = [], [], {}
 
     def run_case(case: Case, names: list[str], title: str) -> None:
@@ -375,9 +345,7 @@ def main() -> None:
             if why is not None:
                 say(table_row(impl, why))
                 continue
-            schedule, configs = VARIANTS.get(impl, ({}, {}))
-            with variant(schedule, configs, case.d_qk, case.d_v):
-                result = guarded(150, run_row, case, impl, x, references.get(case.name), warmup, rep)
+            result = guarded(150, run_row, case, impl, x, references.get(case.name), warmup, rep)
             if isinstance(result, str):
                 say(table_row(impl, result))
                 continue
@@ -397,21 +365,20 @@ def main() -> None:
         del x
         torch.cuda.empty_cache()
 
-    # every case's backends first, then the Triton variants: a spent budget drops variant rows, not cases
+    # every case's backends first, then the kernel variants: a spent budget drops variant rows, not cases
     for case in cases:
         run_case(case, [i for i in ("triton", "flash", "cudnn") if i in impls], "")
     if "variants" in impls:
         for case in (c for c in cases if c.variants):
             run_case(case, [name for name in VARIANTS if not args.variants
-                            or any(sub in name for sub in args.variants.split(","))], "Triton schedule variants: ")
+                            or any(sub in name for sub in args.variants.split(","))], "Kernel variants: ")
     say(f"total {time.time() - t0:.0f} s\n")
     say("Rows for moela/ops/attention/auto.py MEASURED (fwd+bwd TFLOP/s of this run):\n\n```python")
-    date = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}"
     for case, speeds in measured:
         name = case.name.removeprefix("z-loss ").removeprefix("ALiBi ").removeprefix("128/128 ")
         per_doc = round(sum(case.lens) / len(case.lens))
         say(f'    Measured("{name}", ({case.d_qk}, {case.d_v}), "{case.layout}", {per_doc}, "{case.feature}", '
-            f'{speeds}, "bench/results/attention.json, {date}"),')
+            f'{speeds}),')
     say("```")
     write_results("attention", "mla_attention's backends side by side", "\n".join(LINES),
                   dict(heads=H, dtype="bf16", causal=True, quick=args.quick, rows=rows), out_dir=args.out_dir)

@@ -14,34 +14,13 @@ out-of-memory error ends only its row:
             moela-nomtp   the same with MTP off: the row the peers are compared with
             moela-nographs  the same with `train.cuda_graphs=false`: compiled blocks, every kernel launched by the
                           host (the `small` recipe graphs forward + backward, captured in the third step)
-            moela-graphs-add  graphed, but with the earlier gradient scheme: gradients zeroed in place before each
-                          step and every micro-batch's graph adding into them (`cuda_graphs.FIRST_ASSIGNS = False`;
-                          `moela` lets the first micro-batch's graph assign them)
             moela-fp32-moments  the recipe with `optim.moment_dtype=float32` (torch's fused AdamW; `small` ships bf16
                           moments, moela's AdamW)
-            moela-nomtp-ropecat  moela-nomtp with the query's RoPE out of place (split, rope, cat:
-                          `attention.Q_ROPE["mode"] = "cat"`; moela rotates its rotary columns in place)
-            moela-nomtp-nohandoff  moela-nomtp with every block normalizing its own input
-                          (`transformer.HANDOFF_NORMS = False`; moela's compiled blocks hand the next norm on
-                          where their attention is a graph break, so the row differs from moela-nomtp only there)
-            moela-nomtp-attnbreak  moela-nomtp with the attention and the query's in-place RoPE as graph breaks of
-                          the compiled blocks (`attention.IN_GRAPH["attention"] = False`; moela traces both)
-            moela-pointwise-tuned  moela with Inductor's pointwise kernels tuned over several launch configs at their
-                          first launch (torch's default; `trainer.compile.INDUCTOR_SETTINGS` cleared)
-            moela-mtp-own-graph  moela with the MTP block's residual stream in its input projection's dtype (bf16
-                          under autocast), a block variant of its own to compile (`transformer.MTP_STREAM_DTYPE` off;
-                          moela keeps it in the main stack's dtype, so the block reuses the MoE blocks' graphs)
             moela-no-prebuild  moela without the helper process that builds its kernels beside the first step's
                           compile (`train.prebuild_kernels=false`; moela.trainer.prebuild)
-            moela-fwd-triton, moela-fwd-gluon  moela with the Triton backend's attention forward on the Triton kernel /
-                          on the Gluon kernel's default config (`triton_common.SCHEDULE["forward"]`; rows without
-                          flash-attn-4, which `auto` prefers where it is installed)
-            moela-dkdv-triton, moela-dkdv-<config>  moela with the Triton backend's dK/dV kernel on the Triton kernel /
-                          on the Gluon kernel's config gluon_dkdv_<config> (`triton_common.SCHEDULE["dkdv"]`; bm32,
-                          bm32_pipe, bm64, bm64_pipe; rows without flash-attn-4)
-            moela-dq-<config>  moela with the Triton backend's dQ kernel on the Gluon kernel's config gluon_dq_<config>
-                          (`triton_common.SCHEDULE["dq"]`; bn64, bn64_pipe, bn128, bn64_persistent; rows without
-                          flash-attn-4)
+            moela-{fwd,dq,dkdv}-{triton,gluon}  moela on moela's attention kernels (`model.attention_backend=triton`)
+                          with one phase's kernel named (`model.kernels.attention_forward`, `attention_dq`,
+                          `attention_dkdv`), the others `auto`
             titan-compile, hf, titan-eager   the peers (bench/steplib/impls.py), MTP off, bf16 parameters
   recipes   bf16, fp8_blockwise (the routed experts in FP8), fp8 (`model.precision: fp8`: also every linear whose
             features tile, as ops inside the compiled blocks); FP8 rows are moela rows only (the peers have no FP8)
@@ -83,7 +62,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.steplib.report import write_report  # noqa: E402
-from moela.ops.attention import gluon_bwd, gluon_dq  # noqa: E402
 
 SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -100,23 +78,16 @@ CONFIGS = {
     "tiny": dict(recipe=TINY, rows=2, row_len=256, median_doc_len=64,
                  overrides=["train.tokens_per_microbatch=512", "train.grad_accum=2"]),
 }
-DKDV_ROWS = {f"moela-dkdv-{name.removeprefix('gluon_dkdv_')}": name for name in gluon_bwd.CONFIGS}
-DQ_ROWS = {f"moela-dq-{name.removeprefix('gluon_dq_')}": name for name in gluon_dq.CONFIGS}
-IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-         "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-pointwise-tuned", "moela-mtp-own-graph",
-         "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon", "moela-dkdv-triton",
-         *DKDV_ROWS, *DQ_ROWS, "titan-compile", "hf", "titan-eager")
-MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"], "moela-graphs-add": [],
+# label -> the recipe overrides of a row timing one attention phase on one of moela's kernels
+KERNEL_ROWS = {f"moela-{phase}-{kernel}": ["model.attention_backend=triton", f"model.kernels.attention_{key}={kernel}"]
+               for phase, key in (("fwd", "forward"), ("dq", "dq"), ("dkdv", "dkdv")) for kernel in ("triton", "gluon")}
+IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-no-prebuild", *KERNEL_ROWS,
+         "titan-compile", "hf", "titan-eager")
+MOELA_IMPLS = {"moela": [], "moela-nographs": ["train.cuda_graphs=false"],
                "moela-fp32-moments": ["optim.moment_dtype=float32"],
                "moela-nomtp": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-ropecat": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-nohandoff": ["model.num_nextn_predict_layers=0"],
-               "moela-nomtp-attnbreak": ["model.num_nextn_predict_layers=0"],
-               "moela-pointwise-tuned": [], "moela-mtp-own-graph": [],
-               "moela-no-prebuild": ["train.prebuild_kernels=false"], "moela-fwd-triton": [],
-               "moela-fwd-gluon": [], "moela-dkdv-triton": [],
-               **{label: [] for label in (*DKDV_ROWS, *DQ_ROWS)}}  # label -> recipe overrides
-MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments")  # bf16 and fp8 rows
+               "moela-no-prebuild": ["train.prebuild_kernels=false"], **KERNEL_ROWS}  # label -> recipe overrides
+MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-fp32-moments")  # bf16 and fp8 rows
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
                     "fp8": ["model.precision=fp8"]}
@@ -144,15 +115,6 @@ def plan_rows(configs: list[str], impls: list[str], recipes: list[str], device: 
                              "recipe": recipe, "device": device, "recipe_path": c["recipe"],
                              "overrides": overrides, "rows": c["rows"], "row_len": c["row_len"],
                              "median_doc_len": c["median_doc_len"],
-                             "graph_first_assigns": impl != "moela-graphs-add",
-                             "q_rope": "cat" if impl == "moela-nomtp-ropecat" else "in_place",
-                             "handoff_norms": impl != "moela-nomtp-nohandoff",
-                             "attention_in_graph": impl != "moela-nomtp-attnbreak",
-                             "inductor_settings": impl != "moela-pointwise-tuned",
-                             "mtp_stream_dtype": impl != "moela-mtp-own-graph",
-                             "attention_forward": {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(impl),
-                             "attention_dkdv": {"moela-dkdv-triton": "triton", **DKDV_ROWS}.get(impl),
-                             "attention_dq": DQ_ROWS.get(impl),
                              **counts})
     return rows
 

@@ -15,7 +15,6 @@ assembled once more with the ptxas Triton itself uses for sm_90 (`get_ptxas(90)`
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import subprocess
@@ -90,12 +89,11 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a"):
 
 
 def attention_kernels():
-    from moela.ops.attention import triton_bwd, triton_fwd
-    from moela.ops.attention.triton_common import CONFIGS, head_dim_blocks
+    from moela.ops.attention.kernels import triton_backward, triton_forward
+    from moela.ops.attention.kernels.triton_common import CONFIGS, head_dim_blocks
 
     d_qk, d_v = 192, 128
-    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, WORKLIST=True,
-                  **head_dim_blocks(d_qk, d_v))
+    common = dict(D_QK=d_qk, D_V=d_v, CAUSAL=True, HAS_ALIBI=True, UPCAST=False, **head_dim_blocks(d_qk, d_v))
     ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", SLOPES="*fp32",
                 ITEMS="*i32", n_items=1000, n_heads=16)
     strides = {f"stride_{t}{d}": s for t in ("q", "k", "dq", "dk") for d, s in (("t", 16 * d_qk), ("h", d_qk))}
@@ -103,9 +101,10 @@ def attention_kernels():
     strides["stride_lh"] = 4096
     grads = dict(DOut="*bf16", DELTA="*fp32", sm_scale=0.07)
     out = {}
-    for name, kernel, extra in (("attention fwd", triton_fwd._fwd_kernel, dict(Out="*bf16")),
-                                ("attention dkdv", triton_bwd._bwd_dkdv_kernel, dict(DK="*bf16", DV="*bf16", **grads)),
-                                ("attention dq", triton_bwd._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
+    for name, kernel, extra in (("attention fwd", triton_forward._fwd_kernel, dict(Out="*bf16")),
+                                ("attention dkdv", triton_backward._bwd_dkdv_kernel,
+                                 dict(DK="*bf16", DV="*bf16", **grads)),
+                                ("attention dq", triton_backward._bwd_dq_kernel, dict(DQ="*bf16", **grads))):
         bm, bn, warps, stages = CONFIGS[name.split()[1]]["wide"]
         args = {**ptrs, **strides, **extra, **common, "qk_scale": 0.1, "BLOCK_M": bm, "BLOCK_N": bn}
         args = {a: args[a] for a in kernel.arg_names}
@@ -115,55 +114,49 @@ def attention_kernels():
 
 
 def attention_gluon_kernels():
-    """The warp-specialized Gluon forward (moela.ops.attention.gluon_fwd) in its default config at MLA's 192/128:
-    its PTX must hold the bf16 wgmma, setmaxnreg and the TMA loads."""
-    from moela.ops.attention import gluon_fwd as g
+    """The warp-specialized Gluon kernels (moela.ops.attention.kernels.gluon_*) at MLA's 192/128 and `small`'s 96/64:
+    their PTX must hold the bf16 wgmma, setmaxnreg and the TMA loads."""
+    from moela.ops.attention.kernels import gluon_common, gluon_dkdv, gluon_dq, gluon_forward
+    from moela.ops.attention.kernels.gluon_common import BM, head_split
 
-    if g.gluon is None:
+    if gluon_common.gluon is None:
         return {}
-    cfg = g.CONFIGS[g.DEFAULT]
-    d_qk, d_v, bn = 192, 128, cfg.block_n
-    main, rest = g.head_split(d_qk)
+    gl = gluon_common.gl
 
     def desc(rows, cols):
-        return f"tensordesc<bf16[{rows}, {cols}],{g.gl.NVMMASharedLayout.get_default_for([rows, cols], g.gl.bfloat16)}>"
+        return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)}>"
 
-    args = dict(q_desc=desc(g.BM, main), qr_desc=desc(g.BM, rest), k_desc=desc(bn, main), kr_desc=desc(bn, rest),
-                v_desc=desc(bn, d_v), Out="*bf16", stride_ot=16 * d_v, stride_oh=d_v, LSE="*fp32", stride_lh=4096,
-                CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, NUM_PROGRAMS=132, qk_scale=0.1,
-                D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=cfg.stages)
-    out = {"attention gluon fwd": compile_sm90(g._fwd_kernel, args, num_warps=g.NUM_WARPS, require=(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
-        "cp.async.bulk.tensor"))}
-    # the Gluon dK/dV kernel (moela.ops.attention.gluon_bwd) in each config: S^T by wgmma N = BM, dV += P^T dO with
-    # P^T from registers
-    from moela.ops.attention import gluon_bwd as b
-
-    for name, (bm, pipeline) in b.CONFIGS.items():
-        args = dict(q_desc=desc(bm, main), qr_desc=desc(bm, rest), k_desc=desc(b.BN, main), kr_desc=desc(b.BN, rest),
-                    v_desc=desc(b.BN, d_v), do_desc=desc(bm, d_v), LSE="*fp32", DELTA="*fp32", stride_lh=4096,
-                    DK="*bf16", stride_dkt=16 * d_qk, stride_dkh=d_qk, DV="*bf16", stride_dvt=16 * d_v, stride_dvh=d_v,
-                    CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, qk_scale=0.1, sm_scale=0.07,
-                    D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BM=bm, PIPELINE=pipeline)
-        out[f"attention {name}"] = compile_sm90(b._dkdv_kernel, args, num_warps=4, require=(
-            f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
-            "cp.async.bulk.tensor"))
-    # the Gluon dQ kernel (moela.ops.attention.gluon_dq) in each config that fits at 192/128, and at 96/64
-    from moela.ops.attention import gluon_dq as dq
-
-    for (dqk, dv), (name, cfg) in itertools.product(((d_qk, d_v), (96, 64)), dq.CONFIGS.items()):
-        if dq.fits(dqk, dv, name) is not None:
-            continue
-        m, r = g.head_split(dqk)
-        bn = cfg.block_n
-        args = dict(q_desc=desc(dq.BM, m), qr_desc=desc(dq.BM, r), do_desc=desc(dq.BM, dv), k_desc=desc(bn, m),
-                    kr_desc=desc(bn, r), v_desc=desc(bn, dv), LSE="*fp32", DELTA="*fp32", stride_lh=4096, DQ="*bf16",
-                    stride_dqt=16 * dqk, stride_dqh=dqk, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000,
-                    n_heads=16, qk_scale=0.1, sm_scale=0.07, D_QK=dqk, D_MAIN=m, D_V=dv, CAUSAL=True, BN=bn,
-                    STAGES=cfg.stages, PIPELINE=cfg.pipeline, NUM_PROGRAMS=132)
-        out[f"attention {name} {dqk}/{dv}"] = compile_sm90(dq._dq_kernel, args, num_warps=4, require=(
-            f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16", "setmaxnreg.inc.sync.aligned.u32",
-            "cp.async.bulk.tensor"))
+    out = {}
+    wgmma, setmaxnreg, tma = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16", \
+        "setmaxnreg.inc.sync.aligned.u32", "cp.async.bulk.tensor"
+    for d_qk, d_v in ((192, 128), (96, 64)):
+        main, rest = head_split(d_qk)
+        bn = gluon_forward.BN
+        args = dict(q_desc=desc(BM, main), qr_desc=desc(BM, rest), k_desc=desc(bn, main), kr_desc=desc(bn, rest),
+                    v_desc=desc(bn, d_v), Out="*bf16", stride_ot=16 * d_v, stride_oh=d_v, LSE="*fp32",
+                    stride_lh=4096, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16,
+                    NUM_PROGRAMS=132, qk_scale=0.1, D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn,
+                    STAGES=gluon_forward.STAGES)
+        out[f"attention gluon fwd {d_qk}/{d_v}"] = compile_sm90(
+            gluon_forward._fwd_kernel, args, num_warps=gluon_forward.NUM_WARPS,
+            require=(wgmma.format(bn), setmaxnreg, tma))
+        # dK/dV: S^T by wgmma N = BM (query rows a step), dV += P^T dO with P^T from registers
+        bm, bk = gluon_dkdv.STEP_ROWS, gluon_dkdv.BN
+        args = dict(q_desc=desc(bm, main), qr_desc=desc(bm, rest), k_desc=desc(bk, main), kr_desc=desc(bk, rest),
+                    v_desc=desc(bk, d_v), do_desc=desc(bm, d_v), LSE="*fp32", DELTA="*fp32", stride_lh=4096,
+                    DK="*bf16", stride_dkt=16 * d_qk, stride_dkh=d_qk, DV="*bf16", stride_dvt=16 * d_v,
+                    stride_dvh=d_v, CU_Q="*i32", CU_K="*i32", ITEMS="*i32", n_items=1000, n_heads=16, qk_scale=0.1,
+                    sm_scale=0.07, D_QK=d_qk, D_MAIN=main, D_V=d_v, CAUSAL=True, BM=bm)
+        out[f"attention gluon dkdv {d_qk}/{d_v}"] = compile_sm90(
+            gluon_dkdv._dkdv_kernel, args, num_warps=4, require=(wgmma.format(bm), setmaxnreg, tma))
+        bn = gluon_dq.BN
+        args = dict(q_desc=desc(BM, main), qr_desc=desc(BM, rest), do_desc=desc(BM, d_v), k_desc=desc(bn, main),
+                    kr_desc=desc(bn, rest), v_desc=desc(bn, d_v), LSE="*fp32", DELTA="*fp32", stride_lh=4096,
+                    DQ="*bf16", stride_dqt=16 * d_qk, stride_dqh=d_qk, CU_Q="*i32", CU_K="*i32", ITEMS="*i32",
+                    n_items=1000, n_heads=16, NUM_PROGRAMS=132, qk_scale=0.1, sm_scale=0.07, D_QK=d_qk,
+                    D_MAIN=main, D_V=d_v, CAUSAL=True, BN=bn, STAGES=gluon_dq.STAGES)
+        out[f"attention gluon dq {d_qk}/{d_v}"] = compile_sm90(
+            gluon_dq._dq_kernel, args, num_warps=4, require=(wgmma.format(bn), setmaxnreg, tma))
     return out
 
 

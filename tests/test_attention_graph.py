@@ -13,11 +13,11 @@ import logging
 import pytest
 import torch
 
+from attention_checks import check_against_float64, make_case, needs_interpreter, run_with_grads
 from moela.ops.attention import api as attn_api
 from moela.ops.attention import mla_attention
 from moela.ops.attention.graph import mla_attention_in_graph, traces_in_graph
 from moela.ops.dispatch import Dispatch
-from test_attention import check_against_float64, make_case, needs_interpreter, run_with_grads
 
 
 @needs_interpreter
@@ -52,13 +52,14 @@ def test_opcheck_of_the_op_pair():
     the autograd registration, and AOT dispatch with static and dynamic shapes."""
     torch.manual_seed(0)
     q, k, v, cu, _, _, dout, dlse = make_case([5, 11], [5, 11], 2, 24, 16, torch.float32, "cpu", False, seed=8)
+    kernels = ("auto", "triton", "auto")  # forward, dQ, dK/dV
     fwd_args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu, cu, 11, 11, True, 0.2, None, True,
-                "triton")
+                "triton", *kernels)
     torch.library.opcheck(torch.ops.moela.mla_attention_fwd.default, fwd_args)
     with torch.no_grad():
         out, lse = torch.ops.moela.mla_attention_fwd(*fwd_args)
     bwd_args = (dout, dlse, q.detach(), k.detach(), v.detach(), out, lse, cu, cu, 11, 11, True, 0.2, None, True,
-                "triton")
+                "triton", *kernels)
     torch.library.opcheck(torch.ops.moela.mla_attention_bwd.default, bwd_args)
 
 

@@ -99,7 +99,7 @@ class _RoleGraph:
     def __init__(self, g, first: bool, log: list):
         self.g, self.log = g, log
         self.role = first
-        self.first = first and g.first_assigns  # with FIRST_ASSIGNS off every graph adds
+        self.first = first
         self.params = [p for p in g.model.parameters() if p.requires_grad]
         self.held = [p.grad for p in self.params]
 
@@ -122,17 +122,11 @@ class _RoleGraph:
         out[3].copy_(load)
 
 
-@pytest.mark.parametrize("first_assigns", [True, False])
-def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batches_zero_them(
-        tmp_path, monkeypatch, first_assigns):
+def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batches_zero_them(tmp_path, monkeypatch):
     """The bookkeeping around two captured graphs (CPU stand-ins, `_RoleGraph`): captured at step 3 (first
     micro-batch, then a later one), replayed by role, the trainer never zeroing between steps; an eager first
     micro-batch after the capture (the profiler's eager_replay) zeroes the held gradients in place. Every step
-    equals the plain trainer's. `FIRST_ASSIGNS = False` (bench/step.py's `moela-graphs-add`): every graph adds, and
-    the gradients are zeroed in place before each step's first micro-batch instead."""
-    from moela.trainer import cuda_graphs
-
-    monkeypatch.setattr(cuda_graphs, "FIRST_ASSIGNS", first_assigns)
+    equals the plain trainer's."""
     plain = Trainer(make_cfg(tmp_path / "a"))
     graphed = Trainer(make_cfg(tmp_path / "b"))
     g = graphed_on_cpu(graphed)
@@ -142,7 +136,7 @@ def test_the_first_graph_assigns_gradients_the_second_adds_and_eager_micro_batch
     def stand_in_capture(first):
         log.append(("capture", first, g.steps))
         params = [p for p in g.model.parameters() if p.requires_grad]
-        if first and first_assigns:  # as the real capture: unset, so that autograd assigns the tensors it holds
+        if first:  # as the real capture: unset, so that autograd assigns the tensors it holds
             g.model.zero_grad(set_to_none=True)
             g.outputs[first] = g._forward_backward()
         else:  # a capture records, it does not add: the held values are put back

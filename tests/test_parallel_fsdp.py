@@ -140,24 +140,3 @@ def test_fsdp_prefetches_the_next_block_and_its_experts_explicitly():
     backward) block and its expert unit to gather ahead."""
     spawn(_prefetch_chain, 2)
 
-
-def _sharded_blocks_keep_their_norms(rank: int, world_size: int) -> None:
-    from moela.trainer.compile import compile_blocks
-
-    cfg, pcfg = tiny_config(**VISIBLE_TRAINING), ParallelConfig()
-    torch.manual_seed(0)
-    model = apply_parallelism(build_model(cfg, "cpu"), build_mesh(pcfg, world_size, "cpu"), pcfg)
-    compile_blocks(model, backend="eager")
-    x = torch.zeros(3, cfg.hidden_size)
-    assert model._handoffs(x) == [None] * len(model.layers)
-    assert not model._hands_off(model.mtp[0].block, x, model.mtp[0].block.attn_norm, model.mtp[0].norm)
-    out = model(random_batches(world_size, seed=9)[rank])
-    out.loss.backward()
-    assert torch.isfinite(out.loss)
-
-
-def test_fsdp_blocks_normalize_their_own_input_when_compiled():
-    """The norm hand-off (`moela.model.block`) is off for FSDP2 units: the next block's norm weight is not gathered
-    while this block runs and its gradient would arrive after that unit's reduce-scatter."""
-    spawn(_sharded_blocks_keep_their_norms, 2)
-

@@ -1,6 +1,6 @@
 """Pipeline parallelism on CPU (gloo): every schedule's step equals the one-process step (loss, every gradient, five
-optimizer steps of weights and router biases), the layout grammar and its errors, the schedules' completeness and
-bubble on the cost model, the transport's message counts.
+optimizer steps of weights and router biases; also x FSDP2, x EP, x TP, x CP), the layout grammar and its errors,
+the schedules' completeness and bubble on the cost model, the transport's message counts.
 
 Tolerance: the pipelined step sums the same terms in another order (stage shares of the loss, gradient
 accumulation across stages), so values agree to float32 rounding: 2e-5 relative on losses, 1e-5 + 1e-4 relative on
@@ -43,9 +43,10 @@ def _check(rank, world, cfg, pcfg, ref, steps, counts_expected=None, overlap=Tru
 
 def _run(schedule, v, world, *, pp=2, m=4, steps=2, model=None, extra=None, counts=None, overlap=True):
     cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING, **(model or {})})
-    pcfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m,
-                          dp_shard=world // pp, **(extra or {}))
-    ref = reference(cfg, m * (world // pp // (extra or {}).get("ep", 1) * (extra or {}).get("ep", 1)), steps)
+    extra = extra or {}
+    dp = world // pp // extra.get("tp", 1) // extra.get("cp", 1)
+    pcfg = ParallelConfig(pp=pp, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m, dp_shard=dp, **extra)
+    ref = reference(cfg, m * dp, steps)
     spawn(_check, world, cfg, pcfg, ref, steps, counts, overlap)
 
 
@@ -88,6 +89,12 @@ def test_two_stages_times_fsdp(schedule, v):
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("dualpipev", 2)])
 def test_two_stages_times_expert_parallel(schedule, v):
     _run(schedule, v, 4, extra=dict(ep=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [dict(tp=2), dict(cp=2)])
+def test_two_stages_times_tensor_or_context_parallel(extra):
+    _run("1f1b", 1, 4, extra=extra, model=dict(vocab_size=98))
 
 
 def test_layout_grammar_and_balance():

@@ -374,10 +374,11 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_before_the_build(monke
 def test_a_named_backend_this_machine_cannot_run_is_refused_before_the_build(monkeypatch):
     """The fast MoE backends run CUDA kernels: named on the CPU (which trains in float32), or `deep_gemm` without
     its package, the trainer stops with the fix before building the model; so for the attention's sdpa, flash and
-    triton (which the interpreter runs on the CPU); `auto` and `reference` run anywhere."""
+    triton (which the interpreter runs on the CPU), and for a Gluon attention kernel off Hopper; `auto` and
+    `reference` run anywhere."""
     import importlib.util
 
-    from moela.model.config import ModelConfig
+    from moela.model.config import KernelsConfig, ModelConfig
     from moela.trainer import device_checks
     from moela.trainer.device_checks import check_backends
 
@@ -396,6 +397,16 @@ def test_a_named_backend_this_machine_cannot_run_is_refused_before_the_build(mon
     for name in ("auto", "reference"):
         check_backends(ModelConfig(moe_backend=name, attention_backend=name), cpu)
     check_backends(ModelConfig(moe_backend="triton"), gpu)
+    gluon = ModelConfig(kernels=KernelsConfig(attention_dq="gluon"))
+    with pytest.raises(InputError, match="model.kernels.attention_dq: 'gluon' runs on Hopper .* not on the cpu"):
+        check_backends(gluon, cpu)
+    for capability, ok in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        if ok:
+            check_backends(gluon, gpu)
+        else:
+            with pytest.raises(InputError, match=f"'gluon' runs on Hopper .* not on sm_{capability[0]}0; use auto"):
+                check_backends(gluon, gpu)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(InputError, match="'deep_gemm' needs the deep_gemm package"):
         check_backends(ModelConfig(moe_backend="deep_gemm"), gpu)

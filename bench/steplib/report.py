@@ -10,9 +10,8 @@ from pathlib import Path
 from bench.steplib.kernels import FAMILIES
 
 PEERS = ("titan-compile", "titan-eager", "hf")
-LOSS_IMPLS = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-nomtp", "moela-nomtp-ropecat",
-              "moela-nomtp-nohandoff", "moela-nomtp-attnbreak", "moela-pointwise-tuned", "moela-mtp-own-graph",
-              "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon") + PEERS
+LOSS_IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "moela-no-prebuild",
+              *(f"moela-{phase}-{kernel}" for phase in ("fwd", "dq", "dkdv") for kernel in ("triton", "gluon"))) + PEERS
 
 
 def _versions() -> str:

@@ -69,14 +69,8 @@ def _profiled(impl, device: torch.device, steps: int, with_cpu: bool):
 
 def run_row(spec: dict) -> dict:
     """`spec` (from `bench/step.py`): config, impl, recipe, device, recipe_path, overrides, rows, row_len,
-    median_doc_len, warmup, steps, profile_steps, sync_steps (the MoE kernel choices are recipe overrides,
-    `model.kernels.<field>=...`), and optionally graph_first_assigns (`cuda_graphs.FIRST_ASSIGNS`),
-    q_rope (`attention.Q_ROPE["mode"]`), handoff_norms (`transformer.HANDOFF_NORMS`), attention_in_graph
-    (`attention.IN_GRAPH["attention"]`), inductor_settings (false: `trainer.compile.INDUCTOR_SETTINGS` cleared),
-    mtp_stream_dtype (`transformer.MTP_STREAM_DTYPE`),
-    attention_forward (`triton_common.SCHEDULE["forward"]`: "triton", or "gluon" for `gluon_fwd.DEFAULT`),
-    attention_dkdv (`triton_common.SCHEDULE["dkdv"]`: "triton" or a `gluon_bwd.CONFIGS` name) and attention_dq
-    (`SCHEDULE["dq"]`: a `gluon_dq.CONFIGS` name)."""
+    median_doc_len, warmup, steps, profile_steps, sync_steps. Kernel choices are recipe overrides
+    (`model.kernels.<field>=...`)."""
     from bench.steplib.impls import build_impl
 
     t0 = float(os.environ.get(T0_ENV) or time.time())
@@ -86,37 +80,6 @@ def run_row(spec: dict) -> dict:
     source = PackedDocs(vocab_size=cfg.model.vocab_size, rows=spec["rows"], row_len=spec["row_len"],
                         grad_accum=cfg.train.grad_accum, seed=cfg.train.seed, median_len=spec["median_doc_len"],
                         max_doc_len=min(cfg.model.max_position_embeddings, spec["row_len"]))
-    if not spec.get("graph_first_assigns", True):
-        from moela.trainer import cuda_graphs
-
-        cuda_graphs.FIRST_ASSIGNS = False
-    if spec.get("q_rope", "in_place") != "in_place":
-        from moela.model import attention
-
-        attention.Q_ROPE["mode"] = spec["q_rope"]
-    from moela.ops.attention import gluon_fwd, triton_common
-
-    choices = {"forward": {"gluon": gluon_fwd.DEFAULT, "triton": "triton"}.get(spec.get("attention_forward")),
-               "dkdv": spec.get("attention_dkdv"), "dq": spec.get("attention_dq")}
-    for kernel, choice in choices.items():
-        if choice:
-            triton_common.SCHEDULE[kernel] = choice
-    if not spec.get("inductor_settings", True):
-        from moela.trainer import compile as trainer_compile
-
-        trainer_compile.INDUCTOR_SETTINGS.clear()
-    if not spec.get("mtp_stream_dtype", True):
-        from moela.model import transformer
-
-        transformer.MTP_STREAM_DTYPE = False
-    if not spec.get("handoff_norms", True):
-        from moela.model import transformer
-
-        transformer.HANDOFF_NORMS = False
-    if not spec.get("attention_in_graph", True):
-        from moela.model import attention
-
-        attention.IN_GRAPH["attention"] = False
     clock = CompilerClock()
     clock.install()
     impl = build_impl(spec["impl"], cfg, source, device)

@@ -87,49 +87,22 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
     specs = step.plan_rows(["small-16k", "small-64k"], list(step.IMPLS), ["bf16", "fp8_blockwise"], "cuda", counts,
                            "/tmp/r")
     labels = [(s["label"], s["config"][-3:], s["recipe"]) for s in specs]
+    kernel_rows = [f"moela-{phase}-{kernel}" for phase in ("fwd", "dq", "dkdv") for kernel in ("triton", "gluon")]
     assert labels == [("moela", "16k", "bf16"), ("moela", "16k", "fp8_blockwise"), ("moela", "64k", "bf16"),
                       ("moela", "64k", "fp8_blockwise"), ("moela-nographs", "16k", "bf16"),
                       ("moela-nographs", "16k", "fp8_blockwise"), ("moela-nographs", "64k", "bf16"),
-                      ("moela-nographs", "64k", "fp8_blockwise"), ("moela-graphs-add", "16k", "bf16"),
-                      ("moela-graphs-add", "16k", "fp8_blockwise"), ("moela-graphs-add", "64k", "bf16"),
-                      ("moela-graphs-add", "64k", "fp8_blockwise"), ("moela-fp32-moments", "16k", "bf16"),
+                      ("moela-nographs", "64k", "fp8_blockwise"), ("moela-fp32-moments", "16k", "bf16"),
                       ("moela-fp32-moments", "16k", "fp8_blockwise"), ("moela-fp32-moments", "64k", "bf16"),
                       ("moela-fp32-moments", "64k", "fp8_blockwise"), ("moela-nomtp", "16k", "bf16"),
-                      ("moela-nomtp", "64k", "bf16"), ("moela-nomtp-ropecat", "16k", "bf16"),
-                      ("moela-nomtp-ropecat", "64k", "bf16"), ("moela-nomtp-nohandoff", "16k", "bf16"),
-                      ("moela-nomtp-nohandoff", "64k", "bf16"), ("moela-nomtp-attnbreak", "16k", "bf16"),
-                      ("moela-nomtp-attnbreak", "64k", "bf16"), ("moela-pointwise-tuned", "16k", "bf16"),
-                      ("moela-pointwise-tuned", "64k", "bf16"), ("moela-mtp-own-graph", "16k", "bf16"),
-                      ("moela-mtp-own-graph", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
-                      ("moela-no-prebuild", "64k", "bf16"), ("moela-fwd-triton", "16k", "bf16"),
-                      ("moela-fwd-triton", "64k", "bf16"), ("moela-fwd-gluon", "16k", "bf16"),
-                      ("moela-fwd-gluon", "64k", "bf16"),
-                      *[(label, size, "bf16") for label in ("moela-dkdv-triton", "moela-dkdv-bm32",
-                                                            "moela-dkdv-bm32_pipe", "moela-dkdv-bm64",
-                                                            "moela-dkdv-bm64_pipe", "moela-dq-bn64",
-                                                            "moela-dq-bn64_pipe", "moela-dq-bn128",
-                                                            "moela-dq-bn64_persistent")
-                        for size in ("16k", "64k")],
+                      ("moela-nomtp", "64k", "bf16"), ("moela-no-prebuild", "16k", "bf16"),
+                      ("moela-no-prebuild", "64k", "bf16"),
+                      *[(label, size, "bf16") for label in kernel_rows for size in ("16k", "64k")],
                       ("titan-compile", "16k", "bf16"), ("titan-compile", "64k", "bf16"), ("hf", "16k", "bf16"),
                       ("hf", "64k", "bf16"), ("titan-eager", "16k", "bf16"), ("titan-eager", "64k", "bf16")]
     for s in specs:
         mtp_off = "model.num_nextn_predict_layers=0" in s["overrides"]
-        mtp_on = ("moela", "moela-nographs", "moela-graphs-add", "moela-fp32-moments", "moela-pointwise-tuned",
-                  "moela-mtp-own-graph", "moela-no-prebuild", "moela-fwd-triton", "moela-fwd-gluon")
-        assert mtp_off == (s["label"] not in mtp_on and not s["label"].startswith(("moela-dkdv-", "moela-dq-")))
-        assert s["inductor_settings"] == (s["label"] != "moela-pointwise-tuned")
-        assert s["mtp_stream_dtype"] == (s["label"] != "moela-mtp-own-graph")
-        assert s["attention_forward"] == {"moela-fwd-triton": "triton", "moela-fwd-gluon": "gluon"}.get(s["label"])
-        dkdv = s["label"].removeprefix("moela-dkdv-")
-        assert s["attention_dkdv"] == (None if dkdv == s["label"] else "triton" if dkdv == "triton" else
-                                       f"gluon_dkdv_{dkdv}")
-        dq = s["label"].removeprefix("moela-dq-")
-        assert s["attention_dq"] == (None if dq == s["label"] else f"gluon_dq_{dq}")
-        assert s["graph_first_assigns"] == (s["label"] != "moela-graphs-add")
+        assert mtp_off == (s["label"] in ("moela-nomtp", "titan-compile", "hf", "titan-eager"))
         assert ("train.prebuild_kernels=false" in s["overrides"]) == (s["label"] == "moela-no-prebuild")
-        assert s["q_rope"] == ("cat" if s["label"] == "moela-nomtp-ropecat" else "in_place")
-        assert s["handoff_norms"] == (s["label"] != "moela-nomtp-nohandoff")
-        assert s["attention_in_graph"] == (s["label"] != "moela-nomtp-attnbreak")
         assert ("train.cuda_graphs=false" in s["overrides"]) == (s["label"] == "moela-nographs")
         assert f"model.moe_recipe={s['recipe']}" in s["overrides"]
         assert s["rows"] * s["row_len"] == (65536 if s["config"] == "small-64k" else 16384)
@@ -138,6 +111,11 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
         assert cfg.train.tokens_per_microbatch * cfg.train.grad_accum == 32768 or s["config"] == "small-64k"
         assert cfg.train.cuda_graphs == (s["label"] != "moela-nographs")
         assert cfg.optim.moment_dtype == ("float32" if s["label"] == "moela-fp32-moments" else "bfloat16")
+        kernels = cfg.model.kernels
+        chosen = {f"moela-fwd-{kernels.attention_forward}", f"moela-dq-{kernels.attention_dq}",
+                  f"moela-dkdv-{kernels.attention_dkdv}"} & set(kernel_rows)
+        assert chosen == ({s["label"]} if s["label"] in kernel_rows else set()), s["label"]
+        assert (cfg.model.attention_backend == "triton") == (s["label"] in kernel_rows)
 
     fp8 = step.plan_rows(["small-64k"], ["moela", "titan-compile"], ["bf16", "fp8"], "cuda", counts, "/tmp/r")
     assert [(s["label"], s["recipe"]) for s in fp8] == [("moela", "bf16"), ("moela", "fp8"), ("titan-compile", "bf16")]
@@ -200,14 +178,8 @@ def token_cache(tmp_path_factory):
 
 def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
     """A whole row through the real Trainer: the first-step loss of random tokens is near ln(V); a kernel choice
-    rides in as a recipe override (`model.kernels.moe_fp8_wgrad`), inductor_settings reaches the trainer's Inductor
-    settings and mtp_stream_dtype the MTP block."""
+    rides in as a recipe override (`model.kernels.moe_fp8_wgrad`)."""
     from bench.steplib.row import run_row
-    from moela.model import transformer
-    from moela.trainer import compile as trainer_compile
-
-    monkeypatch.setattr(trainer_compile, "INDUCTOR_SETTINGS", dict(trainer_compile.INDUCTOR_SETTINGS))
-    monkeypatch.setattr(transformer, "MTP_STREAM_DTYPE", True)
 
     spec = {"config": "tiny", "impl": "moela", "label": "moela", "recipe": "bf16", "device": "cpu",
             "recipe_path": str(ROOT / "recipes" / "tiny.yaml"),
@@ -216,9 +188,8 @@ def test_moela_row_end_to_end_on_cpu(token_cache, tmp_path, monkeypatch):
                                  "logging.progress_bar=never", "checkpoint.every=0",
                                  "model.kernels.moe_fp8_wgrad=triton"],
             "rows": 2, "row_len": 64, "median_doc_len": 16, "warmup": 2, "steps": 2, "profile_steps": 1,
-            "sync_steps": 1, "inductor_settings": False, "mtp_stream_dtype": False}
+            "sync_steps": 1}
     r = run_row(spec)
-    assert trainer_compile.INDUCTOR_SETTINGS == {} and transformer.MTP_STREAM_DTYPE is False
     assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0 and r["mtp_depth"] == 1
     assert r["tokens_per_s_window"] > 0 and r["mfu_window"] is None  # no bf16 peak known for a CPU
     assert r["first_step_compile_s"] == 0.0  # the tiny recipe trains uncompiled on the CPU

@@ -14,7 +14,8 @@ Decisions:
   (weight [H*Dqk], OLMo2 style). Both normalize k_pe together with each head's k_nope, so with QK-Norm on the
   RoPE part of the key differs per head (it is shared only without QK-Norm). The latent norms `q_norm` /
   `kv_norm` use eps 1e-6 as DeepSeek and HF do.
-- The attention op is `self.core_attention` (`mla_attention` with the configured backend); the batch's context
+- The attention op is `self.core_attention` (`mla_attention` with the configured backend and the kernel of each
+  phase, `model.kernels`, as keyword arguments); the batch's context
   applies it (`ctx.attend`): on this rank's own tokens, or under context parallelism on the keys of the whole
   group. When the z-loss is on, the differentiable lse [H, T] is requested and reduced here to
   sum_t token_weight[t] * mean_h lse[h, t]**2, i.e. the mean over labelled tokens.
@@ -23,14 +24,12 @@ Decisions:
   tokens and all-gathered in one collective; a no-op by default) and `layer_qk_norm` (`qk_rms_norm` over the
   heads of the whole group). Everything after the gather runs on all tokens with this rank's heads.
 - On CUDA the query's RoPE part is rotated in place in the projection's output, and its gradient rotated back in
-  place (`moela.ops.rope_triton.rope_columns_`): no [T, H, Dqk] cat in either pass. `Q_ROPE["mode"] = "cat"`
-  restores the out-of-place form (split, rope, cat; the CPU path), which `bench/step.py`'s `moela-nomtp-ropecat`
-  row times against it.
+  place (`moela.ops.rope_triton.rope_columns_`): no [T, H, Dqk] cat in either pass. Elsewhere (the CPU) the query
+  is split, rotated and concatenated again.
 - In a compiled block both are ops of the block's graph: the rotation a mutating torch.library op, the attention
   the op pair of `moela.ops.attention.graph` whenever a backend with separate forward and backward kernels can run
-  it (flash-attn-4 or the Triton kernels; `traces_in_graph`), so a block compiles as one graph instead of five
-  pieces. `IN_GRAPH["attention"] = False` restores the graph breaks around both (bench/step.py's
-  `moela-nomtp-attnbreak` row).
+  it (flash-attn-4 or moela's kernels; `traces_in_graph`), so a block compiles as one graph instead of five
+  pieces.
 
 Shapes: T tokens, D hidden, H heads, Dqk = qk_nope_head_dim + qk_rope_head_dim, Dv = v_head_dim,
 R = qk_rope_head_dim, C = kv_lora_rank.
@@ -44,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from moela.model.config import ModelConfig
-from moela.model.layers import Linear, PackedContext, RMSNorm, call_op, call_outside_graph
+from moela.model.layers import Linear, PackedContext, RMSNorm, call_op
 from moela.ops.attention import mla_attention
 from moela.ops.attention.api import DISPATCH as ATTENTION_DISPATCH
 from moela.ops.attention.graph import mla_attention_in_graph, traces_in_graph
@@ -57,8 +56,6 @@ except ImportError:  # no triton on this platform: the out-of-place RoPE of the 
     rope_columns_ = None
 
 LATENT_NORM_EPS = 1e-6
-Q_ROPE = {"mode": "in_place"}  # or "cat" (module docstring)
-IN_GRAPH = {"attention": True}  # False: attention and the in-place RoPE are graph breaks (module docstring)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -83,7 +80,7 @@ def rope_attention_factor(cfg: ModelConfig) -> float:
 
 def rotate_q_in_place(q: torch.Tensor) -> bool:
     """Whether the query's RoPE part is rotated in place (`rope_columns_`, module docstring): on CUDA, by default."""
-    return Q_ROPE["mode"] == "in_place" and q.is_cuda and rope_columns_ is not None
+    return q.is_cuda and rope_columns_ is not None
 
 
 def keep_latents(*latents: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -121,7 +118,9 @@ class MLA(nn.Module):
         self.attention_factor = rope_attention_factor(cfg)
         self.z_loss = cfg.z_loss_coef > 0
         self.attention_backend = cfg.attention_backend
-        self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend)
+        self.kernels = dict(forward_kernel=cfg.kernels.attention_forward, dq_kernel=cfg.kernels.attention_dq,
+                            dkdv_kernel=cfg.kernels.attention_dkdv)  # mla_attention's keyword arguments
+        self.core_attention = functools.partial(mla_attention, backend=cfg.attention_backend, **self.kernels)
         self.gather_latents = keep_latents  # tensor parallelism's seams (module docstring)
         self.layer_qk_norm = qk_rms_norm
 
@@ -133,25 +132,13 @@ class MLA(nn.Module):
                                   self.q_qk_norm.weight, self.k_qk_norm.weight, self.q_qk_norm.eps)  # [T, H*Dqk]
         return q.view(t, h, self.qk_dim), k.view(t, h, self.qk_dim)  # [T, H, Dqk]
 
-    def breaks_graph(self, x: torch.Tensor) -> bool:
-        """Whether a compiled block breaks its graph inside this attention for an input like x (its device; the
-        projections' dtype: autocast's, else x's): where `_attention` does not trace the kernels, or an FP8
-        projection runs outside the graph (`Linear.fp8_in_graph`)."""
-        if not IN_GRAPH["attention"] or any(isinstance(m, Linear) and m.fp8 and not m.fp8_in_graph(x)
-                                            for m in self.modules()):
-            return True
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        return not traces_in_graph(kind, x.device.index, dtype, self.qk_dim, self.v_dim, False,
-                                   self.attention_backend)
-
     def _attention(self, q: torch.Tensor, *args, **kwargs):
         """`core_attention` as a compiled block calls it: the graph's op pair where a kernel backend can run it, else
         `call_op` (a graph break for the backends Dynamo cannot trace)."""
-        if IN_GRAPH["attention"] and torch.compiler.is_compiling() and traces_in_graph(
+        if torch.compiler.is_compiling() and traces_in_graph(
                 q.device.type, q.device.index, q.dtype, self.qk_dim, self.v_dim,
                 kwargs.get("alibi_slopes") is not None, self.attention_backend):
-            return mla_attention_in_graph(q, *args, backend=self.attention_backend, **kwargs)
+            return mla_attention_in_graph(q, *args, backend=self.attention_backend, **self.kernels, **kwargs)
         return call_op(self.core_attention, ATTENTION_DISPATCH, q, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: PackedContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,11 +158,9 @@ class MLA(nn.Module):
             k_nope, k_pe = k.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
         k_pe = rope(k_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, 1|H, R]
         k = torch.cat((k_nope, k_pe.expand(t, h, self.rope_dim)), dim=-1)  # [T, H, Dqk]
-        if rotate_q_in_place(q):
-            # traced into a compiled block's graph, or a graph break where IN_GRAPH says so
-            rotate = rope_columns_ if IN_GRAPH["attention"] else functools.partial(call_outside_graph, rope_columns_)
-            q = rotate(q, ctx.position_ids, ctx.inv_freq, self.nope_dim,
-                       attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
+        if rotate_q_in_place(q):  # traced into a compiled block's graph
+            q = rope_columns_(q, ctx.position_ids, ctx.inv_freq, self.nope_dim,
+                              attention_factor=self.attention_factor)  # [T, H, Dqk], q's storage
         else:
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # [T, H, Dn], [T, H, R]
             q_pe = rope(q_pe, ctx.position_ids, ctx.inv_freq, attention_factor=self.attention_factor)  # [T, H, R]

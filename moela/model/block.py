@@ -21,29 +21,12 @@ A FAL block hands both of its sublayers to ONE `sum_partials`, so it pays one re
 two. `side_stream` (a CUDA stream, FAL blocks on one GPU) runs the MLP on that stream while attention runs on the
 current one (`moela.model.streams`).
 
-A block returns
-(x_{l+1}, a1, z, aux, load, n_{l+1}): a1 is passed along the stack (None for standard models), z is the attention
-z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense), n_{l+1} the next
-consumer's norm of x_{l+1} when the caller hands it one (`next_norm`; else None). Returning values instead of
-accumulating side effects keeps blocks safe to re-run under activation checkpointing: a block whose `recompute` is
-set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a non-reentrant
-`torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend` names a
-torch.compile backend (set by `moela.trainer.compile.compile_blocks`) runs `_forward` compiled.
-
-The norm hand-off (`normed`, `next_norm`, `next_dtype`; `Transformer` decides when): a compiled block whose
-attention is a graph break (the attention kernels and the in-place query RoPE run eagerly between the block's
-compiled pieces) reads x_l in two pieces, norm1 in the first and the residual add in the last, so autograd adds the
-two gradients of x_l (fp32 [T, D]) in a kernel of its own between them: 4.4 ms a step of `small` at 64k tokens, 12
-launches (bench/results/step_shipped_rope_inplace.json, `aten::add_ < evaluate_function: CompiledFunctionBackward`).
-Handed off, block l computes norm1_{l+1}(x_{l+1}) in its last piece, where x_{l+1} is made (Inductor fuses the
-residual add and the norm into one kernel), and block l+1 reads x_{l+1} only in its residual add: the two
-gradients of x_{l+1} meet inside block l's compiled backward, fused into its norm backward. The handed-off norm is
-stored in the dtype its readers take (under autocast bf16: block l+1's projections would cast it on reading; the
-first form stored it in float32, which cost as many bytes as the add saved: +0.8% instead of the predicted +2%,
-bench/notes/step.md run 19; in bf16 +1.5-2.0%, run 20). Same ops, same values. Only where the attention is a graph
-break (`MLA.breaks_graph`): with the attention traced into the block's graph (`moela.ops.attention.graph`) both
-readers of x_l are in one graph and the hand-off changes nothing but the number of block variants to compile
-(run 22: the same tokens/s; run 23: 9 s less torch.compile in a cold first step without it).
+A block returns (x_{l+1}, a1, z, aux, load): a1 is passed along the stack (None for standard models), z is the
+attention z-loss term, aux the MoE balance loss (0 for dense), load the expert load [E] (None for dense).
+Returning values instead of accumulating side effects keeps blocks safe to re-run under activation checkpointing: a
+block whose `recompute` is set (by `moela.parallel.fsdp.apply_activation_checkpointing`) runs its forward under a
+non-reentrant `torch.utils.checkpoint` and recomputes its activations in backward. A block whose `compile_backend`
+names a torch.compile backend (set by `moela.trainer.compile.compile_blocks`) runs `_forward` compiled.
 
 Shapes: T tokens, D hidden, E experts.
 """
@@ -64,8 +47,7 @@ from moela.model.layers import MLP, PackedContext, RMSNorm
 from moela.model.moe import MoE
 from moela.model.streams import run_beside
 
-BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None",
-                    "torch.Tensor | None"]
+BlockOutput = tuple[torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
 def add_outputs(*outputs: torch.Tensor) -> torch.Tensor:
@@ -101,57 +83,36 @@ class Block(nn.Module):
             return self.ffn(x, ctx)
         return self.ffn(x), x.new_zeros((), dtype=torch.float32), None
 
-    def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None, *,
-                normed: torch.Tensor | None = None, next_norm: RMSNorm | None = None,
-                next_dtype: torch.dtype | None = None) -> BlockOutput:
-        """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load, n_next).
-        `normed`: attn_norm(x), made by the block before (the norm hand-off, module docstring); `next_norm`: the
-        norm that reads x_next next, applied here (n_next = next_norm(x_next); None without it), cast to
-        `next_dtype` if given (the dtype its consumers read: autocast's for the next block's projections, which
-        would cast it on reading anyway; the cast fuses into the norm's kernel and halves what is stored)."""
+    def forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None = None) -> BlockOutput:
+        """x [T, D] (and a1 [T, D] for FAL blocks after the first) -> (x_next, a1, z, aux, load)."""
         fn = Block._forward if self.compile_backend is None else _compiled_forward(self.compile_backend)
         if self.recompute:
-            return checkpoint(fn, self, x, ctx, a1, normed, next_norm, next_dtype, use_reentrant=False)
-        return fn(self, x, ctx, a1, normed, next_norm, next_dtype)
+            return checkpoint(fn, self, x, ctx, a1, use_reentrant=False)
+        return fn(self, x, ctx, a1)
 
-    def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None, normed: torch.Tensor | None,
-                 next_norm: RMSNorm | None, next_dtype: torch.dtype | None) -> BlockOutput:
-        # one frame: where the attention is a graph break, Dynamo compiles what follows a break inside a called
-        # function apart from what follows the call, so next_norm(x_next) must sit in the frame that makes x_next
-        n = self.attn_norm(x) if normed is None else normed  # [T, D]
+    def _forward(self, x: torch.Tensor, ctx: PackedContext, a1: torch.Tensor | None) -> BlockOutput:
         if self.kind == "fal" and a1 is not None:
             m_in = self.ffn_norm(x) + self.a1_norm(a1)  # [T, D]
             if self.side_stream is not None:
-                (a, z), (m, aux, load) = run_beside(lambda: self.attn(n, ctx),
+                (a, z), (m, aux, load) = run_beside(lambda: self.attn(self.attn_norm(x), ctx),
                                                     lambda: self._ffn(m_in, ctx), self.side_stream,
                                                     inputs=(m_in, ctx.doc_ids, ctx.doc_weight, ctx.real_tokens))
             else:
-                a, z = self.attn(n, ctx)  # [T, D]
+                a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
                 m, aux, load = self._ffn(m_in, ctx)  # [T, D]
-            x_next = x + self.sum_partials(a, m)  # [T, D]
-            return x_next, a1, z, aux, load, _handed_off(x_next, next_norm, next_dtype)
-        a, z = self.attn(n, ctx)  # [T, D]
+            return x + self.sum_partials(a, m), a1, z, aux, load
+        a, z = self.attn(self.attn_norm(x), ctx)  # [T, D]
         a = self.sum_partials(a)
         if self.kind == "standard":
             h = x + a  # [T, D]
             m, aux, load = self._ffn(self.ffn_norm(h), ctx)  # [T, D]
-            x_next = h + self.sum_partials(m)  # [T, D]
-            return x_next, (a if self.keeps_a1 else a1), z, aux, load, _handed_off(x_next, next_norm, next_dtype)
+            return h + self.sum_partials(m), (a if self.keeps_a1 else a1), z, aux, load
         if a1 is None:
             raise ValueError(f"a {self.kind} block needs a1, the first block's attention output; build the "
                              f"model with Transformer so block 1 provides it")
         h = x + a  # [T, D]
         m, aux, load = self._ffn(self.ffn_norm(h + self.a1_norm(a1)), ctx)  # [T, D]
-        x_next = h + self.sum_partials(m)  # [T, D]
-        return x_next, a1, z, aux, load, _handed_off(x_next, next_norm, next_dtype)
-
-
-def _handed_off(x_next: torch.Tensor, norm: RMSNorm | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """norm(x_next) in `dtype` (x_next's when None); None without a norm."""
-    if norm is None:
-        return None
-    out = norm(x_next)  # [T, D]
-    return out if dtype is None else out.to(dtype)
+        return h + self.sum_partials(m), a1, z, aux, load
 
 
 @functools.cache

@@ -16,17 +16,19 @@ Decisions:
   do not load (`hf.py` refuses softmax-routed configs).
 - `validate()` returns messages `"<field>: <what is wrong>; <how to fix>"`; the loader prefixes `model.`.
 - `kernels` (`KernelsConfig`, YAML `model.kernels.<field>`) holds every choice of implementation inside an op; the
-  model passes each one down to its op as a keyword argument. The defaults are the fastest measured.
+  model passes each one down to its op as a keyword argument, never through module state. The defaults (`auto`)
+  take the fastest measured for the call, and the op logs which ran and why.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from moela.configlib import Presets
-from moela.ops.backends import ATTENTION_BACKENDS, MOE_BACKENDS
+from moela.ops.backends import ATTENTION_BACKENDS, ATTENTION_KERNELS, MOE_BACKENDS
 
 # model key -> the backends its op accepts (`moela.ops.backends` imports nothing: loading a recipe imports no kernel)
 BACKEND_NAMES: dict[str, tuple[str, ...]] = {"attention_backend": ATTENTION_BACKENDS, "moe_backend": MOE_BACKENDS}
@@ -51,13 +53,37 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    """Which kernel runs a step of an op where moela has more than one (YAML `model.kernels.<field>`)."""
+    """Which kernel runs each phase of an op where moela has more than one (YAML `model.kernels.<field>`), each
+    `auto` by default: the kernel measured fastest for the call among those that can run it, logged once per
+    reason."""
+
+    # Attention, where the `triton` backend runs (`model.attention_backend: triton`, or auto choosing it;
+    # moela.ops.attention.phases): "triton" runs on any CUDA GPU; "gluon" is Hopper-only (bf16, no ALiBi), and
+    # auto takes it wherever it supports the call, except dK/dV at head dims over 160 (Dqk + Dv)
+    attention_forward: Literal["auto", "triton", "gluon"] = "auto"
+    attention_dq: Literal["auto", "triton", "gluon"] = "auto"
+    attention_dkdv: Literal["auto", "triton", "gluon"] = "auto"
 
     # MoE
     # the routed experts' FP8 forward and data-gradient GEMMs: auto (Gluon on Hopper, else Triton) | gluon | triton
     moe_fp8_gemm: Literal["auto", "gluon", "triton"] = "auto"
     # the routed experts' FP8 weight-gradient GEMM: auto (Gluon on Hopper, else Triton) | gluon | triton
     moe_fp8_wgrad: Literal["auto", "gluon", "triton"] = "auto"
+
+    def problems(self, attention_backend: str) -> list[str]:
+        """`ModelConfig.validate`'s messages for the attention kernels (it knows the attention backend)."""
+        errors = []
+        for name in ("attention_forward", "attention_dq", "attention_dkdv"):
+            value = getattr(self, name)
+            if value not in ATTENTION_KERNELS:
+                close = difflib.get_close_matches(str(value), ATTENTION_KERNELS, n=1, cutoff=0.6)
+                errors.append(f"kernels.{name}: unknown kernel {value!r}; choose one of {', '.join(ATTENTION_KERNELS)}"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+            elif value != "auto" and attention_backend not in ("auto", "triton"):
+                errors.append(f"kernels.{name}: {value!r} is one of moela's attention kernels, which "
+                              f"attention_backend {attention_backend!r} does not run; set attention_backend: triton "
+                              f"or kernels.{name}: auto")
+        return errors
 
 
 @dataclass
@@ -191,6 +217,7 @@ class ModelConfig:
         if self.attention_backend == "flash" and importlib.util.find_spec("flash_attn") is None:
             errors.append("attention_backend: 'flash' needs flash-attn-4, which is not installed; pip install "
                           "'moela[flash]' (Hopper / Blackwell GPUs), or use auto")
+        errors += self.kernels.problems(self.attention_backend)
         if self.size not in PRESETS:
             errors.append(f"size: unknown preset {self.size!r}; choose one of {', '.join(PRESETS)}")
         return errors

@@ -17,7 +17,9 @@ Decisions:
   IGNORE_INDEX (and a filler input token, which causal attention only lets later positions of the same document
   see, and those carry no label either).
 - MTP blocks are standard blocks whose FFN kind copies the last main layer (MoE in DeepSeek-V3); their expert load
-  rows follow the main MoE layers in `expert_load`, and `update_router_bias` updates them too.
+  rows follow the main MoE layers in `expert_load`, and `update_router_bias` updates them too. An MTP block's
+  residual stream is in the main stack's dtype (the embedding's), not its input projection's (bf16 under
+  autocast), so it adds its residuals as the main blocks do and a compiled MTP block reuses their graphs.
 - Tied embeddings use `embed.weight` directly for the logits (no `head` module), so the tie survives `to_empty`.
 - Initialization: every matrix ~ N(0, initializer_range), norms 1, router bias 0 (DeepSeek-V3 uses std 0.006).
   A module that replaces a part from outside (e.g. expert parallelism) may define `init_weights(std)`; it is
@@ -42,8 +44,6 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from moela.batch import IGNORE_INDEX, PackedBatch
 from moela.model.block import Block
@@ -54,12 +54,6 @@ from moela.model.output import ModelOutput
 from moela.ops.linear_cross_entropy import linear_cross_entropy
 from moela.ops.loss import cross_entropy
 from moela.ops.rope import yarn_inv_freq
-
-# False: every block normalizes its own input (bench/step.py's `moela-nomtp-nohandoff` row measures the difference)
-HANDOFF_NORMS = True
-# The MTP block's residual stream in the main stack's dtype (`MTPModule.forward`); off only for bench/step.py's
-# `moela-mtp-own-graph` row
-MTP_STREAM_DTYPE = True
 
 
 class MTPModule(nn.Module):
@@ -74,27 +68,11 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, moe=cfg.mtp_is_moe)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext, handoff: bool = False,
-                cast: torch.dtype | None = None):
-        """h, emb [T, D] -> (h_d [T, D], norm(h_d) [T, D], z, aux, load). `handoff`: the block takes the norm of
-        its input from here (in `cast` if given, as the main stack hands it on) and returns its output's norm
-        (the norm hand-off, `moela.model.block`), which makes its call the same compiled graph as the main
-        stack's blocks.
-
-        The block's residual stream x is in the main stack's dtype (the embedding's: float32 for float32 weights
-        under autocast), not in the projection's (bf16 under autocast): the block then adds its residuals as the
-        main stack's blocks do and is the same compiled variant as theirs; in bf16 it would be a block variant of
-        its own, two more graphs (forward, backward) to compile at the first step (bench/step.py row
-        `moela-mtp-own-graph`)."""
-        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # [T, D]
-        if MTP_STREAM_DTYPE:
-            x = x.to(emb.dtype)
-        if handoff:
-            normed = self.block.attn_norm(x)  # [T, D]
-            x, _, z, aux, load, normed = self.block(x, ctx, normed=normed if cast is None else normed.to(cast),
-                                                    next_norm=self.norm)
-            return x, normed, z, aux, load
-        x, _, z, aux, load, _ = self.block(x, ctx)
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, ctx: PackedContext):
+        """h, emb [T, D] -> (h_d [T, D], norm(h_d) [T, D], z, aux, load). The block's residual stream is in emb's
+        dtype (the module docstring)."""
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1)).to(emb.dtype)  # [T, D]
+        x, _, z, aux, load = self.block(x, ctx)
         return x, self.norm(x), z, aux, load
 
 
@@ -248,34 +226,6 @@ class Transformer(nn.Module):
                              doc_ids=doc_ids, token_weight=token_weight, doc_weight=doc_weight,
                              inv_freq=self.inv_freq, **seams)
 
-    def _handoffs(self, x: torch.Tensor) -> list[RMSNorm | None]:
-        """Per main layer, the norm it applies to its output for the next consumer (the norm hand-off,
-        `moela.model.block`), for a stack whose input is like x: the next layer's `attn_norm`, the final `norm`
-        after the last layer; None where `_hands_off` says no or the next block is a FAL kind (it reads x in its
-        first piece anyway) or recomputes its activations."""
-        layers = self.blocks()
-        out: list[RMSNorm | None] = []
-        for i, layer in enumerate(layers):
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            norm = self.norm if nxt is None else nxt.attn_norm
-            ok = self._hands_off(layer, x, norm) and (nxt is None or (nxt.kind == "standard" and not nxt.recompute))
-            out.append(norm if ok else None)
-        return out
-
-    def _hands_off(self, block: Block, x: torch.Tensor, *norms: RMSNorm) -> bool:
-        """Whether `block` takes part in a hand-off of `norms` (the norm it applies to its output, and for an MTP
-        block the one applied to its input) for an input like x: not where it does not pay or cannot run - the
-        blocks' attention is traced into their graphs (`MLA.breaks_graph`: a block input's two readers are then in
-        one graph, whose backward adds their gradients in its own kernels; the hand-off would only add a block
-        variant to compile, 9 s of a cold start, bench/notes/step.md run 23), the block is not compiled (eager
-        autograd adds the two gradients either way), it recomputes its activations (the handed-off tensor would be
-        one more saved input), the model is sharded (FSDP2 or tensor parallelism: a norm of the next unit is not
-        gathered while this block runs, and its gradient would arrive after that unit's reduce-scatter), or
-        `HANDOFF_NORMS` is off (bench/step.py's `moela-nomtp-nohandoff` row)."""
-        return (HANDOFF_NORMS and self.tensor_parallel is None and block.compile_backend is not None
-                and not block.recompute and not isinstance(block, FSDPModule)
-                and not any(isinstance(n.weight, DTensor) for n in norms) and block.attn.breaks_graph(x))
-
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normalized hidden states [T, D] -> logits [T, V]."""
         return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
@@ -345,25 +295,19 @@ class Transformer(nn.Module):
         prep = self.prepare(batch)
         batch, ctx, denom = prep.batch, prep.ctx, _at_least_one(prep.num_targets)
         h = self.embed(batch.input_ids)  # [T, D]
-        a1 = normed = None
+        a1 = None
         zs, auxs, loads = [], [], []
-        # a block's projections read its input norm in autocast's dtype (they would cast it on reading)
-        device = h.device.type
-        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        layers = self.blocks()
-        for i, (layer, next_norm) in enumerate(zip(layers, self._handoffs(h))):
-            next_dtype = cast if i + 1 < len(layers) else None  # the final norm's output stays in h's dtype
-            h, a1, z, aux, load, normed = layer(h, ctx, a1, normed=normed, next_norm=next_norm, next_dtype=next_dtype)
+        for layer in self.blocks():
+            h, a1, z, aux, load = layer(h, ctx, a1)
             zs.append(z)
             if load is not None:
                 auxs.append(aux)
                 loads.append(load)
-        h = self.norm(h) if normed is None else normed  # [T, D]; also MTP depth 1's input h^0
+        h = self.norm(h)  # [T, D]; also MTP depth 1's input h^0
         lm_sum, logits = self._ce_sum(h, batch.labels, return_logits)
         mtp_sum = None
         for module, (tokens, labels) in zip(self.mtp_modules(), prep.mtp_targets):  # [T], [T]
-            handoff = self._hands_off(module.block, h, module.block.attn_norm, module.norm)
-            h, normed, z, aux, load = module(h, self.embed(tokens), ctx, handoff=handoff, cast=cast)  # [T, D] x 2
+            h, normed, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D] x 2
             zs.append(z)
             if load is not None:
                 auxs.append(aux)

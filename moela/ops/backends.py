@@ -7,6 +7,8 @@ everywhere.
 """
 
 ATTENTION_BACKENDS = ("auto", "reference", "triton", "sdpa", "flash")
+# the kernels of each phase of the `triton` attention backend (forward, dQ, dK/dV: `moela.ops.attention.phases`)
+ATTENTION_KERNELS = ("auto", "triton", "gluon")
 MOE_BACKENDS = ("auto", "reference", "triton", "torch_triton", "cublas", "deep_gemm")
 MOE_RECIPES = ("bf16", "fp8_blockwise")
 FP8_GEMM_IMPLS = ("auto", "gluon", "triton")  # our FP8 grouped GEMMs (moela.ops.moe.kernels.gemm_fp8_triton)

@@ -10,7 +10,9 @@ reason), so a run's log says which implementation actually ran and why; inside a
 is not logged (the same choice is made, and logged, where the op runs eagerly). A backend is opaque to
 torch.compile (a graph break; it runs eagerly between the compiled pieces) unless it registers as `traceable`: the
 owner of a kernel states that Dynamo can trace it (a `torch.library` custom op with a fake implementation, or an
-autograd.Function Dynamo traces).
+autograd.Function Dynamo traces). A backend may also register its forward and backward as separate functions
+(`phases`): an op that wraps them as a custom op pair holds them inside a compiled graph, and asks this same
+dispatch which backend runs (`among` the backends with phases).
 Backend names come from `moela.ops.backends`, which imports nothing.
 """
 
@@ -31,6 +33,7 @@ class FastBackend:
     auto: Callable[..., bool]
     accepts: Callable[..., bool] | None = None
     traceable: bool = False
+    phases: tuple[Callable[..., object], Callable[..., object]] | None = None  # (forward, backward)
 
 
 class Dispatch:
@@ -51,15 +54,17 @@ class Dispatch:
         self.logged: set[tuple[str, str]] = set()
 
     def register(self, name: str, impl: Callable[..., object], *, auto: Callable[..., bool],
-                 accepts: Callable[..., bool] | None = None, traceable: bool = False) -> None:
+                 accepts: Callable[..., bool] | None = None, traceable: bool = False,
+                 phases: tuple[Callable[..., object], Callable[..., object]] | None = None) -> None:
         """`traceable`: torch.compile may trace `impl` into its graph (pure torch ops, or kernels wrapped as
         `torch.library` custom ops with fake implementations, or an autograd.Function Dynamo can trace); otherwise
-        the call is a graph break and `impl` runs eagerly between the compiled pieces."""
+        the call is a graph break and `impl` runs eagerly between the compiled pieces. `phases`: the backend's
+        (forward, backward) functions, for an op that runs them as a custom op pair (the module docstring)."""
         if name not in self.names or name in ("auto", "reference"):
             raise ValueError(f"{self.op}: cannot register backend {name!r}; its names are {', '.join(self.names)}")
         if not traceable:
             impl = torch.compiler.disable(impl)
-        self.fast[name] = FastBackend(impl, auto, accepts, traceable)
+        self.fast[name] = FastBackend(impl, auto, accepts, traceable, phases)
 
     def check(self, backend: str) -> None:
         if backend not in self.names:
@@ -111,6 +116,10 @@ class Dispatch:
 
     def impl(self, name: str) -> Callable[..., object]:
         return self.fast[name].impl
+
+    def with_phases(self) -> tuple[str, ...]:
+        """The registered backends with separate forward and backward functions."""
+        return tuple(name for name, fast in self.fast.items() if fast.phases is not None)
 
     def _log(self, backend: str, reason: str) -> None:
         if torch.compiler.is_compiling():  # traced, logging would break the graph and the check guard on the set

@@ -13,7 +13,8 @@ the flattened views the other parts need. Decisions:
 - Named views (all flattened from the one world mesh, so DTensors on them compose):
   `dp` (data loading: ranks that see different batches), `dp_shard_cp` (FSDP shard group of dense params),
   `dp_cp` (every rank that holds a share of the global batch: loss and expert-load sums), `ep`, `efsdp`
-  (FSDP shard group of expert params), `cp`, `tp`, `dp_replicate`.
+  (FSDP shard group of expert params), `cp`, `tp`, `dp_replicate`, and with pp > 1 `pp` and `stage` (every rank
+  of this rank's pipeline stage).
 - One process (world_size 1, no process group): a `ParallelMesh` without a DeviceMesh; every size is 1.
 - Every size-1 dimension still exists in the mesh, so callers never branch on which dimensions are present.
 """
@@ -164,6 +165,8 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str) -> Parall
     }
     if cfg.ep > 1:
         views["ep"] = world["dp_shard_in_ep", "cp"]._flatten("ep")
+    if cfg.pp > 1:
+        views["stage"] = world[names[1:]]._flatten("stage")
     return ParallelMesh(sizes, device_type, world, views)
 
 

@@ -96,7 +96,7 @@ class StageChunk(nn.Module):
             embeds = [named[n] for n in self.in_names if n.startswith("mtp_embed.")]
         zs, auxs, loads = [], [], []
         for block in self.blocks:
-            h, a1, z, aux, load, _ = block(h, ctx, a1)  # [T, D]
+            h, a1, z, aux, load = block(h, ctx, a1)  # [T, D]
             zs.append(z)
             if load is not None:
                 auxs.append(aux)

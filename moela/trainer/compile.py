@@ -21,12 +21,9 @@ Decisions:
   batch, padded to the same shape, and reuses them.
 - Inductor's pointwise kernels get one heuristic launch config (`prepare_inductor`: `triton.autotune_pointwise`
   off) instead of several compiled and timed at their first launch: memory-bound elementwise kernels whose
-  candidates differ by block size. On the H200, in one run with empty caches per row at `small` 64k: 12 kernels
-  tuned at their first launch instead of 72 and the first step 49 s from the model built against 58 s (the
-  setting's row first on the fresh machine), at equal tokens/s (bench/results/step_64k_cold_run53.md, rows
-  `moela` and `moela-pointwise-tuned`). Starting Inductor's compile workers before the first graph (torch starts
-  them when the first graph reaches Inductor, and compiles in the training process until they are up) moved 5.6 s
-  of builds off the training process in the same run but did not shorten the first step (58 s), so it is not done.
+  candidates differ by block size. That tunes a sixth as many kernels at their first launch and shortens the cold
+  first step by about a sixth, at equal tokens/s. Starting Inductor's compile workers before the first graph moved
+  builds off the training process but did not shorten the first step, so it is not done.
 - Caches: every compiled kernel is kept on disk under one root (`moela.ops.disk_caches`: MOELA_CACHE_DIR, default
   `~/.cache/moela`): Inductor's FX graph and autograd caches, moela's Triton kernels with their autotuning results,
   flash-attn-4's CuTe kernels. A second start on the same machine (or on any machine sharing the root) skips
@@ -41,17 +38,12 @@ from moela.batch import PackedBatch, pad_batch
 from moela.ops.compiled import raise_recompile_limit
 from moela.parallel.fsdp import transformer_blocks
 
-# Inductor settings a compiled run applies (`prepare_inductor`); bench/step.py's `moela-pointwise-tuned` row
-# clears them
-INDUCTOR_SETTINGS = {"triton.autotune_pointwise": False}
-
 
 def prepare_inductor() -> None:
-    """Apply `INDUCTOR_SETTINGS` to torch's Inductor configuration (see the module docstring)."""
+    """Inductor's pointwise kernels get one heuristic launch config (the module docstring)."""
     from torch._inductor import config as inductor_config
 
-    for name, value in INDUCTOR_SETTINGS.items():
-        setattr(inductor_config, name, value)  # torch's config module takes the dotted name and rejects unknown ones
+    inductor_config.triton.autotune_pointwise = False
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:

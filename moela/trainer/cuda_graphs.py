@@ -2,17 +2,17 @@
 graph and replayed for every later one, so the host launches one graph instead of thousands of kernels.
 
 Why: at the shipped `small` size the compiled step is host-bound - a 16k-token micro-batch's kernels take less
-time than the Python that launches them (bench/results/step_graphs.md: compiled only, the GPU is busy 67% of it).
-A replay is one launch call whatever the graph holds (bench/results/step_graphs.md's host table: 2
-`cudaGraphLaunch` calls per step of two micro-batches, against ~2,500 kernel launches per micro-batch without).
+time than the Python that launches them (compiled only, the GPU is busy two thirds of the step). A replay is one
+launch call whatever the graph holds (two `cudaGraphLaunch` calls per step of two micro-batches, against ~2,500
+kernel launches per micro-batch without).
 
 What makes the step capturable (each is a precondition a capture would otherwise break or silently freeze):
 - One shape: tokens are padded by `pad_batch` (the compile path already does), and the document count is fixed
   too: `pad_documents` appends empty documents up to `max_docs`. `max_docs` is `train.graph_max_docs`, or (0) the
   largest of 64, one per 128 tokens (the filler documents of a padded batch never exceed that) and twice the first
-  micro-batch's documents rounded up to a power of two. The bundled corpus has 10-18 documents per 16k tokens, but a
-  150-step `small` run on the H200 met a micro-batch of 106 (short documents at an epoch boundary) when the rule
-  gave 64; hence the per-token floor. A micro-batch with more documents runs eagerly (same numbers, host-bound),
+  micro-batch's documents rounded up to a power of two. The bundled corpus has 10-18 documents per 16k tokens, but
+  short documents at an epoch boundary once made a micro-batch of 106 where the rule gave 64; hence the per-token
+  floor. A micro-batch with more documents runs eagerly (same numbers, host-bound),
   and the first such one is logged with the fix. Empty documents cost little: no attention block, a program that
   exits at once in the kernels' grids.
 - No host value frozen into the graph: the batch lives in static device buffers that each micro-batch is copied
@@ -23,25 +23,23 @@ What makes the step capturable (each is a precondition a capture would otherwise
 - No synchronization inside the step (tests/test_trainer_sync.py) and no lazy work left for the capture: the first
   `warmup_steps` (2) optimizer steps run the same function eagerly on the same static buffers, which compiles the
   blocks, autotunes the Triton kernels and builds the flash-attn kernels for exactly these shapes. Two, not one:
-  Dynamo may compile a second variant of a block at step 2 (on the H200, `small` at 32k tokens with FP8 experts
-  recompiled a block when step 2 captured, and compiling inside a capture fails); after step 2 nothing recompiles
-  (bench/step.py counts it).
+  Dynamo may compile a second variant of a block at step 2 (`small` at 32k tokens with FP8 experts recompiled a
+  block when step 2 captured, and compiling inside a capture fails); after step 2 nothing recompiles (bench/step.py
+  counts it).
 - Gradients live in the graph's memory: the first micro-batch of a step is one graph, captured with every
   gradient unset, so autograd assigns the gradients it computes (tensors of the graph's private pool, kept by
   `p.grad` for the rest of the run) and each replay overwrites them; with `grad_accum` > 1 the later micro-batches
   are a second graph sharing that pool, captured with those gradients set, so it adds into them. The step never
-  zeroes the gradients and never adds the first micro-batch's into zeros (at `small`'s 680M parameters the fp32
-  add alone took 3.4 ms a step at 32k x 1 in bench/results/step_graphs.md). Measured against that scheme in one
-  run (bench/results/step_32k.md, `moela-graphs-add`): 130 vs 132 ms a step and 28.3 vs 30.8 GiB at 32k x 1;
-  equal speed and 2.5 GiB less at 64k (step_64k.md). A first micro-batch
-  that runs eagerly (the warm-up, more documents than the graph holds, the profiler's `eager_replay`) zeroes them
-  in place first; they are never set to None once a graph writes them. The optimizer, clipping and the
-  router-bias update run eagerly on them (a few fused launches).
+  zeroes the gradients and never adds the first micro-batch's into zeros: against gradients allocated up front,
+  zeroed before each step and added into by every graph, that is ~2 ms a step and 2.5 GiB less at `small`. A
+  first micro-batch that runs eagerly (the warm-up, more documents than the graph holds, the profiler's
+  `eager_replay`) zeroes them in place first; they are never set to None once a graph writes them. The optimizer,
+  clipping and the router-bias update run eagerly on them (a few fused launches).
 - Weights and buffers are updated in place (fused AdamW, the router bias `add_`), so the graph reads their current
   values. FP8 weight copies are never reused across a capture boundary (`moela.ops.weight_cache`), so the graph
   quantizes the weights itself, at every replay: once per micro-batch, not once per optimizer step as the eager
   step does (the same once with `grad_accum: 1`, as `small` ships). Attention's work lists are rebuilt inside the
-  graph (`triton_worklist`: the static cu_seqlens is rewritten before every capture).
+  graph (`moela.ops.attention.kernels.worklist`: the static cu_seqlens is rewritten before every capture).
 
 The replay's outputs (loss, metrics, target count, expert load) are the graph's own tensors, overwritten by the
 next replay: the trainer consumes or copies them before it (it does, on the same stream). The captured graph
@@ -64,10 +62,6 @@ from moela.trainer.compile import StaticShapes
 from moela.trainer.errors import InputError, TrainingError
 
 MIN_AUTO_DOCS = 64
-# False: the scheme before the assigning first graph (gradients allocated up front, zeroed in place before every
-# step's first micro-batch, every graph adds into them). bench/step.py's `moela-graphs-add` row sets it, to measure
-# what assigning saves in the same run.
-FIRST_ASSIGNS = True
 
 
 class GraphedMicroBatch:
@@ -80,7 +74,6 @@ class GraphedMicroBatch:
     def __init__(self, model: torch.nn.Module, device: torch.device, autocast: Callable, *, max_docs: int = 0,
                  warmup_steps: int = 2, echo: Callable[[str], None] = print, capture: bool | None = None):
         self.model, self.device, self.autocast, self.echo = model, device, autocast, echo
-        self.first_assigns = FIRST_ASSIGNS  # read once: the graphs captured follow one scheme
         self.max_docs = max_docs  # 0: chosen by the first `fits` call
         self.warmup_steps = max(1, warmup_steps)
         # capture: False runs every micro-batch eagerly on the static buffers (the CPU tests of this bookkeeping)
@@ -129,7 +122,7 @@ class GraphedMicroBatch:
                 and (role or True in self.graphs)):
             self._capture(role)
         eager = role not in self.graphs or self.eager_replay
-        if role and (eager or not self.first_assigns):
+        if role and eager:
             self._clear_gradients()
         if eager:
             return self._forward_backward()
@@ -152,10 +145,9 @@ class GraphedMicroBatch:
 
     # ---------------------------------------------------------------------------------------------------------
     def _clear_gradients(self) -> None:
-        """Before an eager first micro-batch (or any first one with `first_assigns` off): no gradient of an earlier
-        step may remain. Unset until a graph holds them (autograd then assigns, as in the plain step); zeroed in
-        place after (the graph writes there)."""
-        if not self.graphs and self.first_assigns:
+        """Before an eager first micro-batch: no gradient of an earlier step may remain. Unset until a graph holds
+        them (autograd then assigns, as in the plain step); zeroed in place after (the graph writes there)."""
+        if not self.graphs:
             self.model.zero_grad(set_to_none=True)
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -188,12 +180,8 @@ class GraphedMicroBatch:
         pool and assigns them) or of a later one (gradients set: it adds; it shares the first graph's pool, the
         two never run at once)."""
         torch.cuda.synchronize(self.device)
-        if first and self.first_assigns:
+        if first:
             self.model.zero_grad(set_to_none=True)
-        elif first:  # every gradient allocated before the capture, so that the graph adds into it
-            for p in self.model.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
         torch.cuda.empty_cache()  # the warm-up's cached blocks back to the driver: the graph pool takes their place
         graph = torch.cuda.CUDAGraph()
         pool = None if first else self.graphs[True].pool()

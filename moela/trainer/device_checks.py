@@ -35,7 +35,8 @@ def check_backends(model_cfg: ModelConfig, device: torch.device) -> None:
     """A named backend this machine cannot run fails before the model is built, with the fix, instead of inside the
     first forward. The fast MoE backends run CUDA kernels on bf16/fp16 activations (the CPU trains in float32) and
     `deep_gemm` needs its package; the attention's `sdpa` and `flash` run on CUDA, `triton` too, or on the CPU in
-    Triton's interpreter (TRITON_INTERPRET=1, the tests). What the recipe itself rules out is `Config.validate`'s."""
+    Triton's interpreter (TRITON_INTERPRET=1, the tests), and a `gluon` kernel in `model.kernels` on Hopper only.
+    What the recipe itself rules out is `Config.validate`'s."""
     on = device.type
     name = model_cfg.moe_backend
     fix = "use model.moe_backend: auto (the fastest backend the run can use, logged) or reference"
@@ -49,3 +50,10 @@ def check_backends(model_cfg: ModelConfig, device: torch.device) -> None:
         interpreted = " (Triton interprets them on the CPU under TRITON_INTERPRET=1)" if name == "triton" else ""
         raise InputError(f"model.attention_backend: {name!r} runs CUDA kernels and this run is on the {on}"
                          f"{interpreted}; {fix}")
+    gluon = [name for name in ("attention_forward", "attention_dq", "attention_dkdv")
+             if getattr(model_cfg.kernels, name) == "gluon"]
+    capability = torch.cuda.get_device_capability(device) if gluon and on == "cuda" else None
+    if gluon and (capability is None or capability[0] != 9):
+        where = f"sm_{capability[0]}{capability[1]}" if capability else f"the {on}"
+        raise InputError(f"model.kernels.{gluon[0]}: 'gluon' runs on Hopper (sm_90) GPUs only, not on {where}; use "
+                         f"auto (the Gluon kernel where it runs, the Triton one elsewhere) or triton")

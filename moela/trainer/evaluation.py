@@ -23,7 +23,7 @@ def evaluate(trainer) -> dict:
     limit = cfg.train.eval_batches or None
     if trainer.pipeline is not None:
         batches = [b for i, b in zip(range(limit or len(trainer.val_loader)), trainer.val_loader)]
-        sums = trainer.pipeline.evaluate(batches, trainer._autocast)
+        sums = trainer.pipeline.evaluate(batches, trainer._autocast, trainer._to_device)
     else:
         sums = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # [loss * targets, targets]
         for i, batch in enumerate(trainer.val_loader):

@@ -319,7 +319,8 @@ class Trainer:
             self.graphed.start_step(grad_scale / total_targets)
         full_load = None
         if self.pipeline is not None:
-            sums, load, full_load = self.pipeline.run(batches, grad_scale / total_targets, self._autocast)
+            sums, load, full_load = self.pipeline.run(batches, grad_scale / total_targets, self._autocast,
+                                                      self._to_device)
         for i, batch in enumerate(batches if self.pipeline is None else []):
             _set_gradient_sync(self.model, i == len(batches) - 1)
             loss, metrics, num_targets, expert_load = self._forward_backward(batch, grad_scale / total_targets)

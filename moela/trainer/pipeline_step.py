@@ -53,14 +53,14 @@ class PipelineStep:
     def group(self) -> dist.ProcessGroup | None:
         return self.mesh.group("pp")
 
-    def run(self, batches: list[PackedBatch], loss_scale: float, autocast) -> tuple[StepSums, torch.Tensor | None,
-                                                                                     torch.Tensor | None]:
-        """Forward and backward of the step's micro-batches (on the host) through this rank's stages; returns
-        (this rank's StepSums summed over the pipeline, its expert load [L_r, E], the whole model's [L_moe, E]
-        before the data-parallel sum)."""
+    def run(self, batches: list[PackedBatch], loss_scale: float, autocast, to_device
+            ) -> tuple[StepSums, torch.Tensor | None, torch.Tensor | None]:
+        """Forward and backward of the step's micro-batches (on the host; `to_device` moves each, padded where the
+        blocks are compiled) through this rank's stages; returns (this rank's StepSums summed over the pipeline,
+        its expert load [L_r, E], the whole model's [L_moe, E] before the data-parallel sum)."""
         if len(batches) != self.microbatches:
             raise ValueError(f"the pipeline runs {self.microbatches} micro-batches a step, got {len(batches)}")
-        on_device = [b.to(self.device, non_blocking=True) for b in batches]
+        on_device = [to_device(b) for b in batches]
         with autocast():
             result = self.pipe.runtime.train_step(on_device, loss_scale, StepSums())
         dist.all_reduce(result.sums.sums, group=self.group)
@@ -70,12 +70,12 @@ class PipelineStep:
             dist.all_reduce(full, group=self.group)
         return result.sums, result.expert_load, full
 
-    def evaluate(self, batches: list[PackedBatch], autocast) -> torch.Tensor:
+    def evaluate(self, batches: list[PackedBatch], autocast, to_device) -> torch.Tensor:
         """[LM loss * labelled tokens, labelled tokens] over `batches` (float64, this data-parallel rank's, summed
         over the pipeline: only the last stage's share of the LM loss is non-zero)."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         with autocast():
-            results = self.pipe.runtime.forward_only([b.to(self.device) for b in batches])
+            results = self.pipe.runtime.forward_only([to_device(b) for b in batches])
         for metrics, num_targets in results:
             sums[0] += metrics["lm_loss"].double() * num_targets
             sums[1] += num_targets

@@ -3,9 +3,10 @@
 Public function: `mla_attention`. Backends:
 - `reference`: pure torch, any device; loops over documents and materializes each document's score matrix in
   float32. Exact, slow, the specification the fast kernels are tested against. Autograd flows through `lse`.
-- `triton`: our flash kernels (`moela.ops.attention.autograd`): Dqk != Dv without padding, varlen, ALiBi, and an
+- `triton`: moela's kernels (`moela.ops.attention.autograd`): Dqk != Dv without padding, varlen, ALiBi, and an
   lse whose gradient is fused into the backward. CUDA tensors; on CPU only under TRITON_INTERPRET=1 and only when
-  asked for by name (tests).
+  asked for by name (tests). Each of its phases (forward, dQ, dK/dV) runs a Triton or a Gluon (Hopper) kernel,
+  chosen by `forward_kernel`, `dq_kernel`, `dkdv_kernel` (`moela.ops.attention.phases`; "auto" by default).
 - `flash`: FlashAttention-4 (`moela.ops.attention.flash`, the optional extra `[flash]`) on Hopper / Blackwell:
   varlen, Dqk != Dv, a differentiable lse, ALiBi through its score hooks.
 - `sdpa`: PyTorch SDPA (cuDNN first) for the plain case only: every document of the same length on both sides,
@@ -27,10 +28,10 @@ from __future__ import annotations
 import torch
 
 from moela.ops.attention import auto
-from moela.ops.attention.flash import flash_attention, flash_auto, flash_problem
+from moela.ops.attention.flash import flash_attention, flash_auto, flash_backward, flash_forward, flash_problem
 from moela.ops.attention.reference import attention_reference
 from moela.ops.attention.sdpa import sdpa_attention, sdpa_supported
-from moela.ops.backends import ATTENTION_BACKENDS
+from moela.ops.backends import ATTENTION_BACKENDS, ATTENTION_KERNELS
 from moela.ops.dispatch import Dispatch
 
 
@@ -63,9 +64,29 @@ def _rank(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, re
 
 
 # fast backends: impl(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, return_lse, causal,
-# softmax_scale, alibi_slopes) -> (out, lse or None); predicates(q, k, v, cu_seqlens_q, cu_seqlens_k, *,
-# max_seqlen_q, max_seqlen_k, return_lse, causal, softmax_scale, alibi_slopes) -> bool
+# softmax_scale, alibi_slopes, **kernel_options) -> (out, lse or None); predicates(q, k, v, cu_seqlens_q,
+# cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, return_lse, causal, softmax_scale, alibi_slopes) -> bool; phases
+# (the compiled graph's op pair, graph.py): forward(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
+# *, causal, softmax_scale, alibi_slopes, **kernel_options) -> (out, lse) and backward(dout, dlse, q, k, v, out, lse,
+# cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, *, the same) -> (dq, dk, dv)
 DISPATCH = Dispatch("mla_attention", ATTENTION_BACKENDS, needs="triton", describe=_describe, rank=_rank)
+
+
+def kernel_options(backend: str, forward_kernel: str, dq_kernel: str, dkdv_kernel: str) -> dict:
+    """The kernel choices as keyword arguments of `backend`'s functions: the `triton` backend takes them (its phases'
+    kernels); the other backends run one kernel per phase and take none. Raises ValueError for an unknown name, or
+    for a choice other than auto with a backend named that has no such choice."""
+    kernels = dict(forward_kernel=forward_kernel, dq_kernel=dq_kernel, dkdv_kernel=dkdv_kernel)
+    for name, kernel in kernels.items():
+        if kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"mla_attention: unknown {name} {kernel!r}; choose one of {', '.join(ATTENTION_KERNELS)}")
+    if backend == "triton":
+        return kernels
+    chosen = [f"{name}={kernel!r}" for name, kernel in kernels.items() if kernel != "auto"]
+    if chosen and backend != "auto":
+        raise ValueError(f"mla_attention: {', '.join(chosen)} chooses among moela's kernels, which backend "
+                         f"{backend!r} does not run; use backend='triton' or 'auto'")
+    return {}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -85,11 +106,15 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
 def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   max_seqlen_q: int, *, cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int | None = None,
                   causal: bool = True, softmax_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                  return_lse: bool = False, backend: str = "auto"
+                  return_lse: bool = False, backend: str = "auto", forward_kernel: str = "auto",
+                  dq_kernel: str = "auto", dkdv_kernel: str = "auto"
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed documents. q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] -> out [Tq, H, Dv]
-    (and lse [H, Tq] float32, natural log, differentiable, when `return_lse`)."""
+    (and lse [H, Tq] float32, natural log, differentiable, when `return_lse`). `forward_kernel`, `dq_kernel`,
+    `dkdv_kernel`: the kernel of each phase where the `triton` backend runs (`moela.ops.attention.phases`)."""
     DISPATCH.check(backend)
+    kernels = dict(forward_kernel=forward_kernel, dq_kernel=dq_kernel, dkdv_kernel=dkdv_kernel)
+    kernel_options(backend, **kernels)
     if cu_seqlens_k is None:
         cu_seqlens_k, max_seqlen_k = cu_seqlens_q, max_seqlen_q
     elif max_seqlen_k is None:
@@ -102,15 +127,22 @@ def mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         out, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     else:
         out, lse = DISPATCH.impl(chosen)(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
-                                         return_lse=return_lse, **options)
+                                         return_lse=return_lse, **options, **kernel_options(chosen, **kernels))
     return (out, lse) if return_lse else out
 
 
 DISPATCH.register("sdpa", sdpa_attention, auto=sdpa_supported, accepts=sdpa_supported)
-DISPATCH.register("flash", flash_attention, auto=flash_auto)
+DISPATCH.register("flash", flash_attention, auto=flash_auto, phases=(flash_forward, flash_backward))
 try:
-    from moela.ops.attention.autograd import flash_mla_attention, triton_accepts, triton_auto
+    from moela.ops.attention.autograd import (
+        flash_mla_attention,
+        triton_accepts,
+        triton_auto,
+        triton_backward_phase,
+        triton_forward_phase,
+    )
 except ImportError:  # no triton on this platform: reference and sdpa remain
     pass
 else:
-    DISPATCH.register("triton", flash_mla_attention, auto=triton_auto, accepts=triton_accepts)
+    DISPATCH.register("triton", flash_mla_attention, auto=triton_auto, accepts=triton_accepts,
+                      phases=(triton_forward_phase, triton_backward_phase))

@@ -14,8 +14,8 @@ row of the call's kind, the fallbacks are explicit and logged:
 A backend the table ranks faster but that cannot run the call (flash-attn-4 not installed, an older GPU, sdpa for
 packed documents) is named in the log with the reason, so a slower kernel never runs silently.
 
-The table holds one benchmark run per row (`bench/attention.py` prints its rows in this format as its last output);
-fwd+bwd TFLOP/s with BENCHMARKS.md's FLOP counts, bf16, causal, 16 heads, one H200 (torch 2.11, triton 3.6,
+The table's rows are `bench/attention.py`'s measurements (it prints them in this format as its last output):
+fwd+bwd TFLOP/s with BENCHMARKS.md's FLOP counts, bf16, causal, 16 heads, on an H200 (torch 2.11, triton 3.6,
 flash-attn-4 4.0.0b36). Backends: "flash" flash-attn-4, "sdpa" cuDNN through PyTorch SDPA, "triton" moela's kernels.
 """
 
@@ -37,27 +37,24 @@ class Measured:
     tokens_per_doc: int  # T / N of the case
     feature: str  # "plain", "zloss" or "alibi"
     tflops: dict[str, float]  # fwd+bwd TFLOP/s per backend
-    source: str  # where the numbers were measured
 
 
-_RUN = "bench/results/attention.json (2026-12-01, H200)"
-_ALIBI_RUN = "bench/results/attention_alibi.json (2026-12-02, H200)"
 MEASURED: tuple[Measured, ...] = (
-    Measured("B=2 S=8192", (192, 128), "equal", 8192, "plain", {"flash": 508, "sdpa": 465, "triton": 372}, _RUN),
-    Measured("B=8 S=2048", (192, 128), "equal", 2048, "plain", {"flash": 412, "sdpa": 393, "triton": 285}, _RUN),
+    Measured("B=2 S=8192", (192, 128), "equal", 8192, "plain", {"flash": 508, "sdpa": 465, "triton": 372}),
+    Measured("B=8 S=2048", (192, 128), "equal", 2048, "plain", {"flash": 412, "sdpa": 393, "triton": 285}),
     Measured("packed, 185 Zipf-like documents, 55k tokens", (192, 128), "packed", 297, "plain",
-             {"flash": 387, "triton": 286}, _RUN),
+             {"flash": 387, "triton": 286}),
     Measured("packed, 40 lognormal documents, 65k tokens", (192, 128), "packed", 1638, "plain",
-             {"flash": 439, "triton": 307}, _RUN),
-    Measured("B=2 S=8192", (128, 128), "equal", 8192, "plain", {"flash": 568, "sdpa": 504, "triton": 336}, _RUN),
+             {"flash": 439, "triton": 307}),
+    Measured("B=2 S=8192", (128, 128), "equal", 8192, "plain", {"flash": 568, "sdpa": 504, "triton": 336}),
     Measured("packed, 40 lognormal documents, 65k tokens", (128, 128), "packed", 1638, "plain",
-             {"flash": 483, "triton": 283}, _RUN),
+             {"flash": 483, "triton": 283}),
     Measured("packed, 40 lognormal documents, 65k tokens", (192, 128), "packed", 1638, "zloss",
-             {"flash": 391, "triton": 307}, _RUN),
+             {"flash": 391, "triton": 307}),
     # ALiBi: flash-attn-4 with the slopes compiled into its score modifier (moela.ops.attention.flash_alibi)
-    Measured("B=2 S=8192", (192, 128), "equal", 8192, "alibi", {"flash": 487, "triton": 356}, _ALIBI_RUN),
+    Measured("B=2 S=8192", (192, 128), "equal", 8192, "alibi", {"flash": 487, "triton": 356}),
     Measured("packed, 40 lognormal documents, 65k tokens", (192, 128), "packed", 1638, "alibi",
-             {"flash": 416, "triton": 260}, _ALIBI_RUN),
+             {"flash": 416, "triton": 260}),
 )
 DEFAULT_HEAD_DIMS = (192, 128)
 
@@ -122,7 +119,7 @@ def rank(call: CallClass, problems: Mapping[str, Callable[[], str | None]],
         else:
             skipped.append(f"{name} ({row.tflops[name]:.0f}) cannot run it: {problem}")
     speeds = " > ".join(f"{name} {row.tflops[name]:.0f}" for name in ranked)
-    why = f"{what}: measured fwd+bwd TFLOP/s {speeds} on '{row.case}' ({row.source})"
+    why = f"{what}: measured fwd+bwd TFLOP/s {speeds} on '{row.case}' (bench/attention.py, H200)"
     if row.feature != "plain":  # what the feature costs each backend (targets: <= 5% over its plain speed)
         plain, _ = nearest_row(dataclasses.replace(call, feature="plain"), table)
         costs = [f"{name} +{plain.tflops[name] / row.tflops[name] - 1:.0%}" for name in ranked

@@ -1,8 +1,8 @@
-"""The `triton` backend of `mla_attention`: its preconditions, and the autograd Function around the forward and
-backward launchers (triton_fwd.py, triton_bwd.py).
+"""The `triton` backend of `mla_attention` (moela's kernels): its preconditions, and the autograd Function around
+its forward and backward phases (`phases.py`, which chooses the Triton or Gluon kernel of each).
 
 The eager entry is opaque to torch.compile (`torch.compiler.disable`), rather than depending on Dynamo tracing user
-Triton kernels; a compiled block holds the same launchers in its graph through the op pair of `graph.py`
+Triton kernels; a compiled block holds the same phases in its graph through the op pair of `graph.py`
 (`triton_prepare` checks their preconditions for both).
 """
 
@@ -12,9 +12,7 @@ import math
 
 import torch
 
-from moela.ops.attention.triton_bwd import attention_backward
-from moela.ops.attention.triton_common import MAX_GRID_YZ, SCHEDULE
-from moela.ops.attention.triton_fwd import attention_forward
+from moela.ops.attention.phases import attention_backward, attention_forward
 from moela.ops.triton_env import INTERPRET
 
 
@@ -32,10 +30,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
         if t.device != q.device:
             raise ValueError(f"triton mla_attention wants q, k, v on one device; got {name} on {t.device}, q on "
                              f"{q.device}")
-    if SCHEDULE["grid"] == "documents" and (cu_seqlens_q.numel() - 1 > MAX_GRID_YZ or q.shape[1] > MAX_GRID_YZ):
-        raise ValueError(f"triton mla_attention's per-document grid launches one program row per head and document, "
-                         f"at most {MAX_GRID_YZ} of each; got H={q.shape[1]}, {cu_seqlens_q.numel() - 1} documents "
-                         f"(use the work-list grid, or split the micro-batch)")
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if t.dtype != torch.int32 or t.device != q.device or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous int32 tensor on {q.device}; got {t.dtype} on {t.device}"
@@ -48,54 +42,76 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torc
 
 class _FlashMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                alibi_slopes):
-        out, lse = attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
-                                     softmax_scale=softmax_scale, alibi_slopes=alibi_slopes)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, alibi_slopes, forward_kernel,
+                dq_kernel, dkdv_kernel):
+        out, lse = attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+                                     alibi_slopes=alibi_slopes, kernel=forward_kernel)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-        ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        ctx.args = (causal, softmax_scale, dq_kernel, dkdv_kernel)
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale = ctx.args
+        causal, softmax_scale, dq_kernel, dkdv_kernel = ctx.args
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                                        alibi_slopes=alibi_slopes)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                        softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dq_kernel=dq_kernel,
+                                        dkdv_kernel=dkdv_kernel)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.disable
 def flash_mla_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         max_seqlen_q: int, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool = True,
                         softmax_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                        return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `triton` backend of `mla_attention` (same arguments). Returns (out, lse); both differentiable.
-    Opaque to torch.compile (a graph break): the launchers run eagerly, so a compiled model runs these kernels."""
-    max_seqlen_q, max_seqlen_k, scale = triton_prepare(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k,
-                                                       max_seqlen_k, softmax_scale, alibi_slopes)
-    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                        return_lse: bool = False, forward_kernel: str = "auto", dq_kernel: str = "auto",
+                        dkdv_kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The `triton` backend of `mla_attention` (same arguments, and the kernel of each phase: `phases.py`). Returns
+    (out, lse); both differentiable. Opaque to torch.compile (a graph break): the kernels run eagerly, so a compiled
+    model runs these kernels."""
+    scale = triton_prepare(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, softmax_scale,
                            alibi_slopes)
+    return _FlashMLA.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, alibi_slopes, forward_kernel, dq_kernel,
+                           dkdv_kernel)
+
+
+def triton_forward_phase(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         max_seqlen_q: int, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool,
+                         softmax_scale: float, alibi_slopes: torch.Tensor | None, forward_kernel: str = "auto",
+                         dq_kernel: str = "auto", dkdv_kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as the compiled graph's op runs it (`graph.py`) -> (out, lse)."""
+    triton_prepare(q, k, v, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, softmax_scale, alibi_slopes)
+    return attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+                             alibi_slopes=alibi_slopes, kernel=forward_kernel)
+
+
+def triton_backward_phase(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          max_seqlen_q: int, cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, causal: bool,
+                          softmax_scale: float, alibi_slopes: torch.Tensor | None, forward_kernel: str = "auto",
+                          dq_kernel: str = "auto", dkdv_kernel: str = "auto"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward as the compiled graph's op runs it -> (dq, dk, dv)."""
+    return attention_backward(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                              softmax_scale=softmax_scale, alibi_slopes=alibi_slopes, dq_kernel=dq_kernel,
+                              dkdv_kernel=dkdv_kernel)
 
 
 def triton_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int,
                    cu_seqlens_k: torch.Tensor, max_seqlen_k: int, softmax_scale: float | None,
-                   alibi_slopes: torch.Tensor | None) -> tuple[int, int, float]:
-    """The kernels' preconditions, checked with a clear error -> (max_seqlen_q, max_seqlen_k, softmax_scale) as the
-    launchers take them. Shared by the autograd Function above and the compiled-graph op (`graph.py`)."""
+                   alibi_slopes: torch.Tensor | None) -> float:
+    """The kernels' preconditions, checked with a clear error -> the softmax scale. Shared by the autograd Function
+    above and the compiled-graph op (`graph.py`)."""
     _check(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    for name, t, length in (("q", q, max_seqlen_q), ("k", k, max_seqlen_k), ("v", v, max_seqlen_k)):
+    for name, t, length in (("q", q, int(max_seqlen_q)), ("k", k, int(max_seqlen_k)), ("v", v, int(max_seqlen_k))):
         if length * max(t.stride(0), t.shape[1] * t.shape[2]) >= 2 ** 31:  # (the outputs are contiguous)
             raise ValueError(f"triton mla_attention addresses a document's rows with int32 offsets: {length} tokens "
                              f"x {name}'s row stride {t.stride(0)} exceed 2^31; split long documents or use context "
                              f"parallelism")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return max_seqlen_q, max_seqlen_k, float(scale)
+    return float(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
 
 
 def triton_auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_, **__) -> bool:

@@ -9,12 +9,11 @@ The per-head slopes are compile-time constants of the modifier (`alibi_score_mod
 slopes and mask, cached), not an aux tensor: with an aux tensor flash-attn-4 (4.0.0b36, `apply_score_mod_inner`)
 takes its bounds-safe path for every score - a fast-division wrap of q_idx and kv_idx, one score at a time instead
 of two - and the modifier loaded slopes[head] per score; that made the ALiBi forward 46-49% slower than the plain
-one (bench/results/attention_kernels_slopes_tensor.md), and 18-20% with the constants (attention_kernels.md; the
-whole fwd+bwd 3.4-4.2% over plain). With constants the head's slope is a chain of selects on the head index,
-a function of the head index alone (loop-invariant, so the compiler may hoist it; not checked in the SASS), and
-nothing is read from memory. The price: a new
-set of slopes compiles a new kernel (flash-attn-4 keys its compiled kernels by the modifier's `__cute_hash__`,
-which covers this file and the slopes), so training with fixed slopes compiles once.
+one, and 18-20% with the constants (the whole fwd+bwd 3.4-4.2% over plain). With constants the head's slope is a
+chain of selects on the head index, a function of the head index alone (loop-invariant, so the compiler may hoist
+it; not checked in the SASS), and nothing is read from memory. The price: a new set of slopes compiles a new kernel
+(flash-attn-4 keys its compiled kernels by the modifier's `__cute_hash__`, which covers this file and the slopes),
+so training with fixed slopes compiles once.
 
 The bias is moela's: `-slope_h * |i' - j|` with i' = i + Lk - Lq the query's position on the k side (bottom-right
 alignment). Causal attention masks every key with j > i', so there the bias is `slope_h * (j - i')` and needs no

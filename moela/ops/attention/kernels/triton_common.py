@@ -1,17 +1,16 @@
 """What the Triton flash-attention kernels share: launch table, head-dim split, and the @triton.jit helpers for tile
 loads, scores, masks, ALiBi terms and the per-program prologue.
 
-Kernels (triton_fwd.py, triton_bwd.py): the forward runs one program per (query block, head,
-document), an online softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural
+Kernels (triton_forward.py, triton_backward.py): the forward runs one program per (query block, head) of the
+work list, an online softmax in base 2 with fp32 accumulation, and writes out [Tq, H, Dv] and lse [H, Tq] (natural
 log, -inf for a query that sees no key). The backward's preprocess computes `delta = rowsum(dO * O) - dlse` (the
 only place the lse gradient enters); then one program per key block accumulates dk and dv over query blocks and one
 per query block accumulates dq over key blocks. Recomputing the scores in both costs one extra QK^T and dO V^T but
-needs no atomics: gradients are deterministic. A fused backward (scores once, dq through fp32 atomics) measured
-1.4-3x slower than the split one on an H200 in the same run (bench/results/attention.md) and was removed.
+needs no atomics: gradients are deterministic (a fused backward with fp32 dq atomics measured slower and was
+removed).
 
-Programs are launched over a work list (triton_worklist.py): every document's blocks, costliest first, heads
-fastest, so packed batches of short documents launch no empty programs and the longest blocks start first; the
-per-document grid the kernels used before stays selectable for comparison (`SCHEDULE`).
+Programs are launched over a work list (worklist.py): every document's blocks, costliest first, heads fastest, so
+packed batches of short documents launch no empty programs and the longest blocks start first.
 
 Decisions:
 - Dqk is split into a power-of-two main part and a remainder (192 = 128 + 64), each its own `tl.dot`, so MLA pays no
@@ -33,46 +32,24 @@ Decisions:
   per row / column (an int -> float conversion per score costs the forward two thirds of its speed).
 - Under TRITON_INTERPRET=1 bf16 tiles are upcast to fp32 (the interpreter's bf16 `tl.dot` returns garbage) and small
   blocks are used. On GPU the block shapes are a fixed table (`CONFIGS`) from bench/attention.py's sweep, not
-  autotuned at run time: no first-step stall, and every rank runs the same kernels. Measurements:
-  bench/notes/attention.md.
+  autotuned at run time: no first-step stall, and every rank runs the same kernels.
 
 Shapes: Tq / Tk tokens, H heads, Dqk query/key head dim, Dv value head dim, N documents; BM / BN block rows.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
+from moela.ops.attention.kernels.worklist import cached_worklist
 from moela.ops.triton_env import INTERPRET, require_interpreter_support
 
 require_interpreter_support()
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
-MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (the per-document grid: heads on y, documents on z)
-
-# How the kernels are scheduled; the launchers read it at each call (bench/attention.py sets it to time every
-# variant in one process):
-#   grid      "worklist": a flat grid over the documents' blocks, costliest first (triton_worklist.py);
-#             "documents": (blocks of the longest document, H, N), programs past a document's end exit at once
-#   forward   "triton": the forward kernel of triton_fwd.py; or a config name of gluon_fwd.CONFIGS (the default,
-#             gluon_fwd.DEFAULT): the warp-specialized Gluon forward on sm_90 for the calls it supports (bf16,
-#             192/128, 96/64, 128/128 and the like, no ALiBi, the work-list grid; gluon_fwd.supports), the Triton
-#             kernel for the others. 12-23% faster forward, +1.3-1.8% tokens/s in `small`'s step (gluon_fwd.py)
-#   dkdv      "auto" (default): the warp-specialized Gluon dK/dV kernel (gluon_bwd.py, its AUTO config) for the calls
-#             it supports at head dims where it measured faster (Dqk + Dv <= 160, e.g. `small`'s 96/64: -20% dK/dV
-#             kernel time in the step), the Triton kernel of triton_bwd.py for the others (192/128: Triton's is
-#             faster); "triton": always the Triton kernel; a gluon_bwd.CONFIGS name: that config wherever supported
-#   dq        "auto" (default): the warp-specialized Gluon dQ kernel (gluon_dq.py, its AUTO config) for the calls it
-#             supports (0.4-5.4% faster fwd+bwd over the packings at 192/128 and 96/64, run 46; -17% dQ kernel time in
-#             `small`'s step, run 44), the Triton kernel of triton_bwd.py for the others; "triton": always the Triton
-#             kernel; a gluon_dq.CONFIGS name: that config where it supports the call and its shared memory fits
-#             the head dims
-SCHEDULE = {"grid": "worklist", "forward": "gluon_128x64_s4_persistent", "dkdv": "auto", "dq": "auto"}
 
 # Launch configuration per kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages) by head-dim class: "narrow"
 # (Dqk + Dv <= 256, e.g. 128/128), "wide" (<= 320: MLA's 192/128, tuned), "xwide" (up to 256/256: smaller
@@ -86,16 +63,6 @@ CONFIGS = {
 INTERPRET_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)}
 
 
-_SAID: set[str] = set()
-
-
-def say_once(line: str) -> None:
-    """Logs `line` the first time it comes up (which kernel runs, and why, once per reason)."""
-    if line not in _SAID and not torch.compiler.is_compiling():
-        _SAID.add(line)
-        logging.getLogger("moela.ops").info(line)
-
-
 def head_class(d_qk: int, d_v: int) -> str:
     return "narrow" if d_qk + d_v <= 256 else "wide" if d_qk + d_v <= 320 else "xwide"
 
@@ -105,19 +72,13 @@ def launch_config(kernel: str, d_qk: int, d_v: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
-def launch_grid(cu_seqlens_q, cu_seqlens_k, n_tokens: int, max_seqlen: int, heads: int, block: int, *,
-                key_blocks: bool, causal: bool) -> tuple[tuple[int, ...], dict]:
-    """(grid, the kernel's schedule arguments ITEMS, n_items, n_heads, WORKLIST) under SCHEDULE["grid"]; the
-    work list covers the k side's blocks when `key_blocks`, else the q side's (n_tokens, max_seqlen of that side)."""
-    from moela.ops.attention.triton_worklist import cached_worklist
-
-    if SCHEDULE["grid"] == "worklist":
-        items = cached_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
-        n_items = items.shape[1]
-        return (n_items * heads,), dict(ITEMS=items, n_items=n_items, n_heads=heads, WORKLIST=True)
-    n_docs = cu_seqlens_q.numel() - 1
-    return (triton.cdiv(max_seqlen, block), heads, n_docs), dict(ITEMS=cu_seqlens_q, n_items=0, n_heads=heads,
-                                                                  WORKLIST=False)
+def launch_grid(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n_tokens: int, heads: int, block: int, *,
+                key_blocks: bool, causal: bool) -> tuple[tuple[int], dict]:
+    """(grid, the kernel's work-list arguments ITEMS, n_items, n_heads): one program per (work-list entry, head);
+    the list covers the k side's blocks when `key_blocks`, else the q side's (n_tokens: Tk or Tq)."""
+    items = cached_worklist(cu_seqlens_q, cu_seqlens_k, n_tokens, block, key_blocks=key_blocks, causal=causal)
+    n_items = items.shape[1]
+    return (n_items * heads,), dict(ITEMS=items, n_items=n_items, n_heads=heads)
 
 
 def head_dim_blocks(d_qk: int, d_v: int) -> dict:
@@ -158,23 +119,15 @@ def _store_rows(ptr, x, offs_t, n_rows, stride_t, offs_d, n_cols):
 
 
 @triton.jit
-def _work_item(ITEMS, n_items, n_heads, WORKLIST: tl.constexpr, REVERSE: tl.constexpr):
-    """(document, block index, head) of this program; document -1: nothing to do. WORKLIST: a flat grid of
-    n_items * H programs over the work list ITEMS [2, n_items] (triton_worklist.py), heads fastest, so the costliest
-    block starts on every head first. Else the per-document grid (blocks of the longest document, H, N); REVERSE
-    runs a document's last block first (a causal query block at the end of its document sees the most keys)."""
-    if WORKLIST:
-        pid = tl.program_id(0)
-        head = pid % n_heads
-        item = pid // n_heads
-        doc = tl.load(ITEMS + item)
-        block = tl.load(ITEMS + n_items + item)
-    else:
-        block = tl.program_id(0)
-        if REVERSE:
-            block = tl.num_programs(0) - 1 - block
-        head = tl.program_id(1)
-        doc = tl.program_id(2)
+def _work_item(ITEMS, n_items, n_heads):
+    """(document, block index, head) of this program; document -1: nothing to do. The grid is n_items * H programs
+    over the work list ITEMS [2, n_items] (worklist.py), heads fastest, so the costliest block starts on every head
+    first."""
+    pid = tl.program_id(0)
+    head = pid % n_heads
+    item = pid // n_heads
+    doc = tl.load(ITEMS + item)
+    block = tl.load(ITEMS + n_items + item)
     return doc, block, head
 
 

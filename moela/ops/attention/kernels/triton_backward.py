@@ -1,4 +1,5 @@
-"""Backward kernels of the Triton flash attention (decisions in triton_common.py) and their launcher.
+"""Backward kernels of the Triton flash attention (decisions in triton_common.py) and their launchers: the
+preprocess, and the `triton` kernels of the dK/dV and dQ phases (moela.ops.attention.phases).
 
 Math, per document and head, with p_ij = exp(s_ij - lse_i) recomputed from q, k and the saved lse:
   delta_i = sum_d dO_id O_id - dlse_i           (preprocess; the lse gradient enters here only)
@@ -14,10 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.attention import gluon_bwd, gluon_dq
-from moela.ops.attention.triton_common import (
+from moela.ops.attention.kernels.triton_common import (
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -30,7 +29,6 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
-    say_once,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -114,18 +112,16 @@ def _bwd_dkdv_kernel(
     CU_Q,  # [N + 1] int32
     CU_K,  # [N + 1] int32
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
-    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 and H
     qk_scale,  # softmax scale * log2(e)
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (key block, head, document): dk and dv of BN keys. Grid: the work list's key blocks x H, or
-    (cdiv(max Lk, BN), H, N)."""
-    doc, pid_n, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, False)
+    """Program (key block, head): dk and dv of BN keys. Grid: the work list's key blocks x H."""
+    doc, pid_n, head = _work_item(ITEMS, n_items, n_heads)
     if doc < 0:
         return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
@@ -234,18 +230,16 @@ def _bwd_dq_kernel(
     CU_Q,  # [N + 1] int32
     CU_K,  # [N + 1] int32
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
-    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 and H
     qk_scale,  # softmax scale * log2(e)
     sm_scale,  # softmax scale
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (query block, head, document): dq of BM queries. Grid: the work list's query blocks x H, or
-    (cdiv(max Lq, BM), H, N)."""
-    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, True)
+    """Program (query block, head): dq of BM queries. Grid: the work list's query blocks x H."""
+    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads)
     if doc < 0:
         return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
@@ -286,87 +280,11 @@ def _bwd_dq_kernel(
                     D_QK)
 
 
-def _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
-                alibi_slopes) -> bool:
-    """Runs gluon_bwd.py's dK/dV kernel where SCHEDULE["dkdv"] names one of its configs (or is "auto" and
-    gluon_bwd.choose picks one for the head dims) and it supports the call; False (and the reason logged once) where
-    the Triton kernel runs it."""
-    config = SCHEDULE["dkdv"]
-    if config == "triton":
-        return False
-    why = gluon_bwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
-    if why is None and config == "auto":
-        config, why = gluon_bwd.choose(q.shape[-1], v.shape[-1])
-    if why is not None:
-        say_once(f"mla_attention backward: the Triton dK/dV kernel, not the Gluon one ({why})")
-        return False
-    gluon_bwd.dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal=causal,
-                   softmax_scale=softmax_scale, config=config)
-    return True
-
-
-def _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_k, causal):
-    """Launches _bwd_dkdv_kernel (scales: qk_scale, sm_scale, Dqk, Dv)."""
-    cfg = launch_config("dkdv", *scales[2:])
-    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, dk.shape[0], max_seqlen_k, h, cfg["BLOCK_N"],
-                                 key_blocks=True, causal=causal)
-    _bwd_dkdv_kernel[grid](
-        *inputs,
-        dk, dk.stride(0), dk.stride(1),
-        dv, dv.stride(0), dv.stride(1),
-        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
-
-
-def _gluon_dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal, softmax_scale, alibi_slopes) -> bool:
-    """Runs gluon_dq.py's kernel where SCHEDULE["dq"] names one of its configs (or is "auto": gluon_dq.AUTO) and it
-    takes the call; False (and the reason logged once) where the Triton kernel runs it."""
-    config = gluon_dq.AUTO if SCHEDULE["dq"] == "auto" else SCHEDULE["dq"]
-    if config == "triton":
-        return False
-    why = gluon_dq.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else "the per-document grid"
-    why = why or gluon_dq.fits(q.shape[-1], v.shape[-1], config)
-    if why is not None:
-        say_once(f"mla_attention backward: the Triton dQ kernel, not the Gluon one ({why})")
-        return False
-    gluon_dq.dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal=causal, softmax_scale=softmax_scale,
-                config=config)
-    return True
-
-
-def _triton_dq(inputs, dq, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_q, causal):
-    """Launches _bwd_dq_kernel (scales: qk_scale, sm_scale, Dqk, Dv)."""
-    cfg = launch_config("dq", *scales[2:])
-    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, dq.shape[0], max_seqlen_q, h, cfg["BLOCK_M"],
-                                 key_blocks=False, causal=causal)
-    _bwd_dq_kernel[grid](
-        *inputs,
-        dq, dq.stride(0), dq.stride(1),
-        cu_seqlens_q, cu_seqlens_k, slopes, schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
-        *scales, WORKLIST=schedule["WORKLIST"], **flags, **cfg)
-
-
-def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool,
-                       softmax_scale: float, alibi_slopes: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launches the preprocess, then the dk/dv and dq kernels.
-    dout [Tq, H, Dv], dlse [H, Tq] or None -> (dq, dk, dv)."""
-    tq, h, d_qk = q.shape
-    d_v = v.shape[-1]
-    n_docs = cu_seqlens_q.numel() - 1
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if k.shape[0]:
-        dk.zero_()  # keys outside every document (none in a well-formed batch) get zero gradient
-        dv.zero_()
-    if tq == 0 or n_docs == 0:
-        return dq.zero_(), dk, dv
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta = torch.empty_like(lse)  # [H, Tq]
-    if dlse is not None:
-        dlse = dlse.contiguous()
-    blocks = head_dim_blocks(d_qk, d_v)
+def triton_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
+    """delta [H, Tq] fp32 = rowsum(dO * O) - dlse (the preprocess) from out, dout [Tq, H, Dv] and dlse [H, Tq] or
+    None (Tq > 0)."""
+    tq, h, d_v = out.shape
+    delta = torch.empty(h, tq, device=out.device, dtype=torch.float32)
     _bwd_preprocess_kernel[(triton.cdiv(tq, 64), h)](
         out, out.stride(0), out.stride(1),
         dout, dout.stride(0), dout.stride(1),
@@ -374,7 +292,14 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
         delta,
         delta.stride(0),
         tq, d_v,
-        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_DV=blocks["BLOCK_DV"])
+        HAS_DLSE=dlse is not None, BLOCK_M=64, BLOCK_DV=triton.next_power_of_2(d_v))
+    return delta
+
+
+def _common_args(q, k, v, dout, lse, delta, alibi_slopes, softmax_scale, causal) -> tuple[tuple, dict]:
+    """The inputs both backward kernels take first (pointers and strides through stride_lh), the scalars and
+    constexprs they take last."""
+    d_qk, d_v = q.shape[-1], v.shape[-1]
     inputs = (q, q.stride(0), q.stride(1),
               k, k.stride(0), k.stride(1),
               v, v.stride(0), v.stride(1),
@@ -382,14 +307,44 @@ def attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.T
               lse,
               delta,
               lse.stride(0))
-    slopes = alibi_slopes if alibi_slopes is not None else delta  # any pointer when there is no ALiBi
-    scales = (softmax_scale * LOG2E.value, softmax_scale, d_qk, d_v)
-    flags = dict(CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-                 **blocks)
-    if not _gluon_dkdv(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dk, dv, causal, softmax_scale,
-                       alibi_slopes):
-        _triton_dkdv(inputs, dk, dv, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_k, causal)
-    if not _gluon_dq(q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, dq, causal, softmax_scale,
-                     alibi_slopes):
-        _triton_dq(inputs, dq, cu_seqlens_q, cu_seqlens_k, slopes, scales, flags, h, max_seqlen_q, causal)
-    return dq, dk, dv
+    flags = dict(qk_scale=softmax_scale * LOG2E.value, sm_scale=softmax_scale, D_QK=d_qk, D_V=d_v, CAUSAL=causal,
+                 HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+                 **head_dim_blocks(d_qk, d_v))
+    return inputs, flags
+
+
+def triton_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                delta: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, dk: torch.Tensor,
+                dv: torch.Tensor, *, causal: bool, softmax_scale: float, alibi_slopes: torch.Tensor | None) -> None:
+    """Launches _bwd_dkdv_kernel into dk [Tk, H, Dqk] and dv [Tk, H, Dv] (zeroed by the caller: keys outside every
+    document keep 0), from dout [Tq, H, Dv], the forward's lse and the preprocess's delta [H, Tq]."""
+    inputs, flags = _common_args(q, k, v, dout, lse, delta, alibi_slopes, softmax_scale, causal)
+    cfg = launch_config("dkdv", q.shape[-1], v.shape[-1])
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, k.shape[0], q.shape[1], cfg["BLOCK_N"], key_blocks=True,
+                                 causal=causal)
+    _bwd_dkdv_kernel[grid](
+        *inputs,
+        dk, dk.stride(0), dk.stride(1),
+        dv, dv.stride(0), dv.stride(1),
+        cu_seqlens_q, cu_seqlens_k,
+        alibi_slopes if alibi_slopes is not None else delta,  # any pointer when there is no ALiBi
+        schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        **flags, **cfg)
+
+
+def triton_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+              delta: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, dq: torch.Tensor, *,
+              causal: bool, softmax_scale: float, alibi_slopes: torch.Tensor | None) -> None:
+    """Launches _bwd_dq_kernel into dq [Tq, H, Dqk] from dout [Tq, H, Dv], the forward's lse and the preprocess's
+    delta [H, Tq]."""
+    inputs, flags = _common_args(q, k, v, dout, lse, delta, alibi_slopes, softmax_scale, causal)
+    cfg = launch_config("dq", q.shape[-1], v.shape[-1])
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, q.shape[0], q.shape[1], cfg["BLOCK_M"],
+                                 key_blocks=False, causal=causal)
+    _bwd_dq_kernel[grid](
+        *inputs,
+        dq, dq.stride(0), dq.stride(1),
+        cu_seqlens_q, cu_seqlens_k,
+        alibi_slopes if alibi_slopes is not None else delta,  # any pointer when there is no ALiBi
+        schedule["ITEMS"], schedule["n_items"], schedule["n_heads"],
+        **flags, **cfg)

@@ -1,4 +1,5 @@
-"""Forward kernel of the Triton flash attention (decisions in triton_common.py) and its launcher.
+"""Forward kernel of the Triton flash attention (decisions in triton_common.py) and its launcher; the `triton`
+kernel of the forward phase (moela.ops.attention.phases).
 
 Math, per document and head, with s_ij = scale * q_i . k_j (+ ALiBi, masked by causality):
   out_i = sum_j softmax_j(s_ij) v_j,   lse_i = log sum_j exp(s_ij)
@@ -11,11 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moela.ops.attention import gluon_fwd
-from moela.ops.attention.triton_common import (
+from moela.ops.attention.kernels.triton_common import (
     LN2,
     LOG2E,
-    SCHEDULE,
     _alibi_setup,
     _alibi_term,
     _doc_span,
@@ -29,7 +28,6 @@ from moela.ops.attention.triton_common import (
     head_dim_blocks,
     launch_config,
     launch_grid,
-    say_once,
 )
 from moela.ops.triton_env import INTERPRET
 
@@ -81,17 +79,16 @@ def _fwd_kernel(
     CU_Q,  # [N + 1] int32, document starts on the q side
     CU_K,  # [N + 1] int32, document starts on the k side
     SLOPES,  # [H] fp32 ALiBi slopes (read when HAS_ALIBI)
-    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 (WORKLIST) and H
+    ITEMS, n_items, n_heads,  # the work list [2, n_items] int32 and H
     qk_scale,  # softmax scale * log2(e)
     D_QK: tl.constexpr, D_V: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_D_REST: tl.constexpr, UPCAST: tl.constexpr,
-    WORKLIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_REST: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Program (query block, head, document): out and lse of BM query rows. Grid: the work list's query blocks x H,
-    or (cdiv(max Lq, BM), H, N) (triton_common._work_item)."""
-    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads, WORKLIST, True)
+    """Program (query block, head): out and lse of BM query rows. Grid: the work list's query blocks x H
+    (triton_common._work_item)."""
+    doc, pid_m, head = _work_item(ITEMS, n_items, n_heads)
     if doc < 0:
         return
     q_start, q_len, k_start, k_len = _doc_span(CU_Q, CU_K, doc)
@@ -131,29 +128,15 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lh + q_start + offs_m, lse, mask=offs_m < q_len)
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, causal: bool, softmax_scale: float,
-                      alibi_slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches the forward kernel: gluon_fwd.py's where SCHEDULE["forward"] names a Gluon config and it supports
-    the call, else this module's. Returns (out [Tq, H, Dv] in q's dtype, lse [H, Tq] float32)."""
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, causal: bool,
+                   softmax_scale: float, alibi_slopes: torch.Tensor | None) -> None:
+    """Launches the kernel into out [Tq, H, Dv] (q's dtype) and lse [H, Tq] float32 (the caller allocated them and
+    checked that Tq and the document count are not zero)."""
     tq, h, d_qk = q.shape
     d_v = v.shape[-1]
-    n_docs = cu_seqlens_q.numel() - 1
-    out = torch.empty(tq, h, d_v, device=q.device, dtype=q.dtype)
-    lse = torch.empty(h, tq, device=q.device, dtype=torch.float32)
-    if tq == 0 or n_docs == 0:
-        return out, lse
-    if SCHEDULE["forward"] != "triton":
-        why = gluon_fwd.supports(q, k, v, alibi_slopes) if SCHEDULE["grid"] == "worklist" else \
-            "the per-document grid"
-        if why is None:
-            gluon_fwd.attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal=causal,
-                                        softmax_scale=softmax_scale, config=SCHEDULE["forward"])
-            return out, lse
-        say_once(f"mla_attention forward: the Triton kernel, not the Gluon forward ({why})")
     cfg = launch_config("fwd", d_qk, d_v)
-    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, max_seqlen_q, h, cfg["BLOCK_M"], key_blocks=False,
-                                 causal=causal)
+    grid, schedule = launch_grid(cu_seqlens_q, cu_seqlens_k, tq, h, cfg["BLOCK_M"], key_blocks=False, causal=causal)
     _fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
         k, k.stride(0), k.stride(1),
@@ -167,5 +150,4 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         softmax_scale * LOG2E.value,
         d_qk, d_v,
         CAUSAL=causal, HAS_ALIBI=alibi_slopes is not None, UPCAST=INTERPRET and q.dtype == torch.bfloat16,
-        WORKLIST=schedule["WORKLIST"], **head_dim_blocks(d_qk, d_v), **cfg)
-    return out, lse
+        **head_dim_blocks(d_qk, d_v), **cfg)
