@@ -1,4 +1,4 @@
-"""`python -m moela {prepare,generate,export,import,eval,summary} ...`: argument parsing and dispatch.
+"""`python -m moela {plan,prepare,generate,export,import,eval,summary} ...`: argument parsing and dispatch.
 
 A command's user errors (a missing run directory, no checkpoint, a bad step or device, an invalid option value) and
 checkpoints it cannot use (damaged, or holding anything beyond tensors and plain data) print `error: ...` on stderr
@@ -26,12 +26,14 @@ COMMANDS = {
     "import": ("moela.tools.import_hf", "write a moela run directory from a Hugging Face deepseek_v3 folder"),
     "eval": ("moela.tools.evaluate", "held-out loss, perplexity and bits per byte (or lm-eval tasks)"),
     "summary": ("moela.tools.summary", "print the summary of a training run from its run directory"),
+    "plan": ("moela.tools.plan", "predict memory, communication and step time of a recipe's layout on N GPUs"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moela", description="moela around training: prepare (the "
-                                     "data), generate, export, import, eval, summary. Training itself is "
+    parser = argparse.ArgumentParser(prog="python -m moela", description="moela around training: plan (memory and "
+                                     "speed of a layout), prepare (the data), generate, export, import, eval, "
+                                     "summary. Training itself is "
                                      "`python train.py RECIPE.yaml`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
