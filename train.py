@@ -48,6 +48,27 @@ def _is_rank0() -> bool:
         return True
 
 
+def _plan_stops(cfg) -> bool:
+    """The plan's memory check (`train.plan_check`, moela.plan.check) on a CUDA run, before any allocation; prints
+    its line on rank 0; true when it is an error."""
+    import torch
+    if cfg.train.plan_check == "never" or cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return False
+    from moela.plan.check import memory_check
+    try:
+        local_rank, world_size = int(os.environ.get("LOCAL_RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return False  # a malformed launcher environment: the trainer reports it
+    props = torch.cuda.get_device_properties(local_rank)
+    found = memory_check(cfg, world_size, props.name, props.total_memory)
+    if found is None:
+        return False
+    level, line = found
+    if _is_rank0():
+        print(f"{'error' if level == 'error' else 'warning'}: {line}", file=sys.stderr)
+    return level == "error"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.recipe is None:
@@ -73,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     from moela.trainer.loop import STOPPED
 
     logging.basicConfig(level=logging.INFO if _is_rank0() else logging.WARNING, format="%(name)s: %(message)s")
+    if _plan_stops(cfg):
+        return EXIT_INPUT
     try:
         outcome = Trainer(cfg).fit()
     except TrainingError as e:

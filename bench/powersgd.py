@@ -11,18 +11,15 @@ not measurements: a ring all-reduce over R replicas sends 2 (R - 1) / R times th
 
 Usage: python bench/powersgd.py                  (CUDA: presets small and v2-lite, ranks 2, 4, 8, shard 8)
        python bench/powersgd.py --cpu            (smoke: tiny preset on the CPU, few iterations)
-Writes bench/results/powersgd.md and .json (or --out).
+Writes bench/results/powersgd.md and .json (or into --out-dir).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_io import write_results  # noqa: E402
 from moela.model.config import preset  # noqa: E402
 from moela.model.transformer import Transformer  # noqa: E402
 from moela.parallel.config import ParallelConfig  # noqa: E402
@@ -117,25 +115,8 @@ def run(sizes: list[str], ranks: list[int], shard: int, device: torch.device, it
     return rows
 
 
-def header(device: torch.device, command: str) -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return (f"Commit {commit}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {name}, torch "
-            f"{torch.__version__}, triton {triton_version}. Command: `{command}`.")
-
-
-def write(rows: list[dict], out: Path, head: str) -> None:
-    lines = ["# PowerSGD on the replicate dimension: compute per step and bytes", "", head, "",
-             "Per rank, fp32 gradient shards under FSDP over `shard` ranks. ms: `ReplicateReducer.reduce()` on one "
+def render(rows: list[dict]) -> str:
+    lines = ["Per rank, fp32 gradient shards under FSDP over `shard` ranks. ms: `ReplicateReducer.reduce()` on one "
              "device (one-rank group: compression and decompression plus copies; exact = the same reducer's "
              "uncompressed path). Wire ms: 2(R-1)/R x bytes at the link rate for R = 2 replicas, computed, not "
              "measured.", "",
@@ -148,8 +129,7 @@ def write(rows: list[dict], out: Path, head: str) -> None:
         lines.append(f"| {r['preset']} | {r['shard']} | {r['rank']} | {r['bytes_uncompressed'] / 1e6:.1f} | "
                      f"{r['bytes_compressed'] / 1e6:.2f} | {r['ratio']:.0f}x | {r['exact_ms']:.2f} | "
                      f"{r['powersgd_ms']:.2f} | {wires} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"header": head, "rows": rows}, indent=1) + "\n")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -159,7 +139,7 @@ def main() -> None:
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--shard", type=int, default=8, help="FSDP shard group size (the GPUs of one node)")
     parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "powersgd"))
+    parser.add_argument("--out-dir", default=None, help="where powersgd.md and .json go (default bench/results)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     if device.type == "cuda":
@@ -174,7 +154,8 @@ def main() -> None:
             rows = run(sizes, args.ranks, args.shard, device, iters)
         finally:
             dist.destroy_process_group()
-    write(rows, Path(args.out), header(device, "python bench/powersgd.py " + " ".join(sys.argv[1:])))
+    write_results("powersgd", "PowerSGD on the replicate dimension: compute per step and bytes", render(rows), rows,
+                  out_dir=args.out_dir)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from moela.configlib import OVERRIDE_SOURCE, ConfigError, dump, load, parse_over
 from moela.data.config import DataConfig
 from moela.model.config import MODEL_PRESETS, ModelConfig
 from moela.ops.backends import moe_backend_problems
-from moela.parallel.config import ParallelConfig, tensor_parallel_errors
+from moela.parallel.config import ParallelConfig, pipeline_errors, tensor_parallel_errors
 from moela.trainer.config import CheckpointConfig, LoggingConfig, OptimConfig, ScheduleConfig, TrainConfig, WandbConfig
 
 __all__ = ["OVERRIDE_SOURCE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig",
@@ -43,6 +43,8 @@ class Config:
                           f"{self.model.n_routed_experts}; pick an ep that divides the expert count")
         if self.parallel.tp > 1:
             errors += tensor_parallel_errors(self.model, self.parallel.tp)
+        errors += [f"parallel.{e}" for e in pipeline_errors(self.parallel, self.model, self.train.grad_accum,
+                                                            cuda_graphs=self.train.cuda_graphs)]
         if self.train.compile and (self.parallel.cp > 1 or self.parallel.tp > 1):
             errors.append("train.compile: pads every micro-batch to one shape, which context and tensor parallelism "
                           "do not split yet; set train.compile: false with parallel.cp > 1 or parallel.tp > 1")

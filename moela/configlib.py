@@ -328,7 +328,9 @@ def _convert(value: Any, tp: Any, path: str, sources: dict, errors: list[str]) -
     return value if isinstance(value, tp) else fail()
 
 
-def _build(cls: type, data: dict, path: str, sources: dict, errors: list[str]) -> Any:
+def _build(cls: type, data: dict, path: str, sources: dict, errors: list[str], failed: list[str] | None = None) -> Any:
+    """`cls(**data)` with each value converted to its field's type; a value that cannot be converted is reported and
+    left at its default, its key added to `failed`."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs = {}
@@ -342,6 +344,8 @@ def _build(cls: type, data: dict, path: str, sources: dict, errors: list[str]) -
         converted = _convert(value, hints[key], key_path, sources, errors)
         if converted is not _MISSING:
             kwargs[key] = converted
+        elif failed is not None:
+            failed.append(str(key))
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -402,13 +406,16 @@ def load(schema: type, path: str | Path | None, overrides: Sequence[str] = (), *
     for f in fields:
         if f.name not in tree or f.name in bad_sections:
             continue
-        before = len(errors)
-        section = _build(hints[f.name], tree[f.name], f.name, sources, errors)
+        failed: list[str] = []
+        section = _build(hints[f.name], tree[f.name], f.name, sources, errors, failed)
         if section is _MISSING:
             continue
         kwargs[f.name] = section
-        if len(errors) == before:
-            _validate(section, f.name, invalid, sources)
+        # the section's other problems too, every problem at once; checks that involve a key whose value could not
+        # be read (left at its default) would only mislead
+        found: list[str] = []
+        _validate(section, f.name, found, sources)
+        invalid += [m for m in found if not any(re.search(rf"\b{re.escape(k)}\b", m) for k in failed)]
     if errors:
         raise ConfigError(errors + invalid)
     cfg = schema(**kwargs)

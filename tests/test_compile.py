@@ -21,6 +21,9 @@ from moela.trainer import compile as trainer_compile
 from moela.trainer import loop as trainer_loop
 from moela.trainer.compile import compile_blocks
 
+# compiled blocks raise Dynamo's recompile limit and a compiled Trainer applies its Inductor setting, for the process
+pytestmark = pytest.mark.usefixtures("compile_config_scope")
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

@@ -16,7 +16,7 @@ from moela.model import build_model
 from moela.trainer import Trainer
 from moela.trainer.compile import compile_blocks
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compile_config_scope")]  # compiling sets torch config
 
 
 @pytest.fixture(autouse=True)

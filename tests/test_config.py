@@ -135,11 +135,11 @@ def test_overrides_are_typed_by_yaml_and_win(tmp_path):
 
 
 def test_lists_of_sections(tmp_path):
-    recipe = write(tmp_path / "r.yaml", """
+    recipe = write(tmp_path / "r.yaml", f"""
         data:
           mixture:
-            - {source: bundled, weight: 2}
-            - {source: text, paths: [r.yaml], wieght: 1}
+            - {{source: bundled, weight: 2}}
+            - {{source: text, paths: [{tmp_path / 'r.yaml'}], wieght: 1}}
     """)
     (error,) = errors_of(recipe)
     assert error == (f"{recipe}: data.mixture[1].wieght: unknown key in section 'data.mixture[1]'; "
@@ -170,6 +170,18 @@ def test_section_validation_messages_are_prefixed(tmp_path):
     assert f"{recipe}: model.topk_group: 3 > n_group=2" in joined
     assert f"{recipe}: optim.lr: must be > 0" in joined
     assert f"{recipe}: parallel.ep: 3 does not divide model.n_routed_experts=8" in joined
+
+
+def test_a_type_error_does_not_hide_the_other_problems_of_its_section(tmp_path):
+    recipe = write(tmp_path / "r.yaml", """
+        optim: {lr: fast, weight_decay: -1}
+        train: {steps: ten, tokens_per_microbatch: -5}
+    """)
+    assert sorted(errors_of(recipe)) == sorted([
+        f"{recipe}: optim.lr: expected a number, got 'fast' (str)",
+        f"{recipe}: optim.weight_decay: must be >= 0, got -1.0",
+        f"{recipe}: train.steps: expected an integer, got 'ten' (str)",
+        f"{recipe}: train.tokens_per_microbatch: must be >= 2, got -5"])
 
 
 def test_model_preset_overlay_and_unknown_size(tmp_path):

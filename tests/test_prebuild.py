@@ -113,7 +113,6 @@ def test_the_helpers_cuda_setup_on_an_unindexed_device(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     monkeypatch.setattr(prebuild, "_exit_with_parent", lambda: None)
     monkeypatch.setattr(prebuild, "run_step", lambda cfg, device, log: calls.setdefault("device", device) and 2.5)
-    monkeypatch.setattr(prebuild.torch._dynamo.config, "disable", False)  # restored after the test
     for preset, want in ((None, "expandable_segments:True"), ("backend:native", "backend:native")):
         if preset is None:
             monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -121,7 +120,8 @@ def test_the_helpers_cuda_setup_on_an_unindexed_device(tmp_path, monkeypatch):
             monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", preset)
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(dump_config(_cpu_cfg(tmp_path)))
-        assert prebuild.main([str(recipe), "cuda"]) == 0
+        with torch._dynamo.config.patch(disable=False):  # the helper disables Dynamo for its process
+            assert prebuild.main([str(recipe), "cuda"]) == 0
         assert calls["cap"] == (prebuild.MEMORY_FRACTION, 0)
         assert "set_device" not in calls  # no index to set
         assert calls["device"] == torch.device("cuda")

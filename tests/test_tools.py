@@ -81,7 +81,7 @@ def test_run_prints_the_loss_legend_lm_loss_samples_and_ends_with_the_summary(tr
     final = [r for r in records if r["kind"] == "eval"][-1]
     assert any(f"final {final['val_loss']:.4f}" in line for line in summary)
     assert any(line.strip() == f"checkpoint  {run_dir / 'checkpoints' / 'step-12'}" for line in summary)
-    assert summary[-1].strip() == f"python -m moela export {run_dir} {run_dir / 'hf'}"
+    assert summary[-1].strip() == f"python -m moela export {run_dir} {run_dir.parent / (run_dir.name + '-hf')}"
     assert lines[-1] == summary[-1]  # nothing (e.g. matplotlib) after the summary
 
 

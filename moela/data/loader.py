@@ -211,6 +211,10 @@ class TrainLoader:
         missing = [key for key in self.settings if key not in state]
         if missing:
             raise ValueError(f"the loader state lacks {', '.join(missing)} (written by an older moela)")
+        if state["data_key"] != self.settings["data_key"]:
+            raise ValueError("the training data changed since the checkpoint was written (its token cache "
+                             f"{state['data_key']} is now {self.settings['data_key']}: a data file's size or "
+                             "modification time, or the tokenizer, differs); restore the data the run trained on")
         for key, value in self.settings.items():
             if state[key] != value:
                 raise ValueError(

@@ -16,12 +16,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moela.model.config import ModelConfig
 from moela.model.hf import HF_KEYS, hf_tensor_plan, weight_files
 
 Box = Sequence[tuple[int, int]]  # [start, stop) per dimension
+
+
+def _open(file: Path):
+    """`safe_open(file)`; a file that is not a complete safetensors file raises ValueError naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a complete safetensors file ({e}); download or export it again") from None
 
 
 class SafetensorsFolder(Mapping):
@@ -35,20 +43,20 @@ class SafetensorsFolder(Mapping):
                                     f"weights into this folder")
         self._where: dict[str, Path] = {}
         for file in self.files:
-            with safe_open(str(file), framework="pt") as f:
+            with _open(file) as f:
                 self._where.update({name: file for name in f.keys()})
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with _open(self._where[name]) as f:
             return f.get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with _open(self._where[name]) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         """The part `box` of tensor `name`, reading only those bytes."""
-        with safe_open(str(self._where[name]), framework="pt") as f:
+        with _open(self._where[name]) as f:
             return f.get_slice(name)[tuple(slice(a, b) for a, b in box)]
 
     def __iter__(self) -> Iterator[str]:

@@ -39,6 +39,7 @@ Shapes: T tokens, D hidden, V vocabulary, N documents, E routed experts, L_moe M
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -114,11 +115,42 @@ class Transformer(nn.Module):
         self.tensor_parallel: nn.Module | None = None
 
     # ----- construction -----
+    def part_names(self) -> list[str]:
+        """The top-level parts of the whole model, in a fixed order: what `init_weights` seeds one by one and
+        what pipeline stages divide (`moela.parallel.pp_stage`)."""
+        cfg = self.cfg
+        return (["embed"] + [f"layers.{i}" for i in range(cfg.num_hidden_layers)] + ["norm", "head"]
+                + [f"mtp.{d}" for d in range(cfg.num_nextn_predict_layers)])
+
     @torch.no_grad()
     def init_weights(self) -> None:
+        """Initialize every part from a generator seeded by one draw of the global one plus the part's index in
+        `part_names`: a pipeline stage holding some parts initializes them exactly as the whole model does."""
+        base = int(torch.randint(0, 2**62, ()))
+        for index, name in enumerate(self.part_names()):
+            part = self._part(name)
+            if part is None:
+                continue
+            cuda = sorted({p.device.index or 0 for p in part.parameters() if p.device.type == "cuda"})
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed(base + index)
+                self._init_part(part)
+        self.inv_freq.copy_(self._inv_freq())
+
+    def _part(self, name: str) -> nn.Module | None:
+        """The part `name` of `part_names`, or None where this model (a pipeline stage) does not hold it."""
+        owner, _, key = name.rpartition(".")
+        container = self.get_submodule(owner) if owner else self
+        if isinstance(container, nn.ModuleDict):
+            return container[key] if key in container else None
+        if isinstance(container, nn.ModuleList):
+            return container[int(key)] if int(key) < len(container) else None
+        return getattr(container, key, None)
+
+    def _init_part(self, part: nn.Module) -> None:
         std = self.cfg.initializer_range
-        for m in self.modules():
-            if m is not self and callable(getattr(m, "init_weights", None)):
+        for m in part.modules():
+            if callable(getattr(m, "init_weights", None)):
                 m.init_weights(std)
             elif isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
@@ -130,7 +162,6 @@ class Transformer(nn.Module):
             elif isinstance(m, RoutedExperts):
                 nn.init.normal_(m.w13, mean=0.0, std=std)
                 nn.init.normal_(m.w2, mean=0.0, std=std)
-        self.inv_freq.copy_(self._inv_freq())
 
     def _inv_freq(self) -> torch.Tensor:
         cfg, rs = self.cfg, self.cfg.rope_scaling
@@ -140,9 +171,17 @@ class Transformer(nn.Module):
                              original_max_position_embeddings=rs.original_max_position_embeddings,
                              beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
 
+    def blocks(self) -> list[Block]:
+        """The main blocks this model holds, in order (a pipeline stage holds some, in a ModuleDict keyed by their
+        index in the whole model, so that parameter names stay those of the whole model)."""
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+
+    def mtp_modules(self) -> list[MTPModule]:
+        return list(self.mtp.values() if isinstance(self.mtp, nn.ModuleDict) else self.mtp)
+
     def moe_layers(self) -> list[MoE]:
         """MoE FFNs in `expert_load` row order: main layers, then MTP blocks."""
-        blocks = list(self.layers) + [m.block for m in self.mtp]
+        blocks = self.blocks() + [m.block for m in self.mtp_modules()]
         return [b.ffn for b in blocks if isinstance(b.ffn, MoE)]
 
     @torch.no_grad()
@@ -204,11 +243,11 @@ class Transformer(nn.Module):
         weight = self.head.weight if self.head is not None else self.embed.weight  # [V, D]
         return linear_cross_entropy(h, weight, labels), None
 
-    def forward(self, batch: PackedBatch, *, return_logits: bool = False) -> ModelOutput:
-        """The objective on `batch` (under context parallelism: on this rank's part of it, see the module
-        docstring); `return_logits` also returns the main head's logits."""
-        cfg = self.cfg
-        targets = mtp_targets(batch, len(self.mtp))
+    def prepare(self, batch: PackedBatch) -> Prepared:
+        """This rank's part of `batch` (context and tensor parallelism split it), its MTP targets, labelled-token
+        count and `PackedContext`: what every piece of the forward reads (and every pipeline stage makes for
+        itself from its own copy of the micro-batch)."""
+        targets = mtp_targets(batch, self.cfg.num_nextn_predict_layers)
         part = None
         if self.context_parallel is not None:
             part = self.context_parallel.split(batch, targets)
@@ -220,12 +259,45 @@ class Transformer(nn.Module):
         num_targets = batch.targets_on_host
         if num_targets is None:
             num_targets = (batch.labels != IGNORE_INDEX).sum()
-        denom = _at_least_one(num_targets)
-        ctx = self._context(batch, num_targets, part)
+        return Prepared(batch, targets, num_targets, self._context(batch, num_targets, part))
+
+    def metric_keys(self) -> list[str]:
+        """The detached statistics every forward reports (`ModelOutput.metrics`), in order."""
+        cfg = self.cfg
+        has_moe = cfg.num_hidden_layers > cfg.first_k_dense_replace or (cfg.num_nextn_predict_layers > 0
+                                                                          and cfg.mtp_is_moe)
+        return (["lm_loss"] + ["mtp_loss"] * (cfg.num_nextn_predict_layers > 0) + ["aux_loss"] * has_moe
+                + ["z_loss"] * (cfg.z_loss_coef > 0))
+
+    def objective(self, denom: int | torch.Tensor, *, lm_sum: torch.Tensor | None = None,
+                  mtp_sum: torch.Tensor | None = None, auxs: list[torch.Tensor] = (),
+                  zs: list[torch.Tensor] = ()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, metrics) from summed terms: the whole objective when given every term, else the share of the
+        terms given (a pipeline stage's). Every term is linear in its sums, so the stages' losses and metrics add
+        up to the whole model's: z is the sum over attention layers divided by the whole model's count."""
+        cfg = self.cfg
+        zero = torch.zeros((), device=self.inv_freq.device)
+        terms = {"lm_loss": zero if lm_sum is None else lm_sum / denom,
+                 "mtp_loss": zero if mtp_sum is None else mtp_sum / (denom * max(cfg.num_nextn_predict_layers, 1)),
+                 "aux_loss": torch.stack(list(auxs)).sum() if auxs else zero}
+        z = torch.stack(list(zs)).sum() / (cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if zs else zero
+        if self.tensor_parallel is not None and zs:
+            z = self.tensor_parallel.head_mean(z)
+        terms["z_loss"] = z
+        loss = (terms["lm_loss"] + cfg.mtp_loss_weight * terms["mtp_loss"]
+                + (cfg.aux_loss_coef * terms["aux_loss"] if cfg.aux_loss_coef > 0 else 0.0)
+                + (cfg.z_loss_coef * z if cfg.z_loss_coef > 0 else 0.0))
+        return loss, {k: terms[k].detach() for k in self.metric_keys()}
+
+    def forward(self, batch: PackedBatch, *, return_logits: bool = False) -> ModelOutput:
+        """The objective on `batch` (under context parallelism: on this rank's part of it, see the module
+        docstring); `return_logits` also returns the main head's logits."""
+        prep = self.prepare(batch)
+        batch, ctx, denom = prep.batch, prep.ctx, _at_least_one(prep.num_targets)
         h = self.embed(batch.input_ids)  # [T, D]
         a1 = None
         zs, auxs, loads = [], [], []
-        for layer in self.layers:
+        for layer in self.blocks():
             h, a1, z, aux, load = layer(h, ctx, a1)
             zs.append(z)
             if load is not None:
@@ -233,35 +305,29 @@ class Transformer(nn.Module):
                 loads.append(load)
         h = self.norm(h)  # [T, D]; also MTP depth 1's input h^0
         lm_sum, logits = self._ce_sum(h, batch.labels, return_logits)
-        lm_loss = lm_sum / denom
-        metrics = {"lm_loss": lm_loss.detach()}
-        loss = lm_loss
-        if self.mtp:
-            mtp_sum = 0.0
-            for module, (tokens, labels) in zip(self.mtp, targets):  # [T], [T]
-                h, normed, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D] x 2
-                zs.append(z)
-                if load is not None:
-                    auxs.append(aux)
-                    loads.append(load)
-                mtp_sum = mtp_sum + self._ce_sum(normed, labels, False)[0]
-            mtp_loss = mtp_sum / (denom * len(self.mtp))
-            loss = loss + cfg.mtp_loss_weight * mtp_loss
-            metrics["mtp_loss"] = mtp_loss.detach()
-        if auxs:
-            aux_loss = torch.stack(auxs).sum()
-            metrics["aux_loss"] = aux_loss.detach()
-            if cfg.aux_loss_coef > 0:
-                loss = loss + cfg.aux_loss_coef * aux_loss
-        if cfg.z_loss_coef > 0:
-            z_loss = torch.stack(zs).mean()
-            if self.tensor_parallel is not None:
-                z_loss = self.tensor_parallel.head_mean(z_loss)
-            metrics["z_loss"] = z_loss.detach()
-            loss = loss + cfg.z_loss_coef * z_loss
-        return ModelOutput(loss=loss, num_targets=num_targets, metrics=metrics,
+        mtp_sum = None
+        for module, (tokens, labels) in zip(self.mtp_modules(), prep.mtp_targets):  # [T], [T]
+            h, normed, z, aux, load = module(h, self.embed(tokens), ctx)  # [T, D] x 2
+            zs.append(z)
+            if load is not None:
+                auxs.append(aux)
+                loads.append(load)
+            ce = self._ce_sum(normed, labels, False)[0]
+            mtp_sum = ce if mtp_sum is None else mtp_sum + ce
+        loss, metrics = self.objective(denom, lm_sum=lm_sum, mtp_sum=mtp_sum, auxs=auxs, zs=zs)
+        return ModelOutput(loss=loss, num_targets=prep.num_targets, metrics=metrics,
                            expert_load=torch.stack(loads).detach() if loads else None,
                            logits=logits)
+
+
+class Prepared(NamedTuple):
+    """`Transformer.prepare`'s result: this rank's batch, its MTP (input token, label) pairs per depth, its
+    labelled-token count (a host int or a 0-d device tensor) and its `PackedContext`."""
+
+    batch: PackedBatch
+    mtp_targets: list[tuple[torch.Tensor, torch.Tensor]]
+    num_targets: int | torch.Tensor
+    ctx: PackedContext
 
 
 def _at_least_one(n: int | torch.Tensor) -> int | torch.Tensor:

@@ -24,9 +24,10 @@ from moela.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig, *,
-                      mixed_precision: bool | None = None) -> nn.Module:
+                      mixed_precision: bool | None = None, fsdp_roots: list[nn.Module] | None = None) -> nn.Module:
     """Parallelize `model` in place for `mesh` as `cfg` asks; returns it. `mixed_precision` (bf16 params, fp32
-    gradient reduction in `cfg.reduce_dtype` under FSDP) defaults to on for CUDA meshes, off on CPU."""
+    gradient reduction in `cfg.reduce_dtype` under FSDP) defaults to on for CUDA meshes, off on CPU.
+    `fsdp_roots`: the modules whose calls run the model (pipeline stages), FSDP's root units instead of `model`."""
     if mixed_precision is None:
         mixed_precision = mesh.device_type == "cuda" and torch.cuda.is_available()
     if mesh.size("cp") > 1:
@@ -41,7 +42,7 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
     if mesh.distributed and (mesh.size("dp_cp") > 1 or mesh.size("tp") > 1):
         apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision,
                    reduce_dtype=getattr(torch, cfg.reduce_dtype), unit_blocks=cfg.fsdp_unit_blocks,
-                   hsdp=cfg.replicate_compression == "none")
+                   roots=fsdp_roots, hsdp=cfg.replicate_compression == "none")
     if cfg.fal_streams:
         apply_fal_streams(model, mesh)
     return model

@@ -153,9 +153,16 @@ class ExpertParallelExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        """N(0, std) for this rank's experts (the model calls this instead of its own rule for experts)."""
-        nn.init.normal_(self.w13, mean=0.0, std=std)
-        nn.init.normal_(self.w2, mean=0.0, std=std)
+        """N(0, std) for this rank's experts (the model calls this instead of its own rule for experts), drawn
+        from the current seed (the model seeds each part: `Transformer.init_weights`) mixed with this rank's shard
+        coordinates, so that the ranks' experts differ from each other."""
+        for w in (self.w13, self.w2):
+            seed = torch.initial_seed()
+            for coordinate, placement in zip(w.device_mesh.get_coordinate(), w.placements):
+                if placement.is_shard():  # shards differ; replicas (HSDP) draw the same values
+                    seed = seed * 65537 + coordinate + 1
+            g = torch.Generator(device=w.device).manual_seed(seed % 2**63)
+            w.to_local().normal_(mean=0.0, std=std, generator=g)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, local={self.num_local}, ep={self.ep_mesh.size()}, "
@@ -265,10 +272,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, dispatch: st
 def reduce_expert_load(expert_load: torch.Tensor, mesh) -> torch.Tensor:
     """Sum `expert_load [L_moe, E]` (tokens per expert, this rank's micro-batches) over every rank that routes a
     share of the global batch: the `dp_cp` view, and with tensor (sequence) parallelism, whose ranks route
-    different rows of one micro-batch, every rank. Each rank then applies the same router-bias update. In place;
-    returns it."""
-    if mesh.size("tp") > 1:
-        dist.all_reduce(expert_load)
+    different rows of one micro-batch, every rank of the pipeline stage. Each rank then applies the same
+    router-bias update. In place; returns it."""
+    if mesh.size("tp") > 1:  # every rank of the pipeline stage (the world without pipeline parallelism)
+        dist.all_reduce(expert_load, group=mesh.group("stage"))
     elif (group := mesh.group("dp_cp")) is not None:
         dist.all_reduce(expert_load, group=group)
     return expert_load

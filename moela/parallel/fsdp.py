@@ -69,9 +69,13 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The units that FSDP and activation checkpointing wrap: main blocks, then the block of each MTP depth (the
     depth's own norms and projection are used outside that block's forward, so they stay with the root)."""
     layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         raise TypeError(f"{type(model).__name__} has no `layers` ModuleList; parallelism wraps each block of it")
-    return list(layers) + [getattr(depth, "block", depth) for depth in getattr(model, "mtp", [])]
+    mtp = getattr(model, "mtp", [])
+    # a pipeline stage keeps its blocks in ModuleDicts keyed by their index in the whole model
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    depths = list(mtp.values() if isinstance(mtp, nn.ModuleDict) else mtp)
+    return blocks + [getattr(depth, "block", depth) for depth in depths]
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -102,10 +106,13 @@ def _sum_over(group, reduced: torch.Tensor) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
-               reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1, hsdp: bool = True) -> None:
+               reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1, hsdp: bool = True,
+               roots: list[nn.Module] | None = None) -> None:
     """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units
     (`unit_blocks` consecutive blocks per unit). `reduce_dtype` applies under `mixed_precision` only. `hsdp=False`
-    leaves the dp_replicate dimension out of FSDP (its gradients are then reduced by `moela.parallel.replicate`)."""
+    leaves the dp_replicate dimension out of FSDP (its gradients are then reduced by `moela.parallel.replicate`).
+    `roots`: the root units (default: the model; pipeline stages pass their stage modules,
+    `moela.parallel.pp_stage`)."""
     if unit_blocks < 1:
         raise ValueError(f"parallel.fsdp_unit_blocks: must be >= 1, got {unit_blocks}")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
@@ -143,9 +150,13 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         replicated = replicated_unit(group, experts)
         per_block.append([unit(group, dense_mesh)] + replicated + experts_units)
         units += per_block[-1]
-    units += replicated_unit([model], blocks, reshard_after_forward=False)
-    units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False))
-    for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring)
+    for root in roots or [model]:
+        units += replicated_unit([root], blocks, reshard_after_forward=False)
+        units.append(fully_shard(root, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False))
+    owner = {id(m): i for i, root in enumerate(roots or [model]) for m in root.modules()}
+    for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring), inside a root
+        if owner[id(cur[0])] != owner[id(nxt[0])]:
+            continue
         cur[0].set_modules_to_forward_prefetch(nxt)
         nxt[0].set_modules_to_backward_prefetch(cur)
     if mesh.device_type == "cpu":
@@ -153,29 +164,52 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
             fsdp_unit.set_force_sum_reduction_for_comms(True)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0
-                    ) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0, *,
+                    across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Like `torch.nn.utils.clip_grad_norm_`, for gradients spread over several device meshes; returns the total
-    norm (a plain tensor, the same on every rank; nothing is read on the host). `max_norm=None` only measures."""
+    norm (a plain tensor, the same on every rank; nothing is read on the host). `max_norm=None` only measures.
+    `across`: ranks holding other parameters of the model (pipeline stages), whose norms combine with this one."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    if not groups:
+    if not groups and across is None:
         return torch.zeros(())
     norms = []
     for params in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
-    stacked = torch.stack(norms)  # [meshes]
-    total = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    stacked = torch.stack(norms or [torch.zeros((), device=_device(across))])  # [meshes]
+    if norm_type == float("inf"):
+        total = stacked.max()
+        if across is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=across)
+    else:
+        total = stacked.pow(norm_type).sum()
+        if across is not None:
+            dist.all_reduce(total, group=across)
+        total = total.pow(1.0 / norm_type)
     if max_norm is not None:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a reduction over `group` runs: the current CUDA device for NCCL, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def clip_factor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor `torch.nn.utils.clip_grads_with_norm_` multiplies the gradients by, min(1, max_norm / (norm +
     1e-6)), as a 0-d fp32 tensor on the norm's device: for an optimizer that applies it as it reads the gradients."""
     return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step (no-op for a plain module)."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is not None:
+        setter(enabled)

@@ -1,16 +1,20 @@
 """Build the DeviceMesh that every parallelism in moela reads its process groups from.
 
-`build_mesh(cfg, world_size, device_type)` factors the world as `dp_replicate x dp_shard x cp x tp` (outermost to
-innermost, so tp and cp ranks are neighbours, i.e. on one node) and returns a `ParallelMesh`: the world mesh plus
+`build_mesh(cfg, world_size, device_type)` factors the world as `pp x dp_replicate x dp_shard x cp x tp` (outermost
+to innermost, so tp and cp ranks are neighbours, i.e. on one node, and pipeline stages, which exchange only one
+activation per micro-batch, are furthest apart) and returns a `ParallelMesh`: the world mesh plus
 the flattened views the other parts need. Decisions:
 
 - Expert parallelism borrows its ranks from `dp_shard x cp`, as torchtitan does: with `ep > 1` the dp_shard
   dimension is split into `dp_shard_mod_ep` (outer; expert FSDP shards over it) and `dp_shard_in_ep` (inner), and
   the EP group is `dp_shard_in_ep x cp`. Hence `ep` must be a multiple of `cp` and divide `dp_shard * cp`.
+- Every other view lies inside one pipeline stage: FSDP, EP, CP and TP groups never span stages, and `pp` holds the
+  ranks of one pipeline (same position in every other dimension).
 - Named views (all flattened from the one world mesh, so DTensors on them compose):
   `dp` (data loading: ranks that see different batches), `dp_shard_cp` (FSDP shard group of dense params),
   `dp_cp` (every rank that holds a share of the global batch: loss and expert-load sums), `ep`, `efsdp`
-  (FSDP shard group of expert params), `cp`, `tp`, `dp_replicate`.
+  (FSDP shard group of expert params), `cp`, `tp`, `dp_replicate`, and with pp > 1 `pp` and `stage` (every rank
+  of this rank's pipeline stage).
 - One process (world_size 1, no process group): a `ParallelMesh` without a DeviceMesh; every size is 1.
 - Every size-1 dimension still exists in the mesh, so callers never branch on which dimensions are present.
 """
@@ -30,6 +34,7 @@ from moela.parallel.config import ParallelConfig
 
 @dataclass(frozen=True)
 class MeshSizes:
+    pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
@@ -38,7 +43,7 @@ class MeshSizes:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -56,20 +61,22 @@ def resolve_sizes(cfg: ParallelConfig, world_size: int) -> MeshSizes:
         raise ValueError("parallel config is invalid:\n  " + "\n  ".join(f"parallel.{e}" for e in errors))
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    fixed = cfg.dp_replicate * cfg.cp * cfg.tp
+    fixed = cfg.pp * cfg.dp_replicate * cfg.cp * cfg.tp
+    pp_names, pp_sizes = ("pp * ", f"{cfg.pp} * ") if cfg.pp > 1 else ("", "")
     dp_shard = cfg.dp_shard
     if dp_shard == -1:
         if world_size % fixed:
             raise ValueError(
-                f"parallel: dp_replicate * cp * tp = {cfg.dp_replicate} * {cfg.cp} * {cfg.tp} = {fixed} does not "
+                f"parallel: {pp_names}dp_replicate * cp * tp = {pp_sizes}{cfg.dp_replicate} * {cfg.cp} * {cfg.tp} = "
+                f"{fixed} does not "
                 f"divide the world size {world_size}; change them so that their product divides {world_size}")
         dp_shard = world_size // fixed
-    sizes = MeshSizes(cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.ep)
+    sizes = MeshSizes(cfg.pp, cfg.dp_replicate, dp_shard, cfg.cp, cfg.tp, cfg.ep)
     if sizes.world != world_size:
         raise ValueError(
-            f"parallel: dp_replicate * dp_shard * cp * tp = {cfg.dp_replicate} * {dp_shard} * {cfg.cp} * {cfg.tp} "
-            f"= {sizes.world} but the world size is {world_size}; set dp_shard: -1 to fill the world, or change "
-            f"the sizes (or the number of launched processes) so the product equals {world_size}")
+            f"parallel: {pp_names}dp_replicate * dp_shard * cp * tp = {pp_sizes}{cfg.dp_replicate} * {dp_shard} * "
+            f"{cfg.cp} * {cfg.tp} = {sizes.world} but the world size is {world_size}; set dp_shard: -1 to fill the "
+            f"world, or change the sizes (or the number of launched processes) so the product equals {world_size}")
     if cfg.ep > 1:
         if (dp_shard * cfg.cp) % cfg.ep:
             raise ValueError(
@@ -141,12 +148,12 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str) -> Parall
                          f"{dist.get_world_size()} ranks; pass dist.get_world_size()")
     if cfg.ep > 1:
         in_ep = cfg.ep // cfg.cp
-        names = ("dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
-        shape = (sizes.dp_replicate, sizes.efsdp, in_ep, sizes.cp, sizes.tp)
+        names = ("pp", "dp_replicate", "efsdp", "dp_shard_in_ep", "cp", "tp")
+        shape = (sizes.pp, sizes.dp_replicate, sizes.efsdp, in_ep, sizes.cp, sizes.tp)
         shard_dims = ("efsdp", "dp_shard_in_ep")
     else:
-        names = ("dp_replicate", "dp_shard", "cp", "tp")
-        shape = (sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
+        names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        shape = (sizes.pp, sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp)
         shard_dims = ("dp_shard",)
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -158,6 +165,8 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str) -> Parall
     }
     if cfg.ep > 1:
         views["ep"] = world["dp_shard_in_ep", "cp"]._flatten("ep")
+    if cfg.pp > 1:
+        views["stage"] = world[names[1:]]._flatten("stage")
     return ParallelMesh(sizes, device_type, world, views)
 
 

@@ -303,7 +303,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> TensorParall
     if errors:
         raise ValueError("tensor parallelism cannot split this model:\n  " + "\n  ".join(errors))
     group = tp_mesh.get_group()
-    root = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))}
+    root = {}
+    if model.embed is not None:  # a pipeline stage holds the embedding or not (moela.parallel.pp_stage)
+        root["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
     if model.head is not None:
         root["head"] = ColwiseParallel(input_layouts=Shard(0), output_layouts=Replicate())
     parallelize_module(model, tp_mesh, root)

@@ -14,7 +14,9 @@ Decisions:
 - The HF names and tensor splits are `moela.model.hf.to_hf_state_dict`'s own: it runs once over lightweight
   references that record which checkpoint tensor, which index and which cast produce each HF tensor, so the
   streamed export cannot drift from the in-memory one.
-- Written into `OUT_DIR.partial/` and renamed at the end: an interrupted export leaves no half folder behind.
+- Written into a hidden sibling of OUT_DIR and renamed at the end: an interrupted or failed export leaves no half
+  folder behind; OUT_DIR may not touch a run directory, and `--overwrite` replaces only a previous export
+  (`export_dir`).
 
 Shapes: E routed experts.
 """
@@ -22,20 +24,17 @@ Shapes: E routed experts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -43,7 +42,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from moela.config import Config
 from moela.data.tokenizer import Tokenizer
 from moela.model import hf
+from moela.tools import export_dir
 from moela.tools.runs import (
+    CHECKPOINTS,
     DTYPES,
     UsageError,
     find_checkpoint,
@@ -51,6 +52,7 @@ from moela.tools.runs import (
     load_run_tokenizer,
     single_process_dcp,
 )
+from moela.trainer import safe_load
 
 MODEL_PREFIX = "model."
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,11 +105,11 @@ def hf_plan(cfg, shapes: dict[str, torch.Size]) -> dict[str, _Ref]:
     return hf.to_hf_state_dict(fake)
 
 
-class _RangePlanner(DefaultLoadPlanner):
+class _RangePlanner(safe_load.SafeLoadPlanner):
     """Reads rows [start, start + len(dest)) of one checkpoint tensor into `dest`, from whatever chunks hold them."""
 
-    def __init__(self, fqn: str, dest: torch.Tensor, start: int):
-        super().__init__()
+    def __init__(self, checkpoint: Path, fqn: str, dest: torch.Tensor, start: int):
+        super().__init__(checkpoint)
         self.fqn, self.dest, self.start = fqn, dest, start
 
     def create_local_plan(self) -> LoadPlan:
@@ -131,14 +133,18 @@ class ExportReport:
 
 class _Exporter:
     def __init__(self, checkpoint: Path, out_dir: Path, max_shard_bytes: int, dtype: torch.dtype | None):
-        self.reader = FileSystemReader(str(checkpoint))
-        self.metadata = self.reader.read_metadata()
+        self.checkpoint = checkpoint
+        self.reader = safe_load.SafeReader(checkpoint)
+        self.metadata = self.reader.metadata
         self.out_dir, self.max_shard_bytes, self.dtype = out_dir, max_shard_bytes, dtype
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = self.reading = self.peak = self.total = 0
         self.files: list[list[str]] = []
 
     def shapes(self) -> dict[str, TensorStorageMetadata]:
+        for key in self.metadata.state_dict_metadata:
+            if key.startswith(MODEL_PREFIX):
+                safe_load.expect_tensor(self.metadata, key, self.checkpoint)
         return {k[len(MODEL_PREFIX):]: md for k, md in self.metadata.state_dict_metadata.items()
                 if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
 
@@ -152,8 +158,8 @@ class _Exporter:
         self.reading = dest.nbytes
         self._note_peak()
         with single_process_dcp():
-            dcp.load({MODEL_PREFIX + key: dest}, storage_reader=self.reader,
-                     planner=_RangePlanner(MODEL_PREFIX + key, dest, start), no_dist=True)
+            safe_load.load({MODEL_PREFIX + key: dest}, self.checkpoint, reader=self.reader,
+                           planner=_RangePlanner(self.checkpoint, MODEL_PREFIX + key, dest, start))
         return dest
 
     def add(self, name: str, ref: _Ref, source: torch.Tensor, start: int, owned: bool) -> None:
@@ -262,35 +268,35 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: Path, max_length: int) 
 
 
 def export_checkpoint(checkpoint: Path, cfg: Config, tokenizer: Tokenizer, out_dir: Path, *,
-                      max_shard_bytes: int = 2 * 10**9, dtype: torch.dtype | None = None) -> ExportReport:
-    """Write the HF folder for `checkpoint` (a DCP step folder) of a run with recipe `cfg` into `out_dir`."""
+                      max_shard_bytes: int = 2 * 10**9, dtype: torch.dtype | None = None,
+                      mtp: bool = True) -> ExportReport:
+    """Write the HF folder for `checkpoint` (a DCP step folder) of a run with recipe `cfg` into `out_dir` (new, or
+    a previous export, which is replaced; `export_dir`). `mtp=False` leaves out the multi-token-prediction layers
+    (transformers' DeepseekV3 does not run them)."""
+    model_cfg = cfg.model if mtp else dataclasses.replace(cfg.model, num_nextn_predict_layers=0)
     try:
-        hf_config = hf.to_hf_config(cfg.model)
+        hf_config = hf.to_hf_config(model_cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    partial = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    exporter = _Exporter(checkpoint, partial, max_shard_bytes, dtype)
-    shapes = {k: md.size for k, md in exporter.shapes().items()}
-    try:
-        plan = hf_plan(cfg.model, shapes)
-    except KeyError as e:
-        raise UsageError(f"{checkpoint}: lacks the model tensor {e} that the run's config.yaml implies; was "
-                         f"config.yaml edited after training?") from None
-    exporter.run(plan)
-    shards = exporter.finish()
-    out_dtype = dtype or exporter.shapes()["embed.weight"].properties.dtype
-    hf_config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
-                     torch_dtype=str(out_dtype).replace("torch.", ""))
-    (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
-                  "pad_token_id": tokenizer.eos_id, "do_sample": True, "temperature": 0.8, "top_p": 0.95}
-    (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_tokenizer_files(tokenizer, partial, cfg.model.max_position_embeddings)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(partial, out_dir)
+    export_dir.check_out(out_dir, checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINTS else checkpoint)
+    with export_dir.staged(out_dir) as partial:
+        exporter = _Exporter(checkpoint, partial, max_shard_bytes, dtype)
+        shapes = {k: md.size for k, md in exporter.shapes().items()}
+        try:
+            plan = hf_plan(model_cfg, shapes)
+        except KeyError as e:
+            raise UsageError(f"{checkpoint}: lacks the model tensor {e} that the run's config.yaml implies; was "
+                             f"config.yaml edited after training?") from None
+        exporter.run(plan)
+        shards = exporter.finish()
+        out_dtype = dtype or exporter.shapes()["embed.weight"].properties.dtype
+        hf_config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                         torch_dtype=str(out_dtype).replace("torch.", ""))
+        (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                      "pad_token_id": tokenizer.eos_id, "do_sample": True, "temperature": 0.8, "top_p": 0.95}
+        (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_tokenizer_files(tokenizer, partial, cfg.model.max_position_embeddings)
     return ExportReport(out_dir, len(plan), shards, exporter.total, exporter.peak)
 
 
@@ -300,7 +306,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard, e.g. 2GB, 500MB (default 2GB)")
     p.add_argument("--dtype", default="keep", help="keep (the checkpoint's, float32) | bfloat16 | float16 | float32")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it holds a previous export (and nothing "
+                   "else)")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the multi-token-prediction layers, which "
+                   "transformers' DeepseekV3 does not run (it lists their weights as unexpected keys when loading)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -308,16 +317,21 @@ def run(args: argparse.Namespace) -> int:
     if args.dtype != "keep" and args.dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype!r}: use keep, {', '.join(DTYPES)}")
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise UsageError(f"{out}: already exists; pick another folder or pass --overwrite to replace it")
     ckpt = find_checkpoint(args.run, args.step)
+    export_dir.check_out(out, ckpt.run_dir)
+    export_dir.check_overwrite(out, args.overwrite)
     cfg = load_run_config(ckpt.run_dir)
     tokenizer = load_run_tokenizer(cfg)
     report = export_checkpoint(ckpt.path, cfg, tokenizer, out, max_shard_bytes=max_bytes,
-                               dtype=None if args.dtype == "keep" else DTYPES[args.dtype])
+                               dtype=None if args.dtype == "keep" else DTYPES[args.dtype], mtp=not args.no_mtp)
     print(f"exported {ckpt.path} to {report.out_dir}: {report.tensors} tensors in {report.shards} shard(s), "
           f"{report.total_bytes / 1e9:.3f} GB (at most {report.peak_bytes / 1e9:.3f} GB held at once)",
           file=sys.stderr)
+    layers = cfg.model.num_nextn_predict_layers
+    if layers and not args.no_mtp:
+        print(f"note: the {layers} multi-token-prediction layer(s) are exported as model.layers."
+              f"{cfg.model.num_hidden_layers}+; transformers does not run them and lists their weights as unexpected "
+              f"keys when loading, which is harmless (--no-mtp leaves them out)", file=sys.stderr)
     print(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(report.out_dir)!r})",
           file=sys.stderr)
     return 0

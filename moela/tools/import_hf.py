@@ -31,8 +31,10 @@ from moela.model import Transformer
 from moela.model.hf import load_hf_config
 from moela.model.hf_folder import config_differences, read_hf_weights
 from moela.tools.runs import CHECKPOINTS, CONFIG_FILE, LATEST, UsageError, load_run_config, single_process_dcp
+from moela.trainer.safe_write import write_atomic, writing
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+IMPORT_FIX = "free space on that disk or import into a run directory on another one"
 
 
 def special_token(value) -> str | None:
@@ -91,16 +93,18 @@ def import_folder(hf_dir: str | Path, dest: str | Path, step: int = 0) -> Path:
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise UsageError(str(e).strip('"')) from None
     _check_shapes(state, model_cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with writing("the imported run", run_dir, fix=IMPORT_FIX):
+        run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / CONFIG_FILE).is_file():
         cfg = Config(model=model_cfg, data=data, train=dataclasses.replace(Config().train, run_dir=str(run_dir)))
-        (run_dir / CONFIG_FILE).write_text(dump_config(cfg))
+        write_atomic(run_dir / CONFIG_FILE, dump_config(cfg), "the imported recipe", fix=IMPORT_FIX)
     tmp = ckpt.with_name(ckpt.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    with single_process_dcp():
+    with writing("the imported checkpoint", ckpt, needed=sum(t.nbytes for t in state.values()), fix=IMPORT_FIX,
+                 partial=tmp), single_process_dcp():
         dcp.save({"model": state}, checkpoint_id=str(tmp), no_dist=True)
     os.replace(tmp, ckpt)
-    (ckpt.parent / LATEST).write_text(ckpt.name + "\n")
+    write_atomic(ckpt.parent / LATEST, ckpt.name + "\n", "the latest-checkpoint pointer", fix=IMPORT_FIX)
     if note:
         print(f"note: {note}", file=sys.stderr)
     return ckpt

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moela.config import Config, ConfigError, load_config
 from moela.data.tokenizer import Tokenizer, load_tokenizer
 from moela.model import ModelConfig, Transformer, build_model
-from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
+from moela.trainer import safe_load
+from moela.trainer.checkpoint import MANIFEST, read_latest, verify_checkpoint
+from moela.trainer.errors import CorruptCheckpoint
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS = "checkpoints"
@@ -89,10 +89,10 @@ def _locate_checkpoint(target: str | Path, step: int | None) -> tuple[RunCheckpo
             raise UsageError(f"--step {step}: {path / CHECKPOINTS} has no step-{step}; available steps: "
                              f"{', '.join(map(str, steps))}")
         return RunCheckpoint(path, dict(found)[step], step), []
-    pointer = path / CHECKPOINTS / LATEST
-    if pointer.is_file():
-        match = _STEP_DIR.match(pointer.read_text().strip())
-        if match and int(match.group(1)) in steps:
+    named = read_latest(path / CHECKPOINTS)
+    if named:
+        match = _STEP_DIR.match(named)
+        if int(match.group(1)) in steps:
             latest = int(match.group(1))
             return RunCheckpoint(path, dict(found)[latest], latest), [f for f in found if f[0] != latest]
     return RunCheckpoint(path, found[-1][1], found[-1][0]), found[:-1]
@@ -182,7 +182,7 @@ def read_model_weights(checkpoint: Path, state: dict[str, torch.Tensor]) -> None
     """Fill `state` (our parameter names -> tensors of the right shapes, any dtype) in place from a checkpoint's
     `model.*` entries; a single process reads any saved layout."""
     with single_process_dcp():
-        dcp.load({"model": state}, checkpoint_id=str(checkpoint), no_dist=not dist.is_initialized())
+        safe_load.load({"model": state}, checkpoint)
 
 
 def load_model(cfg: ModelConfig, checkpoint: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
@@ -191,6 +191,8 @@ def load_model(cfg: ModelConfig, checkpoint: Path, device: torch.device, dtype: 
     model = build_model(cfg, device, dtype)
     try:
         read_model_weights(checkpoint, model.state_dict())
+    except CorruptCheckpoint as e:
+        raise UsageError(str(e)) from None
     except (CheckpointException, RuntimeError, KeyError) as e:
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         raise UsageError(f"{checkpoint}: its weights do not fit the model section of the run's {CONFIG_FILE} "

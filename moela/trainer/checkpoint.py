@@ -47,7 +47,9 @@ Decisions:
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -65,7 +67,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moela.config import Config, to_dict
-from moela.trainer.errors import InputError, TrainingError
+from moela.trainer import safe_load, safe_write
+from moela.trainer.errors import CorruptCheckpoint, InputError, TrainingError
+from moela.trainer.stopping import interrupt_in
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -73,6 +77,7 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _HASH_CHUNK = 1 << 24
+log = logging.getLogger(__name__)
 
 # Free to change on resume: how the same network is computed (kernels, FP8 or bf16), the weights of the objective's
 # terms and the balancing rate (DeepSeek-V3 lowers the MTP weight and stops the bias updates late in training), the
@@ -80,10 +85,6 @@ _HASH_CHUNK = 1 << 24
 _FREE_MODEL_KEYS = ("attention_backend", "moe_backend", "moe_recipe", "precision", "kernels", "bias_update_rate",
                     "aux_loss_coef", "mtp_loss_weight", "z_loss_coef", "initializer_range")
 _FREE_DATA_KEYS = ("cache_dir", "balance", "attn_cost_len")
-
-
-class CorruptCheckpoint(TrainingError):
-    """A checkpoint's files do not match its manifest, or its tensors hold non-finite values."""
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -115,6 +116,25 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def read_latest(root: Path) -> str | None:
+    """The `step-N` name `root/latest` holds, or None when the file is missing or holds anything else (damaged:
+    checkpoints are then chosen by step number)."""
+    try:
+        text = (root / LATEST).read_bytes()[:64].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _STEP_DIR.match(text) else None
+
+
+def newest(run_dir: str | Path) -> Path | None:
+    """The checkpoint a rerun with `resume: auto` tries first (the one `latest` names, else the highest step), or
+    None when the run has none."""
+    found = [path for _, path in list_checkpoints(run_dir) if is_complete(path)]
+    name = read_latest(checkpoints_root(run_dir))
+    named = [path for path in found if path.name == name]
+    return (named or found or [None])[-1]
+
+
 def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
     """The checkpoints `checkpoint.resume` may continue from, preferred first: none for a fresh start. Raises
     InputError for an explicit path that is not a checkpoint directory."""
@@ -122,8 +142,8 @@ def resume_candidates(run_dir: str | Path, resume: str) -> list[Path]:
         return []
     if resume == "auto":
         found = list_checkpoints(run_dir)
-        pointer = checkpoints_root(run_dir) / LATEST
-        named = pointer.parent / pointer.read_text().strip() if pointer.is_file() else None
+        latest_name = read_latest(checkpoints_root(run_dir))
+        named = checkpoints_root(run_dir) / latest_name if latest_name else None
         latest = next((step for step, path in found if path == named), None)
         if latest is None:
             return [path for _, path in reversed(found)]
@@ -184,12 +204,6 @@ def _single_process_quiet():
         yield
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _digest(path: Path) -> dict[str, Any]:
     h = hashlib.sha256()
     size = 0
@@ -205,10 +219,44 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
                     extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` collectively (every rank calls this) and prune to the newest `keep_last_k`.
     `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume; `extra` tensors are
-    saved with the model (module docstring)."""
+    saved with the model (module docstring). A disk error raises WriteFailed naming the file (the partial
+    `step-N.tmp/` removed); a Ctrl-C inside DCP's writer threads comes out as KeyboardInterrupt."""
     root = checkpoints_root(run_dir)
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
+    rank = _rank()
+    needed = previous_size(run_dir)
+    if rank == 0:
+        for entry in (root, root / LATEST, final):
+            safe_write.refuse_symlink(entry)
+        if needed and (warning := safe_write.space_warning(root.parent, needed)):
+            log.warning(warning)
+    try:
+        with safe_write.writing("checkpoint", tmp, needed=needed, partial=tmp if rank == 0 else None):
+            _write_checkpoint(root, tmp, step, model, optimizer, trainer_state, settings, extra)
+    except BaseException as e:
+        if interrupt_in(e):
+            raise KeyboardInterrupt from None
+        raise
+    if rank == 0:
+        replaced = root / f"step-{step}.replaced.tmp"
+        if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        safe_write.write_atomic(root / LATEST, final.name + "\n", "the latest-checkpoint pointer")
+        shutil.rmtree(replaced, ignore_errors=True)
+        found = [(s, path) for s, path in list_checkpoints(run_dir) if path != final]
+        others = [path for s, path in found if s > step] + [path for s, path in found if s < step]  # prune order
+        for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _write_checkpoint(root: Path, tmp: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      trainer_state: dict[str, Any], settings: dict[str, Any] | None,
+                      extra: dict[str, torch.Tensor] | None) -> None:
+    """Every file of checkpoint `step` into `tmp`, the manifest last (flushed to disk)."""
     rank, world = _rank(), _world()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -221,11 +269,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         dcp.save({"model": model_state, "optim": optim_state, **({"extra": extra} if extra else {})},
                  checkpoint_id=str(tmp),
                  no_dist=not dist.is_initialized())
-    torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
+    buffer = io.BytesIO()  # serialized here, written by Python: torch's file writer loses the errno of a full disk
+    torch.save(trainer_state, buffer)
+    with safe_write.open_nofollow(tmp / f"trainer-rank{rank}.pt", "wb") as f:
+        f.write(buffer.getvalue())
     _barrier()
     # The shard names come from the `.metadata` just written, read back: the Metadata that dcp.save returns has no
     # storage_data on some torch versions (2.11), and reading it back also proves the file is complete.
-    storage = dcp.FileSystemReader(str(tmp)).read_metadata().storage_data
+    storage = safe_load.read_metadata(tmp).storage_data
     shards = {info.relative_path for info in storage.values()}
     names = sorted({".metadata", *shards, *(f"trainer-rank{r}.pt" for r in range(world))})
     digests = _all_gather({name: _digest(tmp / name) for i, name in enumerate(names) if i % world == rank})
@@ -233,22 +284,20 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world,
                     "files": {name: entry for part in digests for name, entry in sorted(part.items())},
                     "settings": settings or {}}
-        with open(tmp / MANIFEST, "w") as f:
+        with safe_write.open_nofollow(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        replaced = root / f"step-{step}.replaced.tmp"
-        if final.exists():  # saving a step again (after resuming from an older one): move the old one aside first
-            os.replace(final, replaced)
-        os.replace(tmp, final)
-        _write_atomic(root / LATEST, final.name + "\n")
-        shutil.rmtree(replaced, ignore_errors=True)
-        found = [(s, path) for s, path in list_checkpoints(run_dir) if path != final]
-        others = [path for s, path in found if s > step] + [path for s, path in found if s < step]  # prune order
-        for old in others[:max(len(others) - (keep_last_k - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+
+
+def previous_size(run_dir: str | Path) -> int:
+    """Bytes of the newest complete checkpoint (its manifest's sum), or 0: what the next save will need about."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return sum(int(entry.get("bytes", 0)) for entry in read_manifest(path)["files"].values())
+        except (CorruptCheckpoint, AttributeError, TypeError, ValueError):
+            continue
+    return 0
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -279,8 +328,8 @@ def _check_file(path: Path, name: str, entry: dict) -> str | None:
 
 
 def verify_checkpoint(path: Path) -> str | None:
-    """What is wrong with checkpoint `path`'s files (each named), or None when they are as written. Collective:
-    every rank hashes a share of the files."""
+    """What is wrong with checkpoint `path`'s files (each named), or None when they are as written and its DCP
+    metadata passes the allow-list (`safe_load`). Collective: every rank hashes a share of the files."""
     rank, world = _rank(), _world()
     problems = []
     try:
@@ -291,6 +340,11 @@ def verify_checkpoint(path: Path) -> str | None:
     for i, (name, entry) in enumerate(files):
         if i % world == rank and (problem := _check_file(path, name, entry if isinstance(entry, dict) else {})):
             problems.append(problem)
+    if not problems and rank == 0:
+        try:
+            safe_load.read_metadata(path)
+        except CorruptCheckpoint as e:
+            problems.append(str(e))
     found = sorted({p for part in _all_gather(problems) for p in part})
     return "; ".join(found) if found else None
 
@@ -314,7 +368,7 @@ def _keep_saved_group_options(optim_state: dict, path: Path, optimizer: torch.op
     torch's AdamW (fp32 moments) resumes with moela's (bf16 moments, or sharded parameters on CUDA) and back: their
     groups carry different options (`moment_dtype`; `amsgrad`, `fused`, ...), and DCP refuses a key it was asked
     to fill but cannot find. The moments load into this optimizer's dtype (bf16 -> fp32 is exact)."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(safe_load.read_metadata(path).state_dict_metadata)
     own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     for i, group in enumerate(optim_state.get("param_groups", [])):
         for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
@@ -324,7 +378,7 @@ def _keep_saved_group_options(optim_state: dict, path: Path, optimizer: torch.op
 
 def _extra_matches(path: Path, extra: dict[str, torch.Tensor]) -> bool:
     """Whether checkpoint `path` holds every `extra` tensor with its shape, on every rank (collective)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = safe_load.read_metadata(path).state_dict_metadata
     ok = all(getattr(saved.get(f"extra.{k}"), "size", None) == v.shape for k, v in extra.items())
     return all(_all_gather(ok))
 
@@ -341,7 +395,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         state["extra"] = extra
     own_options = _keep_saved_group_options(optim_state, path, optimizer)
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        safe_load.load(state, path)
     bad = [f"model.{k}" for k, v in state["model"].items() if _nonfinite(v)]
     bad += [f"optim.{k}.{s}" for k, group in state["optim"].get("state", {}).items() for s, v in group.items()
             if _nonfinite(v)]
@@ -355,7 +409,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         for key, value in options.items():
             group.setdefault(key, value)
     own = path / f"trainer-rank{_rank()}.pt"
-    return torch.load(own if own.exists() else path / "trainer-rank0.pt", weights_only=False)
+    return safe_load.load_trainer_state(own if own.exists() else path / "trainer-rank0.pt")
 
 
 def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -365,6 +419,9 @@ def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer
     state), or None for a fresh start. `echo` reports each checkpoint skipped as corrupt; `extra` as in
     `load_checkpoint`."""
     candidates = resume_candidates(run_dir, resume_setting)
+    pointer = checkpoints_root(run_dir) / LATEST
+    if resume_setting == "auto" and candidates and pointer.exists() and read_latest(pointer.parent) is None:
+        echo(f"{pointer} does not name a checkpoint (damaged); choosing the newest intact one by step number")
     skipped = []
     for path in candidates:
         try:
@@ -377,7 +434,10 @@ def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer
                                  f"fixed:\n  " + "\n  ".join(changes) + "\nRestore them, or start a fresh run with "
                                  "checkpoint.resume=none or another train.run_dir")
             try:
-                return path, load_checkpoint(path, model, optimizer, extra)
+                state = load_checkpoint(path, model, optimizer, extra)
+                if _rank() == 0 and (warning := safe_write.space_warning(path.parent.parent, previous_size(run_dir))):
+                    echo(warning)
+                return path, state
             except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
                 if isinstance(e, (TrainingError, torch.OutOfMemoryError)):
                     raise

@@ -93,6 +93,9 @@ class TrainConfig:
     # is kept as prebuild.log in the run dir)
     prebuild_kernels: bool = True
     run_dir: str = "runs/default"  # holds config.yaml, metrics.jsonl, checkpoints/ and loss.png
+    # before the first CUDA allocation, train.py predicts this layout's memory per GPU (moela.plan): warn prints one
+    # line when it comes near the device's, error also stops (exit 2) when it exceeds it clearly; never skips it
+    plan_check: Literal["warn", "error", "never"] = "error"
 
     def validate(self) -> list[str]:
         errors = []

@@ -44,7 +44,9 @@ What makes the step capturable (each is a precondition a capture would otherwise
 The replay's outputs (loss, metrics, target count, expert load) are the graph's own tensors, overwritten by the
 next replay: the trainer consumes or copies them before it (it does, on the same stream). The captured graph
 holds one micro-batch's activations in its private memory pool; the eager step's cached blocks are returned to
-the driver before the capture, so the peak stays that of one micro-batch.
+the driver before the capture, so the peak stays that of one micro-batch. The evaluation runs eagerly, so the
+trainer releases the graphs before it (`release`) and the next step captures them again: an evaluation forward
+allocating beside a pool that keeps a whole training micro-batch's memory ran out of memory where training fit.
 
 Scope: one process on one GPU (no FSDP, tensor, context or expert parallelism: their hooks and collectives are
 not captured here); `Trainer` rejects other layouts with an `InputError`.
@@ -58,7 +60,8 @@ from typing import Callable
 import torch
 
 from moela.batch import FILLER_DOC, PackedBatch, pad_documents
-from moela.trainer.errors import TrainingError
+from moela.trainer.compile import StaticShapes
+from moela.trainer.errors import InputError, TrainingError
 
 MIN_AUTO_DOCS = 64
 
@@ -128,6 +131,21 @@ class GraphedMicroBatch:
         self.graphs[role].replay()
         self.replays += 1
         return self.outputs[role]
+
+    def release(self) -> None:
+        """Free the graphs' private memory before work that is not a training step (the evaluation), so that work
+        allocates from the memory training used instead of beside it: the graphs, their outputs and the gradients
+        they hold go (a step's gradients are consumed by then), and the next optimizer step captures again without
+        a new warm-up (its kernels are built)."""
+        if not self.graphs:
+            return
+        self.graphs.clear()
+        self.outputs.clear()
+        self.model.zero_grad(set_to_none=True)
+        self.warmup_steps = min(self.warmup_steps, self.steps)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def note_eager(self, batch: PackedBatch) -> None:
         """A micro-batch with more than `max_docs` documents runs eagerly (the caller runs it, after this call);
@@ -213,3 +231,22 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def graphed_micro_batch(trainer) -> GraphedMicroBatch | None:
+    """`train.cuda_graphs` for a `Trainer`: the graphed forward + backward (one GPU, no parallelism), micro-batches
+    padded to one shape (setting the trainer's `static_shapes` if compilation did not); None when off."""
+    cfg = trainer.cfg.train
+    if not cfg.cuda_graphs:
+        return None
+    if trainer.device.type != "cuda":
+        raise InputError(f"train.cuda_graphs needs a CUDA device, this run trains on {trainer.device.type}; set "
+                         f"train.cuda_graphs=false")
+    if trainer.env.world_size > 1:
+        raise InputError(f"train.cuda_graphs captures the step of one process on one GPU; this run has "
+                         f"{trainer.env.world_size} processes (FSDP / tensor / context / expert parallelism hooks "
+                         f"and collectives are not captured). Set train.cuda_graphs=false")
+    if trainer.static_shapes is None:
+        trainer.static_shapes = StaticShapes(cfg.tokens_per_microbatch, trainer.cfg.data.max_doc_len)
+    return GraphedMicroBatch(trainer.model, trainer.device, trainer._autocast, max_docs=cfg.graph_max_docs,
+                             echo=trainer._echo)

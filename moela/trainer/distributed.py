@@ -87,7 +87,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state(device: torch.device) -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (NumPy's key as a tensor), so a checkpoint holding it
+    loads with `torch.load(weights_only=True)`."""
+    numpy = np.random.get_state(legacy=False)
+    numpy["state"] = {**numpy["state"], "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64))}
+    state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -95,7 +99,10 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):  # else the legacy tuple of files written before
+        numpy = {**numpy, "state": {**numpy["state"], "key": np.asarray(numpy["state"]["key"], dtype=np.uint32)}}
+    np.random.set_state(numpy)
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -7,6 +7,8 @@ fixes); exit code 2, like a recipe error. `train.py` prints the message (no trac
 `exit_code`.
 """
 
+from collections.abc import Iterator
+
 EXIT_FINISHED = 0  # trained to train.steps (or already there: nothing to do)
 EXIT_ENVIRONMENT = 1  # TrainingError
 EXIT_INPUT = 2  # a recipe error or an InputError
@@ -25,3 +27,25 @@ class InputError(TrainingError):
     """The recipe or the data is wrong in a way only visible once the run starts; the message names what to fix."""
 
     exit_code = EXIT_INPUT
+
+
+class CorruptCheckpoint(TrainingError):
+    """A checkpoint's files do not match its manifest, hold non-finite tensors, or hold something moela refuses to
+    read (anything beyond tensors and plain data)."""
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and every exception behind it: causes, contexts, and the per-rank failures a DCP
+    `CheckpointException` collected from its worker threads (kept as exceptions or (exception, traceback))."""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, tuple):
+            stack.extend(e)
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend([e.__cause__, e.__context__, *getattr(e, "failures", {}).values()])

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,8 +36,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moela.model import ModelConfig
 from moela.model.hf import load_hf_config
 from moela.model.hf_folder import HFWeights, config_differences
+from moela.trainer import safe_load
 from moela.trainer.checkpoint import MANIFEST, verify_checkpoint
-from moela.trainer.errors import TrainingError
+from moela.trainer.errors import CorruptCheckpoint, TrainingError
 
 HF_PREFIX = "hf:"
 
@@ -116,7 +116,23 @@ def _load_hf(model: nn.Module, path: Path, cfg: ModelConfig) -> None:
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         error = f"checkpoint.init_from: cannot read {path}: {str(e).strip(chr(34))}"
     _agree(error)
+    _check_finite(state, path)
     set_model_state_dict(model, state)
+
+
+def _check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse weights holding NaN or inf (collective): training from them fails at once, and the learning rate
+    would be blamed."""
+    bad = []
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    error = None
+    if bad:
+        error = (f"checkpoint.init_from: {path} holds NaN or inf in {len(bad)} tensor(s) ({', '.join(bad[:3])}"
+                 f"{', ...' if len(bad) > 3 else ''}): the weights are damaged; export or download them again")
+    _agree(error)
 
 
 def _load_dcp(model: nn.Module, path: Path) -> None:
@@ -132,9 +148,12 @@ def _load_dcp(model: nn.Module, path: Path) -> None:
     try:
         with warnings.catch_warnings():  # DCP's "assuming a single process" warning: that is the intent
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            safe_load.load({"model": state}, path)
+    except CorruptCheckpoint as e:
+        raise TrainingError(f"checkpoint.init_from: {e}") from None
     except (CheckpointException, RuntimeError) as e:
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         raise TrainingError(f"checkpoint.init_from: {path} does not fit the recipe's model section: "
                             f"{str(cause).strip()[:300]}") from None
+    _check_finite(state, path)
     set_model_state_dict(model, state)

@@ -41,15 +41,17 @@ from moela.batch import PackedBatch
 from moela.config import Config, dump_config
 from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
-from moela.model import build_model, count_params, flops_per_token
+from moela.model import build_model, count_params
 from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
+from moela.parallel.fsdp import set_gradient_sync
 from moela.parallel.replicate import build_replicate_reducer
-from moela.trainer import checkpoint
+from moela.trainer import checkpoint, oom
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
-from moela.trainer.cuda_graphs import GraphedMicroBatch
+from moela.trainer.cuda_graphs import graphed_micro_batch
 from moela.trainer.device_checks import check_backends, check_fp8_device
-from moela.trainer.distributed import init_distributed, rng_state, seed_everything, set_rng_state, shutdown
+from moela.trainer.distributed import init_distributed, seed_everything, shutdown
 from moela.trainer.errors import InputError, TrainingError
+from moela.trainer.evaluation import evaluate_and_log
 from moela.trainer.init_from import load_initial_weights
 from moela.trainer.metrics import (
     LogWindow,
@@ -58,19 +60,20 @@ from moela.trainer.metrics import (
     device_peak_flops,
     loss_legend,
     memory_gib,
+    mfu,
     plot_losses,
 )
 from moela.trainer.optim import (
-    apply_hyperparameters,
     build_optimizer,
     build_scheduler,
     clip_gradients,
     optimizer_step,
 )
+from moela.trainer.pipeline_step import PipelineStep
 from moela.trainer.prebuild import Prebuild, prebuild_wanted
-from moela.trainer.profiling import StepProfiler
+from moela.trainer.profiling import StepProfiler, profile_record
 from moela.trainer.rundir import RunDirLock, check_writable
-from moela.trainer.samples import format_samples, sample_texts
+from moela.trainer.safe_write import write_atomic
 from moela.trainer.startup import compile_notice, first_step_line
 from moela.trainer.step_metrics import (
     TAIL_KEYS,
@@ -82,6 +85,7 @@ from moela.trainer.step_metrics import (
 )
 from moela.trainer.stopping import StopRequest
 from moela.trainer.summary import run_summary
+from moela.trainer.trainer_state import load_trainer_state, trainer_state
 
 FINISHED, STOPPED, UP_TO_DATE = "finished", "stopped", "up to date"  # what fit() returns
 
@@ -175,7 +179,7 @@ class Trainer:
             compile_blocks(self.model)
             if self.mesh.size("cp") == 1:  # context parallelism splits batches itself
                 self.static_shapes = StaticShapes(cfg.train.tokens_per_microbatch, cfg.data.max_doc_len)
-        self.graphed = self._graphed_micro_batch()
+        self.graphed = graphed_micro_batch(self)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, cfg.train.steps)
         self.peak_flops = device_peak_flops(self.device, cfg.logging)
@@ -192,28 +196,16 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """torchtitan's order: build on the meta device, parallelize (shard), then allocate only this rank's shards
-        with `to_empty` and `init_weights`, so a model larger than one device never exists whole anywhere."""
+        with `to_empty` and `init_weights`, so a model larger than one device never exists whole anywhere. With
+        `parallel.pp > 1`, only this rank's pipeline stages (`moela.trainer.pipeline_step`)."""
+        self.pipeline = None
+        if self.mesh.size("pp") > 1:
+            self.pipeline = PipelineStep(self.cfg, self.mesh, self.device, self.autocast_dtype is not None)
+            return self.pipeline.model
+
         def parallelize(model):
             apply_parallelism(model, self.mesh, self.cfg.parallel, mixed_precision=self.autocast_dtype is not None)
         return build_model(self.cfg.model, self.device, parallelize=parallelize)
-
-    def _graphed_micro_batch(self) -> GraphedMicroBatch | None:
-        """`train.cuda_graphs`: the graphed forward + backward (one GPU, no parallelism), micro-batches padded to
-        one shape; the graphs write the gradients (moela.trainer.cuda_graphs)."""
-        cfg = self.cfg.train
-        if not cfg.cuda_graphs:
-            return None
-        if self.device.type != "cuda":
-            raise InputError(f"train.cuda_graphs needs a CUDA device, this run trains on {self.device.type}; set "
-                             f"train.cuda_graphs=false")
-        if self.env.world_size > 1:
-            raise InputError(f"train.cuda_graphs captures the step of one process on one GPU; this run has "
-                             f"{self.env.world_size} processes (FSDP / tensor / context / expert parallelism hooks "
-                             f"and collectives are not captured). Set train.cuda_graphs=false")
-        if self.static_shapes is None:
-            self.static_shapes = StaticShapes(cfg.tokens_per_microbatch, self.cfg.data.max_doc_len)
-        return GraphedMicroBatch(self.model, self.device, self._autocast, max_docs=cfg.graph_max_docs,
-                                 echo=self._echo)
 
     # ----------------------------------------------------------------------------------------------------------
     def fit(self) -> str:
@@ -239,7 +231,7 @@ class Trainer:
         resume = None
         if found is not None:
             resume, state = found
-            self._load_state(state)
+            load_trainer_state(self, state)
             if self.step >= cfg.train.steps:
                 self.stop_prebuild(keep_log=False)
                 self._echo(f"{resume} is already at train.steps={cfg.train.steps}; nothing to do (raise "
@@ -248,7 +240,7 @@ class Trainer:
         elif cfg.checkpoint.init_from:
             load_initial_weights(self.model, cfg.checkpoint.init_from, cfg.model)
         if self.env.is_main:
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            write_atomic(self.run_dir / "config.yaml", dump_config(cfg), "the resolved recipe")
         self._barrier()
         writer = MetricsWriter(cfg, self.run_dir, self.env.is_main, self.step)
         self.writer = writer
@@ -270,7 +262,8 @@ class Trainer:
             loop_start = time.perf_counter()
             while self.step < cfg.train.steps:
                 profiler.before_step(self.step + 1)
-                record = self.train_step()
+                with self._oom("the training step"):
+                    record = self.train_step()
                 if notice:  # the first step of this process
                     writer.echo(first_step_line(self.step, time.perf_counter() - loop_start))
                     notice = None
@@ -281,12 +274,12 @@ class Trainer:
                     self._settle()
                 window = profiler.after_step(self.step, record["step_time_s"])
                 if window is not None:
-                    writer.log(self._profile_record(window))
+                    writer.log(profile_record(window, self.step, self.device, self.run_dir))
                 writer.advance(self.step)
                 if self.logs_at(self.step):
                     writer.log(self.window.summarize(record))
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                    self._evaluate_and_log()
+                    evaluate_and_log(self)
                 stop = self.stop_request.agreed(self.device, self.logs_at(self.step))
                 if stop or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
@@ -297,7 +290,7 @@ class Trainer:
                                 f"{self.run_dir / 'checkpoints'}; run the same command again to resume")
                     return STOPPED
             if not cfg.train.eval_every or cfg.train.steps % cfg.train.eval_every:
-                self._evaluate_and_log()
+                evaluate_and_log(self)
             if cfg.checkpoint.save_at_end and last_saved != self.step:
                 self.save()
         finally:
@@ -335,8 +328,12 @@ class Trainer:
         self.model.train()
         if self.graphed is not None:
             self.graphed.start_step(grad_scale / total_targets)
-        for i, batch in enumerate(batches):
-            _set_gradient_sync(self.model, i == len(batches) - 1)
+        full_load = None
+        if self.pipeline is not None:
+            sums, load, full_load = self.pipeline.run(batches, grad_scale / total_targets, self._autocast,
+                                                      self._to_device)
+        for i, batch in enumerate(batches if self.pipeline is None else []):
+            set_gradient_sync(self.model, i == len(batches) - 1)
             loss, metrics, num_targets, expert_load = self._forward_backward(batch, grad_scale / total_targets)
             sums.add(loss, metrics, num_targets)
             if expert_load is not None:  # a copy: a graph replay overwrites its outputs
@@ -350,6 +347,8 @@ class Trainer:
         if load is not None:
             reduce_expert_load(load, self.mesh)
             self.model.update_router_bias(load, enabled=finite)
+        if full_load is not None:  # the whole model's rows, for the imbalance statistic
+            load = reduce_expert_load(full_load, self.mesh)
         if self.graphed is None:  # graphed: the next step's first micro-batch overwrites them (or zeroes them)
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -365,6 +364,8 @@ class Trainer:
                   "mem_gib": memory_gib(self.device), "epoch": self.train_loader.epoch,
                   "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0, **replicate_bytes}
         imbalance = getattr(self.train_loader, "last_imbalance", None)
+        if self.pipeline is not None:
+            record["pp_bubble"] = self.pipeline.bubble
         if imbalance and self.mesh.size("dp") > 1:
             record["dp_imbalance"] = float(imbalance["after"])
             record["dp_imbalance_unbalanced"] = float(imbalance["before"])
@@ -443,73 +444,20 @@ class Trainer:
     def _set_time(self, record: dict, dt: float) -> None:
         record["step_time_s"] = dt
         record["tokens_per_s"] = record["_tokens"] / dt
-        record["mfu"] = self._mfu(record["_tokens"], record["_sum_sq"], dt)
-
-    def _profile_record(self, window: dict) -> dict:
-        """The profiling window's metrics record: wall time (slowest rank), compute-busy and collective shares (rank
-        mean)."""
-        shares = [k for k in window if k.startswith("share_") or k == "busy"]
-        vals = torch.tensor([window[k] for k in shares] + [window["wall_s"]], dtype=torch.float64,
-                            device=self.device)
-        if dist.is_initialized():
-            wall = vals[-1:].clone()
-            dist.all_reduce(vals)
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            vals = torch.cat((vals[:-1] / dist.get_world_size(), wall))
-        return {"kind": "profile", "step": self.step, "first_step": window["first_step"], "steps": window["steps"],
-                "wall_s": float(vals[-1]), **{k: float(v) for k, v in zip(shares, vals[:-1].tolist())},
-                "trace_dir": str(self.run_dir / "profile")}
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Token-mean LM loss and perplexity over the held-out split (or its first `train.eval_batches`)."""
-        self.model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss * targets, targets]
-        for i, batch in enumerate(self.val_loader):
-            if self.cfg.train.eval_batches and i >= self.cfg.train.eval_batches:
-                break
-            with self._autocast():
-                out = self.model(self._to_device(batch))
-            lm = out.metrics.get("lm_loss", out.loss)
-            sums[0] += lm.double() * out.num_targets
-            sums[1] += out.num_targets
-        self._all_reduce(sums, "dp_cp")
-        self.model.train()
-        val_loss = float(sums[0] / sums[1].clamp_min(1))
-        return {"kind": "eval", "step": self.step, "val_loss": val_loss,
-                "val_ppl": math.exp(min(val_loss, 50.0)), "val_targets": int(sums[1])}
-
-    def _evaluate_and_log(self) -> None:
-        """Evaluate and log, unless there is no held-out split (data.val_fraction or data.val_max_tokens is 0): a
-        non-finite result stops the run. Then print the samples `logging.samples` asks for."""
-        if len(self.val_loader):  # the same on every rank
-            self._settle()
-            record = self.evaluate()
-            self.writer.log(record)
-            if not math.isfinite(record["val_loss"]):
-                raise TrainingError(
-                    f"the evaluation at step {self.step} gave val_loss={record['val_loss']}: the model's outputs on "
-                    f"the held-out split are not finite, so its weights are unusable and no checkpoint of them is "
-                    f"written. Resume from an earlier checkpoint (checkpoint.resume="
-                    f"{self.run_dir / 'checkpoints'}/step-N) with a lower optim.lr or a tighter optim.grad_clip")
-        if self.cfg.logging.samples:
-            self._print_samples()
-
-    def _print_samples(self) -> None:
-        """`logging.samples` continuations of the sample prompt (all ranks generate in lockstep; rank 0 prints)."""
-        if self.mesh.size("cp") > 1:
-            self.writer.echo("logging.samples: none under context parallelism (parallel.cp > 1)")
-            return
-        with self._autocast():
-            texts = sample_texts(self.model, self.tokenizer, self.cfg.logging, self.cfg.train.seed + self.step)
-        self.writer.echo(format_samples(texts, self.step, self.cfg.logging))
+        record["mfu"] = mfu(self.cfg.model, self.peak_flops, record["_tokens"], record["_sum_sq"], dt,
+                            self.env.world_size)
 
     def save(self) -> Path:
         self._settle()
         self._read_pending()  # the log window and the counters are part of the checkpoint
-        return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
-                                          self._trainer_state(), self.cfg.checkpoint.keep_last_k,
-                                          checkpoint.fixed_settings(self.cfg), self._extra_state())
+        with self._oom("the checkpoint save"):
+            return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
+                                              trainer_state(self), self.cfg.checkpoint.keep_last_k,
+                                              checkpoint.fixed_settings(self.cfg), self._extra_state())
+
+    def _oom(self, phase: str):
+        """Report a CUDA out-of-memory error in `phase` as one message (moela.trainer.oom)."""
+        return oom.reported(phase, self.device, lambda: checkpoint.newest(self.run_dir))
 
     def _echo(self, text: str) -> None:
         """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
@@ -521,40 +469,9 @@ class Trainer:
         self.stop_request.request(signum)
 
     # ----------------------------------------------------------------------------------------------------------
-    def _trainer_state(self) -> dict:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "loader": self.train_loader.state_dict(),
-                "rng": rng_state(self.device), "nonfinite_in_row": self.nonfinite_in_row,
-                "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen,
-                "log_window": self.window.state_dict()}
-
     def _extra_state(self) -> dict[str, torch.Tensor] | None:
         """The replicate reducer's tensors, checkpointed through DCP with the model (and loaded in place)."""
         return self.replicate.state_dict() if self.replicate is not None else None
-
-    _STATE_KEYS = ("step", "scheduler", "loader", "rng", "nonfinite_in_row", "skipped_total", "tokens_seen",
-                   "log_window")
-
-    def _load_state(self, state: dict) -> None:
-        missing = [k for k in self._STATE_KEYS if k not in state]
-        if missing:
-            raise TrainingError(f"the checkpoint's trainer state lacks {', '.join(missing)}: it was written by an "
-                                f"older moela and cannot be resumed by this one; start a fresh run with "
-                                f"checkpoint.resume=none or another train.run_dir")
-        self.step = state["step"]
-        apply_hyperparameters(self.optimizer, self.cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.cfg.schedule, self.cfg.train.steps,
-                                         peak_lr=self.cfg.optim.lr, start_step=state["scheduler"]["last_epoch"])
-        try:
-            self.train_loader.load_state_dict(state["loader"])
-        except ValueError as e:
-            raise TrainingError(f"cannot resume the data stream: {e}; or start a fresh run with "
-                                f"checkpoint.resume=none or another train.run_dir") from None
-        set_rng_state(state["rng"], self.device)
-        self.nonfinite_in_row = state["nonfinite_in_row"]
-        self.skipped_total = state["skipped_total"]
-        self.counters = NonfiniteCounters(self.device, self.skipped_total, self.nonfinite_in_row)
-        self.tokens_seen = state["tokens_seen"]
-        self.window.load_state_dict(state["log_window"])
 
     def _to_device(self, batch: PackedBatch) -> PackedBatch:
         """A micro-batch on the training device, copied without waiting for the device (pinned host memory); padded
@@ -578,18 +495,5 @@ class Trainer:
             dist.barrier()
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        return clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
-
-    def _mfu(self, tokens: float, sum_sq_len: float, dt: float) -> float | None:
-        if self.peak_flops is None or tokens == 0:
-            return None
-        seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
-        achieved = flops_per_token(self.cfg.model, seq_len) * tokens / dt / self.env.world_size
-        return achieved / self.peak_flops
-
-
-def _set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """FSDP2: reduce-scatter gradients only on the last micro-batch of a step (no-op for a plain module)."""
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is not None:
-        setter(enabled)
+        return clip_gradients(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device,
+                              across=self.mesh.group("pp"))

@@ -25,10 +25,12 @@ Decisions:
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import logging
 import math
 import os
+import re
 import resource
 import sys
 from pathlib import Path
@@ -37,7 +39,9 @@ from typing import Any
 import torch
 
 from moela.config import Config, LoggingConfig, WandbConfig, to_dict
+from moela.model.params import flops_per_token
 from moela.trainer.errors import TrainingError
+from moela.trainer.safe_write import open_nofollow, write_atomic, writing
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +191,7 @@ class MetricsWriter:
         if not enabled:
             return
         _truncate_after(self.path, start_step)
-        self.file = open(self.path, "a")
+        self.file = open_nofollow(self.path, "a")
         show_bar = cfg.logging.progress_bar == "always" or (
             cfg.logging.progress_bar == "auto" and sys.stdout.isatty())
         if show_bar:
@@ -203,9 +207,11 @@ class MetricsWriter:
                 )
             except Exception as e:  # wandb raises its own types (CommError, UsageError, ...): all mean "no run"
                 self.close()
+                fix = ("check the network and `wandb login`, or use logging.wandb.mode=offline (upload later with "
+                       "`wandb sync`)") if wb.mode == "online" else (
+                       f"check that {run_dir / 'wandb'} can be written, or set logging.wandb.mode=disabled")
                 raise TrainingError(f"wandb could not start a run (logging.wandb.mode={wb.mode}): "
-                                    f"{type(e).__name__}: {e}. Check the network and `wandb login`, or use "
-                                    f"logging.wandb.mode=offline (upload later with `wandb sync`)") from None
+                                    f"{type(e).__name__}: {e}. Fix: {fix}") from None
 
     def echo(self, text: str) -> None:
         if not self.enabled:
@@ -222,8 +228,9 @@ class MetricsWriter:
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        with writing("metrics", self.path):
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
         if rec["kind"] == "train":
             self.echo(format_step_line(rec, self.total_steps))
         elif rec["kind"] == "profile":
@@ -241,7 +248,8 @@ class MetricsWriter:
             return
         if self.bar is not None:
             self.bar.close()
-        self.file.close()
+        with writing("metrics", self.path):
+            self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
@@ -266,12 +274,19 @@ def check_wandb_login(cfg: WandbConfig) -> None:
 
 
 def _wandb_id(run_dir: Path) -> str:
-    """A stable wandb run id per run directory, so a resumed run continues the same wandb run."""
+    """A stable wandb run id per run directory, so a resumed run continues the same wandb run. A file that does not
+    hold an id (empty, damaged) is replaced by a new one, with a warning: the run continues in a new wandb run."""
     id_file = run_dir / "wandb_id"
     if id_file.exists():
-        return id_file.read_text().strip()
+        try:
+            run_id = id_file.read_bytes()[:128].decode("ascii").strip()
+        except UnicodeDecodeError:
+            run_id = ""
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+            return run_id
+        log.warning("%s does not hold a wandb run id (empty or damaged): logging to a new wandb run", id_file)
     run_id = os.urandom(6).hex()
-    id_file.write_text(run_id + "\n")
+    write_atomic(id_file, run_id + "\n", "the wandb run id")
     return run_id
 
 
@@ -303,9 +318,7 @@ def _truncate_after(path: Path, step: int) -> None:
     if bad:
         log.warning("%s: dropped line%s %s: not a complete JSON record (torn by an interrupted write)", path,
                     "s" if len(bad) > 1 else "", ", ".join(map(str, bad)))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step), "metrics")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -348,6 +361,19 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     out = Path(run_dir) / PLOT_FILE
-    fig.savefig(out)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
+    write_atomic(out, buffer.getvalue(), "the loss plot")
     return out
+
+
+def mfu(model_cfg, peak_flops: float | None, tokens: float, sum_sq_len: float, dt: float,
+        world_size: int) -> float | None:
+    """Model FLOPs utilization of a step: the whole model's training FLOPs for `tokens` tokens (at their
+    token-weighted mean document length) over `dt` seconds of `world_size` devices of `peak_flops` each; the
+    model counts once however it is split (pipeline stages included). None without a known peak."""
+    if peak_flops is None or tokens == 0:
+        return None
+    seq_len = max(1, round(sum_sq_len / tokens))  # token-weighted mean document length
+    return flops_per_token(model_cfg, seq_len) * tokens / dt / world_size / peak_flops

@@ -61,13 +61,13 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) ->
 
 
 def clip_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, *, across=None) -> torch.Tensor:
     """The global gradient norm (a 0-d device tensor), after clipping to `grad_clip` when it is > 0. An optimizer
     that scales gradients as it reads them (moela's AdamW) gets the clipping factor instead: no pass over the
-    gradients."""
+    gradients. `across`: the process group of the other pipeline stages, whose gradients count in the norm."""
     max_norm = grad_clip if grad_clip > 0 else None
     in_step = max_norm is not None and getattr(optimizer, "scales_grads_in_step", False)
-    total = clip_grad_norm_(model.parameters(), None if in_step else max_norm).to(device)
+    total = clip_grad_norm_(model.parameters(), None if in_step else max_norm, across=across).to(device)
     if in_step:
         optimizer.grad_scale = clip_factor(total, max_norm)
     return total

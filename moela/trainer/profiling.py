@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 COLLECTIVES = {"a2a": ("SendRecv", "AllToAll"), "AG": ("AllGather",), "RS": ("ReduceScatter",),
                "AR": ("AllReduce",)}
@@ -109,3 +110,18 @@ class StepProfiler:
         if self.prof is not None:
             prof, self.prof = self.prof, None
             prof.__exit__(None, None, None)
+
+
+def profile_record(window: dict, step: int, device: torch.device, run_dir: Path) -> dict:
+    """The profiling window's metrics record: wall time (slowest rank), compute-busy and collective shares (rank
+    mean)."""
+    shares = [k for k in window if k.startswith("share_") or k == "busy"]
+    vals = torch.tensor([window[k] for k in shares] + [window["wall_s"]], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        wall = vals[-1:].clone()
+        dist.all_reduce(vals)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        vals = torch.cat((vals[:-1] / dist.get_world_size(), wall))
+    return {"kind": "profile", "step": step, "first_step": window["first_step"], "steps": window["steps"],
+            "wall_s": float(vals[-1]), **{k: float(v) for k, v in zip(shares, vals[:-1].tolist())},
+            "trace_dir": str(run_dir / "profile")}

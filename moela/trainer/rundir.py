@@ -12,6 +12,8 @@ Decisions:
   holder whose lock is free is stale (that run died without releasing it): it is taken over, saying so. flock works
   across hosts on local filesystems and NFSv4; where a filesystem refuses locks the run goes on with a warning.
 - Only rank 0 locks: every process of one run shares the directory by design (torchrun's workers).
+- No entry training writes may be a symlink (checked here, and the lock opened with `O_NOFOLLOW`): a link planted
+  in a run dir would make training truncate or overwrite whatever it points at.
 """
 
 from __future__ import annotations
@@ -26,23 +28,36 @@ import time
 from pathlib import Path
 
 from moela.trainer.errors import TrainingError
+from moela.trainer.safe_write import open_nofollow, refuse_symlink
 
 LOCK_FILE = ".lock"
+CHECKPOINT_DIR = "checkpoints"
+# what training writes in a run dir (checkpoints/ and each entry in it are checked too)
+WRITTEN = (LOCK_FILE, "config.yaml", "metrics.jsonl", "loss.png", "wandb_id", "wandb", "profile", "prebuild.log",
+           CHECKPOINT_DIR)
 log = logging.getLogger(__name__)
 
 
 def check_writable(run_dir: Path) -> None:
-    """Create `run_dir` if needed and write a file into it; a TrainingError says why it cannot be written."""
+    """Create `run_dir` if needed and write a file into it; a TrainingError says why it cannot be written, or
+    names an entry moela writes that is a symlink."""
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"moela")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.write(fd, b"moela")
+        os.close(fd)
         probe.unlink()
     except OSError as e:
         reason = "the filesystem is read-only" if e.errno == errno.EROFS else (e.strerror or str(e))
         raise TrainingError(f"train.run_dir={run_dir} cannot be written ({reason}: {e.filename}); the run would "
                             f"lose its checkpoints and metrics. Choose a writable directory with "
                             f"train.run_dir=PATH, or fix the directory's permissions") from None
+    for name in WRITTEN:
+        refuse_symlink(run_dir / name)
+    if (run_dir / CHECKPOINT_DIR).is_dir():
+        for entry in (run_dir / CHECKPOINT_DIR).iterdir():
+            refuse_symlink(entry)
 
 
 class RunDirLock:
@@ -55,7 +70,7 @@ class RunDirLock:
     def acquire(self) -> str | None:
         """Take the lock, or raise TrainingError naming the run that holds it. Returns a line to print when a stale
         lock was taken over, else None."""
-        f = open(self.path, "a+")
+        f = open_nofollow(self.path, "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

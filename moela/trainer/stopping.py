@@ -18,6 +18,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from moela.trainer.errors import causes
+
 
 class StopRequest:
     """The pending stop request of one trainer: which signal asked for it (None: none yet)."""
@@ -63,3 +65,9 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def interrupt_in(exc: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is behind `exc`: DCP's writer threads catch it and raise their own
+    CheckpointException, which would hide the second Ctrl-C behind a traceback."""
+    return any(isinstance(e, KeyboardInterrupt) for e in causes(exc))

@@ -80,5 +80,5 @@ def run_summary(run_dir: str | Path, *, total_steps: int | None = None, sample_p
         lines += ["next:",
                   f"  python -m moela generate {run} --prompt {shlex.quote(sample_prompt)}",
                   f"  python -m moela eval {run}",
-                  f"  python -m moela export {run} {shlex.quote(str(run_dir / 'hf'))}"]
+                  f"  python -m moela export {run} {shlex.quote(str(run_dir.parent / (run_dir.name + '-hf')))}"]
     return "\n".join(lines)

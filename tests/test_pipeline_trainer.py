@@ -1,0 +1,58 @@
+"""The trainer with `parallel.pp: 2` on 2 gloo ranks: the same step losses as one process (the model's initial
+values included: every stage initializes its parts as the whole model does), and its checkpoint resumes in one
+process with the weights and AdamW moments the two stages saved, continuing the one-process run's losses (a constant
+LR after warm-up, so that runs of 3 and 4 steps share their schedule).
+
+Tolerance: 2e-5 relative on losses (the stages sum the same terms in another order, float32).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from factories import two_micro_batch_cfg
+from moela.trainer import Trainer, checkpoint
+from parallel_harness import spawn
+from test_parallel_checkpoint import full_states
+
+
+def _losses(run) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("kind") == "train"]
+
+
+def _cfg(run, cache, steps, *extra):
+    return two_micro_batch_cfg(run, f"data.cache_dir={cache}", f"train.steps={steps}", "model.aux_loss_coef=0.01",
+                               "checkpoint.save_at_end=true", "schedule.kind=constant", *extra)
+
+
+def _train(rank, world, run, cache, steps, extra, out):
+    trainer = Trainer(_cfg(run, cache, steps, *extra))
+    trainer.fit()
+    state = full_states(trainer.model, trainer.optimizer)
+    torch.save(state, out / f"state-{rank}.pt")
+
+
+def test_two_stage_training_matches_one_process_and_resumes_in_one(tmp_path):
+    cache = tmp_path / "cache"
+    one = tmp_path / "one"
+    Trainer(_cfg(one, cache, 4)).fit()
+    reference = _losses(one)
+    pp = tmp_path / "pp"
+    spawn(_train, 2, pp, cache, 3, ["parallel.pp=2", "parallel.pp_schedule=1f1b"], tmp_path)
+    assert _losses(pp) == pytest.approx(reference[:3], rel=2e-5)
+    saved = {**torch.load(tmp_path / "state-0.pt"), **torch.load(tmp_path / "state-1.pt")}
+    cfg = _cfg(pp, cache, 4)
+    resumed = Trainer(cfg)
+    assert checkpoint.resume(resumed.run_dir, cfg.checkpoint.resume, resumed.model, resumed.optimizer,
+                             checkpoint.fixed_settings(cfg), print) is not None
+    loaded = full_states(resumed.model, resumed.optimizer)
+    resumed.lock.release()
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+    Trainer(_cfg(pp, cache, 4)).fit()
+    assert _losses(pp)[-1] == pytest.approx(reference[3], rel=2e-5)

@@ -1,0 +1,164 @@
+"""moela.plan: sharded state exact against the real model (CPU, one process and gloo ranks) and against the fake
+world at full size; the FSDP collectives against what one step issues; the CLI's errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from moela.config import OptimConfig
+from moela.model.config import preset
+from moela.model.transformer import build_model
+from moela.parallel.config import ParallelConfig
+from moela.plan.comm import fsdp_collectives
+from moela.plan.fake_world import build
+from moela.plan.layout import layout_of
+from moela.plan.memory import param_shards, state_bytes
+from moela.trainer.optim import build_optimizer
+from tests.factories import packed_batch, tiny_config
+from tests.parallel_harness import spawn
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("moment_dtype", ["float32", "bfloat16"])
+def test_state_bytes_equal_real_allocation(moment_dtype):
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    model = build_model(cfg)
+    opt = build_optimizer(model, OptimConfig(moment_dtype=moment_dtype), "cpu")
+    out = model(packed_batch(cfg.vocab_size, [17, 30], seed=0))
+    out.loss.backward()
+    opt.step()
+    shards = param_shards(cfg, layout_of(ParallelConfig(), 1))
+    want = state_bytes(shards, 2 if moment_dtype == "bfloat16" else 4)
+    assert want.params == _tensor_bytes(model.parameters())
+    assert want.grads == _tensor_bytes(p.grad for p in model.parameters())
+    assert want.optimizer == _tensor_bytes(v for s in opt.state.values() for v in s.values())
+
+
+def _shapes_match(size: str, parallel: ParallelConfig, world: int, grad_accum: int = 1) -> None:
+    cfg = preset(size)
+    fake = build(cfg, parallel, world)
+    layout = layout_of(parallel, world, grad_accum=grad_accum)
+    shards = [s for s in param_shards(cfg, layout) if s.rank == 0]  # the fake world is rank 0
+    assert {s.name: s.local_shape for s in shards} == fake.local_shape
+    if parallel.tp == 1 and parallel.pp == 1:  # under tp (pp) replicated weights (each chunk's root) are own units
+        plan = Counter((c.size, c.nbytes // 2) for c in fsdp_collectives(shards, layout, 1)
+                       if c.kind == "all_gather")
+        assert plan == Counter((n, padded) for n, _, padded in fake.fsdp_units if n > 1)
+
+
+def test_fake_world_v3_256_ranks_equals_plan():
+    _shapes_match("v3", ParallelConfig(ep=64), 256)
+
+
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=8), 8),
+                                            (ParallelConfig(dp_replicate=2, ep=4, tp=2), 16),
+                                            (ParallelConfig(cp=2, ep=4), 16),
+                                            (ParallelConfig(pp=2, ep=4), 16),
+                                            (ParallelConfig(pp=4, pp_schedule="dualpipev", ep=2), 16),
+                                            (ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", ep=8), 16)])
+def test_fake_world_v2_lite_equals_plan(parallel, world):
+    _shapes_match("v2-lite", parallel, world, grad_accum=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(ep=64, dp_replicate=4), 1024),
+                                            (ParallelConfig(ep=32, tp=8), 1024),
+                                            (ParallelConfig(ep=64, dp_replicate=8), 2048),
+                                            (ParallelConfig(ep=256), 2048),
+                                            (ParallelConfig(pp=16, pp_schedule="dualpipev", ep=64), 2048),
+                                            (ParallelConfig(pp=8, pp_schedule="interleaved_1f1b",
+                                                            pp_virtual_stages=4, ep=64, tp=2), 1024)])
+def test_fake_world_v3_at_scale_equals_plan(parallel, world):
+    _shapes_match("v3", parallel, world, grad_accum=128)
+
+
+def _gloo_rank(rank: int, world: int, parallel: ParallelConfig) -> None:
+    from moela.parallel.apply import apply_parallelism
+    from moela.parallel.comm import CommCounter
+    from moela.parallel.mesh import build_mesh, local_shard
+
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    mesh = build_mesh(parallel, world, "cpu")
+    model = build_model(cfg, parallelize=lambda m: apply_parallelism(m, mesh, parallel))
+    layout = layout_of(parallel, world)
+    shards = param_shards(cfg, layout)
+    if rank == 0:  # the plan states rank 0's shards (the largest)
+        assert {s.name: s.local_shape for s in shards} == {n: tuple(local_shard(p).shape)
+                                                           for n, p in model.named_parameters()}
+    assert sum(local_shard(p).numel() for p in model.parameters()) <= sum(s.numel for s in shards)
+    with CommCounter() as comm:
+        model(packed_batch(cfg.vocab_size, [40, 23], seed=rank)).loss.backward()
+    # CPU runs FSDP in fp32: the gathered shards are 4 bytes per element where the plan prices bf16
+    seen = Counter(c.nbytes for c in comm.collectives if c.kind == "all_gather" and c.dtype == torch.float32
+                   and len(c.shape) == 1)
+    planned = Counter()
+    for c in fsdp_collectives(shards, layout, 1):
+        if c.kind == "all_gather":
+            planned[c.nbytes * 2] += c.count
+    assert seen == planned
+
+
+@pytest.mark.parametrize("parallel,world", [(ParallelConfig(), 2), (ParallelConfig(ep=2), 4)])
+def test_gloo_shards_and_fsdp_gathers_equal_plan(parallel, world):
+    spawn(_gloo_rank, world, parallel)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "moela", "plan", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_one_gpu_prints_the_plan():
+    r = _cli("recipes/small.yaml", "--gpus", "1")
+    assert r.returncode == 0, r.stderr
+    assert "memory per GPU" in r.stdout and "tokens/s per GPU" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [(["recipes/small.yaml", "train.tokens_per_microbatch=0", "--gpus", "1"],
+                                          "tokens_per_microbatch"),
+                                         (["recipes/small.yaml", "parallel.pp=4", "--gpus", "6"], "parallel"),
+                                         (["recipes/small.yaml", "parallel.tp=3", "--gpus", "8"], "tp"),
+                                         (["recipes/nope.yaml", "--gpus", "1"], "nope.yaml")])
+def test_cli_errors_are_one_line(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_backward_overlap_is_the_timeline_peak():
+    from moela.plan.memory import backward_overlap
+    acts, grads = [5, 3, 4], [1, 2, 6]
+    # backward of block i holds activations of blocks <= i and gradients of blocks >= i
+    peaks = [5 + 9, 8 + 8, 12 + 6]
+    assert backward_overlap(acts, grads) == sum(acts) + sum(grads) - max(peaks)
+
+
+@pytest.mark.parametrize("mode,tokens,level", [("error", 1 << 20, "error"), ("warn", 1 << 20, "warn"),
+                                               ("never", 1 << 20, None), ("error", 32768, None)])
+def test_train_memory_check(mode, tokens, level):
+    from moela.config import load_config
+    from moela.plan.check import memory_check
+    cfg = load_config("recipes/small.yaml", [f"train.plan_check={mode}", f"train.tokens_per_microbatch={tokens}"])
+    found = memory_check(cfg, 1, "NVIDIA H100 80GB HBM3", 80 * 10**9)
+    assert (found and found[0]) == level
+    if found:
+        assert "\n" not in found[1] and "GiB" in found[1]
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(pp=16, pp_schedule="dualpipev", ep=64),
+                                      ParallelConfig(pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=4,
+                                                     tp=2, ep=64, dp_replicate=2, activation_checkpointing="full")])
+def test_layout_reads_back_as_the_parallel_section(parallel):
+    layout = layout_of(parallel, 2048, grad_accum=128)
+    assert layout_of(layout.parallel(), 2048, grad_accum=128) == layout
