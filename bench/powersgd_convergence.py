@@ -9,13 +9,12 @@ dimension, and whether each PowerSGD run's final validation loss is within `--to
 
 Usage: python bench/powersgd_convergence.py [--steps 300] [--every 25] [--variants 4:30 8:30 ...] [--nproc 4]
 [--parallel]
-Writes bench/results/powersgd_convergence.md and .json (or --out).
+Writes bench/results/powersgd_convergence.md and .json (or into --out-dir).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -26,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.results_io import write_results  # noqa: E402
 
 
 def start(run_dir: Path, args, variant: tuple[int, int] | None) -> tuple[subprocess.Popen, float]:
@@ -55,19 +55,6 @@ def finish(run_dir: Path, proc: subprocess.Popen, started: float) -> tuple[list[
     return [json.loads(line) for line in lines if line.strip()], wall
 
 
-def header(command: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    return (f"Commit {commit}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, CPU "
-            f"({platform.machine()}, {os.cpu_count()} cores), torch {torch.__version__}, triton {triton_version}. "
-            f"Command: `{command}`.")
-
-
 def variant(text: str) -> tuple[int, int]:
     rank, _, warmup = text.partition(":")
     return int(rank), int(warmup or 0)
@@ -84,7 +71,8 @@ def main() -> None:
     parser.add_argument("--parallel", action="store_true",
                         help="run the exact and PowerSGD trainings at the same time (the same results; less wall time "
                              "where cores are shared)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "powersgd_convergence"))
+    parser.add_argument("--out-dir", default=None, help="where powersgd_convergence.md and .json go (default "
+                        "bench/results)")
     args = parser.parse_args()
     names = ["exact"] + [f"r{rank} w{warmup}" for rank, warmup in args.variants]
     runs = {}
@@ -112,11 +100,9 @@ def main() -> None:
     for s in summary:
         s["relative_gap"] = s["final_val"] / base - 1
     rows = [by_step[s] for s in sorted(by_step)]
-    head = header("python bench/powersgd_convergence.py " + " ".join(sys.argv[1:]))
     full = summary[1]["bytes_uncompressed"]
     summary[0]["bytes"] = full
-    lines = ["# PowerSGD convergence: tiny recipe, exact HSDP all-reduce vs PowerSGD", "", head, "",
-             f"{args.nproc} CPU processes (gloo) as dp_replicate 2 x dp_shard {args.nproc // 2}, {args.steps} steps "
+    lines = [f"{args.nproc} CPU processes (gloo) as dp_replicate 2 x dp_shard {args.nproc // 2}, {args.steps} steps "
              f"of `recipes/tiny.yaml` (AdamW, lr warmup 30 steps), the same seed and data in every run. PowerSGD "
              f"runs are named by rank r and uncompressed warmup steps w. loss: the training loss logged every "
              f"{args.every} steps (mean over the window); val: validation loss. Bytes: per rank and compressed "
@@ -134,10 +120,9 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['step']} | " + " | ".join("" if r.get(c) is None else f"{r[c]:.4f}" for c in columns)
                      + " |")
-    out = Path(args.out)
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"header": head, "args": {**vars(args)}, "summary": summary,
-                                                    "rows": rows}, indent=1) + "\n")
+    write_results("powersgd_convergence", "PowerSGD convergence: tiny recipe, exact HSDP all-reduce vs PowerSGD",
+                  "\n".join(lines), {"args": {**vars(args)}, "summary": summary, "rows": rows},
+                  out_dir=args.out_dir, device=f"CPU ({platform.machine()}, {os.cpu_count()} cores)")
     print("\n".join(lines))
     shutil.rmtree(tmp)
 
