@@ -22,9 +22,7 @@ Usage: python bench/plan.py [--quick] [--step-json PATH]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -33,8 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
 
+from bench.results_io import add_out_dir, write_results  # noqa: E402
 from bench.step import CONFIGS, MOELA_IMPLS, RECIPE_OVERRIDES  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model.config import preset  # noqa: E402
@@ -102,7 +100,8 @@ FAKE_WORLDS = [  # (model, parallel section, ranks, micro-batches per step)
 
 def memory_rows(step_json: Path) -> list[dict]:
     rows = []
-    for r in json.loads(step_json.read_text()):
+    data = json.loads(step_json.read_text())
+    for r in data["results"] if isinstance(data, dict) else data:  # the writer's {header, results}, or a bare list
         if r["impl"] not in MOELA_IMPLS:
             continue
         c = CONFIGS[r["config"]]
@@ -178,9 +177,8 @@ def _fmt(v, spec=",.0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def report(mem, check, worlds, anchors, header) -> str:
-    lines = ["# moela plan: calibration, fake world, published anchors (bench/plan.py)", "", *header, "",
-             "## 1. Peak memory on one GPU: plan vs bench/step.py", "",
+def report(mem, check, worlds, anchors) -> str:
+    lines = ["## 1. Peak memory on one GPU: plan vs bench/step.py", "",
              "Measured: `torch.cuda.max_memory_allocated` of each row (H200). Predicted: the plan's allocated peak "
              "(no reserve) for the same recipe, overrides and token-weighted document length.", "",
              "| file | config | impl | recipe | measured GiB | predicted GiB | error | activations GiB |",
@@ -227,22 +225,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the 2,048-rank fake worlds and the searches")
     parser.add_argument("--step-json", type=Path, default=ROOT / "bench" / "results" / "step.json",
                         help="bench/step.py's JSON to compare the one-GPU peaks with")
+    add_out_dir(parser)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    command = " ".join(["python bench/plan.py", *sys.argv[1:]])
-    header = [f"{datetime.date.today()}, commit {commit}, CPU only (no GPU is touched), torch {torch.__version__}",
-              "", f"`{command}`"]
     mem = memory_rows(args.step_json)
     check = timing.calibration_check()
     worlds = fake_world_rows(args.quick)
     anchors = anchor_rows(args.quick)
-    out = ROOT / "bench" / "results" / "plan"
-    out.with_suffix(".md").write_text(report(mem, check, worlds, anchors, header))
-    out.with_suffix(".json").write_text(json.dumps(dict(memory=mem, compute_check=check, fake_world=worlds,
-                                                        anchors=anchors, command=command, commit=commit),
-                                                   indent=1) + "\n")
-    print(out.with_suffix(".md").read_text())
+    md = write_results("plan", "moela plan: calibration, fake world, published anchors",
+                       report(mem, check, worlds, anchors),
+                       dict(memory=mem, compute_check=check, fake_world=worlds, anchors=anchors),
+                       out_dir=args.out_dir, device="CPU only (no GPU is touched)")
+    print(md.read_text())
 
 
 if __name__ == "__main__":
