@@ -62,12 +62,10 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
     common = dict(tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len, dp_rank=dp_rank,
                   dp_size=dp_size)
     if cfg.stream_start:
-        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
-                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), seed, cfg.shuffle)
-        train = StreamLoader(feed, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
-                             cost_coefficients=coefficients, settings=settings, val_fraction=cfg.val_fraction,
-                             val_max_tokens=cfg.val_max_tokens, **common)
-        val = ValLoader([Part(feed.get(0), train.val_docs)], cfg.val_max_tokens, **common)
+        train = StreamLoader(*stream_feeds(cfg, tokenizer, seed), grad_accum=grad_accum, seed=seed,
+                             shuffle=cfg.shuffle, assign=assign, cost_coefficients=coefficients, settings=settings,
+                             val_fraction=cfg.val_fraction, val_max_tokens=cfg.val_max_tokens, **common)
+        val = ValLoader([Part(*held) for held in train.held_out()], cfg.val_max_tokens, **common)
         return train, val, tokenizer
 
     train_parts, val_parts = split_sources(cfg, tokenizer, show_progress)
@@ -90,13 +88,28 @@ def split_sources(cfg: DataConfig, tokenizer: Tokenizer, show_progress: bool = T
 
 
 def held_out_parts(cfg: DataConfig, tokenizer: Tokenizer) -> list[Part]:
-    """The held-out documents exactly as training split them: per source, or shard 0's with stream_start."""
+    """The held-out documents exactly as training split them: per source, or each source's shard 0's with
+    stream_start."""
     if cfg.stream_start:
-        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
-                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), 0, False)
-        shard = feed.get(0)
-        return [Part(shard, split_train_val(shard.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)[1])]
+        feeds, weights = stream_feeds(cfg, tokenizer, 0)
+        parts = []
+        for feed, weight in zip(feeds, weights):
+            shard = feed.get(0)
+            held = split_train_val(shard.doc_lengths, cfg.val_fraction, int(cfg.val_max_tokens * weight))[1]
+            parts.append(Part(shard, held, weight))
+        return parts
     return split_sources(cfg, tokenizer)[1]
+
+
+def stream_feeds(cfg: DataConfig, tokenizer: Tokenizer, seed: int) -> tuple[list[ShardFeed], list[float]]:
+    """One ShardFeed per source (building in the background, the workers divided among the sources) and the
+    sources' normalized weights."""
+    sources = cfg.sources()
+    workers = max(1, (cfg.tokenize_workers or default_workers()) // len(sources))
+    feeds = [ShardFeed(make_plan(DocumentSource(source_cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                       tokenizer.vocab_size, workers, seed, cfg.shuffle, i)
+             for i, (source_cfg, _) in enumerate(sources)]
+    return feeds, [weight for _, weight in sources]
 
 
 def open_source(source_cfg: SourceConfig, tokenizer: Tokenizer, cfg: DataConfig, show_progress: bool = True):

@@ -123,8 +123,9 @@ class DataConfig(SourceConfig):
     shard_bytes: int = 64 << 20
     # Start training once the shards the first steps need are tokenized, the rest following in the background.
     # The order becomes shard by shard (shards shuffled per epoch, then the documents inside each; moela.data.stream)
-    # and never depends on tokenization speed; a step whose shard is not ready waits for it. One source only
-    # (not a mixture); the held-out split comes from shard 0. Also keeps host memory flat in the corpus size.
+    # and never depends on tokenization speed; a step whose shard is not ready waits for it. A mixture interleaves
+    # its sources' streams by weight; the held-out split comes from each source's shard 0. Not for megatron
+    # sources (tokenized already). Also keeps host memory flat in the corpus size.
     stream_start: bool = False
     # Held-out validation split: this fraction of each source's documents (at least one), chosen by a fixed hash of
     # the document index, independent of the training seed; capped at `val_max_tokens` tokens in all (a mixture
@@ -178,11 +179,8 @@ class DataConfig(SourceConfig):
             errors.append(f"tokenize_workers: must be >= 1 or null (the cores available), got {self.tokenize_workers}")
         if self.shard_bytes < 1 << 16:
             errors.append(f"shard_bytes: must be >= 65536 (64 KiB), got {self.shard_bytes}")
-        if self.stream_start and self.source == "megatron":
+        if self.stream_start and any(source.source == "megatron" for source, _ in self.sources()):
             errors.append("stream_start: the megatron source is tokenized already; set data.stream_start=false")
-        if self.stream_start and self.mixture:
-            errors.append("stream_start: streams one source, not a mixture; build the mixture's caches first "
-                          "(python -m moela prepare RECIPE) and set data.stream_start=false")
         if self.attn_cost_len is not None and self.attn_cost_len < 1:
             errors.append(f"attn_cost_len: must be >= 1 or null (from the model's FLOPs), got {self.attn_cost_len}")
         return errors
