@@ -230,7 +230,7 @@ def megatron_read(files, tok, root) -> dict:
     def loader(data_cfg):
         return build_loaders(data_cfg, tokens_per_microbatch=4096, grad_accum=8, show_progress=False)[0]
 
-    cache = loader(cfg).caches[0]
+    cache = loader(cfg).stores[0]
     write_megatron(root / "mega", (cache.doc(i) for i in range(cache.num_docs)), np.uint16)
     out = {}
     for name, data_cfg in (("moela cache", cfg), ("megatron .bin/.idx", mega_cfg)):

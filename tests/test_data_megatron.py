@@ -67,7 +67,7 @@ def test_same_batches_as_the_jsonl_source_of_the_same_documents(tmp_path):
     jsonl = DataConfig(source="jsonl", paths=[str(f)], cache_dir=str(tmp_path / "c"), val_fraction=0.05,
                        max_doc_len=100)
     train, val, _ = build_loaders(jsonl, **common)
-    cache = train.caches[0]
+    cache = train.stores[0]
     write_megatron(tmp_path / "mega", [cache.doc(i).tolist() for i in range(cache.num_docs)], np.uint16)
     megatron = DataConfig(source="megatron", paths=[str(tmp_path / "mega.idx")], val_fraction=0.05, max_doc_len=100)
     assert megatron.validate() == []

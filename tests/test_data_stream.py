@@ -1,5 +1,5 @@
 """stream_start: training starts before the cache is complete, and the batches equal those of the prebuilt cache
-however slow tokenization is, with one source or a mixture; a tokenization error reaches the training thread.
+(and of stream_start: false) however slow tokenization is, with one source or a mixture; a tokenization error reaches the training thread.
 Elastic resume 1 -> 2 -> 4 data-parallel ranks continues the same global stream, shard by shard, with a mixture,
 balanced or not."""
 
@@ -61,6 +61,9 @@ def test_stream_start_gives_the_batches_of_a_prebuilt_cache_whatever_the_speed(t
     evaluated = ValLoader(held_out_parts(stream_cfg(tmp_path, f), load_tokenizer()), 262144, tokens_per_microbatch=256,
                           max_doc_len=200, dp_rank=0, dp_size=1)
     assert ids(evaluated) == ids(p_val), "`moela eval` holds out what training held out"
+    whole, w_val, _ = build_loaders(stream_cfg(tmp_path, f, stream_start=False), **common)
+    assert [ids(whole.next_step()) for _ in range(261)] == steps, "the same stream without stream_start"
+    assert ids(w_val) == ids(p_val)
     fast, _, _ = build_loaders(stream_cfg(tmp_path, f, cache="fast", tokenize_workers=2), **common)
     assert [ids(fast.next_step()) for _ in range(261)] == steps
     assert first_step_s < 30
@@ -70,8 +73,9 @@ def mixture_cfg(tmp_path, cache="c", **extra):
     f, g = tmp_path / "docs.jsonl", tmp_path / "other.jsonl"
     if not g.exists():  # written once: rewriting would change the cache key
         corpus(tmp_path, n=400), corpus(tmp_path, n=150, seed=1, name="other.jsonl")
-    return DataConfig(cache_dir=str(tmp_path / cache), shard_bytes=SHARD, stream_start=True, tokenize_workers=2,
-                      val_fraction=0.02, max_doc_len=200, **extra, mixture=[
+    settings = dict(cache_dir=str(tmp_path / cache), shard_bytes=SHARD, stream_start=True, tokenize_workers=2,
+                    val_fraction=0.02, max_doc_len=200)
+    return DataConfig(**{**settings, **extra}, mixture=[
                           MixtureSource(source="jsonl", paths=[str(f)], weight=2.0),
                           MixtureSource(source="jsonl", paths=[str(g)], weight=1.0)])
 
@@ -101,6 +105,8 @@ def test_stream_start_mixture_gives_the_batches_of_prebuilt_caches_in_weight_sha
     evaluated = ValLoader(held_out_parts(mixture_cfg(tmp_path), load_tokenizer()), 262144, tokens_per_microbatch=256,
                           max_doc_len=200, dp_rank=0, dp_size=1)
     assert ids(evaluated) == ids(p_val), "`moela eval` holds out what training held out"
+    whole, _, _ = build_loaders(mixture_cfg(tmp_path, stream_start=False), **common)
+    assert [ids(whole.next_step()) for _ in range(120)] == steps, "the same stream without stream_start"
     other_seed, _, _ = build_loaders(mixture_cfg(tmp_path), **{**common, "seed": 6})
     assert [ids(other_seed.next_step()) for _ in range(3)] != steps[:3]
 

@@ -1,29 +1,35 @@
-"""The shard-by-shard training stream (`data.stream_start: true`): training starts while the caches are still
-being tokenized, and host memory stays flat in the corpus size. One source or a weighted mixture.
+"""The training stream, shard by shard: one design for every source and mixture, whether the caches are complete
+or still being tokenized (`data.stream_start: true`, training starts while they are built), with host memory
+flat in the corpus size.
 
-Shapes: S shards of a source; P_s pieces of shard s; M micro-batches of one step (dp_size x grad_accum).
+Shapes: S units of a source (cache shards, or blocks of `megatron.UNIT_DOCS` documents); P_s pieces of unit s;
+M micro-batches of one step (dp_size x grad_accum).
 
 Decisions:
-- Order of one source, fixed by the seed over the shard list and nothing else: epoch e visits the shards in a
-  permutation seeded by (seed, source, e); inside shard s it shuffles the shard's pieces with a generator seeded by
-  (seed, source, e, s) and packs them (packing.py; micro-batches never span shards). The source's stream is these
-  micro-batches end to end, epoch after epoch, so which documents a step sees never depends on how fast
-  tokenization runs: a step whose shard is not built yet waits for it (`ShardFeed`, logging that it waits) while
-  the background workers build the shards in the order the stream needs them (shard 0 first: it holds the
-  held-out split).
+- A source is a sequence of units (`num_shards`, `get(i)`): a `TokenCache` (complete), a `ShardFeed` (being built)
+  or a `MegatronSource`. Order of one source, fixed by the seed over the unit list and nothing else: epoch e visits
+  the units in a permutation seeded by (seed, source, e); inside unit s it shuffles the unit's pieces with a
+  generator seeded by (seed, source, e, s) and packs them (packing.py; micro-batches never span units). The
+  source's stream is these micro-batches end to end, epoch after epoch, so the batches are the same whether the
+  cache was prebuilt or not, and never depend on how fast tokenization runs: a step whose shard is not built yet
+  waits for it (`ShardFeed`, logging that it waits) while the background workers build the shards in the order
+  the stream needs them (shard 0 first: it holds the held-out split).
 - Mixture: global micro-batch g comes from the source whose slice of [0, 1) (widths: the normalized weights, in
   mixture order) holds frac(g x golden ratio), a low-discrepancy sequence, so every window of consecutive
   micro-batches holds each source's share up to a few micro-batches, and the choice depends only on g. A source
   contributes its weight's share of micro-batches (of tokens too, up to packing: micro-batches are 97-100% full),
   repeating a small source and walking through a large one. Each source keeps its own position in its own stream.
-- Held-out split: `split_train_val` applied to each source's shard 0 (every shard is the same slice of the source
+- Held-out split: `split_train_val` applied to each source's unit 0 (every shard is the same slice of the source
   whatever the speed, so this is fixed too), capped at the source's share of `val_max_tokens`.
-- Memory: only each source's current shard's pieces and packing are in memory; document offsets stay
-  memory-mapped. The state is the micro-batches consumed plus, per source, its own count and cursor (epoch,
-  position in the epoch's shard order, first micro-batch of that shard), so resuming, also with another
-  dp_size x grad_accum, continues the same global stream without replaying an epoch.
-- Every rank computes each step's micro-batches from the same (seed, position) and keeps its own share, exactly as
-  the global loader (loader.py) does; the balanced assignment plugs in the same way.
+- Memory: only each source's current unit's pieces and packing are in memory; document offsets and tokens stay
+  memory-mapped, so a rank's host memory does not grow with the number of documents. The state is the
+  micro-batches consumed plus, per source, its own count and cursor (epoch, position in the epoch's unit order,
+  first micro-batch of that unit), so resuming, also with another dp_size x grad_accum, continues the same global
+  stream without replaying an epoch.
+- Every rank computes each step's M micro-batches' layouts from the same (seed, position), with no communication,
+  then keeps its share: who gets which is a pluggable `assign(costs, dp_size, grad_accum)` (moela.data.balance:
+  round robin, or balanced with `data.balance: true`) over the costs a * sum L + b * sum L^2 of the micro-batches'
+  piece lengths L. Only the rank's own micro-batches are read from the token memmaps.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -46,6 +53,15 @@ from .packing import make_batch, num_targets, pack, split_into_pieces
 log = logging.getLogger(__name__)
 WAIT_LOG_S = 30.0  # repeat the "waiting for shard" line this often
 GOLDEN_64 = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: g * GOLDEN_64 mod 2^64 / 2^64 = frac(g / golden ratio)
+
+
+class Units(Protocol):
+    """A source as the stream reads it: `num_shards` units, `get(i)` -> unit i (`doc_lengths`, `doc(d)`,
+    `vocab_size`, `path`), `key` naming its content, `path` for messages."""
+    num_shards: int
+    key: str
+
+    def get(self, i: int): ...
 
 
 def shard_order(seed: int, source: int, epoch: int, num_shards: int, shuffle: bool) -> np.ndarray:
@@ -85,6 +101,14 @@ class ShardFeed:
         except BaseException as e:  # handed to the training thread by `get`
             self.error = e
 
+    @property
+    def key(self) -> str:
+        return self.plan.key
+
+    @property
+    def path(self):
+        return self.plan.dir
+
     def get(self, i: int) -> Shard:
         if i not in self._open:
             waited, last_log = 0.0, -WAIT_LOG_S
@@ -114,9 +138,9 @@ class _ShardBins:
 
 
 class SourceStream:
-    """One source's endless stream of packed micro-batches, shard by shard; `locate(i)` -> its micro-batch i."""
+    """One source's endless stream of packed micro-batches, unit by unit; `locate(i)` -> its micro-batch i."""
 
-    def __init__(self, feed: ShardFeed, index: int, *, budget: int, limit: int, seed: int, shuffle: bool,
+    def __init__(self, feed: Units, index: int, *, budget: int, limit: int, seed: int, shuffle: bool,
                  val_fraction: float, val_max_tokens: int):
         self.feed, self.index = feed, index
         self.budget, self.limit, self.seed, self.shuffle = budget, limit, seed, shuffle
@@ -152,7 +176,7 @@ class SourceStream:
         while i >= self._bins.first + len(self._bins.bins):
             empty = 0 if self._bins.bins else empty + 1
             if empty > self.num_shards:
-                raise ValueError(f"{self.feed.plan.dir}: no shard holds a training document (all held out?); add "
+                raise ValueError(f"{self.feed.path}: no shard holds a training document (all held out?); add "
                                  f"data or lower data.val_fraction")
             first = self._bins.first + len(self._bins.bins)
             epoch, k = (epoch, k + 1) if k + 1 < self.num_shards else (epoch + 1, 0)
@@ -170,10 +194,10 @@ class SourceStream:
         self.consumed, self.cursor, self._bins = int(state["consumed"]), (epoch, k, first), None
 
 
-class StreamLoader:
-    """`next_step()` -> this rank's `grad_accum` PackedBatches, over the shard-by-shard stream of each source."""
+class TrainLoader:
+    """`next_step()` -> this rank's `grad_accum` PackedBatches, over the unit-by-unit stream of each source."""
 
-    def __init__(self, feeds: list[ShardFeed], weights: list[float], *, tokens_per_microbatch: int,
+    def __init__(self, feeds: list[Units], weights: list[float], *, tokens_per_microbatch: int,
                  max_doc_len: int | None, dp_rank: int, dp_size: int, grad_accum: int, seed: int, shuffle: bool,
                  assign: Assign, cost_coefficients: tuple[float, float], settings: dict, val_fraction: float,
                  val_max_tokens: int):
@@ -186,16 +210,21 @@ class StreamLoader:
                         for i, (feed, w) in enumerate(zip(feeds, self.weights))]
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.assign, self.cost_coefficients = assign, cost_coefficients
-        self.settings = {"data_key": "+".join(f.plan.key for f in feeds), "weights": self.weights, "stream": True,
-                         "seed": seed, **settings}
+        self.settings = {"data_key": "+".join(f.key for f in feeds), "weights": self.weights, "seed": seed,
+                         **settings}
         self.consumed, self.step = 0, 0
         self.last_imbalance: dict = {}
         self.last_global_counts: tuple[int, int, float] = (0, 0, 0.0)
 
     @property
-    def feed(self) -> ShardFeed:
-        """The first source's shards (the only source's, without a mixture)."""
+    def feed(self) -> Units:
+        """The first source's units (the only source's, without a mixture)."""
         return self.sources[0].feed
+
+    @property
+    def stores(self) -> list[Units]:
+        """Per source, what it reads: a TokenCache, a ShardFeed (stream_start) or a MegatronSource."""
+        return [s.feed for s in self.sources]
 
     @property
     def val_docs(self) -> np.ndarray:
@@ -208,10 +237,15 @@ class StreamLoader:
         return epoch + k / self.sources[0].num_shards
 
     def describe(self) -> str:
-        shards = " + ".join(str(s.num_shards) for s in self.sources)
+        """One line on the sources' units and how the first one packs (for `python -m moela prepare`)."""
+        first = self.sources[0]._pack(0, 0, 0)
+        tokens = int(first.length.sum())
+        fill = tokens / max(len(first.bins) * self.budget, 1)
+        units = " + ".join(str(s.num_shards) for s in self.sources)
         held = sum(len(s.val_docs) for s in self.sources)
-        return (f"{shards} shards, streamed shard by shard in micro-batches of <= {self.budget} tokens; {held} "
-                f"held-out documents from shard 0" + (" of each source" if len(self.sources) > 1 else ""))
+        return (f"{units} units (shards) read unit by unit; the first packs {tokens} tokens into {len(first.bins)} "
+                f"micro-batches of <= {self.budget} tokens ({fill:.1%} full); {held} held-out documents from unit 0"
+                + (" of each source" if len(self.sources) > 1 else ""))
 
     def held_out(self) -> list[tuple[Shard, np.ndarray, float]]:
         """(shard 0, its held-out documents, the source's weight) per source: the validation split."""
@@ -251,7 +285,7 @@ class StreamLoader:
     def load_state_dict(self, state: dict) -> None:
         missing = [key for key in [*self.settings, "sources"] if key not in state]
         if missing:
-            raise ValueError(f"the loader state lacks {', '.join(missing)} (not written by a stream_start run)")
+            raise ValueError(f"the loader state lacks {', '.join(missing)} (written by an older moela)")
         for key, value in self.settings.items():
             if state[key] != value:
                 raise ValueError(
