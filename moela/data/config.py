@@ -119,17 +119,16 @@ class DataConfig(SourceConfig):
     # Worker processes that tokenize the cache's shards in parallel (one core each); null = the cores available
     # divided among the node's ranks. Several processes or nodes sharing cache_dir split the shards among them.
     tokenize_workers: int | None = None
-    # Source bytes per cache shard (the unit of parallel tokenization and of stream_start). Part of the cache key.
+    # Source bytes per cache shard (the unit of parallel tokenization and of the training stream). Part of the key.
     shard_bytes: int = 64 << 20
     # Start training once the shards the first steps need are tokenized, the rest following in the background.
-    # The order becomes shard by shard (shards shuffled per epoch, then the documents inside each; moela.data.stream)
-    # and never depends on tokenization speed; a step whose shard is not ready waits for it. A mixture interleaves
-    # its sources' streams by weight; the held-out split comes from each source's shard 0. Not for megatron
-    # sources (tokenized already). Also keeps host memory flat in the corpus size.
+    # The batches are those of `false` (the stream reads shard by shard either way; moela.data.stream) and never
+    # depend on tokenization speed; a step whose shard is not ready waits for it. Works for a mixture of text
+    # sources; not for megatron sources (tokenized already).
     stream_start: bool = False
-    # Held-out validation split: this fraction of each source's documents (at least one), chosen by a fixed hash of
-    # the document index, independent of the training seed; capped at `val_max_tokens` tokens in all (a mixture
-    # shares the cap by weight).
+    # Held-out validation split: this fraction of the documents of each source's first shard (at least one), chosen
+    # by a fixed permutation of the document index, independent of the training seed; capped at `val_max_tokens`
+    # tokens in all (a mixture shares the cap by weight).
     val_fraction: float = 0.01
     val_max_tokens: int = 262144
     # Documents longer than this many tokens (EOS included) are cut into pieces of at most this length before
