@@ -1,7 +1,7 @@
 """stream_start: training starts before the cache is complete, and the batches equal those of the prebuilt cache
-(and of stream_start: false) however slow tokenization is, with one source or a mixture; a tokenization error reaches the training thread.
-Elastic resume 1 -> 2 -> 4 data-parallel ranks continues the same global stream, shard by shard, with a mixture,
-balanced or not."""
+(and of stream_start: false) however slow tokenization is, with one source or a mixture; a tokenization error
+reaches the training thread. Elastic resume 1 -> 2 -> 4 data-parallel ranks continues the same global stream,
+shard by shard, with a mixture, balanced or not."""
 
 import json
 import random
