@@ -1,5 +1,6 @@
-"""What the FP8 step targets ask of the GEMMs: a breakdown of measured bf16 and FP8 step rows (bench/step.py JSON,
-rows of one run) into the time FP8 can act on and the time it cannot, and the GEMM speed-up a target needs.
+"""What the FP8 step targets ask of the GEMMs: a breakdown of measured bf16 and FP8 step rows (bench/step.py's JSON,
+whose `results` are the rows; rows gathered from several runs are taken run by run, by their `source`) into the
+time FP8 can act on and the time it cannot, and the GEMM speed-up a target needs.
 
 Per config, from the bf16 row's kernel breakdown (ms per step):
 - eligible: the GEMMs DeepSeek-V3's recipe runs in FP8: the expert GEMMs, and the dense GEMMs other than the
@@ -15,9 +16,9 @@ Per config, from the bf16 row's kernel breakdown (ms per step):
 - the ceiling: the step at s = 2, the H200's FP8 peak over its bf16 peak (1,979 / 989 TFLOP/s dense), with the
   measured overhead, and with the experts alone (what `moe_recipe: fp8_blockwise` runs).
 
-Usage: python bench/fp8_ceiling.py STEP.json [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
+Usage: python bench/fp8_ceiling.py [STEP.json ...] [--targets small-64k=1.1,v2lite6-64k=1.25]
 Runs anywhere (it reads JSON only). Writes bench/results/fp8_ceiling.md and fp8_ceiling.json (`--out-dir`
-elsewhere), headed by the rows' device.
+elsewhere), headed by the rows' device (and torch / triton where their sources name them).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results_io import add_out_dir, write_results  # noqa: E402
+from bench.results_io import RESULTS, add_out_dir, write_results  # noqa: E402
 
 PEAK_RATIO = 2.0  # H200 dense FP8 / bf16 tensor-core peak
 OVERHEAD_FAMILIES = ("norm/RoPE/activation", "copies/cat/casts", "optimizer")
@@ -93,32 +94,49 @@ def analyse(bf16: dict, fp8_rows: list[dict], target: float | None) -> tuple[lis
     return lines, summary
 
 
+def _run(row: dict) -> tuple:
+    """The run a row came from: (date, commit, command) of its `source`, or () for the rows of a single run."""
+    s = row.get("source")
+    return (s["date"], s["commit"], s["command"]) if s else ()
+
+
+def _versions(rows: list[dict]) -> dict:
+    """torch and triton as the rows' sources name them (the header's, else this process's)."""
+    if not rows or not all("torch" in r.get("source", {}) for r in rows):
+        return {}
+    return {key: ", ".join(sorted({r["source"][key] for r in rows})) for key in ("torch", "triton")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+")
+    ap.add_argument("json", nargs="*", default=[str((RESULTS / "step.json").relative_to(RESULTS.parents[1]))])
     ap.add_argument("--targets", default="small-64k=1.1,v2lite6-64k=1.25")
     add_out_dir(ap)
     args = ap.parse_args()
     targets = {k: float(v) for k, v in (t.split("=") for t in args.targets.split(",") if t)}
-    lines, summaries = [], []
+    lines, summaries, used = [], [], []
     for path in args.json:
-        rows = json.loads(Path(path).read_text())
-        for config in dict.fromkeys(r["config"] for r in rows):
-            mine = [r for r in rows if r["config"] == config and r["impl"] == "moela"]
+        data = json.loads(Path(path).read_text())
+        rows = data["results"] if isinstance(data, dict) else data
+        for run, config in dict.fromkeys((_run(r), r["config"]) for r in rows):
+            mine = [r for r in rows if _run(r) == run and r["config"] == config and r["impl"] == "moela"]
             bf16 = next((r for r in mine if r["recipe"] == "bf16"), None)
             fp8 = [r for r in mine if r["recipe"] != "bf16"]
             if bf16 is None or not fp8:
                 continue
-            lines.append(f"Source: `{path}` ({bf16.get('device_name', '')})")
+            where = f"`{path}`" + (f", the run of {run[0]}, commit {run[1]}" if run else "")
+            lines.append(f"Source: {where} ({bf16.get('device_name', '')})")
             lines.append("")
             text, summary = analyse(bf16, fp8, targets.get(config))
             lines += text
-            summaries.append(dict(source=path, device=bf16.get("device_name", ""), **summary))
+            used += [bf16, *fp8]
+            summaries.append(dict(source=path, run=dict(zip(("date", "commit", "command"), run)),
+                                  device=bf16.get("device_name", ""), **summary))
     body = ["Each config's rows come from one bench/step.py run (the files below); times are the rows' median step and "
             "their profiled kernel time per family. See the script's docstring for the method.", "", *lines]
     devices = sorted({s["device"] for s in summaries if s.get("device")})
     md = write_results("fp8_ceiling", "FP8 step targets against the measured breakdown", "\n".join(body), summaries,
-                       out_dir=args.out_dir, device=", ".join(devices) or None)
+                       out_dir=args.out_dir, device=", ".join(devices) or None, **_versions(used))
     print(md.read_text())
 
 

@@ -39,7 +39,9 @@ row orders).
 Usage (GPU):  python bench/step.py [--configs small-16k,small-64k,v2lite6-64k] [--impls ...] [--recipes ...]
                   [--quick] [--cold] [--out-dir bench/results] [--log-dir DIR]
       (CPU):  python bench/step.py --device cpu --quick
-Writes <out-dir>/step.md and <out-dir>/step.json; each row's output goes to <log-dir>/<row>.log. torchtitan
+      (rows of several runs, each with its `source`):  python bench/step.py --report-only bench/results/step.json
+Writes <out-dir>/step.md and <out-dir>/step.json through bench/results_io.write_results (the JSON's `results` is the
+list of rows); each row's output goes to <log-dir>/<row>.log. torchtitan
 0.3.0 must be importable for its rows (pip install --no-deps torchtitan==0.3.0 tyro spmd_types==0.2.3
 docstring_parser typeguard typing_extensions); a row that cannot run says why in the table.
 """
@@ -47,7 +49,6 @@ docstring_parser typeguard typing_extensions); a row that cannot run says why in
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -61,7 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.steplib.report import write_report  # noqa: E402
+from bench.results_io import add_out_dir, write_results  # noqa: E402
+from bench.steplib.report import devices, render, render_sourced, sourced_versions  # noqa: E402
 
 SMALL = str(ROOT / "recipes" / "small.yaml")
 TINY = str(ROOT / "recipes" / "tiny.yaml")
@@ -91,6 +93,7 @@ MOELA_ALL_RECIPES = ("moela", "moela-nographs", "moela-fp32-moments")  # bf16 an
 RECIPES = ("bf16", "fp8_blockwise", "fp8")
 RECIPE_OVERRIDES = {"bf16": ["model.moe_recipe=bf16"], "fp8_blockwise": ["model.moe_recipe=fp8_blockwise"],
                     "fp8": ["model.precision=fp8"]}
+TITLE = "Whole training step: moela against torchtitan and transformers"
 # warm-up: at least 3 steps, since a graphed row (`train.cuda_graphs`) captures in its third step
 STEPS = {"default": dict(warmup=4, steps=6, profile_steps=2, sync_steps=1),
          "quick": dict(warmup=3, steps=3, profile_steps=1, sync_steps=1)}
@@ -201,7 +204,10 @@ def main() -> None:
                          "model.kernels.moe_fp8_wgrad; auto: the shipped choice), to compare kernels inside the step")
     ap.add_argument("--cold", action="store_true",
                     help="every row starts with empty kernel caches of its own (a cold first step on any machine)")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    add_out_dir(ap)
+    ap.add_argument("--report-only", metavar="STEP_JSON",
+                    help="measure nothing: rebuild step.md and step.json from the rows of this file, each row with "
+                         "the `source` of its run")
     ap.add_argument("--log-dir", help="per-row logs (default: a new temporary folder)")
     ap.add_argument("--row-timeout-s", type=float, default=300.0)
     ap.add_argument("--budget-s", type=float, default=480.0,
@@ -212,6 +218,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.row:
         return child(args.row, args.row_out)
+    if args.report_only:
+        return report_only(Path(args.report_only), args.out_dir)
 
     import torch
 
@@ -239,10 +247,28 @@ def main() -> None:
         spec["overrides"].append(f"model.kernels.moe_fp8_wgrad={args.fp8_wgrad_impl}")
     print(f"[step] {len(specs)} rows, logs in {log_dir}", flush=True)
     results = run_rows(specs, log_dir, args.row_timeout_s, args.budget_s, cold=args.cold)
-    command = "python bench/step.py " + " ".join(sys.argv[1:])
-    md = write_report(results, Path(args.out_dir), command=command, counts=counts,
-                      date=datetime.date.today().isoformat())
-    print(md)
+    write(results, render(results, counts=counts), args.out_dir)
+
+
+def write(rows: list[dict], body: str, out_dir: str, **versions: str) -> None:
+    """step.md (the header and `body`) and step.json (the header and the rows); the device is the rows'."""
+    print(write_results("step", TITLE, body, rows, out_dir=out_dir, device=devices(rows), **versions).read_text())
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a step.json: the writer's `results`, or a bare list of rows."""
+    data = json.loads(path.read_text())
+    return data["results"] if isinstance(data, dict) else data
+
+
+def report_only(path: Path, out_dir: str) -> None:
+    """Rebuild the report from rows gathered from several runs; the header names the rows' device and versions."""
+    rows = read_rows(path)
+    unsourced = [f"{r['config']} {r['impl']} {r['recipe']}" for r in rows if "source" not in r]
+    if unsourced:
+        sys.exit(f"bench/step.py: --report-only needs every row's `source` (what, date, commit, command); "
+                 f"{path} lacks it for {', '.join(unsourced)}")
+    write(rows, render_sourced(rows), out_dir, **sourced_versions(rows))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
-"""`bench/step.py`'s output: the rows as JSON (a list of dicts) and a Markdown report (the header with date,
-device and versions, the main table, each config's moela-vs-peers ratios, the first-step loss check, the kernel
-breakdown by family, the largest unclassified kernels, and the rows that failed)."""
+"""`bench/step.py`'s Markdown body under the header `bench/results_io.write_results` adds: for one run, the main
+table, each config's moela-vs-peers ratios, the first-step loss check, the kernel breakdown by family, the largest
+unclassified kernels and the rows that failed; for rows gathered from several runs (each with its `source`), one
+section per run with its table and ratios."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 from bench.steplib.kernels import FAMILIES
 
@@ -14,11 +12,10 @@ LOSS_IMPLS = ("moela", "moela-nographs", "moela-fp32-moments", "moela-nomtp", "m
               *(f"moela-{phase}-{kernel}" for phase in ("fwd", "dq", "dkdv") for kernel in ("triton", "gluon"))) + PEERS
 
 
-def _versions() -> str:
-    import torch
-
-    parts = [f"torch {torch.__version__}"]
-    for name in ("triton", "transformers", "torchtitan"):
+def peer_versions() -> str:
+    """The peers' library versions (torch and triton are in the header)."""
+    parts = []
+    for name in ("transformers", "torchtitan"):
         try:
             from importlib.metadata import version
 
@@ -182,15 +179,19 @@ def _display_order(rows: list[dict]) -> list[dict]:
                                        r["recipe"] != "bf16"))
 
 
-def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
+def devices(rows: list[dict]) -> str:
+    """The devices the rows ran on, for the header (the rows ran in child processes); empty when none ran."""
+    return ", ".join(sorted({r["device_name"] for r in _ok(rows)}))
+
+
+def render(rows: list[dict], *, counts: dict) -> str:
+    """The body for the rows of one run."""
     rows = _display_order(rows)
-    devices = sorted({r["device_name"] for r in _ok(rows)}) or ["-"]
     docs = [r for r in _ok(rows) if "doc_len_mean" in r]
     doc_text = (f", median {docs[0]['doc_len_median_drawn']} before the cuts at {docs[0]['doc_len_max']} and at "
                 f"the row end; timed steps: mean document {docs[0]['doc_len_mean']:,.0f} tokens, token-weighted "
                 f"mean {docs[0]['doc_len_token_weighted']:,.0f}" if docs else "")
-    lines = ["# Whole training step (bench/step.py)", "",
-             f"{date}, {', '.join(devices)}, {_versions()}", "", f"`{command}`", "",
+    lines = [f"Peers: {peer_versions()}.", "",
              f"Per row: {counts['warmup']} warm-up steps (steps 1-2 included), the median of {counts['steps']} "
              f"timed steps (each waits for the device; \"unsynced\": as many more steps timed together, "
              f"synchronized once at the end, the trainer's pace), {counts['profile_steps']} step(s) profiled for "
@@ -249,7 +250,7 @@ def render(rows: list[dict], *, command: str, counts: dict, date: str) -> str:
                   "The trainer's `expert_imbalance`: the most loaded expert's tokens over the mean, averaged over the "
                   "MoE layers (1.0 = balanced); the mean over the timed steps (min-max). A weight-gradient tile "
                   "takes as long as its expert's rows, so a skewed load slows the k-grouped GEMM "
-                  "(bench/results/moe_wgrad_bf16.md).", ""] + [
+                  "(bench/notes/decisions.md).", ""] + [
                   f"- {r['config']} {r['impl']} {r['recipe']}: {r['expert_imbalance']:.2f} "
                   f"({r['expert_imbalance_range'][0]:.2f}-{r['expert_imbalance_range'][1]:.2f})" for r in loads]
     walls = [r["row_wall_s"] for r in rows if "row_wall_s" in r]
@@ -274,9 +275,43 @@ def _first_step_compilers(rows: list[dict]) -> list[str]:
     return out
 
 
-def write_report(rows: list[dict], out_dir: Path, *, command: str, counts: dict, date: str) -> str:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "step.json").write_text(json.dumps(rows, indent=1) + "\n")
-    md = render(rows, command=command, counts=counts, date=date)
-    (out_dir / "step.md").write_text(md)
-    return md
+def _joined(rows: list[dict], key: str) -> str:
+    return ", ".join(sorted({str(r["source"].get(key) or "-") for r in rows}))
+
+
+def sourced_versions(rows: list[dict]) -> dict:
+    """The header's torch and triton versions for rows gathered from several runs: those their sources name."""
+    return {"torch": _joined(rows, "torch"), "triton": _joined(rows, "triton")}
+
+
+def _kept(command: str, run: list[dict]) -> str:
+    """' (impl A only)' where the run's command named implementations whose rows were not kept."""
+    named = command.split("--impls ")[1].split()[0].split(",") if "--impls " in command else []
+    kept = list(dict.fromkeys(r["impl"] for r in run))
+    return f" (impl {', '.join(kept)} only)" if set(named) - set(kept) else ""
+
+
+def render_sourced(rows: list[dict]) -> str:
+    """The body for rows gathered from several runs, each row's `source` naming its run (`what`, `date`, `commit`,
+    `command`, the versions): one section per run, in the rows' order, with its main table and ratios."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        s = r["source"]
+        runs.setdefault((s["what"], s["date"], s["commit"], s["command"]), []).append(r)
+    lines = [f"Libraries: {_joined(rows, 'libraries')}. The current best rows of the runs below, one row per (config, "
+             "impl, recipe) as that run wrote it (each row of step.json keeps its run's date, commit, command and "
+             "versions under `source`); rows of different runs differ by a few percent from machine to machine, so "
+             "compare rows of one run. Regenerate in one process tree with:", "",
+             "`python bench/step.py --device cuda --steps 30 --configs small-32k,small-64k,v2lite6-64k "
+             "--impls moela,moela-nomtp,titan-compile,hf --recipes bf16,fp8_blockwise`", "",
+             "Per row: the median of the timed steps (each waits for the device; \"unsynced\": as many more steps "
+             "timed together, synchronized once at the end, the trainer's pace); MFU = flops_per_token x tokens/s / "
+             "bf16 peak (the trainer's formula); synthetic packed documents (lognormal lengths, median 2048 before "
+             "the cuts at 4096), the same for every row of a config. The peers and moela-nomtp run MTP off."]
+    for (what, date, commit, command), run in runs.items():
+        lines += ["", f"## {what}", "", f"{date}, commit {commit}: `{command}`{_kept(command, run)}", ""]
+        lines += _main_table(run)
+        ratios = _ratios(run)
+        if ratios:
+            lines += [""] + ratios
+    return "\n".join(lines) + "\n"

@@ -33,3 +33,34 @@ def test_fp8_ceiling_needs_and_bounds_from_a_breakdown():
     assert f"could reach {200 / 172:.3f}x" in text
     # experts and dense but the head: eligible 100, s = 1 / (1 - 0.42)
     assert f"{1 / (1 - 42 / 100):.2f}x faster than bf16." in text
+
+
+def test_fp8_ceiling_reads_the_step_writers_json_run_by_run(tmp_path, monkeypatch):
+    """step.json as bench/step.py writes it (`{"header", "results"}`), rows gathered from two runs of one config:
+    each run's FP8 row is compared with its own bf16 row, and the header names the rows' device and versions."""
+    import json
+    import sys
+
+    from bench.fp8_ceiling import main
+
+    def sourced(row, commit):
+        row["source"] = dict(what=commit, date="2026-12-01", commit=commit, command=f"python bench/step.py # {commit}",
+                             torch="2.11.0", triton="3.6.0")
+        return dict(row, device_name="NVIDIA H200")
+
+    rows = [sourced(_ceiling_row("bf16", 200.0, expert_GEMM=60.0, dense_GEMM=70.0), "aaa"),
+            sourced(_ceiling_row("fp8_blockwise", 180.0, expert_GEMM=40.0, dense_GEMM=70.0), "aaa"),
+            sourced(_ceiling_row("bf16", 400.0, expert_GEMM=60.0, dense_GEMM=70.0), "bbb"),
+            sourced(_ceiling_row("fp8_blockwise", 200.0, expert_GEMM=40.0, dense_GEMM=70.0), "bbb")]
+    step = tmp_path / "step.json"
+    step.write_text(json.dumps({"header": {"commit": "x"}, "results": rows}))
+    monkeypatch.setattr(sys, "argv", ["bench/fp8_ceiling.py", str(step), "--out-dir", str(tmp_path / "out")])
+    main()
+    data = json.loads((tmp_path / "out" / "fp8_ceiling.json").read_text())
+    assert [(s["run"]["commit"], s["step_ms"], s["rows"][0]["step_ms"]) for s in data["results"]] == [
+        ("aaa", 200.0, 180.0), ("bbb", 400.0, 200.0)]
+    assert {k: data["header"][k] for k in ("device", "torch", "triton")} == dict(
+        device="NVIDIA H200", torch="2.11.0", triton="3.6.0")
+    md = (tmp_path / "out" / "fp8_ceiling.md").read_text()
+    assert "| fp8_blockwise | 180.0 | 1.111x |" in md and "| fp8_blockwise | 200.0 | 2.000x |" in md
+    assert "the run of 2026-12-01, commit bbb" in md

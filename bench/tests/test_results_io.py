@@ -21,9 +21,6 @@ BENCH = Path(__file__).resolve().parents[1]
 ROOT = BENCH.parent
 # scripts that measure nothing: a profiler target and the summary of one training run (both only print)
 NOT_BENCHMARKS = {"attention_once", "run_summary"}
-# scripts that still write their own files: each converts to write_results in its next change (a converted one
-# fails here until it leaves this set); step.json is read as a bare list of rows by fp8_ceiling.py
-PENDING = {"step"}
 
 
 def _is_script(tree: ast.Module) -> bool:
@@ -53,13 +50,11 @@ def test_the_script_finder_sees_the_benchmarks():
     found = set(scripts())
     assert {"attention", "balance", "scaling", "step", "run_summary"} <= found
     assert "results_io" not in found and "scaling_report" not in found  # modules without a command line
-    assert NOT_BENCHMARKS | PENDING <= found, "a listed script no longer exists: drop it from the list"
+    assert NOT_BENCHMARKS <= found, "a listed script no longer exists: drop it from the list"
 
 
 @pytest.mark.parametrize("script", [s for s in scripts() if s not in NOT_BENCHMARKS])
-def test_every_benchmark_writes_its_own_results(script, request):
-    if script in PENDING:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="writes its own files until converted"))
+def test_every_benchmark_writes_its_own_results(script):
     names = writes_named(ast.parse((BENCH / f"{script}.py").read_text()))
     assert names == [script], f"bench/{script}.py must call write_results({script!r}, ...) once, found {names}"
 

@@ -3,7 +3,9 @@ row end to end, and transformers' packed rows against moela."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -135,8 +137,8 @@ def test_plan_rows_peers_bf16_only_and_mtp_off():
     assert step.CONFIGS["small-32k"]["rows"] * step.CONFIGS["small-32k"]["row_len"] == 32768
 
 
-def test_report_tables_ratios_and_failures(tmp_path):
-    from bench.steplib.report import write_report
+def test_report_tables_ratios_and_failures():
+    from bench.steplib.report import devices, render
 
     def row(impl, tps, loss, recipe="bf16"):
         return {"config": "small-64k", "impl": impl, "recipe": recipe, "tokens_per_s": tps, "mfu": 0.2,
@@ -154,9 +156,8 @@ def test_report_tables_ratios_and_failures(tmp_path):
             {"config": "small-64k", "impl": "titan-eager", "recipe": "bf16", "error": "exit code 1: OutOfMemory"}]
     rows[0].update(tokens_per_s_window=210e3, mfu_window=0.21, first_step_compile_s=12.4, first_step_graphs=9)
     rows[1].update(tokens_per_s_window=150e3, mfu_window=0.15)
-    md = write_report(rows, tmp_path, command="python bench/step.py", date="2026-12-01",
-                      counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
-    assert (tmp_path / "step.json").exists() and (tmp_path / "step.md").read_text() == md
+    md = render(rows, counts=dict(warmup=3, steps=6, profile_steps=2, sync_steps=1))
+    assert devices(rows) == "NVIDIA H200"
     assert "1.25x titan-compile (unsynced 1.40x), 4.00x hf;" in md
     assert "failed: exit code 1: OutOfMemory" in md
     assert "| 200,000 | 20.0% | 210,000, 21.0% | 90% |" in md and "| 50,000 | 20.0% | - | 90% |" in md
@@ -167,6 +168,50 @@ def test_report_tables_ratios_and_failures(tmp_path):
     assert "| small-64k | moela-nomtp | bf16 | 90% | 1,524 | 24 | 1,500 |" in md
     assert "`cuLaunchKernelEx` 12.5 ms (400 calls)" in md
     assert "`triton_poi_fused_copy_3` (copies/cat/casts) 240 x 2.5 us < aten::copy_ < f" in md
+
+
+def test_report_only_rebuilds_gathered_rows_run_by_run(tmp_path, monkeypatch):
+    """`--report-only` on rows of two runs (a bare list, as a gathered file starts): the writer's header names the
+    rows' device and versions, one section per run holds its rows, and rebuilding from its own output gives the
+    same body; rows without a source are refused with a one-line message."""
+    step = step_module()
+
+    def row(impl, tps, commit):
+        return {"config": "small-32k", "impl": impl, "recipe": "bf16", "tokens_per_s": tps, "mfu": 0.3,
+                "busy": 0.9, "peak_gib": 20.0, "first_step_s_from_start": 30.0, "first_step_s_from_built": 20.0,
+                "recompiles_after_step2": 0, "first_step_loss": 8.0, "step_ms_median": 100.0, "step_ms_min": 99.0,
+                "step_ms_max": 101.0, "device_name": "NVIDIA H200",
+                "source": {"what": f"run {commit}", "date": "2026-12-01", "commit": commit, "torch": "2.11.0",
+                           "triton": "3.6.0", "libraries": "transformers 5.17.0",
+                           "command": f"python bench/step.py --impls moela-nomtp,titan-compile,hf # {commit}"}}
+    rows = [row("moela-nomtp", 300e3, "aaa"), row("titan-compile", 200e3, "aaa"), row("moela-nomtp", 280e3, "bbb"),
+            row("hf", 70e3, "bbb")]
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps(rows))
+    monkeypatch.setattr(sys, "argv", ["bench/step.py", "--report-only", str(src), "--out-dir", str(tmp_path / "a")])
+    step.main()
+    data = json.loads((tmp_path / "a" / "step.json").read_text())
+    assert data["results"] == rows
+    assert {k: data["header"][k] for k in ("device", "torch", "triton")} == dict(
+        device="NVIDIA H200", torch="2.11.0", triton="3.6.0")
+    md = (tmp_path / "a" / "step.md").read_text()
+    first, second = md.split("## run aaa")[1].split("## run bbb")
+    assert "| 300,000 |" in first and "| 200,000 |" in first and "1.50x titan-compile" in first
+    assert "| 280,000 |" in second and "4.00x hf" in second and "300,000" not in second
+    assert "(impl moela-nomtp, titan-compile only)" in first and "(impl moela-nomtp, hf only)" in second
+
+    monkeypatch.setattr(sys, "argv", ["bench/step.py", "--report-only", str(tmp_path / "a" / "step.json"),
+                                      "--out-dir", str(tmp_path / "b")])
+    step.main()
+    body = (tmp_path / "b" / "step.md").read_text().split("Libraries:")[1]
+    assert body == md.split("Libraries:")[1]
+
+    del rows[1]["source"]
+    src.write_text(json.dumps(rows))
+    monkeypatch.setattr(sys, "argv", ["bench/step.py", "--report-only", str(src), "--out-dir", str(tmp_path / "c")])
+    with pytest.raises(SystemExit, match="small-32k titan-compile bf16"):
+        step.main()
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,10 @@ It applies, in torchtitan's order: context parallelism (attached as `model.conte
 runs on this rank's part of the batch), expert parallelism (routed experts replaced by their EP version), tensor
 parallelism (after EP: it hooks the experts module that will run), activation checkpointing (each block's
 `recompute` flag), FSDP2 (also with tp > 1 alone: its all-reduce hook completes the tp-replicated gradients, see
-`moela.parallel.fsdp`). With `parallel.fal_streams` in a one-GPU run, each FAL block runs its MLP on a second
-stream beside its attention (`moela.model.streams`). Parameter names never change, so checkpoints written under
-one layout load under another.
+`moela.parallel.fsdp`; under `parallel.replicate_compression` it shards over the shard group only, and the
+trainer's `moela.parallel.replicate` reducer averages over the replicas). With `parallel.fal_streams` in a one-GPU
+run, each FAL block runs its MLP on a second stream beside its attention (`moela.model.streams`). Parameter names
+never change, so checkpoints written under one layout load under another.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def apply_parallelism(model: nn.Module, mesh: ParallelMesh, cfg: ParallelConfig,
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if mesh.distributed and (mesh.size("dp_cp") > 1 or mesh.size("tp") > 1):
         apply_fsdp(model, mesh, reshard_after_forward=cfg.reshard_after_forward, mixed_precision=mixed_precision,
-                   reduce_dtype=getattr(torch, cfg.reduce_dtype), unit_blocks=cfg.fsdp_unit_blocks)
+                   reduce_dtype=getattr(torch, cfg.reduce_dtype), unit_blocks=cfg.fsdp_unit_blocks,
+                   hsdp=cfg.replicate_compression == "none")
     if cfg.fal_streams:
         apply_fal_streams(model, mesh)
     return model

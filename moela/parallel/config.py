@@ -38,6 +38,11 @@ class ParallelConfig:
     activation_checkpointing: Literal["none", "full", "selective"] = "none"  # selective: every second block
     # one process on one CUDA device: run the MLP of each FAL block on a second stream, beside its attention
     fal_streams: bool = False
+    # how gradients cross the dp_replicate dimension (moela.parallel.replicate): none = HSDP's exact all-reduce;
+    # powersgd = rank-`powersgd_rank` PowerSGD with error feedback, after `powersgd_warmup_steps` exact steps
+    replicate_compression: Literal["none", "powersgd"] = "none"
+    powersgd_rank: int = 4
+    powersgd_warmup_steps: int = 0
 
     def validate(self) -> list[str]:
         errors = []
@@ -50,6 +55,13 @@ class ParallelConfig:
             errors.append(f"fsdp_unit_blocks: must be >= 1, got {self.fsdp_unit_blocks}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
+        if self.powersgd_rank < 1:
+            errors.append(f"powersgd_rank: must be >= 1, got {self.powersgd_rank}")
+        if self.powersgd_warmup_steps < 0:
+            errors.append(f"powersgd_warmup_steps: must be >= 0, got {self.powersgd_warmup_steps}")
+        if self.replicate_compression == "powersgd" and self.dp_replicate < 2:
+            errors.append(f"replicate_compression: powersgd compresses the all-reduce over dp_replicate, which is "
+                          f"{self.dp_replicate} here; set dp_replicate >= 2 or replicate_compression: none")
         if self.ep > 1 and self.cp > 1 and self.ep % self.cp:
             errors.append(f"ep: must be a multiple of cp={self.cp} (the EP group spans whole CP groups), got "
                           f"{self.ep}; set ep to a multiple of {self.cp} or 1")

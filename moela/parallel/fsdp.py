@@ -5,7 +5,9 @@ Decisions:
   norm, head: the embedding is read again by the MTP depths and possibly tied to the head, so it stays with the
   root, gathered for the whole step). Routed experts under expert parallelism are their own unit, sharded over
   the `efsdp` mesh (the ranks holding the same experts), while the rest of the block shards over `dp_shard_cp`.
-  With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas).
+  With `dp_replicate > 1` both meshes are 2D: HSDP (shard inside a replica group, all-reduce across replicas),
+  unless `hsdp=False` (`parallel.replicate_compression`): then they are the 1-D shard meshes and
+  `moela.parallel.replicate` reduces over the replicas.
   `parallel.fsdp_unit_blocks: n` groups n consecutive blocks into one unit (and their routed experts into one
   expert unit; FSDP2's list form of `fully_shard`): each unit costs FSDP2 a fixed amount of host work per step
   (pre/post forward and backward hooks, parameter copy-in/out, one all-gather and one reduce-scatter launch), so
@@ -100,14 +102,16 @@ def _sum_over(group, reduced: torch.Tensor) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mixed_precision: bool = False,
-               reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1) -> None:
+               reduce_dtype: torch.dtype = torch.float32, unit_blocks: int = 1, hsdp: bool = True) -> None:
     """Shard `model` in place with FSDP2 over `mesh` (a `ParallelMesh`); see the module docstring for the units
-    (`unit_blocks` consecutive blocks per unit). `reduce_dtype` applies under `mixed_precision` only."""
+    (`unit_blocks` consecutive blocks per unit). `reduce_dtype` applies under `mixed_precision` only. `hsdp=False`
+    leaves the dp_replicate dimension out of FSDP (its gradients are then reduced by `moela.parallel.replicate`)."""
     if unit_blocks < 1:
         raise ValueError(f"parallel.fsdp_unit_blocks: must be >= 1, got {unit_blocks}")
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
                                    cast_forward_inputs=False) if mixed_precision else MixedPrecisionPolicy())
     tp_group = mesh.group("tp") if mesh.size("tp") > 1 else None
+    dense_mesh = mesh.fsdp_mesh if hsdp else mesh["dp_shard_cp"]
 
     def unit(modules: list[nn.Module], unit_mesh, **kwargs) -> nn.Module:
         """One FSDP unit of `modules`; the FSDPModule that names it (the first of a group)."""
@@ -121,7 +125,7 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         modules = tp_replicated_modules(roots, skip) if tp_group is not None else []
         if not modules:
             return []
-        replicated = unit(modules, mesh.fsdp_mesh, **kwargs)
+        replicated = unit(modules, dense_mesh, **kwargs)
         replicated.set_all_reduce_hook(partial(_sum_over, tp_group))
         return [replicated]
 
@@ -133,14 +137,14 @@ def apply_fsdp(model: nn.Module, mesh, *, reshard_after_forward: bool = True, mi
         experts = [m for block in group for m in block.modules() if isinstance(m, ExpertParallelExperts)]
         for e in experts:
             e.grad_scale = 1.0 / mesh.size("ep")
-        experts_units = [unit(experts, mesh.expert_fsdp_mesh)] if experts else []
+        experts_units = [unit(experts, mesh.expert_fsdp_mesh if hsdp else mesh["efsdp"])] if experts else []
         if experts and tp_group is not None:
             experts_units[0].set_all_reduce_hook(partial(_sum_over, tp_group))
         replicated = replicated_unit(group, experts)
-        per_block.append([unit(group, mesh.fsdp_mesh)] + replicated + experts_units)
+        per_block.append([unit(group, dense_mesh)] + replicated + experts_units)
         units += per_block[-1]
     units += replicated_unit([model], blocks, reshard_after_forward=False)
-    units.append(fully_shard(model, mesh=mesh.fsdp_mesh, mp_policy=policy, reshard_after_forward=False))
+    units.append(fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=False))
     for cur, nxt in zip(per_block, per_block[1:]):  # explicit prefetching (module docstring)
         cur[0].set_modules_to_forward_prefetch(nxt)
         nxt[0].set_modules_to_backward_prefetch(cur)

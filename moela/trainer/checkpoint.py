@@ -36,6 +36,10 @@ Decisions:
   parameter name and handle FSDP2's DTensors, so resharded resume works. A run resumes with the other AdamW
   (`optim.moment_dtype` changed: torch's AdamW and moela's carry different param-group options): the options the
   checkpoint lacks keep this optimizer's values, and the moments load into its dtype.
+- Extra training state made of tensors (the replicate reducer's error feedback and Q matrices,
+  `moela.parallel.replicate`) is saved through DCP beside the model under `extra.`; it loads only when the
+  checkpoint holds every one of its tensors with the same shapes (saved by the same layout), and is otherwise left
+  as built: a run that turns compression on, or changes its layout, starts that state afresh.
 - A rank with no trainer file of its own (resuming on more ranks than saved) takes rank 0's; its RNG streams then
   equal rank 0's, which only matters for layouts that draw different random numbers per rank.
 """
@@ -197,9 +201,11 @@ def _digest(path: Path) -> dict[str, Any]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], keep_last_k: int, settings: dict[str, Any] | None = None) -> Path:
+                    trainer_state: dict[str, Any], keep_last_k: int, settings: dict[str, Any] | None = None,
+                    extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` collectively (every rank calls this) and prune to the newest `keep_last_k`.
-    `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume."""
+    `settings` (e.g. `fixed_settings(cfg)`) is stored in the manifest and checked on resume; `extra` tensors are
+    saved with the model (module docstring)."""
     root = checkpoints_root(run_dir)
     final = root / f"step-{step}"
     tmp = root / f"step-{step}.tmp"
@@ -212,7 +218,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp),
+        dcp.save({"model": model_state, "optim": optim_state, **({"extra": extra} if extra else {})},
+                 checkpoint_id=str(tmp),
                  no_dist=not dist.is_initialized())
     torch.save(trainer_state, tmp / f"trainer-rank{rank}.pt")
     _barrier()
@@ -315,12 +322,23 @@ def _keep_saved_group_options(optim_state: dict, path: Path, optimizer: torch.op
     return own
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model and optimizer in place (collectively) and return this rank's trainer state. Raises
-    CorruptCheckpoint naming the tensors that hold NaN or inf (the model is then partly overwritten)."""
+def _extra_matches(path: Path, extra: dict[str, torch.Tensor]) -> bool:
+    """Whether checkpoint `path` holds every `extra` tensor with its shape, on every rank (collective)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    ok = all(getattr(saved.get(f"extra.{k}"), "size", None) == v.shape for k, v in extra.items())
+    return all(_all_gather(ok))
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Load model and optimizer in place (collectively), and the `extra` tensors in place where the checkpoint holds
+    them (module docstring); return this rank's trainer state. Raises CorruptCheckpoint naming the tensors that
+    hold NaN or inf (the model is then partly overwritten)."""
     path = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
+    if extra and _extra_matches(path, extra):
+        state["extra"] = extra
     own_options = _keep_saved_group_options(optim_state, path, optimizer)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
@@ -341,9 +359,11 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 
 
 def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-           settings: dict[str, Any], echo: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+           settings: dict[str, Any], echo: Callable[[str], None], extra: dict[str, torch.Tensor] | None = None
+           ) -> tuple[Path, dict[str, Any]] | None:
     """Load the checkpoint `checkpoint.resume` selects (see the module docstring): (its path, this rank's trainer
-    state), or None for a fresh start. `echo` reports each checkpoint skipped as corrupt."""
+    state), or None for a fresh start. `echo` reports each checkpoint skipped as corrupt; `extra` as in
+    `load_checkpoint`."""
     candidates = resume_candidates(run_dir, resume_setting)
     skipped = []
     for path in candidates:
@@ -357,7 +377,7 @@ def resume(run_dir: str | Path, resume_setting: str, model: nn.Module, optimizer
                                  f"fixed:\n  " + "\n  ".join(changes) + "\nRestore them, or start a fresh run with "
                                  "checkpoint.resume=none or another train.run_dir")
             try:
-                return path, load_checkpoint(path, model, optimizer)
+                return path, load_checkpoint(path, model, optimizer, extra)
             except (CheckpointException, RuntimeError, ValueError, KeyError) as e:
                 if isinstance(e, (TrainingError, torch.OutOfMemoryError)):
                     raise

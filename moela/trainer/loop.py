@@ -3,7 +3,8 @@
 One optimizer step: the loader hands this data-parallel rank its `grad_accum` packed micro-batches; the labelled
 tokens of the whole global step are counted (summed over the data-parallel ranks, once per micro-batch) before any
 backward, and micro-batch i contributes `loss_i * num_targets_i / total_targets`, so accumulation and data
-parallelism reproduce the single-process token-mean gradient exactly. Then: clip, check finiteness, AdamW step,
+parallelism reproduce the single-process token-mean gradient exactly. Then: the replicate reduction under
+`parallel.replicate_compression` (moela.parallel.replicate), clip, check finiteness, AdamW step,
 router-bias update from the expert load summed over all those ranks, LR schedule step.
 
 Decisions:
@@ -42,6 +43,7 @@ from moela.data import build_loaders
 from moela.data.balance import cost_coefficients
 from moela.model import build_model, count_params, flops_per_token
 from moela.parallel import apply_parallelism, build_mesh, reduce_expert_load
+from moela.parallel.replicate import build_replicate_reducer
 from moela.trainer import checkpoint
 from moela.trainer.compile import StaticShapes, compile_blocks, prepare_inductor
 from moela.trainer.cuda_graphs import GraphedMicroBatch
@@ -165,6 +167,7 @@ class Trainer:
         check_fp8_device(cfg.model, self.device)
         check_backends(cfg.model, self.device)
         self.model = self._build_model()
+        self.replicate = build_replicate_reducer(self.model, self.mesh, cfg.parallel, cfg.train.seed)
         self.static_shapes = None
         if cfg.train.compile:
             prepare_inductor()
@@ -231,7 +234,7 @@ class Trainer:
         cfg = self.cfg
         started = time.perf_counter()
         found = checkpoint.resume(self.run_dir, cfg.checkpoint.resume, self.model, self.optimizer,
-                                  checkpoint.fixed_settings(cfg), self._echo)
+                                  checkpoint.fixed_settings(cfg), self._echo, self._extra_state())
         resume = None
         if found is not None:
             resume, state = found
@@ -337,6 +340,7 @@ class Trainer:
             sums.add(loss, metrics, num_targets)
             if expert_load is not None:  # a copy: a graph replay overwrites its outputs
                 load = expert_load.float().clone() if load is None else load + expert_load
+        replicate_bytes = self.replicate.reduce() if self.replicate is not None else {}
         self._all_reduce(sums.sums, "dp_cp")
         means = sums.sums / total_targets  # [M] float64
         grad_norm = self._clip_grad_norm()
@@ -358,7 +362,7 @@ class Trainer:
         self.tokens_seen += int(tokens)
         record = {"kind": "train", "step": self.step, "lr": lr, "tokens_seen": self.tokens_seen,
                   "mem_gib": memory_gib(self.device), "epoch": self.train_loader.epoch,
-                  "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0}
+                  "_tokens": tokens, "_sum_sq": global_sum_sq, "_t0": t0, **replicate_bytes}
         imbalance = getattr(self.train_loader, "last_imbalance", None)
         if imbalance and self.mesh.size("dp") > 1:
             record["dp_imbalance"] = float(imbalance["after"])
@@ -504,7 +508,7 @@ class Trainer:
         self._read_pending()  # the log window and the counters are part of the checkpoint
         return checkpoint.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer,
                                           self._trainer_state(), self.cfg.checkpoint.keep_last_k,
-                                          checkpoint.fixed_settings(self.cfg))
+                                          checkpoint.fixed_settings(self.cfg), self._extra_state())
 
     def _echo(self, text: str) -> None:
         """A line on rank 0's stdout, outside the metrics writer (before it exists, or after it is closed)."""
@@ -521,6 +525,10 @@ class Trainer:
                 "rng": rng_state(self.device), "nonfinite_in_row": self.nonfinite_in_row,
                 "skipped_total": self.skipped_total, "tokens_seen": self.tokens_seen,
                 "log_window": self.window.state_dict()}
+
+    def _extra_state(self) -> dict[str, torch.Tensor] | None:
+        """The replicate reducer's tensors, checkpointed through DCP with the model (and loaded in place)."""
+        return self.replicate.state_dict() if self.replicate is not None else None
 
     _STATE_KEYS = ("step", "scheduler", "loader", "rng", "nonfinite_in_row", "skipped_total", "tokens_seen",
                    "log_window")
