@@ -141,6 +141,7 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
                 if max_doc_len:
                     assert b.max_seqlen <= max_doc_len
         assert all(ld.last_global_counts == (targets, tokens, sum_sq) for ld in ranks)  # identical on every rank
+        assert 0 < ranks[0].epoch <= 1 + m / per_epoch, "fractional epochs for the log"
     expected = np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1]) for d in train_docs])
     epoch0 = np.concatenate([by_index[j] for j in range(per_epoch)])
     assert np.array_equal(np.sort(epoch0), expected), "each training token exactly once per epoch"

@@ -113,9 +113,9 @@ class IndexedFile:
         return self.lengths(0, self.num_docs)
 
     def lengths(self, a: int, b: int) -> np.ndarray:
-        """int64 [b - a]: tokens of documents a .. b - 1."""
+        """[b - a] tokens of documents a .. b - 1 (a view of the index when each document is one sequence)."""
         if self.one_per_doc:
-            return self.seq_lengths[a:b].astype(np.int64)
+            return self.seq_lengths[a:b]
         seqs = self.doc_index[a:b + 1]  # [b - a + 1]
         sums = np.concatenate([[0], np.cumsum(self.seq_lengths[seqs[0]:seqs[-1]], dtype=np.int64)])
         return sums[seqs[1:] - seqs[0]] - sums[seqs[:-1] - seqs[0]]
@@ -191,7 +191,7 @@ class MegatronSource:
         return self.lengths(0, self.num_docs)  # [N]
 
     def lengths(self, a: int, b: int) -> np.ndarray:
-        """int64 [b - a]: tokens of documents a .. b - 1 (across files)."""
+        """[b - a] tokens of documents a .. b - 1 (across files)."""
         first = self.file_first_doc
         out = [f.lengths(max(a - int(s), 0), min(b - int(s), f.num_docs))
                for f, s in zip(self.files, first[:-1]) if a < s + f.num_docs and b > s]
@@ -225,7 +225,7 @@ class DocRange:
 
     @property
     def doc_lengths(self) -> np.ndarray:
-        return self.source.lengths(self.first, self.first + self.count)  # [count] int64
+        return self.source.lengths(self.first, self.first + self.count)  # [count]
 
     def doc(self, i: int) -> np.ndarray:
         return self.source.doc(self.first + i)

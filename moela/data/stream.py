@@ -184,6 +184,14 @@ class SourceStream:
             self._bins = self._pack(epoch, k, first)
         return self._bins, self._bins.bins[i - self._bins.first]
 
+    @property
+    def epoch(self) -> float:
+        """Fractional epochs consumed: whole units, plus the share of the current unit's micro-batches."""
+        epoch, k, first = self.cursor
+        bins = len(self._bins.bins) if self._bins is not None else 0
+        within = min((self.consumed - first) / bins, 1.0) if bins else 0.0
+        return epoch + (k + within) / self.num_shards
+
     def state_dict(self) -> dict:
         return {"consumed": self.consumed, "cursor": list(self.cursor)}
 
@@ -232,9 +240,8 @@ class TrainLoader:
 
     @property
     def epoch(self) -> float:
-        """Fractional epochs of the first source consumed (by shards; for logging)."""
-        epoch, k, _ = self.sources[0].cursor
-        return epoch + k / self.sources[0].num_shards
+        """Fractional epochs of the first source consumed (for logging)."""
+        return self.sources[0].epoch
 
     def describe(self) -> str:
         """One line on the sources' units and how the first one packs (for `python -m moela prepare`)."""
