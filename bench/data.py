@@ -16,8 +16,13 @@ Each side runs in this process's machine with the same files, the same tokenizer
 with and without the load step, which converts the jsonl to Arrow first). Times to the first step run in a fresh
 process each (imports excluded), from an empty cache. Loader memory: a synthetic cache of N documents (lengths 1-64
 tokens, mean 32; shards of 250k documents, about 32 MB of text each), then a fresh process per row reports the growth
-of its peak RSS (after imports) while building the loader and taking 5 steps (dp_size 8, grad_accum 4, 4096 tokens
-per micro-batch), i.e. per rank; the global loader (loader.py) against the shard-by-shard one (stream.py).
+of its peak RSS (after imports) while building the training loader (stream.py) and taking 5 steps (dp_size 8,
+grad_accum 4, 4096 tokens per micro-batch), i.e. per rank: over the complete cache (data.stream_start: false), and
+over the shards as stream_start sees them.
+
+    python bench/data.py --memory-only [--docs ...]   # re-measures the memory rows only; the other sections are
+                                                      # kept from the committed data.json, with the command that
+                                                      # made them
 """
 
 from __future__ import annotations
@@ -168,12 +173,10 @@ finish_cache(path, "synthetic", shards, {{}})
 
 MEMORY = """
 import json, types
-import numpy as np
 from pathlib import Path
 from moela.data.balance import round_robin_assign
 from moela.data.cache import TokenCache
-from moela.data.loader import Part, TrainLoader
-from moela.data.stream import ShardFeed, StreamLoader
+from moela.data.stream import ShardFeed, TrainLoader
 kind, path = {kind!r}, Path({path!r})
 
 
@@ -185,15 +188,16 @@ def status_mib(key):
 open("/proc/self/clear_refs", "w").write("5")  # the peak RSS restarts from the current RSS (after the imports)
 base = status_mib("VmRSS")
 common = dict(tokens_per_microbatch=4096, max_doc_len=None, dp_rank=3, dp_size=8, grad_accum=4, seed=0,
-              shuffle=True, assign=round_robin_assign, cost_coefficients=(1.0, 1 / 4096), settings={{}})
-if kind == "global":
-    cache = TokenCache(path)
-    loader = TrainLoader([Part(cache, np.arange(cache.num_docs))], **common)
+              shuffle=True, assign=round_robin_assign, cost_coefficients=(1.0, 1 / 4096), settings={{}},
+              val_fraction=0.01, val_max_tokens=262144)
+if kind == "prebuilt":
+    store = TokenCache(path)
 else:
     shards = len(list(path.glob("*.bin")))
     plan = types.SimpleNamespace(dir=path, key="synthetic", slices=[None] * shards, order=[],
                                  done=lambda i: True, complete=lambda: True)
-    loader = StreamLoader(ShardFeed(plan, 4096, 1, 0, True), val_fraction=0.0, val_max_tokens=0, **common)
+    store = ShardFeed(plan, 4096, 1, 0, True)
+loader = TrainLoader([store], [1.0], **common)
 for _ in range(5):
     loader.next_step()
 print(json.dumps({{"peak_growth_mib": status_mib("VmHWM") - base, "base_mib": base}}))
@@ -213,7 +217,7 @@ def loader_memory(docs: list[int], root: Path) -> dict:
     for n in docs:
         path = root / f"synthetic-{n}"
         python(SYNTHETIC.format(n=n, path=str(path)))
-        for kind in ("global", "stream"):
+        for kind in ("prebuilt", "stream_start"):
             out[f"{kind} {n}"] = json.loads(python(MEMORY.format(kind=kind, path=str(path))).splitlines()[-1])
         shutil.rmtree(path)
     return out
@@ -230,7 +234,7 @@ def megatron_read(files, tok, root) -> dict:
     def loader(data_cfg):
         return build_loaders(data_cfg, tokens_per_microbatch=4096, grad_accum=8, show_progress=False)[0]
 
-    cache = loader(cfg).caches[0]
+    cache = loader(cfg).stores[0]
     write_megatron(root / "mega", (cache.doc(i) for i in range(cache.num_docs)), np.uint16)
     out = {}
     for name, data_cfg in (("moela cache", cfg), ("megatron .bin/.idx", mega_cfg)):
@@ -251,8 +255,22 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="generated corpus size in MB")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--docs", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--memory-only", action="store_true",
+                        help="measure the loader memory only; keep the other sections of the committed data.json")
     add_out_dir(parser)
     args = parser.parse_args()
+    if args.memory_only:
+        committed = json.loads((ROOT / "bench" / "results" / "data.json").read_text())
+        results = {**committed["results"], "memory": None, "kept_from": committed["header"]}
+        work = Path(tempfile.mkdtemp(prefix="moela-bench-data-"))
+        try:
+            results["memory"] = loader_memory(args.docs, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        body = render(results)
+        write_results("data", "Data at pretraining scale", body, results, out_dir=args.out_dir)
+        print(body)
+        return
     import datasets
     import tokenizers
 
@@ -294,6 +312,9 @@ def render(r: dict) -> str:
              "",
              f"Corpus: {mb:.0f} MB of generated jsonl (see the script's docstring for its origin). The machine's cores "
              f"are shared with other jobs, so times are noisy.", "",
+             *([f"Only the loader memory section was measured by the command above; the other sections come from "
+                f"`{r['kept_from']['command']}` at commit {r['kept_from']['commit'][:12]}, "
+                f"{r['kept_from']['date']}.", ""] if "kept_from" in r else []),
              "## Tokenization (tokens/s; one core per worker)", "",
              "Wall-clock rates (tokens / elapsed s), and per CPU second (tokens / CPU s of the process and its "
              "workers: the per-core efficiency, less sensitive to the other jobs).", "",

@@ -160,10 +160,10 @@ def test_cost_coefficients_count_every_linear_weight():
 
 
 def _loader(cache, rank, dp, ga, assign):
-    from moela.data.loader import Part, TrainLoader
-    return TrainLoader([Part(cache, np.arange(60))], tokens_per_microbatch=96, max_doc_len=None, dp_rank=rank,
-                       dp_size=dp, grad_accum=ga, seed=5, shuffle=True, assign=assign,
-                       cost_coefficients=(1.0, 1 / 16), settings={"tokens_per_microbatch": 96})
+    from moela.data.stream import TrainLoader
+    return TrainLoader([cache], [1.0], tokens_per_microbatch=96, max_doc_len=None, dp_rank=rank, dp_size=dp,
+                       grad_accum=ga, seed=5, shuffle=True, assign=assign, cost_coefficients=(1.0, 1 / 16),
+                       settings={"tokens_per_microbatch": 96}, val_fraction=0.0, val_max_tokens=0)
 
 
 def test_loader_with_balanced_assign_covers_the_step_and_resumes(tmp_path):

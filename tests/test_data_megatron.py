@@ -1,6 +1,7 @@
 """The Megatron-LM source: datasets written in the layout of Megatron-LM's IndexedDatasetBuilder read back exactly
 (token dtypes, one or several sequences per document, several files), the same batches as the jsonl source of the
-same documents, blends through the mixture, and damaged files named."""
+same documents, read unit by unit across files (every token once an epoch), blends through the mixture, and damaged
+files named."""
 
 import json
 import struct
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from moela.data import DataConfig, MixtureSource, build_loaders
+from moela.data import megatron as megatron_mod
 from moela.data.cache import CacheError
 from moela.data.megatron import MegatronSource
 
@@ -67,7 +69,7 @@ def test_same_batches_as_the_jsonl_source_of_the_same_documents(tmp_path):
     jsonl = DataConfig(source="jsonl", paths=[str(f)], cache_dir=str(tmp_path / "c"), val_fraction=0.05,
                        max_doc_len=100)
     train, val, _ = build_loaders(jsonl, **common)
-    cache = train.caches[0]
+    cache = train.stores[0]
     write_megatron(tmp_path / "mega", [cache.doc(i).tolist() for i in range(cache.num_docs)], np.uint16)
     megatron = DataConfig(source="megatron", paths=[str(tmp_path / "mega.idx")], val_fraction=0.05, max_doc_len=100)
     assert megatron.validate() == []
@@ -77,6 +79,25 @@ def test_same_batches_as_the_jsonl_source_of_the_same_documents(tmp_path):
             assert x.input_ids.tolist() == y.input_ids.tolist() and x.labels.tolist() == y.labels.tolist()
             assert x.cu_seqlens.tolist() == y.cu_seqlens.tolist()
     assert [b.input_ids.tolist() for b in val] == [b.input_ids.tolist() for b in m_val]
+
+
+@pytest.mark.parametrize("sentences", [False, True])
+def test_units_cover_the_documents_across_files_and_every_token_once_an_epoch(tmp_path, monkeypatch, sentences):
+    a, b = random_documents(5, 23), random_documents(6, 18)
+    write_megatron(tmp_path / "a", a, np.uint16, sentences)
+    write_megatron(tmp_path / "b", b, np.uint16, sentences)
+    monkeypatch.setattr(megatron_mod, "UNIT_DOCS", 7)  # units straddle the two files
+    source = MegatronSource([str(tmp_path / "a"), str(tmp_path / "b")], vocab_size=4096)
+    units = [source.get(i) for i in range(source.num_shards)]
+    assert source.num_shards == 6 and [len(u.doc_lengths) for u in units] == [7] * 5 + [6]
+    assert [u.doc(i).tolist() for u in units for i in range(len(u.doc_lengths))] == a + b
+    np.testing.assert_array_equal(np.concatenate([u.doc_lengths for u in units]), [len(d) for d in a + b])
+    cfg = DataConfig(source="megatron", paths=[str(tmp_path / "a"), str(tmp_path / "b")], val_fraction=0.0)
+    train, _, _ = build_loaders(cfg, tokens_per_microbatch=64, grad_accum=2, seed=1, show_progress=False)
+    stream = train.sources[0]
+    per_epoch = sum(len(stream._pack(0, k, 0).bins) for k in range(6))
+    got = [b.input_ids.tolist() for _ in range(-(-per_epoch // 2)) for b in train.next_step()][:per_epoch]
+    assert sorted(t for x in got for t in x) == sorted(t for d in a + b for t in d)
 
 
 def test_a_blend_through_the_mixture(tmp_path):

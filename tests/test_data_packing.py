@@ -15,8 +15,9 @@ import torch
 from moela.batch import IGNORE_INDEX
 from moela.data.balance import round_robin_assign
 from moela.data.cache import ShardWriter, TokenCache, finish_cache
-from moela.data.loader import Part, TrainLoader, ValLoader, split_train_val
+from moela.data.loader import Part, ValLoader, split_train_val
 from moela.data.packing import make_batch, pack, split_into_pieces
+from moela.data.stream import TrainLoader
 
 
 def synthetic_cache(tmp_path, doc_lengths, key="synthetic", base=0, shards=2) -> TokenCache:
@@ -38,11 +39,20 @@ def random_lengths(rng, n, hi):
     return rng.integers(1, hi, size=n)
 
 
-def make_train(cache, doc_ids, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None,
-               shuffle=True, assign=round_robin_assign):
-    return TrainLoader([Part(cache, np.asarray(doc_ids))], tokens_per_microbatch=budget, max_doc_len=max_doc_len,
-                       dp_rank=dp_rank, dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle,
-                       assign=assign, cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget})
+def make_train(cache, budget, *, dp_rank=0, dp_size=1, grad_accum=1, seed=0, max_doc_len=None, shuffle=True,
+               assign=round_robin_assign, val_fraction=0.0):
+    return TrainLoader([cache], [1.0], tokens_per_microbatch=budget, max_doc_len=max_doc_len, dp_rank=dp_rank,
+                       dp_size=dp_size, grad_accum=grad_accum, seed=seed, shuffle=shuffle, assign=assign,
+                       cost_coefficients=(1.0, 1 / 64), settings={"tokens_per_microbatch": budget},
+                       val_fraction=val_fraction, val_max_tokens=10**9)
+
+
+def epoch_plan(loader, epoch, source=0):
+    """The micro-batches of one epoch of a source's stream: (shard, [(document, start, length) per piece])."""
+    stream = loader.sources[source]
+    units = [stream._pack(epoch, k, 0) for k in range(stream.num_shards)]
+    return [(u.shard, list(zip(u.doc[b].tolist(), u.start[b].tolist(), u.length[b].tolist())))
+            for u in units for b in u.bins]
 
 
 def check_batch(batch, offsets, budget):
@@ -109,10 +119,12 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
     rng = np.random.default_rng(budget)
     lengths = random_lengths(rng, 83, 90)  # many documents longer than the budget: they get split
     cache = synthetic_cache(tmp_path, lengths)
-    train_docs, val_docs = split_train_val(cache.doc_lengths, 0.1, 10**9)
-    ranks = [make_train(cache, train_docs, budget, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum,
-                        max_doc_len=max_doc_len, seed=5) for r in range(dp_size)]
-    per_epoch = len(ranks[0].epoch_plan(0))
+    ranks = [make_train(cache, budget, dp_rank=r, dp_size=dp_size, grad_accum=grad_accum, max_doc_len=max_doc_len,
+                        seed=5, val_fraction=0.1) for r in range(dp_size)]
+    val_docs = ranks[0].val_docs  # held out of shard 0, whose documents come first
+    assert np.array_equal(val_docs, split_train_val(cache.shards[0].doc_lengths, 0.1, 10**9)[1]) and len(val_docs)
+    train_docs = np.setdiff1d(np.arange(83), val_docs)
+    per_epoch = len(epoch_plan(ranks[0], 0))
     steps = -(-per_epoch // (dp_size * grad_accum))
     by_index = {}  # global micro-batch index -> its tokens (round robin: rank r, micro-step i -> i * dp + r)
     m = dp_size * grad_accum
@@ -129,6 +141,7 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
                 if max_doc_len:
                     assert b.max_seqlen <= max_doc_len
         assert all(ld.last_global_counts == (targets, tokens, sum_sq) for ld in ranks)  # identical on every rank
+        assert 0 < ranks[0].epoch <= 1 + m / per_epoch, "fractional epochs for the log"
     expected = np.concatenate([np.arange(cache.offsets[d], cache.offsets[d + 1]) for d in train_docs])
     epoch0 = np.concatenate([by_index[j] for j in range(per_epoch)])
     assert np.array_equal(np.sort(epoch0), expected), "each training token exactly once per epoch"
@@ -139,31 +152,29 @@ def test_every_token_once_per_epoch(tmp_path, dp_size, grad_accum, budget, max_d
 
 def test_epochs_reshuffle_deterministically(tmp_path):
     cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(3), 50, 40))
-    docs = np.arange(50)
-    a, b = make_train(cache, docs, 64, seed=1), make_train(cache, docs, 64, seed=1)
-    c = make_train(cache, docs, 64, seed=2)
-    plans = [[x.tolist() for x in a.epoch_plan(e)] for e in range(2)]
-    assert plans == [[x.tolist() for x in b.epoch_plan(e)] for e in range(2)]
+    a, b, c = make_train(cache, 64, seed=1), make_train(cache, 64, seed=1), make_train(cache, 64, seed=2)
+    plans = [epoch_plan(a, e) for e in range(2)]
+    assert plans == [epoch_plan(b, e) for e in range(2)]
     assert plans[0] != plans[1], "a new epoch must reshuffle"
-    assert plans[0] != [x.tolist() for x in c.epoch_plan(0)], "the seed must change the order"
-    ordered = [x.tolist() for x in make_train(cache, docs, 64, shuffle=False, seed=1).epoch_plan(0)]
-    assert ordered == [x.tolist() for x in make_train(cache, docs, 64, shuffle=False, seed=7).epoch_plan(3)]
+    assert plans[0] != epoch_plan(c, 0), "the seed must change the order"
+    assert sorted(plans[0]) != plans[0] or sorted(plans[1]) != plans[1], "the shards' order is shuffled too"
+    ordered = epoch_plan(make_train(cache, 64, shuffle=False, seed=1), 0)
+    assert ordered == epoch_plan(make_train(cache, 64, shuffle=False, seed=7), 3)
     assert ordered != plans[0]
 
 
 def test_resume_mid_epoch_and_across_epochs(tmp_path):
     cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(4), 40, 50))
-    docs = np.arange(40)
-    full = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
-    per_epoch = len(full.epoch_plan(0))
+    full = make_train(cache, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+    per_epoch = len(epoch_plan(full, 0))
     total_steps = 2 * per_epoch // 4 + 3  # crosses at least one epoch boundary
     reference = [[b.input_ids.tolist() for b in full.next_step()] for _ in range(total_steps)]
     for stop in (1, per_epoch // 4, per_epoch // 4 + 1, total_steps - 1):
-        first = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+        first = make_train(cache, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
         for _ in range(stop):
             first.next_step()
         state = json.loads(json.dumps(first.state_dict()))  # must survive serialization
-        resumed = make_train(cache, docs, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
+        resumed = make_train(cache, 57, dp_rank=1, dp_size=2, grad_accum=2, seed=9)
         resumed.load_state_dict(state)
         assert resumed.step == stop
         got = [[b.input_ids.tolist() for b in resumed.next_step()] for _ in range(total_steps - stop)]
@@ -172,13 +183,12 @@ def test_resume_mid_epoch_and_across_epochs(tmp_path):
 
 def test_resume_with_other_dp_layout_continues_the_stream(tmp_path):
     cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(10), 45, 30))
-    docs = np.arange(45)
-    single = make_train(cache, docs, 40, grad_accum=4, seed=2)
+    single = make_train(cache, 40, grad_accum=4, seed=2)
     stream = [b.input_ids.tolist() for _ in range(4) for b in single.next_step()]  # global micro-batches 0..15
-    first = make_train(cache, docs, 40, grad_accum=4, seed=2)
+    first = make_train(cache, 40, grad_accum=4, seed=2)
     first.next_step()
     state = first.state_dict()
-    ranks = [make_train(cache, docs, 40, dp_rank=r, dp_size=2, grad_accum=2, seed=2) for r in range(2)]
+    ranks = [make_train(cache, 40, dp_rank=r, dp_size=2, grad_accum=2, seed=2) for r in range(2)]
     for ld in ranks:
         ld.load_state_dict(state)
     got = [ld.next_step() for ld in ranks]
@@ -187,17 +197,15 @@ def test_resume_with_other_dp_layout_continues_the_stream(tmp_path):
 
 def test_resume_rejects_other_settings(tmp_path):
     cache = synthetic_cache(tmp_path, [5, 9, 7])
-    a = make_train(cache, np.arange(3), 16, seed=1)
-    b = make_train(cache, np.arange(3), 16, seed=2)
+    a, b = make_train(cache, 16, seed=1), make_train(cache, 16, seed=2)
     with pytest.raises(ValueError, match="seed"):
         b.load_state_dict(a.state_dict())
 
 
 def test_same_global_stream_for_any_dp_layout(tmp_path):
     cache = synthetic_cache(tmp_path, random_lengths(np.random.default_rng(6), 60, 30))
-    docs = np.arange(60)
-    single = make_train(cache, docs, 40, grad_accum=6, seed=3)
-    ranks = [make_train(cache, docs, 40, dp_rank=r, dp_size=3, grad_accum=2, seed=3) for r in range(3)]
+    single = make_train(cache, 40, grad_accum=6, seed=3)
+    ranks = [make_train(cache, 40, dp_rank=r, dp_size=3, grad_accum=2, seed=3) for r in range(3)]
     for _ in range(4):
         one = sorted(b.input_ids.tolist() for b in single.next_step())
         many = sorted(b.input_ids.tolist() for ld in ranks for b in ld.next_step())
@@ -211,17 +219,16 @@ def test_pluggable_assignment_and_imbalance(tmp_path):
         order = list(range(len(costs)))[::-1]
         return [order[r * grad_accum:(r + 1) * grad_accum] for r in range(dp_size)]
 
-    loaders = [make_train(cache, np.arange(70), 50, dp_rank=r, dp_size=2, grad_accum=3, assign=reverse_assign)
-               for r in range(2)]
-    plain = make_train(cache, np.arange(70), 50, dp_size=2, grad_accum=3)
+    loaders = [make_train(cache, 50, dp_rank=r, dp_size=2, grad_accum=3, assign=reverse_assign) for r in range(2)]
     got = [ld.next_step() for ld in loaders]
-    plain.next_step()
-    layouts = [plain._locate(j) for j in range(6)]
-    costs = [float(sum(plain.pieces.len[p]) + sum(plain.pieces.len[p] ** 2) / 64) for p in layouts]
+    plain = make_train(cache, 50, dp_size=2, grad_accum=3)
+    layouts = [plain.sources[0].locate(j) for j in range(6)]  # (shard's packing, piece indices)
+    costs = [float(sum(u.length[p]) + sum(u.length[p] ** 2) / 64) for u, p in layouts]
+    tokens = [make_batch([cache.get(u.shard)], np.zeros(len(p), dtype=np.int64), u.doc[p], u.start[p],
+                         u.length[p]).input_ids.tolist() for u, p in layouts]
     expected_batches = [[5, 4, 3], [2, 1, 0]]
     for r in range(2):
-        assert [b.input_ids.tolist() for b in got[r]] == [plain.pieces.batch(layouts[j]).input_ids.tolist()
-                                                         for j in expected_batches[r]]
+        assert [b.input_ids.tolist() for b in got[r]] == [tokens[j] for j in expected_batches[r]]
     rank_costs = [sum(costs[j] for j in g) for g in expected_batches]
     assert loaders[0].last_imbalance["after"] == pytest.approx(max(rank_costs) / (sum(rank_costs) / 2))
     rr = [sum(costs[j] for j in (0, 2, 4)), sum(costs[j] for j in (1, 3, 5))]
@@ -230,7 +237,7 @@ def test_pluggable_assignment_and_imbalance(tmp_path):
     def broken(costs, dp_size, grad_accum):
         return [[0, 0, 1], [2, 3, 4]]
 
-    bad = make_train(cache, np.arange(70), 50, dp_size=2, grad_accum=3, assign=broken)
+    bad = make_train(cache, 50, dp_size=2, grad_accum=3, assign=broken)
     with pytest.raises(ValueError, match="distinct"):
         bad.next_step()
 
@@ -269,23 +276,27 @@ def test_val_token_cap_truncates(tmp_path):
 def test_mixture_weights_repeat_small_and_walk_large_sources(tmp_path):
     small = synthetic_cache(tmp_path, [100] * 10, key="small")  # 1000 tokens
     large = synthetic_cache(tmp_path, [100] * 30, key="large", base=10**6)  # 3000 tokens
-    loader = TrainLoader([Part(small, np.arange(10), 0.75), Part(large, np.arange(30), 0.25)],
-                         tokens_per_microbatch=256, max_doc_len=None, dp_rank=0, dp_size=1, grad_accum=1, seed=3,
-                         shuffle=True, assign=round_robin_assign, cost_coefficients=(1.0, 0.0),
-                         settings={"tokens_per_microbatch": 256})
-    seen = []
-    for epoch in range(3):
-        for idx in loader.epoch_plan(epoch):
-            batch = loader.pieces.batch(idx)
-            tok = batch.input_ids.numpy()
-            is_large = tok >= 10**6
-            local = np.where(is_large, tok - 10**6, tok)
-            check_batch(replace(batch, input_ids=torch.from_numpy(local),
-                                labels=torch.where(batch.labels >= 10**6, batch.labels - 10**6, batch.labels)),
-                        np.arange(0, 3001, 100), 256)
-            seen.append(tok)
-    seen = np.concatenate(seen)
-    counts = np.bincount(np.where(seen >= 10**6, seen - 10**6 + 1000, seen), minlength=4000)
-    assert (counts[:1000] == 9).all(), "weight 0.75 of 4000 tokens: the small source three times per epoch"
-    assert (counts[1000:] == 1).all(), "weight 0.25: the large source walked through once in three epochs"
-    assert loader.epoch_plan(1).pieces.tolist() != loader.epoch_plan(0).pieces.tolist()
+    loader = TrainLoader([small, large], [3.0, 1.0], tokens_per_microbatch=256, max_doc_len=None, dp_rank=0,
+                         dp_size=1, grad_accum=1, seed=3, shuffle=True, assign=round_robin_assign,
+                         cost_coefficients=(1.0, 0.0), settings={"tokens_per_microbatch": 256}, val_fraction=0.0,
+                         val_max_tokens=0)
+    seen = {"small": [], "large": []}
+    for _ in range(140):
+        (batch,) = loader.next_step()
+        tok = batch.input_ids.numpy()
+        is_large = tok >= 10**6
+        assert is_large.all() or not is_large.any(), "a micro-batch comes from one source"
+        base = 10**6 if is_large.any() else 0
+        check_batch(replace(batch, input_ids=torch.from_numpy(tok - base),
+                            labels=torch.where(batch.labels >= 0, batch.labels - base, batch.labels)),
+                    np.arange(0, 3001, 100), 256)
+        seen["large" if base else "small"].append(tok - base)
+    assert abs(len(seen["small"]) - 105) <= 2, "weight 0.75: three quarters of the micro-batches"
+    assert loader.sources[0].consumed == len(seen["small"]) and loader.state_dict()["consumed"] == 140
+    for name, tokens, source in (("small", 1000, 0), ("large", 3000, 1)):
+        per_epoch = [len(epoch_plan(loader, e, source)) for e in range(2)]
+        epochs = [np.concatenate(seen[name][:per_epoch[0]]),
+                  np.concatenate(seen[name][per_epoch[0]:sum(per_epoch)])]
+        assert all(np.array_equal(np.sort(e), np.arange(tokens)) for e in epochs), f"{name}: each token once an epoch"
+    assert len(seen["small"]) > 5 * len(epoch_plan(loader, 0, 0)), "the small source is repeated"
+    assert epoch_plan(loader, 1, 1) != epoch_plan(loader, 0, 1)

@@ -145,7 +145,7 @@ def test_build_loaders_bundled_end_to_end(tmp_path):
     train, val, tok = build_loaders(cfg, tokens_per_microbatch=1023, dp_rank=1, dp_size=2, grad_accum=2, seed=4,
                                     show_progress=False)
     assert tok.vocab_size == 4096
-    assert train.caches[0].num_docs == 941
+    assert train.stores[0].num_docs == 941
     batches = train.next_step()
     assert len(batches) == 2
     for b in batches:
@@ -195,7 +195,7 @@ def test_build_loaders_mixture(tmp_path):
         MixtureSource(source="text", paths=[str(b)], doc_separator="\n===\n", weight=1.0)])
     assert cfg.validate() == []
     train, val, tok = build_loaders(cfg, tokens_per_microbatch=200, grad_accum=2, seed=1, show_progress=False)
-    assert [c.num_docs for c in train.caches] == [40, 20]
+    assert [c.num_docs for c in train.stores] == [40, 20]
     words = {"alpha": 0, "omega": 0}
     for _ in range(20):
         for batch in train.next_step():

@@ -1,6 +1,7 @@
 """stream_start: training starts before the cache is complete, and the batches equal those of the prebuilt cache
-however slow tokenization is; a tokenization error reaches the training thread. Elastic resume 1 -> 2 -> 4
-data-parallel ranks continues the same global stream, shard by shard and with a mixture, balanced."""
+(and of stream_start: false) however slow tokenization is, with one source or a mixture; a tokenization error
+reaches the training thread. Elastic resume 1 -> 2 -> 4 data-parallel ranks continues the same global stream,
+shard by shard, with a mixture, balanced or not."""
 
 import json
 import random
@@ -60,9 +61,54 @@ def test_stream_start_gives_the_batches_of_a_prebuilt_cache_whatever_the_speed(t
     evaluated = ValLoader(held_out_parts(stream_cfg(tmp_path, f), load_tokenizer()), 262144, tokens_per_microbatch=256,
                           max_doc_len=200, dp_rank=0, dp_size=1)
     assert ids(evaluated) == ids(p_val), "`moela eval` holds out what training held out"
+    whole, w_val, _ = build_loaders(stream_cfg(tmp_path, f, stream_start=False), **common)
+    assert [ids(whole.next_step()) for _ in range(261)] == steps, "the same stream without stream_start"
+    assert ids(w_val) == ids(p_val)
     fast, _, _ = build_loaders(stream_cfg(tmp_path, f, cache="fast", tokenize_workers=2), **common)
     assert [ids(fast.next_step()) for _ in range(261)] == steps
     assert first_step_s < 30
+
+
+def mixture_cfg(tmp_path, cache="c", **extra):
+    f, g = tmp_path / "docs.jsonl", tmp_path / "other.jsonl"
+    if not g.exists():  # written once: rewriting would change the cache key
+        corpus(tmp_path, n=400), corpus(tmp_path, n=150, seed=1, name="other.jsonl")
+    settings = dict(cache_dir=str(tmp_path / cache), shard_bytes=SHARD, stream_start=True, tokenize_workers=2,
+                    val_fraction=0.02, max_doc_len=200)
+    return DataConfig(**{**settings, **extra}, mixture=[
+                          MixtureSource(source="jsonl", paths=[str(f)], weight=2.0),
+                          MixtureSource(source="jsonl", paths=[str(g)], weight=1.0)])
+
+
+def test_stream_start_mixture_gives_the_batches_of_prebuilt_caches_in_weight_shares(tmp_path, monkeypatch):
+    real = build_mod.encode_documents
+
+    def slow(*args):  # runs in the forked workers
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(build_mod, "encode_documents", slow)
+    common = dict(tokens_per_microbatch=256, grad_accum=3, seed=5, show_progress=False)
+    streamed, s_val, _ = build_loaders(mixture_cfg(tmp_path), **common)
+    steps = [ids(streamed.next_step()) for _ in range(120)]
+    assert not all(s.feed.plan.complete() for s in streamed.sources), "the first steps come before the caches"
+    for s in streamed.sources:
+        s.feed.thread.join(120)
+        assert s.feed.plan.complete()
+    monkeypatch.setattr(build_mod, "encode_documents", real)
+    prebuilt, p_val, _ = build_loaders(mixture_cfg(tmp_path), **common)
+    assert all(s.feed.thread is None for s in prebuilt.sources)
+    assert [ids(prebuilt.next_step()) for _ in range(120)] == steps
+    assert ids(s_val) == ids(p_val) and len(p_val) > 0
+    counts = [s.consumed for s in prebuilt.sources]
+    assert sum(counts) == 360 and abs(counts[0] - 240) <= 2, f"micro-batches in the 2:1 weight shares: {counts}"
+    evaluated = ValLoader(held_out_parts(mixture_cfg(tmp_path), load_tokenizer()), 262144, tokens_per_microbatch=256,
+                          max_doc_len=200, dp_rank=0, dp_size=1)
+    assert ids(evaluated) == ids(p_val), "`moela eval` holds out what training held out"
+    whole, _, _ = build_loaders(mixture_cfg(tmp_path, stream_start=False), **common)
+    assert [ids(whole.next_step()) for _ in range(120)] == steps, "the same stream without stream_start"
+    other_seed, _, _ = build_loaders(mixture_cfg(tmp_path), **{**common, "seed": 6})
+    assert [ids(other_seed.next_step()) for _ in range(3)] != steps[:3]
 
 
 def test_a_tokenization_error_reaches_the_training_thread(tmp_path):
@@ -91,11 +137,14 @@ def global_steps(make, layouts, steps_each):
     return out
 
 
-@pytest.mark.parametrize("kind", ["stream", "mixture"])
-def test_elastic_resume_1_2_4_ranks_continues_the_global_stream(tmp_path, kind):
+@pytest.mark.parametrize("kind,balance", [("stream", True), ("stream", False), ("mixture", True),
+                                          ("stream mixture", True), ("stream mixture", False)])
+def test_elastic_resume_1_2_4_ranks_continues_the_global_stream(tmp_path, kind, balance):
     f = corpus(tmp_path)
     if kind == "stream":
-        cfg = stream_cfg(tmp_path, f, balance=True)
+        cfg = stream_cfg(tmp_path, f, balance=balance)
+    elif kind == "stream mixture":
+        cfg = mixture_cfg(tmp_path, balance=balance)
     else:
         g = corpus(tmp_path, n=200, seed=1, name="other.jsonl")
         cfg = DataConfig(cache_dir=str(tmp_path / "c"), shard_bytes=SHARD, balance=True, max_doc_len=200, mixture=[

@@ -1,10 +1,10 @@
 """Data pipeline: sources -> tokenizer -> token cache -> packing -> per-rank loaders.
 
 `build_loaders(cfg.data, tokens_per_microbatch=..., dp_rank=..., dp_size=..., grad_accum=..., seed=...)` returns
-`(train_loader, val_loader, tokenizer)`; see loader.py for the stream's guarantees. The token cache is built on
-first use by parallel workers (build.py; a progress bar shows it) and reused afterwards; with `data.stream_start`
-the shard-by-shard loader (stream.py) starts training while it is built. Megatron datasets are read in place
-(megatron.py).
+`(train_loader, val_loader, tokenizer)`; see stream.py for the training stream's guarantees. The token cache is
+built on first use by parallel workers (build.py; a progress bar shows it) and reused afterwards; the training
+stream reads it shard by shard, and with `data.stream_start` starts training while it is built. Megatron datasets
+are read in place (megatron.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from .balance import balanced_assign, round_robin_assign
 from .build import build_or_load_cache, default_workers, make_plan
 from .cache import CacheError, TokenCache
 from .config import DataConfig, MixtureSource, SourceConfig
-from .loader import Part, TrainLoader, ValLoader, split_train_val
+from .loader import Part, ValLoader, split_train_val
 from .megatron import MegatronSource
 from .sources import DocumentSource
-from .stream import ShardFeed, StreamLoader
+from .stream import ShardFeed, TrainLoader
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["DataConfig", "SourceConfig", "MixtureSource", "build_loaders", "held_out_parts", "open_source",
@@ -61,42 +61,36 @@ def build_loaders(cfg: DataConfig, *, tokens_per_microbatch: int, dp_rank: int =
                 "shuffle": cfg.shuffle, "val_fraction": cfg.val_fraction, "val_max_tokens": cfg.val_max_tokens}
     common = dict(tokens_per_microbatch=tokens_per_microbatch, max_doc_len=cfg.max_doc_len, dp_rank=dp_rank,
                   dp_size=dp_size)
-    if cfg.stream_start:
-        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
-                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), seed, cfg.shuffle)
-        train = StreamLoader(feed, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
-                             cost_coefficients=coefficients, settings=settings, val_fraction=cfg.val_fraction,
-                             val_max_tokens=cfg.val_max_tokens, **common)
-        val = ValLoader([Part(feed.get(0), train.val_docs)], cfg.val_max_tokens, **common)
-        return train, val, tokenizer
-
-    train_parts, val_parts = split_sources(cfg, tokenizer, show_progress)
-    train = TrainLoader(train_parts, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
-                        cost_coefficients=coefficients, settings=settings, **common)
-    val = ValLoader(val_parts, cfg.val_max_tokens, **common)
+    units, weights = source_units(cfg, tokenizer, seed, show_progress)
+    train = TrainLoader(units, weights, grad_accum=grad_accum, seed=seed, shuffle=cfg.shuffle, assign=assign,
+                        cost_coefficients=coefficients, settings=settings, val_fraction=cfg.val_fraction,
+                        val_max_tokens=cfg.val_max_tokens, **common)
+    val = ValLoader([Part(*held) for held in train.held_out()], cfg.val_max_tokens, **common)
     return train, val, tokenizer
 
 
-def split_sources(cfg: DataConfig, tokenizer: Tokenizer, show_progress: bool = True) -> tuple[list[Part], list[Part]]:
-    """(training parts, held-out parts), one of each per source, as the global loader splits them."""
-    train_parts, val_parts = [], []
-    for source_cfg, weight in cfg.sources():
-        cache = open_source(source_cfg, tokenizer, cfg, show_progress=show_progress)
-        val_cap = int(cfg.val_max_tokens * weight)  # the same share the validation loader keeps of this source
-        train_docs, val_docs = split_train_val(cache.doc_lengths, cfg.val_fraction, val_cap)
-        train_parts.append(Part(cache, train_docs, weight))
-        val_parts.append(Part(cache, val_docs, weight))
-    return train_parts, val_parts
+def source_units(cfg: DataConfig, tokenizer: Tokenizer, seed: int, show_progress: bool = True):
+    """(per source: its units as the training stream reads them, the normalized weights). With stream_start, the
+    caches are built in the background (`ShardFeed`, the workers divided among the sources); otherwise each is
+    completed first (`open_source`)."""
+    sources = cfg.sources()
+    if not cfg.stream_start:
+        return [open_source(s, tokenizer, cfg, show_progress) for s, _ in sources], [w for _, w in sources]
+    workers = max(1, (cfg.tokenize_workers or default_workers()) // len(sources))
+    feeds = [ShardFeed(make_plan(DocumentSource(source_cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
+                       tokenizer.vocab_size, workers, seed, cfg.shuffle, i)
+             for i, (source_cfg, _) in enumerate(sources)]
+    return feeds, [weight for _, weight in sources]
 
 
 def held_out_parts(cfg: DataConfig, tokenizer: Tokenizer) -> list[Part]:
-    """The held-out documents exactly as training split them: per source, or shard 0's with stream_start."""
-    if cfg.stream_start:
-        feed = ShardFeed(make_plan(DocumentSource(cfg), tokenizer, cfg.cache_dir, cfg.shard_bytes),
-                         tokenizer.vocab_size, cfg.tokenize_workers or default_workers(), 0, False)
-        shard = feed.get(0)
-        return [Part(shard, split_train_val(shard.doc_lengths, cfg.val_fraction, cfg.val_max_tokens)[1])]
-    return split_sources(cfg, tokenizer)[1]
+    """The held-out documents exactly as training split them: from each source's first unit (shard)."""
+    parts = []
+    for units, weight in zip(*source_units(cfg, tokenizer, 0, show_progress=False)):
+        first = units.get(0)
+        held = split_train_val(first.doc_lengths, cfg.val_fraction, int(cfg.val_max_tokens * weight))[1]
+        parts.append(Part(first, held, weight))
+    return parts
 
 
 def open_source(source_cfg: SourceConfig, tokenizer: Tokenizer, cfg: DataConfig, show_progress: bool = True):

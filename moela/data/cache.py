@@ -263,6 +263,17 @@ class TokenCache:
         return int(self.offsets[-1])
 
     @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def get(self, i: int) -> Shard:
+        """Shard i, its content checked at its first use (the training stream reads a cache shard by shard)."""
+        shard = self.shards[i]
+        if not shard.checked:
+            shard.check_sampled()
+        return shard
+
+    @property
     def doc_lengths(self) -> np.ndarray:
         return np.diff(self.offsets)  # [N] int64
 

@@ -119,16 +119,16 @@ class DataConfig(SourceConfig):
     # Worker processes that tokenize the cache's shards in parallel (one core each); null = the cores available
     # divided among the node's ranks. Several processes or nodes sharing cache_dir split the shards among them.
     tokenize_workers: int | None = None
-    # Source bytes per cache shard (the unit of parallel tokenization and of stream_start). Part of the cache key.
+    # Source bytes per cache shard (the unit of parallel tokenization and of the training stream). Part of the key.
     shard_bytes: int = 64 << 20
     # Start training once the shards the first steps need are tokenized, the rest following in the background.
-    # The order becomes shard by shard (shards shuffled per epoch, then the documents inside each; moela.data.stream)
-    # and never depends on tokenization speed; a step whose shard is not ready waits for it. One source only
-    # (not a mixture); the held-out split comes from shard 0. Also keeps host memory flat in the corpus size.
+    # The batches are those of `false` (the stream reads shard by shard either way; moela.data.stream) and never
+    # depend on tokenization speed; a step whose shard is not ready waits for it. Works for a mixture of text
+    # sources; not for megatron sources (tokenized already).
     stream_start: bool = False
-    # Held-out validation split: this fraction of each source's documents (at least one), chosen by a fixed hash of
-    # the document index, independent of the training seed; capped at `val_max_tokens` tokens in all (a mixture
-    # shares the cap by weight).
+    # Held-out validation split: this fraction of the documents of each source's first shard (at least one), chosen
+    # by a fixed permutation of the document index, independent of the training seed; capped at `val_max_tokens`
+    # tokens in all (a mixture shares the cap by weight).
     val_fraction: float = 0.01
     val_max_tokens: int = 262144
     # Documents longer than this many tokens (EOS included) are cut into pieces of at most this length before
@@ -178,11 +178,8 @@ class DataConfig(SourceConfig):
             errors.append(f"tokenize_workers: must be >= 1 or null (the cores available), got {self.tokenize_workers}")
         if self.shard_bytes < 1 << 16:
             errors.append(f"shard_bytes: must be >= 65536 (64 KiB), got {self.shard_bytes}")
-        if self.stream_start and self.source == "megatron":
+        if self.stream_start and any(source.source == "megatron" for source, _ in self.sources()):
             errors.append("stream_start: the megatron source is tokenized already; set data.stream_start=false")
-        if self.stream_start and self.mixture:
-            errors.append("stream_start: streams one source, not a mixture; build the mixture's caches first "
-                          "(python -m moela prepare RECIPE) and set data.stream_start=false")
         if self.attn_cost_len is not None and self.attn_cost_len < 1:
             errors.append(f"attn_cost_len: must be >= 1 or null (from the model's FLOPs), got {self.attn_cost_len}")
         return errors

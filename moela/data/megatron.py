@@ -10,9 +10,11 @@ sequences consecutive (what Megatron-LM's IndexedDatasetBuilder writes).
 Decisions: a moela document is one Megatron document (its sequences concatenated: a single sequence unless the
 corpus was split into sentences). Nothing is copied or re-tokenized: `.bin` is memory-mapped and the index arrays
 are views of the memory-mapped `.idx`, so host memory does not grow with the corpus. Several prefixes in one source
-are concatenated in order (blend several with weights through `data.mixture`). Megatron's preprocessing appends
-the end-of-document token only with `--append-eod`; the loader treats each document's last token as its end (no
-target after it), so a corpus without it loses one target per document but never predicts across documents.
+are concatenated in order (blend several with weights through `data.mixture`). The training stream reads the
+source in units of `UNIT_DOCS` consecutive documents, as it reads a token cache shard by shard. Megatron's
+preprocessing appends the end-of-document token only with `--append-eod`; the loader treats each document's last
+token as its end (no target after it), so a corpus without it loses one target per document but never predicts
+across documents.
 Opening checks the header, the file sizes, the index's bounds and a sample of documents' ids against the
 vocabulary; `verify()` checks every sequence pointer and every id.
 """
@@ -36,6 +38,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
           8: np.uint16}
 SAMPLED_DOCS = 8
 CHUNK = 1 << 22  # index entries checked per step in verify()
+UNIT_DOCS = 1 << 16  # documents per unit of the training stream (the loader packs one unit at a time)
 
 
 def resolve_prefixes(pattern: str) -> list[str]:
@@ -106,11 +109,16 @@ class IndexedFile:
 
     @property
     def doc_lengths(self) -> np.ndarray:
-        """[N] tokens per document (a view of the index when each document is one sequence)."""
+        """[N] tokens per document."""
+        return self.lengths(0, self.num_docs)
+
+    def lengths(self, a: int, b: int) -> np.ndarray:
+        """[b - a] tokens of documents a .. b - 1 (a view of the index when each document is one sequence)."""
         if self.one_per_doc:
-            return self.seq_lengths
-        sums = np.concatenate([[0], np.cumsum(self.seq_lengths, dtype=np.int64)])
-        return sums[self.doc_index[1:]] - sums[self.doc_index[:-1]]
+            return self.seq_lengths[a:b]
+        seqs = self.doc_index[a:b + 1]  # [b - a + 1]
+        sums = np.concatenate([[0], np.cumsum(self.seq_lengths[seqs[0]:seqs[-1]], dtype=np.int64)])
+        return sums[seqs[1:] - seqs[0]] - sums[seqs[:-1] - seqs[0]]
 
     def doc(self, i: int) -> np.ndarray:
         first, end = int(self.doc_index[i]), int(self.doc_index[i + 1])
@@ -180,8 +188,22 @@ class MegatronSource:
 
     @property
     def doc_lengths(self) -> np.ndarray:
-        lengths = [f.doc_lengths for f in self.files]
-        return lengths[0] if len(lengths) == 1 else np.concatenate(lengths)  # [N]
+        return self.lengths(0, self.num_docs)  # [N]
+
+    def lengths(self, a: int, b: int) -> np.ndarray:
+        """[b - a] tokens of documents a .. b - 1 (across files)."""
+        first = self.file_first_doc
+        out = [f.lengths(max(a - int(s), 0), min(b - int(s), f.num_docs))
+               for f, s in zip(self.files, first[:-1]) if a < s + f.num_docs and b > s]
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_docs // UNIT_DOCS)
+
+    def get(self, i: int) -> DocRange:
+        """Unit i of the training stream: documents i * UNIT_DOCS onwards (the Megatron counterpart of a shard)."""
+        return DocRange(self, i * UNIT_DOCS, min(UNIT_DOCS, self.num_docs - i * UNIT_DOCS))
 
     def doc(self, i: int) -> np.ndarray:
         f = int(np.searchsorted(self.file_first_doc, i, side="right")) - 1
@@ -192,3 +214,18 @@ class MegatronSource:
             f.verify(vocab_size)
             if progress is not None:
                 progress(f)
+
+
+class DocRange:
+    """Documents first .. first + count - 1 of a MegatronSource, numbered from 0 (the loader's view of a unit)."""
+
+    def __init__(self, source: MegatronSource, first: int, count: int):
+        self.source, self.first, self.count = source, first, count
+        self.vocab_size, self.path = source.vocab_size, source.path
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return self.source.lengths(self.first, self.first + self.count)  # [count]
+
+    def doc(self, i: int) -> np.ndarray:
+        return self.source.doc(self.first + i)
