@@ -56,3 +56,28 @@ def test_two_stage_training_matches_one_process_and_resumes_in_one(tmp_path):
         torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
     Trainer(_cfg(pp, cache, 4)).fit()
     assert _losses(pp)[-1] == pytest.approx(reference[3], rel=2e-5)
+
+
+def _resume(rank, world, run, cache, extra, out):
+    cfg = _cfg(run, cache, 4, *extra)
+    trainer = Trainer(cfg)
+    assert checkpoint.resume(trainer.run_dir, cfg.checkpoint.resume, trainer.model, trainer.optimizer,
+                             checkpoint.fixed_settings(cfg), print) is not None
+    torch.save(full_states(trainer.model, trainer.optimizer), out / f"resumed-{rank}.pt")
+    trainer.lock.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_shard=2", "parallel.ep=2"]])
+def test_two_stage_checkpoint_resumes_under_another_layout(tmp_path, layout):
+    """A pp=2 checkpoint loads at pp=1 x dp_shard=2 (and x ep=2) with the same weights and AdamW moments, bit for
+    bit, on every rank."""
+    cache, run = tmp_path / "cache", tmp_path / "pp"
+    spawn(_train, 2, run, cache, 3, ["parallel.pp=2", "parallel.pp_schedule=1f1b"], tmp_path)
+    saved = {**torch.load(tmp_path / "state-0.pt"), **torch.load(tmp_path / "state-1.pt")}
+    spawn(_resume, 2, run, cache, layout, tmp_path)
+    for rank in range(2):
+        loaded = torch.load(tmp_path / f"resumed-{rank}.pt")
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
