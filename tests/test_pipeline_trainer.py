@@ -68,16 +68,19 @@ def _resume(rank, world, run, cache, extra, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.dp_shard=2", "parallel.ep=2"]])
-def test_two_stage_checkpoint_resumes_under_another_layout(tmp_path, layout):
-    """A pp=2 checkpoint loads at pp=1 x dp_shard=2 (and x ep=2) with the same weights and AdamW moments, bit for
-    bit, on every rank."""
+@pytest.mark.parametrize("world,layout", [(2, ["parallel.dp_shard=2"]), (2, ["parallel.dp_shard=2", "parallel.ep=2"]),
+                                          (4, ["parallel.pp=4", "parallel.pp_schedule=1f1b", "train.grad_accum=4"])])
+def test_two_stage_checkpoint_resumes_under_another_layout(tmp_path, world, layout):
+    """A pp=2 checkpoint loads at pp=1 x dp_shard=2 (and x ep=2) and at pp=4 with the same weights and AdamW
+    moments, bit for bit (at pp=4 a stage may hold no matrix or no vector: an optimizer with an empty group)."""
     cache, run = tmp_path / "cache", tmp_path / "pp"
     spawn(_train, 2, run, cache, 3, ["parallel.pp=2", "parallel.pp_schedule=1f1b"], tmp_path)
     saved = {**torch.load(tmp_path / "state-0.pt"), **torch.load(tmp_path / "state-1.pt")}
-    spawn(_resume, 2, run, cache, layout, tmp_path)
-    for rank in range(2):
+    spawn(_resume, world, run, cache, layout, tmp_path)
+    covered = set()
+    for rank in range(world):  # each rank's own parameters (a stage's, under pp), all of them over the ranks
         loaded = torch.load(tmp_path / f"resumed-{rank}.pt")
-        assert loaded.keys() == saved.keys()
-        for name, value in saved.items():
-            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"rank {rank}: {name}")
+        covered |= loaded.keys()
+        for name, value in loaded.items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=f"rank {rank}: {name}")
+    assert covered == saved.keys()
