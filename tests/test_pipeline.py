@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo): every schedule's step equals the one-process step (loss, every gradient, five
 optimizer steps of weights and router biases; also x FSDP2, x EP, x TP, x CP), the layout grammar and its errors,
-the schedules' completeness and bubble on the cost model, the transport's message counts.
+the schedules' completeness and bubble on the cost model, the transport's message counts, FSDP2's one gradient
+reduction per unit and step.
 
 Tolerance: the pipelined step sums the same terms in another order (stage shares of the loss, gradient
 accumulation across stages), so values agree to float32 rounding: 2e-5 relative on losses, 1e-5 + 1e-4 relative on

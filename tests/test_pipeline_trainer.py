@@ -1,7 +1,8 @@
 """The trainer with `parallel.pp: 2` on 2 gloo ranks: the same step losses as one process (the model's initial
 values included: every stage initializes its parts as the whole model does), and its checkpoint resumes in one
 process with the weights and AdamW moments the two stages saved, continuing the one-process run's losses (a constant
-LR after warm-up, so that runs of 3 and 4 steps share their schedule).
+LR after warm-up, so that runs of 3 and 4 steps share their schedule), and at pp=1 x dp_shard=2 (x ep=2) and at
+pp=4 with the same states.
 
 Tolerance: 2e-5 relative on losses (the stages sum the same terms in another order, float32).
 """
