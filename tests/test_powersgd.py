@@ -4,8 +4,9 @@ The math against float64: orthogonalization against a float64 QR; on 4 gloo rank
 with the tiny MoE model's real sharded gradients, the reducer's compressed, error-fed gradients over a warmup step
 and three compressed steps against a float64 PowerSGD computed from every replica's gradients, also with the
 routed experts under expert parallelism; at full rank, the exact mean; a NaN in one replica's gradient marks the
-group's result non-finite and resets its state; and the bytes a CommCounter sees on the replicate all-reduces
-against `powersgd_bytes` and against what HSDP's own all-reduce sends for the same model.
+group's result non-finite and resets its state; the embedding and output head sent whole; and the bytes a
+CommCounter sees on the replicate all-reduces against `powersgd_bytes` and against what HSDP's own all-reduce sends
+for the same model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from parallel_harness import spawn
 RANK = 2
 TOL = 1e-4  # relative (to the reference's norm) error of fp32 PowerSGD against float64 on these small matrices
 FULL_TOL = 1e-3  # the same at full rank (up to 32 columns orthogonalized in fp32, warm-started Q ill-conditioned)
+VOCABULARY = ("embed.weight", "head.weight")  # the tiny model's embedding and output head: never compressed
 
 
 def test_orthogonalize_spans_the_columns_like_a_float64_qr():
@@ -126,7 +128,11 @@ def _reducer_checks(rank: int, world_size: int) -> None:
         a, b = _gather(local_shard(p).detach(), group)
         assert torch.equal(a, b)
     shapes = [local_shard(p).shape for _, p in reducer.params]
-    assert reducer.compressed_bytes == powersgd_bytes(shapes, RANK)
+    vocabulary = [name in VOCABULARY for name, _ in reducer.params]
+    assert sum(vocabulary) == len(VOCABULARY)
+    assert all(v is None for v, vocab in zip(reducer.views, vocabulary) if vocab)  # sent whole
+    assert reducer.compressed_bytes == (powersgd_bytes([s for s, vocab in zip(shapes, vocabulary) if not vocab], RANK)
+                                        + 4 * sum(math.prod(s) for s, vocab in zip(shapes, vocabulary) if vocab))
     assert reducer.uncompressed_bytes == 4 * sum(math.prod(s) for s in shapes)
     assert reducer.uncompressed_bytes / reducer.compressed_bytes > 2
     assert any(len(s) == 3 and matrix_shape(s, RANK) for s in shapes)  # the routed experts are compressed
@@ -145,7 +151,7 @@ def _reducer_checks(rank: int, world_size: int) -> None:
 
     # at full rank (every tensor of >= 2 dims compressed) PowerSGD is the exact mean
     full = ReplicateReducer(model, mesh, rank=10**6, warmup_steps=0, min_compression=0.0)
-    assert all(v is not None for (_, p), v in zip(full.params, full.views) if p.ndim >= 2)
+    assert all(v is not None for (name, p), v in zip(full.params, full.views) if p.ndim >= 2 and name not in VOCABULARY)
     for step in range(3):
         _backward(model, mesh, seed=200 + step)
         before = [_gather(local_shard(p.grad).double(), group) for _, p in full.params]

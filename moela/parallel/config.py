@@ -50,9 +50,10 @@ class ParallelConfig:
     fal_streams: bool = False
     # how gradients cross the dp_replicate dimension (moela.parallel.replicate): none = HSDP's exact all-reduce;
     # powersgd = rank-`powersgd_rank` PowerSGD with error feedback, after `powersgd_warmup_steps` exact steps
+    # (null: schedule.warmup_steps, so AdamW's moments form on exact gradients while the learning rate ramps up)
     replicate_compression: Literal["none", "powersgd"] = "none"
     powersgd_rank: int = 4
-    powersgd_warmup_steps: int = 0
+    powersgd_warmup_steps: int | None = None
 
     def validate(self) -> list[str]:
         errors = []
@@ -67,7 +68,7 @@ class ParallelConfig:
             errors.append(f"dp_shard: must be >= 1 or -1 (auto), got {self.dp_shard}")
         if self.powersgd_rank < 1:
             errors.append(f"powersgd_rank: must be >= 1, got {self.powersgd_rank}")
-        if self.powersgd_warmup_steps < 0:
+        if self.powersgd_warmup_steps is not None and self.powersgd_warmup_steps < 0:
             errors.append(f"powersgd_warmup_steps: must be >= 0, got {self.powersgd_warmup_steps}")
         if self.replicate_compression == "powersgd" and self.dp_replicate < 2:
             errors.append(f"replicate_compression: powersgd compresses the all-reduce over dp_replicate, which is "

@@ -171,7 +171,8 @@ class Trainer:
         check_fp8_device(cfg.model, self.device)
         check_backends(cfg.model, self.device)
         self.model = self._build_model()
-        self.replicate = build_replicate_reducer(self.model, self.mesh, cfg.parallel, cfg.train.seed)
+        self.replicate = build_replicate_reducer(self.model, self.mesh, cfg.parallel, cfg.train.seed,
+                                                 cfg.schedule.warmup_steps)
         self.static_shapes = None
         if cfg.train.compile:
             prepare_inductor()
