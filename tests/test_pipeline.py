@@ -1,6 +1,7 @@
 """Pipeline parallelism on CPU (gloo): every schedule's step equals the one-process step (loss, every gradient, five
 optimizer steps of weights and router biases; also x FSDP2, x EP, x TP, x CP), the layout grammar and its errors,
-the schedules' completeness and bubble on the cost model, the transport's message counts.
+the schedules' completeness and bubble on the cost model, the transport's message counts, FSDP2's one gradient
+reduction per unit and step.
 
 Tolerance: the pipelined step sums the same terms in another order (stage shares of the loss, gradient
 accumulation across stages), so values agree to float32 rounding: 2e-5 relative on losses, 1e-5 + 1e-4 relative on
@@ -13,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_param_group
 
 from factories import VISIBLE_TRAINING, tiny_config
 from moela.config import ConfigError, load_config
@@ -83,6 +85,30 @@ def test_four_stages_equal_one_process(schedule, v):
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 def test_two_stages_times_fsdp(schedule, v):
     _run(schedule, v, 4)
+
+
+def _check_one_reduce_scatter_per_unit(rank, world, cfg, pcfg, ref, steps, counts_expected, overlap):
+    """_check, counting FSDP2's gradient reductions (one `foreach_reduce` per unit's parameter group and call)."""
+    calls = Counter()
+    reduce = fsdp_param_group.foreach_reduce
+
+    def counted(fsdp_params, *args, **kwargs):
+        calls[id(fsdp_params[0])] += 1  # one key per unit
+        return reduce(fsdp_params, *args, **kwargs)
+
+    fsdp_param_group.foreach_reduce = counted  # this spawned rank's own module, gone with its process
+    _check(rank, world, cfg, pcfg, ref, steps, counts_expected, overlap)
+    assert calls and set(calls.values()) == {steps}, calls
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), pytest.param("zbv", 2, marks=pytest.mark.slow),
+                                        pytest.param("dualpipev", 2, marks=pytest.mark.slow)])
+def test_fsdp_reduce_scatters_once_per_unit_and_step(schedule, v):
+    """pp=2 x dp_shard=2, 4 micro-batches: each FSDP unit reduce-scatters its gradients once a step (by its stage's
+    last B or W), the step still equal to the one-process step."""
+    cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING})
+    pcfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=4, dp_shard=2)
+    spawn(_check_one_reduce_scatter_per_unit, 4, cfg, pcfg, reference(cfg, 8, 2), 2, None, True)
 
 
 @pytest.mark.slow

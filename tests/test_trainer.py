@@ -112,12 +112,24 @@ def test_micro_batches_are_weighted_by_their_targets(tmp_path, cache_dir, monkey
     torch.testing.assert_close(captured["load"].double(), expected_load.double())
 
 
-def test_router_bias_moves_after_a_step(tmp_path, cache_dir):
-    trainer = Trainer(make_cfg(tmp_path, cache_dir))
-    biases = [b for n, b in trainer.model.named_buffers() if n.endswith("e_score_correction_bias")]
-    assert biases and all(torch.count_nonzero(b) == 0 for b in biases)
+def test_router_bias_moves_after_a_step(tmp_path, cache_dir, monkeypatch):
+    """Each MoE layer's bias steps by `rate` against the sign of its experts' load imbalance. Unrestricted routing
+    (n_group=1): with 2 groups of 2 experts and top-2, a token takes both experts of one group, so a layer whose
+    tokens split evenly between the groups sees exactly equal loads and, rightly, no bias change."""
+    trainer = Trainer(make_cfg(tmp_path, cache_dir, "model.n_group=1", "model.topk_group=1"))
+    biases = [m.gate.e_score_correction_bias for m in trainer.model.moe_layers()]
+    assert len(biases) == 2 and all(torch.count_nonzero(b) == 0 for b in biases)
+    loads = []
+    update = trainer.model.update_router_bias
+    monkeypatch.setattr(trainer.model, "update_router_bias",
+                        lambda load, enabled=None: (loads.append(load.clone()), update(load, enabled=enabled))[1])
     trainer.train_step()
-    assert all(torch.count_nonzero(b) > 0 for b in biases)
+    (load,) = loads  # [L_moe, E] summed over the step's micro-batches
+    rate = trainer.model.cfg.bias_update_rate
+    for bias, layer_load in zip(biases, load):
+        assert layer_load.min() < layer_load.max(), layer_load  # an imbalance to correct
+        assert torch.equal(bias, torch.sign(layer_load.mean() - layer_load) * rate), (bias, layer_load)
+        assert torch.count_nonzero(bias) > 0
 
 
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, cache_dir):

@@ -14,6 +14,11 @@ The runtime executes this rank's action list (`moela.parallel.pp_schedules`) in 
   in I, as torch.distributed.pipelining does, would save that).
 - Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward issued together on
   two CUDA streams, `moela.parallel.pp_overlap`), else f then b.
+Gradient sync (FSDP2 stage units): a stage's gradients are reduce-scattered once per step, by the last of its
+actions that computes parameter gradients (its last B, or its last W under the zero-bubble split); the earlier
+ones accumulate the unsharded gradients and keep the parameters gathered for the next backward (as
+torch.distributed.pipelining does), and I, which computes no parameter gradient, never syncs. A rank holding two
+chunks (ZBV, DualPipeV) switches each chunk's units on their own.
 Statistics: each forward adds its stage's loss and metric shares times the micro-batch's labelled tokens to a
 `StepSums`, and its expert load to this rank's rows; the trainer sums both over the pipeline.
 
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from moela.batch import PackedBatch
 from moela.model.transformer import Prepared, Transformer
@@ -88,6 +94,17 @@ class PipelineRuntime:
         self._preps: dict[int, Prepared] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._loads: dict[int, torch.Tensor] = {}
+        flat = [a for step in self.actions for a in ((step.f, step.b) if isinstance(step, Overlap) else (step,))]
+        self._last_grad = {a.stage: (a.mb, a.kind) for a in flat if a.kind in ("B", "W")}
+
+    def _grad_sync(self, stage: int, mb: int, kind: str) -> None:
+        """Let stage's FSDP units reduce-scatter (and reshard) after this backward only if it is the stage's last
+        parameter-gradient action of the step."""
+        chunk = self.chunks[stage]
+        if isinstance(chunk, FSDPModule):
+            last = self._last_grad.get(stage) == (mb, kind)
+            chunk.set_requires_gradient_sync(last)
+            chunk.set_reshard_after_backward(last)
 
     def prepared(self, mb: int) -> Prepared:
         if mb not in self._preps:
@@ -149,6 +166,7 @@ class PipelineRuntime:
         saved = self._saved[(stage, mb)]
         tensors, seeds = self._roots(saved, grads)
         wanted = [t for t in saved.inputs if t.requires_grad]
+        self._grad_sync(stage, mb, kind)
         if kind == "I":
             saved.grads = grads
             got = (torch.autograd.grad(tensors, wanted, seeds, retain_graph=True, allow_unused=True)
@@ -171,6 +189,7 @@ class PipelineRuntime:
     def weight_grad(self, a: Action) -> None:
         saved = self._saved.pop((a.stage, a.mb))
         tensors, seeds = self._roots(saved, saved.grads)
+        self._grad_sync(a.stage, a.mb, "W")
         if tensors:
             torch.autograd.backward(tensors, seeds)
 

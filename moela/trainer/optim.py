@@ -33,7 +33,9 @@ NO_DECAY_NAME_PARTS = ("embed", "e_score_correction_bias")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matrices and everything else (norms, biases, embeddings, router bias)."""
+    """Two AdamW groups: decayed matrices and everything else (norms, biases, embeddings, router bias); a group
+    with no parameter (a pipeline stage may hold no vector, or no matrix) is left out: torch's distributed
+    checkpoint loads the state of an optimizer with at most one empty group."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -42,10 +44,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             no_decay.append(p)
         else:
             decay.append(p)
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> None:
