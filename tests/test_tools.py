@@ -323,7 +323,7 @@ def test_batched_greedy_decoding_equals_transformers_on_varied_weights(yarn, tmp
     from moela.model import RopeScaling, build_model, preset
     from moela.model.hf import export_hf
 
-    torch.manual_seed(3 + yarn)
+    torch.manual_seed(5 + yarn)
     rope = RopeScaling(factor=4.0, original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.7) if yarn else None
     cfg = preset("tiny", vocab_size=131, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
                  num_hidden_layers=3, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,

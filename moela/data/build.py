@@ -243,6 +243,9 @@ def write_long_document(t: Tokenizer, text: str, dtype, writer: ShardWriter) -> 
     return n + 1
 
 
+STOP_GRACE_S = 5.0  # how long stopped workers get to exit before they are killed
+
+
 class Builder:
     """Runs `workers` forked worker processes on a plan and collects their progress and errors (`poll`)."""
 
@@ -279,10 +282,20 @@ class Builder:
         return False
 
     def stop(self) -> None:
+        """Terminate the workers. A worker blocks at exit until its queued messages reach the pipe, so the queue is
+        drained while they exit; one that has not exited after `STOP_GRACE_S` is killed."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            try:
+                self.queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
         for p in self.procs:
+            if p.is_alive():
+                p.kill()
             p.join()
 
 
