@@ -267,10 +267,15 @@ def main() -> None:
             results["memory"] = loader_memory(args.docs, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        body = render(results)
-        write_results("data", "Data at pretraining scale", body, results, out_dir=args.out_dir)
-        print(body)
-        return
+    else:
+        results = measure_all(args)
+    body = render(results)
+    write_results("data", "Data at pretraining scale", body, results, out_dir=args.out_dir)
+    print(body)
+
+
+def measure_all(args) -> dict:
+    """Every section: tokenization beside datasets.map, time to the first step, loader memory, the Megatron source."""
     import datasets
     import tokenizers
 
@@ -301,9 +306,7 @@ def main() -> None:
         results["megatron"] = megatron_read(files, load_tokenizer(), work / "mega")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    body = render(results)
-    write_results("data", "Data at pretraining scale", body, results, out_dir=args.out_dir)
-    print(body)
+    return results
 
 
 def render(r: dict) -> str:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fault_helpers import ROOT, overrides, run_train
-from moela.trainer import Trainer
+from moela.trainer import Trainer, evaluation
 
 OOM_TEXT = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
             "1.06 GiB is free.")
@@ -27,10 +27,10 @@ OOM_TEXT = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total c
 
 def test_an_oom_in_the_final_evaluation_is_one_line_after_the_last_checkpoint(trained, cache_dir, capsys,
                                                                               monkeypatch):
-    def out_of_memory(self):
+    def out_of_memory(trainer):
         raise torch.OutOfMemoryError(OOM_TEXT)
 
-    monkeypatch.setattr(Trainer, "evaluate", out_of_memory)
+    monkeypatch.setattr(evaluation, "evaluate", out_of_memory)
     code, out, err = run_train(capsys, *overrides(trained, cache_dir, "train.steps=3"))
     assert code == 1 and "Traceback" not in err
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
