@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -271,6 +272,9 @@ class Builder:
             if message[0] == "error":
                 self.stop()
                 raise _rebuilt_error(*message[1:])
+            if message[0] == "log":  # a worker's warning (an undecodable byte), logged here where handlers are
+                logging.getLogger(message[1]).log(message[2], "%s", message[3])
+                continue
             on_progress(*message)
         if not finished:
             return True
@@ -299,8 +303,20 @@ class Builder:
             p.join()
 
 
+class _LogToParent(logging.Handler):
+    """A worker's log records, sent to the parent (which logs them through its own handlers)."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.out.put(("log", record.name, record.levelno, record.getMessage()))
+
+
 def _worker_main(plan: Plan, out) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    logging.getLogger().handlers = [_LogToParent(out)]  # the forked copies of the parent's handlers stay unused
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stopped: remove the partial shard and the claim
     try:
         work(plan, lambda *m: out.put(m))

@@ -293,6 +293,10 @@ class TrainLoader:
         missing = [key for key in [*self.settings, "sources"] if key not in state]
         if missing:
             raise ValueError(f"the loader state lacks {', '.join(missing)} (written by an older moela)")
+        if len(state["sources"]) != len(self.sources):
+            raise ValueError(f"loader state does not match this run: the checkpoint read {len(state['sources'])} data "
+                             f"source(s), this run reads {len(self.sources)}; resume with the data section of the "
+                             "checkpointed run")
         if state["data_key"] != self.settings["data_key"]:
             raise ValueError("the training data changed since the checkpoint was written (its token cache "
                              f"{state['data_key']} is now {self.settings['data_key']}: a data file's size or "
