@@ -6,12 +6,10 @@ The runtime executes this rank's action list (`moela.parallel.pp_schedules`) in 
 - B(s, m): receive the gradients of stage s's outputs (none on the last stage), backpropagate them together with
   the stage's loss share weighted by the micro-batch's share of the step's labelled tokens (`loss_scale *
   num_targets`: the trainer's weighting), send the inputs' gradients back.
-- I(s, m) and W(s, m): B split for the zero-bubble schedules. I computes only the inputs' gradients
-  (`torch.autograd.grad`, the graph kept) and sends them at once; W later runs the stage's backward again from
-  the same output gradients and accumulates the parameter gradients (I accumulated none), so I then W adds to
-  every gradient exactly what B adds. W repeats the graph walk of the inputs' part: the schedule's order is
-  exact, its W costs about a whole backward rather than the weight half (capturing the intermediate gradients
-  in I, as torch.distributed.pipelining does, would save that).
+- I(s, m) and W(s, m): B split for the zero-bubble schedules (`moela.parallel.pp_split`). I computes only the
+  inputs' gradients and sends them at once, keeping the gradients that reach the parameters' side of the graph;
+  W later runs only that side and accumulates the parameter gradients, so I then W adds to every gradient
+  exactly what B adds. A stage whose inputs take no gradient (the first) leaves its whole backward to W.
 - Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward issued together on
   two CUDA streams, `moela.parallel.pp_overlap`), else f then b.
 Gradient sync (FSDP2 stage units): a stage's gradients are reduce-scattered once per step, by the last of its
@@ -37,6 +35,7 @@ from moela.batch import PackedBatch
 from moela.model.transformer import Prepared, Transformer
 from moela.parallel.pp_comm import StageLinks
 from moela.parallel.pp_schedules import Action, Overlap, Step
+from moela.parallel.pp_split import SplitBackward, finish_fsdp_backward
 from moela.parallel.pp_stage import StageChunk, StageOutput
 
 
@@ -45,7 +44,8 @@ class _Saved:
     inputs: list[torch.Tensor]
     out: StageOutput
     weight: float | torch.Tensor
-    grads: list[torch.Tensor] | None = None  # the outputs' gradients, kept from I for W
+    split: SplitBackward | None = None  # I's half-done backward, finished by W
+    grads: list[torch.Tensor] | None = None  # the outputs' gradients, kept from I for W where I had nothing to do
 
 
 @dataclass
@@ -168,9 +168,11 @@ class PipelineRuntime:
         wanted = [t for t in saved.inputs if t.requires_grad]
         self._grad_sync(stage, mb, kind)
         if kind == "I":
-            saved.grads = grads
-            got = (torch.autograd.grad(tensors, wanted, seeds, retain_graph=True, allow_unused=True)
-                   if wanted and tensors else [None] * len(wanted))
+            if wanted and tensors:
+                saved.split = SplitBackward(tensors, seeds, wanted)
+                got = saved.split.inputs_grad()
+            else:  # no input takes a gradient (the first stage): the whole backward is W's
+                saved.grads, got = grads, [None] * len(wanted)
         else:
             del self._saved[(stage, mb)]
             if tensors:
@@ -188,10 +190,19 @@ class PipelineRuntime:
 
     def weight_grad(self, a: Action) -> None:
         saved = self._saved.pop((a.stage, a.mb))
-        tensors, seeds = self._roots(saved, saved.grads)
         self._grad_sync(a.stage, a.mb, "W")
-        if tensors:
-            torch.autograd.backward(tensors, seeds)
+        if saved.split is None:
+            tensors, seeds = self._roots(saved, saved.grads)
+            if tensors:
+                torch.autograd.backward(tensors, seeds)
+            return
+        chunk = self.chunks[a.stage]
+        units = [m for m in chunk.modules() if isinstance(m, FSDPModule)]
+        for unit in units:  # a later forward may have resharded them; custom Functions' W reads the weights
+            unit.unshard()
+        saved.split.weights_grad()
+        if units and self._last_grad.get(a.stage) == (a.mb, "W"):
+            finish_fsdp_backward(chunk)
 
     # ----- evaluation -----
     @torch.no_grad()
