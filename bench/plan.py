@@ -14,6 +14,9 @@ Sections of bench/results/plan.md (+ plan.json):
    tokens/s per GPU and MFU, the error against the published figure, and the sensitivity of the prediction to
    each assumption (the assumption whose change moves it most dominates its uncertainty). Both layouts are built
    in the fake world too (a layout the plan names builds at full size).
+5. PowerSGD on the slow links: per HSDP layout (one replica per group of nodes), the predicted step at 100, 200
+   and 400 Gb/s per GPU between nodes, with the dp_replicate all-reduce exact and under PowerSGD (rank 4: the
+   bytes its reducer hands in; its compression compute, which bench/powersgd.py measures on a GPU, not priced).
 
 Usage: python bench/plan.py [--quick] [--step-json PATH]
 (CPU only; --quick skips the 2,048-rank fake worlds and the searches)
@@ -98,6 +101,40 @@ FAKE_WORLDS = [  # (model, parallel section, ranks, micro-batches per step)
 ]
 
 
+# (name, recipe overrides, GPUs, GPU): layouts whose replicate all-reduce crosses nodes, shard group inside a node
+POWERSGD_LAYOUTS = [
+    ("V2-Lite, 8 nodes: replicate 8 x shard 8, EP8", ["model.size=v2-lite", *V3[1:], "parallel.ep=8",
+                                                       "parallel.dp_replicate=8"], 64, "h100"),
+    ("V3, 128 nodes: PP16 DualPipeV x replicate 8 x shard 8, EP8",
+     V3 + ["model.precision=fp8", "parallel.ep=8", "parallel.dp_replicate=8", "parallel.pp=16",
+           "parallel.pp_schedule=dualpipev", "train.grad_accum=32"], 1024, "h800"),
+]
+LINKS_GBITS = (100, 200, 400)
+
+
+def powersgd_rows() -> list[dict]:
+    rows = []
+    for name, overrides, gpus, kind in POWERSGD_LAYOUTS:
+        for gbits in LINKS_GBITS:
+            gpu = replace(GPUS[kind], network_gbps=gbits / 8)
+            row = dict(layout=name, gpus=gpus, gpu=gpu.name, gbits=gbits)
+            for mode in ("none", "powersgd"):
+                cfg = load_config(str(ROOT / "recipes" / "tiny.yaml"),
+                                  overrides + [f"parallel.replicate_compression={mode}"])
+                lay = layout_of(cfg.parallel, gpus, grad_accum=cfg.train.grad_accum)
+                plan = predict(cfg, lay, gpu)
+                if not plan.fits:
+                    plan = predict(cfg, replace(lay, activation_checkpointing="full"), gpu)
+                sent = sum(c.count * c.nbytes for c in plan.collectives if c.overlap == "replicate")
+                row[mode] = dict(step_s=plan.time.seconds, tokens_per_s=plan.time.tokens_per_s_per_gpu,
+                                 mfu=plan.time.mfu, replicate_mib=sent / 2 ** 20,
+                                 replicate_exposed_s=plan.time.exposed.get("replicate", 0.0),
+                                 memory_gib=plan.memory.total / GIB, fits=plan.fits,
+                                 checkpointing=plan.layout.activation_checkpointing)
+            rows.append(row)
+    return rows
+
+
 def memory_rows(step_json: Path) -> list[dict]:
     rows = []
     data = json.loads(step_json.read_text())
@@ -177,7 +214,7 @@ def _fmt(v, spec=",.0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def report(mem, check, worlds, anchors) -> str:
+def report(mem, check, worlds, anchors, powersgd) -> str:
     lines = ["## 1. Peak memory on one GPU: plan vs bench/step.py", "",
              "Measured: `torch.cuda.max_memory_allocated` of each row (H200). Predicted: the plan's allocated peak "
              "(no reserve) for the same recipe, overrides and token-weighted document length.", "",
@@ -217,6 +254,21 @@ def report(mem, check, worlds, anchors) -> str:
     for r in anchors:
         parts = ", ".join(f"{k} {v:+.0%}" for k, v in r["sensitivity"].items())
         lines.append(f"- {r['name']}: {parts}")
+    lines += ["", "## 5. PowerSGD on the dp_replicate all-reduce: predicted step by network bandwidth", "",
+              "Exact: HSDP's fp32 all-reduce of each replica's gradient shards. PowerSGD: rank 4, the bytes "
+              "`ReplicateReducer` hands in (1-D tensors, small matrices and the vocabulary matrices whole). "
+              "The compression compute is not priced (bench/powersgd.py measures it on a GPU).", "",
+              "| layout | GPUs | network Gb/s per GPU | replicate MiB per step exact / PowerSGD | "
+              "replicate exposed ms exact / PowerSGD | step ms exact / PowerSGD | tok/s/GPU exact / PowerSGD "
+              "| speed-up |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in powersgd:
+        e, c = r["none"], r["powersgd"]
+        lines.append(f"| {r['layout']}{'' if e['checkpointing'] == 'none' else ' (full checkpointing)'} | "
+                     f"{r['gpus']} x {r['gpu']} | {r['gbits']} | {e['replicate_mib']:,.0f} / "
+                     f"{c['replicate_mib']:,.0f} | {1e3 * e['replicate_exposed_s']:,.0f} / "
+                     f"{1e3 * c['replicate_exposed_s']:,.0f} | {1e3 * e['step_s']:,.0f} / {1e3 * c['step_s']:,.0f} | "
+                     f"{e['tokens_per_s']:,.0f} / {c['tokens_per_s']:,.0f} | "
+                     f"{c['tokens_per_s'] / e['tokens_per_s']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -231,9 +283,10 @@ def main() -> None:
     check = timing.calibration_check()
     worlds = fake_world_rows(args.quick)
     anchors = anchor_rows(args.quick)
-    md = write_results("plan", "moela plan: calibration, fake world, published anchors",
-                       report(mem, check, worlds, anchors),
-                       dict(memory=mem, compute_check=check, fake_world=worlds, anchors=anchors),
+    powersgd = powersgd_rows()
+    md = write_results("plan", "moela plan: calibration, fake world, published anchors, PowerSGD links",
+                       report(mem, check, worlds, anchors, powersgd),
+                       dict(memory=mem, compute_check=check, fake_world=worlds, anchors=anchors, powersgd=powersgd),
                        out_dir=args.out_dir, device="CPU only (no GPU is touched)")
     print(md.read_text())
 

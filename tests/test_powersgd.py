@@ -12,6 +12,7 @@ for the same model.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from moela.parallel.config import ParallelConfig
 from moela.parallel.mesh import local_shard
 from moela.parallel.powersgd import ORTHO_EPS, matrix_shape, orthogonalize_, powersgd_bytes
 from moela.parallel.replicate import ReplicateReducer
+from moela.plan.comm import fsdp_collectives
+from moela.plan.layout import layout_of
+from moela.plan.memory import param_shards
 from parallel_harness import spawn
 
 RANK = 2
@@ -135,6 +139,10 @@ def _reducer_checks(rank: int, world_size: int) -> None:
                                         + 4 * sum(math.prod(s) for s, vocab in zip(shapes, vocabulary) if vocab))
     assert reducer.uncompressed_bytes == 4 * sum(math.prod(s) for s in shapes)
     assert reducer.uncompressed_bytes / reducer.compressed_bytes > 2
+    if rank == 0:  # `moela plan` prices the replicate all-reduce by these bytes (rank 0's shards, the largest)
+        layout = replace(layout_of(pcfg, world_size), replicate_powersgd_rank=RANK)
+        planned = fsdp_collectives(param_shards(cfg, layout), layout, 1)
+        assert sum(c.nbytes for c in planned if c.overlap == "replicate") == reducer.compressed_bytes
     assert any(len(s) == 3 and matrix_shape(s, RANK) for s in shapes)  # the routed experts are compressed
 
     _check_against_float64(model, mesh, reducer, warmup=1, steps=4)

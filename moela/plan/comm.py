@@ -6,10 +6,11 @@ Per step, from the parallel code's structure:
 - FSDP2, per unit (a block's dense weights over dp_shard x cp; its routed experts over dp_shard x cp / ep; the
   root: embedding, final norm, head, MTP projections): an all-gather of the bf16 padded shards before each forward
   and again before each backward (blocks reshard after forward; the root does not, so it gathers once per
-  micro-batch), and one fp32 reduce-scatter per step (gradients are synchronized on the last micro-batch only);
-  with pipelining one reduce-scatter per micro-batch (the pipeline leaves gradient sync on).
+  micro-batch), and one fp32 reduce-scatter per step (gradients are synchronized on the last micro-batch only;
+  with pipelining, by the stage's last backward of the step: `moela.parallel.pp_runtime`).
   With dp_replicate > 1 (HSDP) the reduced shard is then all-reduced across replicas; `replicate_compression`
-  divides those bytes (the hook a gradient compressor sets).
+  divides those bytes (a what-if), or under PowerSGD (`replicate_powersgd_rank`) they are what its reducer hands
+  in (`powersgd_unit_bytes`; its compression compute is not priced).
 - Expert parallelism, per MoE layer and micro-batch: `gather` all-gathers the padded tokens (bf16) and their ids
   and gate weights ([P, 2K] fp32) and reduce-scatters the partial outputs ([ep P, D] bf16); backward mirrors
   them. `alltoall` exchanges counts, then the (token, expert) rows each way, forward and backward; its bytes are
@@ -29,8 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moela.model.config import ModelConfig
+from moela.parallel.powersgd import powersgd_bytes
 from moela.plan.layout import Layout
 from moela.plan.memory import BF16, FP32, ParamShard, ep_mode
+
+VOCABULARY = ("embed.weight", "head.weight")  # sent whole by PowerSGD (moela.parallel.replicate)
 
 
 @dataclass(frozen=True)
@@ -48,25 +52,36 @@ class Collective:
         return self.count * self.nbytes
 
 
+def powersgd_unit_bytes(shards: list[ParamShard], rank: int) -> int:
+    """What `moela.parallel.replicate.ReplicateReducer` hands to the replicate all-reduces for these gradient
+    shards at PowerSGD rank `rank`: P and Q of the matrices it compresses; 1-D tensors, small matrices and the
+    vocabulary matrices (embedding, head) whole."""
+    vocabulary = [s for s in shards if s.name in VOCABULARY]
+    rest = [s.local_shape for s in shards if s.name not in VOCABULARY]
+    return powersgd_bytes(rest, rank) + FP32 * sum(s.numel for s in vocabulary)
+
+
 def fsdp_collectives(shards: list[ParamShard], layout: Layout, microbatches: int, stage: int = 0
                      ) -> list[Collective]:
     """FSDP2's collectives of the units held by pipeline rank `stage` (module docstring)."""
     if layout.world == 1:
         return []
     units: dict[tuple[str, str], int] = {}
+    members: dict[tuple[str, str], list[ParamShard]] = {}
     for s in shards:
         if s.rank == stage:
             units[(s.unit, s.fsdp_group)] = units.get((s.unit, s.fsdp_group), 0) + s.padded_numel
+            members.setdefault((s.unit, s.fsdp_group), []).append(s)
     out = []
     for (unit, group), padded in units.items():
         n = layout.efsdp if group == "efsdp" else layout.shard
         if n > 1:
             gathers = microbatches * (1 if unit == "root" else 2)
-            reduces = microbatches if layout.pp > 1 else 1
             out.append(Collective("all_gather", group, n, gathers, BF16 * padded, f"FSDP {unit}", "fsdp"))
-            out.append(Collective("reduce_scatter", group, n, reduces, FP32 * padded * n, f"FSDP {unit}", "fsdp"))
+            out.append(Collective("reduce_scatter", group, n, 1, FP32 * padded * n, f"FSDP {unit}", "fsdp"))
         if layout.dp_replicate > 1:
-            nbytes = int(FP32 * padded / layout.replicate_compression)
+            nbytes = (powersgd_unit_bytes(members[(unit, group)], layout.replicate_powersgd_rank)
+                      if layout.replicate_powersgd_rank else int(FP32 * padded / layout.replicate_compression))
             out.append(Collective("all_reduce", "dp_replicate", layout.dp_replicate, 1, nbytes, f"HSDP {unit}",
                                   "replicate"))
     return out

@@ -10,8 +10,10 @@ Decisions:
 - Pipeline settings are the recipe's (`parallel.pp`, `pp_schedule`, `pp_microbatches` or `train.grad_accum`,
   `pp_virtual_stages`, `pp_layout`): the blocks go to the `pp x virtual stages` chunks as
   `moela.parallel.pp_layout.stage_layout` places them, and chunk k to the rank `stage_ranks` names.
-- `replicate_compression`: the factor by which the `dp_replicate` gradient all-reduce is shrunk (1 = plain; a
-  compressor such as PowerSGD sets its ratio); the communication model divides those bytes by it.
+- `replicate_compression`: the factor by which the `dp_replicate` gradient all-reduce is shrunk (1 = plain), a
+  what-if the communication model divides those bytes by; `replicate_powersgd_rank` > 0 (the recipe's
+  `parallel.powersgd_rank` under `replicate_compression: powersgd`) prices that all-reduce by the bytes PowerSGD
+  hands in instead (`moela.plan.comm`).
 - GPUs: memory as torch sees it, dense datasheet peaks, and the link bandwidths the alpha-beta model uses
   (`GPUS`; the sources are in its comments).
 """
@@ -62,6 +64,7 @@ class Layout:
     activation_checkpointing: str = "none"
     replicate_compression: float = 1.0
     gpus_per_node: int = 8
+    replicate_powersgd_rank: int = 0
 
     @property
     def world(self) -> int:
@@ -148,4 +151,5 @@ def layout_of(parallel: ParallelConfig, gpus: int, *, grad_accum: int = 1, gpus_
     return Layout(sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp, sizes.ep, sizes.pp, parallel.pp_schedule,
                   (parallel.pp_microbatches or grad_accum) if pipelined else 1,
                   parallel.virtual_stages if pipelined else 1, parallel.pp_layout if pipelined else "",
-                  parallel.activation_checkpointing, replicate_compression, gpus_per_node)
+                  parallel.activation_checkpointing, replicate_compression, gpus_per_node,
+                  parallel.powersgd_rank if parallel.replicate_compression == "powersgd" else 0)

@@ -58,7 +58,7 @@ def _shards(cfg_key: tuple, layout: Layout) -> list:
 def _shard_key(layout: Layout) -> Layout:
     """The layout with only what parameter shards depend on (search varies the rest)."""
     return replace(layout, pp_microbatches=1, activation_checkpointing="none", replicate_compression=1.0,
-                   dp_replicate=min(layout.dp_replicate, 2))
+                   replicate_powersgd_rank=0, dp_replicate=min(layout.dp_replicate, 2))
 
 
 def _key(cfg: ModelConfig) -> tuple:

@@ -55,10 +55,12 @@ def search(cfg, gpus: int, gpu: GPU, *, gpus_per_node: int = 8, global_tokens: i
     """Plans of every candidate that fits, fastest first."""
     base_dp = gpus // (cfg.parallel.cp * cfg.parallel.tp)
     global_tokens = global_tokens or cfg.train.tokens_per_microbatch * cfg.train.grad_accum * base_dp
+    powersgd_rank = cfg.parallel.powersgd_rank if cfg.parallel.replicate_compression == "powersgd" else 0
     plans = []
     for layout, mbs in candidates(cfg, gpus, gpus_per_node, global_tokens):
         for ac in ("none", "full"):
-            lay = replace(layout, replicate_compression=replicate_compression, activation_checkpointing=ac)
+            lay = replace(layout, replicate_compression=replicate_compression, activation_checkpointing=ac,
+                          replicate_powersgd_rank=powersgd_rank)
             p = predict(cfg, lay, gpu, doc_len=doc_len, microbatches=mbs, only_if_fits=True)
             if p is not None:
                 plans.append(p)

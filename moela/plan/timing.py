@@ -26,11 +26,15 @@ Decisions:
   DualPipeV, whose overlapped pairs run one chunk's forward beside the other's backward: moela queues the pair on two
   CUDA streams (not DualPipe's phase-by-phase interleaving), assumed to hide half of the expert collectives; pipeline
   sends are half hidden. The collectives hidden on one link share it: together they hide under at most the compute
-  time, and the rest is exposed.
+  time, and the rest is exposed. The gradient reductions (FSDP's reduce-scatters, HSDP's replicate all-reduce) run
+  once per step, as each unit's last backward of the step ends, so they hide only under what is left of that
+  backward: at most one micro-batch's backward (2/3 of a micro-batch's compute).
 - Bubble, in units of one stage's forward F and backward B (= 2F, of which W = B/2 is the weight gradient) per
   micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B that over
-  v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. ZBV's weight pass
-  walks the stage's graph again (about a whole backward), so its blocks cost F + 1.5B, a third more.
+  v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. Both split the
+  backward into I and W (`moela.parallel.pp_split`): W runs only the parameters' side of the graph, but the routed
+  experts are one custom op whose backward computes its data and weight gradients together, so it runs in I and
+  again in W: the expert GEMMs' backward (2/3 of their time) counts twice.
 
 Shapes: D hidden, H heads, K top-k, F expert width, V vocabulary.
 """
@@ -176,29 +180,32 @@ def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Coll
               microbatches: int, doc_len: float, params_local: int, recompute: float, flops_per_token: float,
               overlap: dict[str, float] | None = None) -> StepTime:
     share = layout.cp * layout.tp * layout.pp
-    if layout.pp > 1 and layout.pp_schedule == "zbv":
-        recompute += 1.0  # the W pass: half a backward more = one forward more (module docstring)
     compute = compute_seconds(cfg, doc_len, tokens_per_mb * microbatches / share, 0, gpu, recompute=recompute)
+    if layout.pp > 1 and layout.pp_schedule in ("zbv", "dualpipev"):  # the experts' backward in I and in W
+        compute["expert GEMM"] += compute["expert GEMM"] / (1.0 + recompute / 3.0) * 2.0 / 3.0
     compute["optimizer"] = params_local / RATES["optimizer"] / gpu.compute_scale
     busy = sum(compute.values())
     overlap = dict(OVERLAP if overlap is None else overlap)
     if layout.pp_schedule == "dualpipev" and layout.pp > 1:
         overlap["ep"] = overlap["ep_dualpipev"]
     comm: dict[str, float] = {}
-    per_link: dict[tuple[str, str], float] = {}
+    per_link: dict[tuple[bool, str, str], float] = {}
     for c in collectives:
         seconds = c.count * collective_seconds(c, layout, gpu)
         comm[c.overlap] = comm.get(c.overlap, 0.0) + seconds
-        key = (c.overlap, link(c, layout))
+        reduction = c.overlap == "replicate" or (c.overlap == "fsdp" and c.kind == "reduce_scatter")
+        key = (not reduction, c.overlap, link(c, layout))
         per_link[key] = per_link.get(key, 0.0) + seconds
     exposed = dict.fromkeys(comm, 0.0)
+    last_backward = (busy - compute["optimizer"]) * 2.0 / 3.0 / microbatches
     for where in ("nvlink", "network"):  # what a link can hide is bounded by the compute it hides under
-        room = busy
-        for (kind, at), seconds in sorted(per_link.items()):
+        room, tail = busy, last_backward
+        for (anywhere, kind, at), seconds in sorted(per_link.items()):  # the reductions first, under the tail
             if at != where:
                 continue
-            hidden = min(overlap[kind] * seconds, room)
+            hidden = min(overlap[kind] * seconds, room if anywhere else min(room, tail))
             room -= hidden
+            tail -= 0.0 if anywhere else hidden
             exposed[kind] += seconds - hidden
     bubble = bubble_fraction(layout) * (busy - compute["optimizer"])
     seconds = busy + sum(exposed.values()) + bubble

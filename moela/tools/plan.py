@@ -6,6 +6,7 @@ ranks the layouts that fit. The layout is the recipe's `parallel` section (pipel
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from moela.tools.runs import UsageError
 
@@ -21,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: data.max_doc_len capped by the micro-batch)")
     p.add_argument("--global-tokens", type=int, default=None, help="tokens per optimizer step for --search "
                    "(default: the recipe's on N GPUs)")
+    p.add_argument("--network-gbits", type=float, default=None,
+                   help="network bandwidth per GPU between nodes in Gb/s (default: the GPU kind's, 400)")
     p.add_argument("--replicate-compression", type=float, default=1.0,
-                   help="factor the dp_replicate gradient all-reduce is compressed by")
+                   help="what-if factor the dp_replicate gradient all-reduce is shrunk by (a recipe with "
+                   "parallel.replicate_compression=powersgd is priced by PowerSGD's own bytes)")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit by predicted tokens/s")
     p.add_argument("--top", type=int, default=10, help="rows of --search's table")
 
@@ -48,6 +52,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--gpus {args.gpus} / --gpus-per-node {args.gpus_per_node}: must be >= 1")
     cfg = load_recipe(args.recipe, args.overrides)
     gpu = GPUS[args.gpu]
+    if args.network_gbits is not None:
+        if args.network_gbits <= 0:
+            raise UsageError(f"--network-gbits {args.network_gbits}: must be > 0 (Gb/s per GPU, e.g. 400)")
+        gpu = replace(gpu, network_gbps=args.network_gbits / 8)
+    if args.replicate_compression < 1:
+        raise UsageError(f"--replicate-compression {args.replicate_compression}: must be >= 1 (1 = uncompressed)")
     if args.search:
         plans = search(cfg, args.gpus, gpu, gpus_per_node=args.gpus_per_node, global_tokens=args.global_tokens,
                        doc_len=args.doc_len, replicate_compression=args.replicate_compression)
