@@ -38,6 +38,16 @@ def tiny_overrides(**overrides) -> list[str]:
     return [f"model.{key}={json.dumps(value)}" for key, value in {**TINY_SHAPE, **overrides}.items()]
 
 
+# train.py overrides for the fault and CLI tests: a 2-layer 4,096-vocabulary model (the bundled tokenizer's), tiny
+# micro-batches, one CPU thread, no evaluation, plots or progress bars
+TRAIN_FAST = [
+    *tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16),
+    "data.max_doc_len=64", "data.val_max_tokens=256",
+    "train.tokens_per_microbatch=128", "train.cpu_threads=1", "train.eval_every=0", "schedule.warmup_steps=1",
+    "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false", "logging.progress_bar=never",
+]
+
+
 def packed_batch(vocab: int, lens: list[int], seed: int = 0) -> PackedBatch:
     """Documents of lengths `lens` packed into one batch, random token ids below `vocab` drawn from a generator
     seeded with `seed`, each token labelled with its successor within the document (IGNORE_INDEX at the end)."""

@@ -8,7 +8,6 @@ process (a lock holder, a signal) is what is tested.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -22,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import random_batches, tiny_config, tiny_overrides
+from factories import random_batches, tiny_config
+from fault_helpers import ROOT, overrides, run_train, train
 from moela.config import ConfigError, load_config
 from moela.model import build_model
 from moela.parallel import ParallelConfig, apply_parallelism, build_mesh
@@ -31,36 +31,14 @@ from moela.trainer import checkpoint as ckpt
 from moela.trainer.metrics import MetricsWriter, read_metrics
 from parallel_harness import spawn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import train  # noqa: E402
-
-TINY = [
-    *tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16),
-    "data.max_doc_len=64", "data.val_max_tokens=256",
-    "train.tokens_per_microbatch=128", "train.cpu_threads=1", "train.eval_every=0", "schedule.warmup_steps=1",
-    "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false", "logging.progress_bar=never",
-]
-
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("token_cache"))
 
 
-def overrides(run_dir, cache_dir, *extra) -> list[str]:
-    return [*TINY, f"train.run_dir={run_dir}", f"data.cache_dir={cache_dir}", "train.steps=2", *extra]
-
-
 def make_cfg(run_dir, cache_dir, *extra):
     return load_config(None, overrides(run_dir, cache_dir, *extra))
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    """train.py's main() in this process: (exit code, stdout, stderr)."""
-    code = train.main([str(ROOT / "recipes" / "tiny.yaml"), *map(str, args)])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -73,7 +51,7 @@ def test_non_finite_float_keys_are_recipe_errors(override, capsys):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"command line: {key}: expected a finite number, got"):
         load_config(None, [override])
-    code, out, err = run_main(capsys, override, "--print-config")
+    code, out, err = run_train(capsys, override, "--print-config")
     assert code == 2 and out == "" and f"{key}: expected a finite number" in err
 
 
@@ -106,15 +84,6 @@ def trained(tmp_path, cache_dir, *extra) -> Path:
     return run
 
 
-def reseal(checkpoint_dir: Path) -> None:
-    """Record every file's current size and sha256 in the manifest, as if it had been saved that way."""
-    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
-    for name in manifest["files"]:
-        data = (checkpoint_dir / name).read_bytes()
-        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (checkpoint_dir / "manifest.json").write_text(json.dumps(manifest))
-
-
 def shard(checkpoint_dir: Path) -> Path:
     (path,) = checkpoint_dir.glob("*.distcp")
     return path
@@ -128,7 +97,7 @@ def test_random_bytes_in_a_shard_are_named_and_auto_resume_takes_the_previous_ch
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2:len(data) // 2 + 64] = random.Random(0).randbytes(64)  # same size, other bytes
     damaged.write_bytes(bytes(data))
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=3"))
     assert code == 0, err
     assert f"checkpoint {run}/checkpoints/step-2 is corrupt: {damaged.name}: its sha256 differs" in out
     assert "trying the next newest, step-1" in out and f"resumed from {run}/checkpoints/step-1 at step 1" in out
@@ -144,11 +113,11 @@ def test_a_truncated_file_is_named_and_not_blamed_on_the_recipe(victim, tmp_path
     path = shard(step) if victim == "shard" else step / victim
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 3])
     for resume in ("auto", step):
-        code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={resume}"))
+        code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={resume}"))
         assert code == 1 and "Traceback" not in err
         assert f"{path.name} has {path.stat().st_size} bytes" in err and "truncated" in err
         assert "model section" not in err and "optim.lr" not in err
-    assert "no intact checkpoint in" in run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))[2]
+    assert "no intact checkpoint in" in run_train(capsys, *overrides(run, cache_dir, "train.steps=3"))[2]
 
 
 def test_nan_saved_in_a_checkpoint_is_a_corrupt_checkpoint_not_a_learning_rate_problem(tmp_path, cache_dir, capsys):
@@ -161,11 +130,11 @@ def test_nan_saved_in_a_checkpoint_is_a_corrupt_checkpoint_not_a_learning_rate_p
     trainer.lock.release()
     capsys.readouterr()
     poisoned = run / "checkpoints" / "step-2"
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={poisoned}"))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=3", f"checkpoint.resume={poisoned}"))
     assert code == 1 and "Traceback" not in err
     assert f"checkpoint {poisoned} is corrupt: 1 tensor holds NaN or inf (model.layers.0.attn.wkv_a.weight)" in err
     assert "optim.lr" not in err
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3"))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=3"))
     assert code == 0, err
     assert f"checkpoint {poisoned} is corrupt: 1 tensor holds NaN or inf (model.layers.0.attn.wkv_a.weight)" in out
     assert f"resumed from {run}/checkpoints/step-1 at step 1" in out
@@ -189,7 +158,7 @@ def test_non_finite_evaluation_exits_nonzero_and_saves_nothing(tmp_path, cache_d
 
     monkeypatch.setattr(Trainer, "_build_model", nan_in_eval)
     run = tmp_path / "run"
-    code, out, err = run_main(capsys, *overrides(run, cache_dir))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir))
     assert code == 1 and "Traceback" not in err
     assert "the evaluation at step 2 gave val_loss=nan" in err and "no checkpoint of them is written" in err
     assert not (run / "checkpoints").exists()
@@ -204,7 +173,7 @@ def test_a_changed_setting_the_checkpoint_fixes_is_listed_and_exits_2(tmp_path, 
     run = trained(tmp_path, cache_dir)
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / "config.yaml", run / "metrics.jsonl")}
     capsys.readouterr()
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=4", "model.rope_theta=20000",
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=4", "model.rope_theta=20000",
                                                  "model.num_experts_per_tok=1", "train.seed=7"))
     assert code == 2 and "Traceback" not in err
     assert (f"cannot resume from {run}/checkpoints/step-2: the recipe changes settings the checkpointed run "
@@ -213,7 +182,7 @@ def test_a_changed_setting_the_checkpoint_fixes_is_listed_and_exits_2(tmp_path, 
     after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (run / "config.yaml", run / "metrics.jsonl")}
     assert after == before
     # what only chooses kernels or weights the objective may change
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "train.steps=3", "model.attention_backend=reference",
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "train.steps=3", "model.attention_backend=reference",
                                                  "model.mtp_loss_weight=0.1"))
     assert code == 0 and f"resumed from {run}/checkpoints/step-2" in out, err
 
@@ -223,7 +192,7 @@ def test_a_run_with_nothing_to_do_leaves_the_run_dir_alone(tmp_path, cache_dir, 
     files = [run / "config.yaml", run / "metrics.jsonl", run / "checkpoints" / "latest"]
     before = [(p.read_bytes(), p.stat().st_mtime_ns) for p in files]
     capsys.readouterr()
-    code, out, err = run_main(capsys, *overrides(run, cache_dir, "optim.lr=1e-3"))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir, "optim.lr=1e-3"))
     assert code == 0 and "already at train.steps=2; nothing to do" in out
     assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in files] == before
 
@@ -239,7 +208,7 @@ def test_a_stop_by_signal_exits_3_after_saving(tmp_path, cache_dir, capfd, monke
 
     monkeypatch.setattr(Trainer, "train_step", signalled)
     run = tmp_path / "run"
-    code, out, err = run_main(capfd, *overrides(run, cache_dir, "train.steps=5"))  # capfd: the handler os.write()s
+    code, out, err = run_train(capfd, *overrides(run, cache_dir, "train.steps=5"))  # capfd: the handler os.write()s
     assert code == 3 and "stopped by SIGTERM after step 1" in out
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-1"
     assert "  3    stopped by SIGTERM" in subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"],
@@ -259,7 +228,7 @@ def test_a_second_run_on_a_locked_run_dir_is_refused_naming_the_holder(tmp_path,
                               text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert holder.stdout.readline() == "locked\n"
-        code, out, err = run_main(capsys, *overrides(run, tmp_path / "cache"))
+        code, out, err = run_train(capsys, *overrides(run, tmp_path / "cache"))
         assert code == 1 and "Traceback" not in err
         assert (f"train.run_dir={run} is in use by another training run (pid {holder.pid} on host "
                 f"{socket.gethostname()}, running, started ") in err
@@ -267,7 +236,7 @@ def test_a_second_run_on_a_locked_run_dir_is_refused_naming_the_holder(tmp_path,
     finally:
         holder.kill()
         holder.wait()
-    code, out, err = run_main(capsys, *overrides(run, cache_dir))
+    code, out, err = run_train(capsys, *overrides(run, cache_dir))
     assert code == 0, err
     assert (f"run dir lock: its last holder (pid {holder.pid} on host {socket.gethostname()}, no longer running, "
             f"started ") in out and "taking it over" in out
@@ -293,7 +262,7 @@ def test_an_unwritable_run_dir_fails_before_the_data_is_read(where, tmp_path, ca
         if not _read_only(parent):
             pytest.skip("cannot make a directory read-only for root here (chattr)")
     try:
-        code, out, err = run_main(capsys, *overrides(parent / "run", tmp_path / "cache"))
+        code, out, err = run_train(capsys, *overrides(parent / "run", tmp_path / "cache"))
     finally:
         if where != "below a file":
             subprocess.run(["chattr", "-i", str(parent)], capture_output=True)
@@ -321,7 +290,7 @@ def test_wandb_online_without_a_login_fails_before_the_data_is_read(tmp_path):
 
 
 def data_run(capsys, tmp_path, source, *paths):
-    return run_main(capsys, *overrides(tmp_path / "run", tmp_path / "cache", f"data.source={source}",
+    return run_train(capsys, *overrides(tmp_path / "run", tmp_path / "cache", f"data.source={source}",
                                        f"data.paths=[{','.join(map(str, paths))}]"))
 
 
@@ -402,6 +371,6 @@ def test_init_from_a_damaged_checkpoint_names_the_file(tmp_path, cache_dir, caps
     damaged = shard(source)
     damaged.write_bytes(damaged.read_bytes()[:-100])
     capsys.readouterr()
-    code, out, err = run_main(capsys, *overrides(tmp_path / "fine-tune", cache_dir, f"checkpoint.init_from={source}"))
+    code, out, err = run_train(capsys, *overrides(tmp_path / "fine-tune", cache_dir, f"checkpoint.init_from={source}"))
     assert code == 1 and "Traceback" not in err
     assert f"checkpoint.init_from: {source} is corrupt: {damaged.name} has" in err and "truncated" in err

@@ -12,19 +12,12 @@ from pathlib import Path
 
 import torch
 
-from factories import tiny_overrides
+from factories import TRAIN_FAST as TINY
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from moela.tools import cli  # noqa: E402
-
-TINY = [
-    *tiny_overrides(vocab_size=4096, num_hidden_layers=2, n_routed_experts=4, q_lora_rank=16),
-    "data.max_doc_len=64", "data.val_max_tokens=256",
-    "train.tokens_per_microbatch=128", "train.cpu_threads=1", "train.eval_every=0", "schedule.warmup_steps=1",
-    "optim.lr=3e-3", "logging.log_every=1", "logging.plot=false", "logging.progress_bar=never",
-]
 
 
 def overrides(run_dir, cache_dir, *extra) -> list[str]:
