@@ -9,6 +9,8 @@
 #      evaluations and step-time line (bench/run_summary.py, into OUT_DIR/multi_gpu_run.md);
 #   5. with the time left (>= 40 s): the sync-free expert-parallel GPU test (tests/test_parallel_expert.py, NCCL,
 #      sync debug mode "error").
+# Not in the default set (its own command, RUNBOOK_STAGES=pp): bench/scaling.py --pipeline-set on 2 GPUs (pp=2
+# under each schedule) and on 4 (pp=4 under each schedule, pp=2 x ep=2 with 1F1B and DualPipeV).
 # On a 4-GPU machine stage 1 (GPU 3) runs beside stage 2 (GPUs 0-1). Every stage has a time limit inside the total
 # budget; a stage cut short keeps what it finished (scaling rows are appended as they are measured) and the next
 # stage starts. RUNBOOK_STAGES=scaling (or train,tests) runs a subset, e.g. to split the set over two commands.
@@ -110,6 +112,15 @@ if want scaling; then
     fi
     if (( NGPU >= 4 )); then
         scaling scaling_4gpu 160 240 0,1,2,3 4 "${FOUR[@]}"
+    fi
+fi
+
+if want pp; then  # only when asked for: RUNBOOK_STAGES=pp
+    PP=("${SCALE[@]}" --pipeline-set "${ROWS[@]}")
+    [[ $CPU == 1 ]] && PP+=(--set model.num_hidden_layers=6)  # 8 stages (pp=4 x 2 chunks) need 6 layers
+    stage scaling_pp_2gpu 240 200 0,1 torchrun --standalone --nproc_per_node=2 bench/scaling.py "${PP[@]}"
+    if (( NGPU >= 4 )); then
+        stage scaling_pp_4gpu 300 0 0,1,2,3 torchrun --standalone --nproc_per_node=4 bench/scaling.py "${PP[@]}"
     fi
 fi
 

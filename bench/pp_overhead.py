@@ -79,8 +79,7 @@ def main() -> None:
         plain.zero_grad(set_to_none=True)
 
     def pipe_step():
-        with autocast:
-            pipe.runtime.train_step(batches, 1.0 / total, StepSums())
+        pipe.runtime.train_step(batches, 1.0 / total, StepSums(), lambda: autocast)
         pipe.model.zero_grad(set_to_none=True)
 
     def timed(fn) -> float:

@@ -59,23 +59,20 @@ def main() -> None:
     def ready() -> None:
         """Micro-batch 0 through both chunks: chunk 1's backward of it and chunk 0's forward of micro-batch 1
         are then both ready, the state of a DualPipeV pair."""
-        runtime.begin(batches, 1.0, StepSums())
-        with autocast:
-            runtime.forward(Action("F", 0, 0))
-            runtime.forward(Action("F", 1, 0))
-            runtime.prepared(1)
+        runtime.begin(batches, 1.0, StepSums(), lambda: autocast)  # each forward under autocast, as the trainer
+        runtime.forward(Action("F", 0, 0))
+        runtime.forward(Action("F", 1, 0))
+        runtime.prepared(1)
         model.zero_grad(set_to_none=True)
         if not cpu:
             torch.cuda.synchronize()
 
     def apart() -> None:
-        with autocast:
-            runtime.forward(f)
+        runtime.forward(f)
         runtime.backward(b)
 
     def together() -> None:
-        with autocast:
-            pair(runtime, f, b)
+        pair(runtime, f, b)
 
     def timed(fn) -> float:
         ready()

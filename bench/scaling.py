@@ -1,5 +1,5 @@
-"""Weak scaling over GPUs: FSDP2, FSDP2 + expert parallelism, HSDP and context parallelism, tokens/s per GPU, MFU,
-memory, busy share and each collective's share.
+"""Weak scaling over GPUs: FSDP2, FSDP2 + expert parallelism, HSDP, context and pipeline parallelism, tokens/s per
+GPU, MFU, memory, busy share and each collective's share.
 
 Each data-parallel rank trains on its own micro-batch of `train.tokens_per_microbatch` tokens (documents of
 `--doc-len` tokens, random ids), so the work per GPU is fixed and tokens/s per GPU should stay flat as GPUs are
@@ -8,8 +8,11 @@ work per GPU). For every `--layout` (comma-separated overrides: `ep=2` is `paral
 taken as is, e.g. `cp=2,train.tokens_per_microbatch=131072` or `tp=2,model.block=fal`) the script builds the
 recipe's model, applies `apply_parallelism`, runs warm-up steps, times `--steps` full optimizer steps (forward,
 backward with the trainer's loss weighting, gradient clipping, AdamW, router-bias update) and profiles
-`--profile-steps` more with torch.profiler to split the GPU time of NCCL kernels by collective. Per row:
-  layout        a name from the resolved sizes (`1gpu`, `fsdp2`, `hsdp2x2`, `+ep2`, `+cp2`, `+tp2`) and any
+`--profile-steps` more with torch.profiler to split the GPU time of NCCL kernels by collective. A layout with
+`pp > 1` runs the trainer's pipeline (`moela.trainer.pipeline_step`) over `train.grad_accum` micro-batches a step;
+its tokens per GPU are the step's tokens over the pipeline's GPUs. `--pipeline-set` adds the pipeline layouts of
+the GPU count (`bench/scaling_report.PIPELINE_LAYOUTS`). Per row:
+  layout        a name from the resolved sizes (`1gpu`, `fsdp2`, `hsdp2x2`, `+pp2`, `+ep2`, `+cp2`, `+tp2`) and any
                 non-parallel overrides; the raw overrides are kept too
   tok/s/GPU     tokens_per_microbatch / (cp * tp) / median step time (the slowest rank's)
   vs 1 GPU      efficiency: ratio to the latest 1-GPU row of the same recipe, model size, tokens per GPU and
@@ -67,7 +70,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results_io import add_out_dir, command_line, commit_state, write_results  # noqa: E402
-from bench.scaling_report import json_rows, render  # noqa: E402
+from bench.scaling_report import PIPELINE_LAYOUTS, json_rows, render  # noqa: E402
 from moela.batch import IGNORE_INDEX, PackedBatch  # noqa: E402
 from moela.config import load_config  # noqa: E402
 from moela.model import build_model, count_params, flops_per_token  # noqa: E402
@@ -75,6 +78,7 @@ from moela.parallel import apply_parallelism, build_mesh, clip_grad_norm_, reduc
 from moela.parallel.ep_comm import PROFILE_PREFIX  # noqa: E402
 from moela.parallel.fsdp import transformer_blocks  # noqa: E402
 from moela.parallel.tensor_parallel import GroupQKNorm  # noqa: E402
+from moela.trainer.pipeline_step import PipelineStep  # noqa: E402
 from moela.trainer.profiling import COLLECTIVES, collective_times, compute_busy_us  # noqa: E402
 
 PEAK_TFLOPS = 989.0
@@ -135,8 +139,8 @@ def layout_name(mesh, overrides: list[str]) -> str:
         name = f"hsdp{s.dp_replicate}x{s.dp_shard * s.cp}"
     else:
         name = "fsdp2"
-    name += "".join(f"+{dim}{getattr(s, dim)}" for dim in ("ep", "cp", "tp") if getattr(s, dim) > 1)
-    extra = [o for o in overrides if not o.startswith(("parallel.ep=", "parallel.cp=", "parallel.tp=",
+    name += "".join(f"+{dim}{getattr(s, dim)}" for dim in ("pp", "ep", "cp", "tp") if getattr(s, dim) > 1)
+    extra = [o for o in overrides if not o.startswith(("parallel.pp=", "parallel.ep=", "parallel.cp=", "parallel.tp=",
                                                        "parallel.dp_replicate=", "parallel.dp_shard=",
                                                        "train.tokens_per_microbatch="))]
     return " ".join([name] + [o.removeprefix("parallel.") for o in extra])
@@ -158,7 +162,9 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(cfg.train.seed)
-    model = apply_parallelism(build_model(cfg.model, device), mesh, cfg.parallel)
+    pipe = PipelineStep(cfg, mesh, device, mixed_precision=cuda) if cfg.parallel.pp > 1 else None
+    micro = cfg.train.grad_accum if pipe is not None else 1  # a pipeline runs the step's micro-batches
+    model = pipe.model if pipe is not None else apply_parallelism(build_model(cfg.model, device), mesh, cfg.parallel)
     if QK_ALLGATHER in layout.split(","):
         for block in transformer_blocks(model):
             block.attn.layer_qk_norm = GroupQKNorm(mesh.group("tp"), allgather=True)
@@ -169,6 +175,8 @@ def run_layout(args, layout: str, world: int, device) -> dict:
 
     def step(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on micro-batch seed 1000 i + dp rank; (this rank's weighted loss, gradient norm)."""
+        if pipe is not None:
+            return pipeline_step(i)
         batch = synthetic_batch(cfg.model.vocab_size, tokens, args.doc_len, 1000 * i + dp_rank).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             out = model(batch)
@@ -180,6 +188,23 @@ def run_layout(args, layout: str, world: int, device) -> dict:
         if out.expert_load is not None:
             model.update_router_bias(reduce_expert_load(out.expert_load.float(), mesh))
         return out.loss.detach().float() * weight, norm.detach().float()
+
+    def pipeline_step(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same through the trainer's pipeline: `micro` micro-batches (seeds 1000 i + 100 j + dp rank)."""
+        batches = [synthetic_batch(cfg.model.vocab_size, tokens, args.doc_len, 1000 * i + 100 * j + dp_rank)
+                   for j in range(micro)]
+        total = dp_size * targets * micro
+
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+
+        sums, load, _ = pipe.run(batches, dp_cp / total, autocast, lambda b: b.to(device))
+        norm = clip_grad_norm_(model.parameters(), 1.0, across=mesh.group("pp"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if load is not None:
+            model.update_router_bias(reduce_expert_load(load.float(), mesh))
+        return (sums.sums[0] / total).float(), norm.detach().float()
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -217,7 +242,8 @@ def run_layout(args, layout: str, world: int, device) -> dict:
     dist.all_reduce(summed)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     median = float(stats[1])  # the slowest rank's median step
-    tokens_gpu = tokens // (mesh.size("cp") * mesh.size("tp"))  # CP and TP ranks share one micro-batch
+    # CP and TP ranks share one micro-batch, the stages of a pipeline its `micro` micro-batches
+    tokens_gpu = tokens * micro // (mesh.size("cp") * mesh.size("tp") * mesh.size("pp"))
     tok_s = tokens_gpu / median
     total, active = count_params(cfg.model)
     name = layout_name(mesh, overrides) + (f" {QK_ALLGATHER}" if QK_ALLGATHER in layout.split(",") else "")
@@ -253,6 +279,8 @@ def main() -> None:
     parser.add_argument("--jsonl", default="bench/notes/scaling.jsonl")
     add_out_dir(parser)
     parser.add_argument("--report-only", action="store_true", help="rebuild the tables from --jsonl, measure nothing")
+    parser.add_argument("--pipeline-set", action="store_true",
+                        help="add the pipeline layouts of this GPU count (bench/scaling_report.PIPELINE_LAYOUTS)")
     args = parser.parse_args()
     if args.report_only:
         print(write_report(Path(args.jsonl), args.out_dir))
@@ -273,7 +301,8 @@ def main() -> None:
     if link and dist.get_rank() == 0:
         print("link (NCCL bus bandwidth, GB/s):", json.dumps(link), flush=True)
     path = Path(args.jsonl)
-    for layout in args.layout or [""]:
+    layouts = (args.layout or []) + (PIPELINE_LAYOUTS.get(world, []) if args.pipeline_set else [])
+    for layout in layouts or [""]:
         row = run_layout(args, layout, world, device)
         row["link"] = link
         if dist.get_rank() == 0:  # appended at once: a run cut short by a time limit keeps its finished rows

@@ -13,6 +13,19 @@ from __future__ import annotations
 
 CP_TOLERANCE = 2e-2
 SHARES = ("a2a", "AG", "RS", "AR", "ep")
+# the pipeline rows (`bench/scaling.py --pipeline-set`, the runbook's `pp` stage), by GPU count: each schedule at
+# 8 micro-batches a step, and DualPipeV against 1F1B with expert parallelism; listed as pending until a GPU runs them
+PIPELINE_LAYOUTS = {
+    2: ["pp=2,ep=1,pp_schedule=1f1b,train.grad_accum=8",
+        "pp=2,ep=1,pp_schedule=zbv,pp_virtual_stages=2,train.grad_accum=8",
+        "pp=2,ep=1,pp_schedule=dualpipev,pp_virtual_stages=2,train.grad_accum=8"],
+    4: ["pp=4,ep=1,pp_schedule=1f1b,train.grad_accum=8",
+        "pp=4,ep=1,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,train.grad_accum=8",
+        "pp=4,ep=1,pp_schedule=zbv,pp_virtual_stages=2,train.grad_accum=8",
+        "pp=4,ep=1,pp_schedule=dualpipev,pp_virtual_stages=2,train.grad_accum=8",
+        "pp=2,ep=2,pp_schedule=1f1b,train.grad_accum=8",
+        "pp=2,ep=2,pp_schedule=dualpipev,pp_virtual_stages=2,train.grad_accum=8"],
+}
 
 
 def _name(row: dict) -> str:
@@ -124,4 +137,11 @@ def render(rows: list[dict]) -> str:
                           f"{CP_TOLERANCE:g}): **{'ok' if check['ok'] else 'FAILED'}**.")
     if checks:
         lines += [""] + checks
+    measured = {(r["world"], r["layout"]) for r in rows if r.get("gpu") != "cpu"}
+    pending = [(world, layout) for world, layouts in sorted(PIPELINE_LAYOUTS.items()) for layout in layouts
+               if (world, layout) not in measured]
+    if pending:
+        lines += ["", "Pending (pipeline parallelism; no GPU row yet: `RUNBOOK_STAGES=pp bench/multi_gpu_runbook.sh "
+                  "OUT_DIR` on a 2- or 4-GPU machine):", ""]
+        lines += [f"- {world} GPUs: `{layout}`" for world, layout in pending]
     return "\n".join(lines) + "\n"

@@ -9,6 +9,8 @@ micro-batch weighted by its share of the step's targets, gradient clipping, SGD 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -21,8 +23,10 @@ from moela.trainer.step_metrics import StepSums
 from parallel_training import CLIP, full, full_state, make_optimizer
 
 
-def reference(cfg, microbatches: int, steps: int, *, seed: int = 100, record_grads: bool = True):
-    """-> (step losses, first gradients, step metric sums, final state, initial state) of one process."""
+def reference(cfg, microbatches: int, steps: int, *, seed: int = 100, record_grads: bool = True,
+              autocast=nullcontext):
+    """-> (step losses, first gradients, step metric sums, final state, initial state) of one process; each
+    forward under `autocast()`, as the trainer runs it."""
     torch.manual_seed(0)
     model = build_model(cfg)
     initial = full_state(model)
@@ -33,7 +37,8 @@ def reference(cfg, microbatches: int, steps: int, *, seed: int = 100, record_gra
         total = sum(b.num_targets() for b in batches)
         sums, load = StepSums(), 0.0
         for b in batches:
-            out = model(b)
+            with autocast():
+                out = model(b)
             (out.loss * (out.num_targets / total)).backward()
             sums.add(out.loss, out.metrics, out.num_targets)
             load = load + out.expert_load
@@ -49,7 +54,7 @@ def reference(cfg, microbatches: int, steps: int, *, seed: int = 100, record_gra
 
 
 def pipelined(cfg, pcfg, world_size: int, steps: int, *, seed: int = 100, counts: dict | None = None,
-              initial: dict | None = None, overlap: bool = True):
+              initial: dict | None = None, overlap: bool = True, autocast=nullcontext):
     """-> (step losses, first gradients of this rank's parameters, step metric sums, this rank's final state)
     under `pcfg` (pp > 1); the data-parallel ranks of one step split its micro-batches as the loader does.
     `initial`: the whole model's initial state, loaded into the stages (FSDP on the CPU initializes each shard
@@ -73,7 +78,7 @@ def pipelined(cfg, pcfg, world_size: int, steps: int, *, seed: int = 100, counts
         batches = random_batches(m * dp, seed=seed + step, vocab=cfg.vocab_size)
         total = sum(b.num_targets() for b in batches)
         mine = batches[mesh.rank("dp") * m:(mesh.rank("dp") + 1) * m]
-        result = pipe.runtime.train_step(mine, mesh.size("dp_cp") / total, StepSums())
+        result = pipe.runtime.train_step(mine, mesh.size("dp_cp") / total, StepSums(), autocast)
         sums = result.sums.sums.clone()
         dist.all_reduce(sums, group=pp_group)
         if mesh.group("dp_cp") is not None:

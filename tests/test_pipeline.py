@@ -10,6 +10,7 @@ gradients and weights.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -85,6 +86,25 @@ def test_four_stages_equal_one_process(schedule, v):
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
 def test_two_stages_times_fsdp(schedule, v):
     _run(schedule, v, 4)
+
+
+def _check_bf16(rank, world, cfg, pcfg, ref, autocast):
+    losses, grads, _, _ = pipelined(cfg, pcfg, world, 1, initial=ref[4], autocast=autocast)
+    assert losses == pytest.approx(ref[0], rel=1e-3)
+    for name, g in grads.items():
+        err = float((g - ref[1][name]).norm() / ref[1][name].norm().clamp_min(1e-12))
+        assert err < 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), pytest.param("zbv", 2, marks=pytest.mark.slow)])
+def test_two_stages_times_fsdp_under_bf16_autocast(schedule, v):
+    """pp=2 x dp_shard=2 under bf16 autocast (each forward in its own context) against the one-process step under
+    the same autocast: bf16 rounding only (1e-2 of each gradient's norm; an autocast context around the whole
+    step loses about a third of the weight gradients here)."""
+    cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING})
+    pcfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=4, dp_shard=2)
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    spawn(_check_bf16, 4, cfg, pcfg, reference(cfg, 8, 1, autocast=autocast), autocast)
 
 
 def _check_one_reduce_scatter_per_unit(rank, world, cfg, pcfg, ref, steps, counts_expected, overlap):

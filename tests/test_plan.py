@@ -124,11 +124,24 @@ def test_cli_one_gpu_prints_the_plan():
     assert "memory per GPU" in r.stdout and "tokens/s per GPU" in r.stdout
 
 
+def test_cli_network_bandwidth_slows_the_cross_node_step():
+    fast, slow = (_cli("recipes/small.yaml", "--gpus", "16", "--network-gbits", g) for g in ("400", "100"))
+    assert fast.returncode == slow.returncode == 0, fast.stderr + slow.stderr
+    assert "12.5 GB/s network per GPU (100 Gb/s)" in slow.stdout
+
+    def step_ms(out: str) -> float:
+        return float(next(line for line in out.splitlines() if line.startswith("step time")).split()[2])
+
+    assert step_ms(slow.stdout) > step_ms(fast.stdout)
+
+
 @pytest.mark.parametrize("args,needle", [(["recipes/small.yaml", "train.tokens_per_microbatch=0", "--gpus", "1"],
                                           "tokens_per_microbatch"),
                                          (["recipes/small.yaml", "parallel.pp=4", "--gpus", "6"], "parallel"),
                                          (["recipes/small.yaml", "parallel.tp=3", "--gpus", "8"], "tp"),
-                                         (["recipes/nope.yaml", "--gpus", "1"], "nope.yaml")])
+                                         (["recipes/nope.yaml", "--gpus", "1"], "nope.yaml"),
+                                         (["recipes/small.yaml", "--gpus", "16", "--network-gbits", "0"],
+                                          "--network-gbits")])
 def test_cli_errors_are_one_line(args, needle):
     r = _cli(*args)
     assert r.returncode == 2

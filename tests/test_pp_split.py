@@ -86,3 +86,44 @@ def test_an_input_the_roots_do_not_reach_gets_none():
     assert du is None and torch.allclose(dx, torch.ones(4, 3) @ w.detach().T)
     split.weights_grad()
     torch.testing.assert_close(w.grad, x.detach().T @ torch.ones(4, 3))
+
+
+class _OnceMatmul(torch.autograd.Function):
+    """x @ w whose backward may run once: it overwrites its saved input (as the fused expert op reuses buffers)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x.clone(), w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        _OnceMatmul.calls += 1
+        x, w = ctx.saved_tensors
+        dw = x.T @ g
+        x.zero_()  # a second run would see zeros
+        return g @ w.T, dw
+
+
+def test_a_custom_function_boundary_runs_once_and_its_weight_gradient_is_kept():
+    g = torch.Generator().manual_seed(5)
+    x0 = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    w0, v0 = torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+    seed = torch.randn(6, 3, generator=g, dtype=torch.float64)
+
+    def leaves():
+        return x0.clone().requires_grad_(), w0.clone().requires_grad_(), v0.clone().requires_grad_()
+
+    x, w, v = leaves()
+    (torch.tanh(_OnceMatmul.apply(x, w)) @ v).backward(seed)
+    want = [t.grad for t in (x, w, v)]
+    x, w, v = leaves()
+    _OnceMatmul.calls = 0
+    split = SplitBackward([torch.tanh(_OnceMatmul.apply(x, w)) @ v], [seed], [x])
+    (dx,) = split.inputs_grad()
+    split.weights_grad()
+    assert _OnceMatmul.calls == 1
+    for got, ref in zip((dx, w.grad, v.grad), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

@@ -17,6 +17,11 @@ actions that computes parameter gradients (its last B, or its last W under the z
 ones accumulate the unsharded gradients and keep the parameters gathered for the next backward (as
 torch.distributed.pipelining does), and I, which computes no parameter gradient, never syncs. A rank holding two
 chunks (ZBV, DualPipeV) switches each chunk's units on their own.
+Autocast: each forward (and each micro-batch's preparation) runs in its own `autocast()` context, as the
+trainer's plain step does, never the whole step. Autocast caches the low-precision copy of each weight until its
+outermost context exits; one context around the step would keep that copy, and the autograd node that casts it,
+across FSDP's reshard and re-gather of the weight between micro-batches, which loses part of the weight gradients
+(tests/test_pipeline.py checks the step under bf16 autocast). Backward runs outside autocast, as autograd intends.
 Statistics: each forward adds its stage's loss and metric shares times the micro-batch's labelled tokens to a
 `StepSums`, and its expert load to this rank's rows; the trainer sums both over the pipeline.
 
@@ -26,6 +31,7 @@ Shapes: T tokens of a micro-batch (this rank's rows of it), D hidden, E experts,
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -65,10 +71,11 @@ class PipelineRuntime:
         self.width = model.cfg.hidden_size
 
     # ----- one step -----
-    def train_step(self, batches: list[PackedBatch], loss_scale: float, sums) -> StepResult:
+    def train_step(self, batches: list[PackedBatch], loss_scale: float, sums, autocast=nullcontext) -> StepResult:
         """Forward and backward of every micro-batch (on the device) through this rank's stages; `sums` a fresh
-        StepSums to fill. Parameter gradients accumulate in place."""
-        self.begin(batches, loss_scale, sums)
+        StepSums to fill. Parameter gradients accumulate in place. `autocast()`: the context each forward runs
+        in (never the whole step: see the module docstring)."""
+        self.begin(batches, loss_scale, sums, autocast)
         for step in self.actions:
             if isinstance(step, Overlap):
                 if self.overlap_f_b is not None:
@@ -88,9 +95,9 @@ class PipelineRuntime:
         loads = [self._loads[s] for s in sorted(self._loads)]
         return StepResult(sums, torch.cat(loads) if loads else None)
 
-    def begin(self, batches: list[PackedBatch], loss_scale: float, sums) -> None:
+    def begin(self, batches: list[PackedBatch], loss_scale: float, sums, autocast=nullcontext) -> None:
         """Start a step on `batches` (what `train_step` does before its actions; benchmarks run actions alone)."""
-        self._batches, self._loss_scale, self._sums = batches, loss_scale, sums
+        self._batches, self._loss_scale, self._sums, self._autocast = batches, loss_scale, sums, autocast
         self._preps: dict[int, Prepared] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._loads: dict[int, torch.Tensor] = {}
@@ -108,7 +115,8 @@ class PipelineRuntime:
 
     def prepared(self, mb: int) -> Prepared:
         if mb not in self._preps:
-            self._preps[mb] = self.model.prepare(self._batches[mb])
+            with self._autocast():
+                self._preps[mb] = self.model.prepare(self._batches[mb])
         return self._preps[mb]
 
     def _rows(self, prep: Prepared) -> int:
@@ -125,7 +133,8 @@ class PipelineRuntime:
     def run_forward(self, stage: int, mb: int, inputs: list[torch.Tensor]) -> StageOutput:
         """The stage's forward on received inputs, its statistics counted and what backward needs kept."""
         chunk, prep = self.chunks[stage], self.prepared(mb)
-        out = chunk(prep, inputs)
+        with self._autocast():
+            out = chunk(prep, inputs)
         self._sums.add(out.loss, out.metrics, prep.num_targets)
         if out.expert_load is not None:
             self._loads[stage] = out.expert_load.float() + self._loads.get(stage, 0)
@@ -206,16 +215,19 @@ class PipelineRuntime:
 
     # ----- evaluation -----
     @torch.no_grad()
-    def forward_only(self, batches: list[PackedBatch]) -> list[tuple[dict[str, torch.Tensor], object]]:
+    def forward_only(self, batches: list[PackedBatch], autocast=nullcontext
+                     ) -> list[tuple[dict[str, torch.Tensor], object]]:
         """Every micro-batch through this rank's stages, forward only (micro-batch by micro-batch, stages in
         order: deadlock-free for any placement); returns per micro-batch the metric shares summed over this
         rank's stages and its labelled-token count."""
-        self._batches, self._preps = batches, {}
+        self._batches, self._preps, self._autocast = batches, {}, autocast
         results = []
         for mb in range(len(batches)):
             total: dict[str, torch.Tensor] = {}
             for stage in sorted(self.chunks):
-                out = self.chunks[stage](self.prepared(mb), self.receive_inputs(stage, mb))
+                prep, inputs = self.prepared(mb), self.receive_inputs(stage, mb)
+                with autocast():
+                    out = self.chunks[stage](prep, inputs)
                 self.send_outputs(stage, mb, out)
                 for k, v in out.metrics.items():
                     total[k] = v + total.get(k, 0)

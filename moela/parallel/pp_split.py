@@ -15,10 +15,15 @@ boundary's incoming gradient to the kept one (a pre-hook returning it): the call
 input-side gradient into another, which must not count twice. A root the inputs' part does not reach (a loss term
 of the parameters alone) is a boundary whose kept gradient is its seed (nothing flows into a root: no pin).
 
+Custom autograd Functions (the fused expert op, the chunked head + cross-entropy) compute every output whenever
+they run, weight gradients included, and their backward need not be safe to run twice (the expert op reuses its
+saved buffers). A custom boundary is therefore never run again: I keeps the gradients it produces along its edges
+towards the parameters (a post-hook), and W starts the engine below it, on those edges. Their weight gradients are
+computed in I; the deferral saves the torch-native weight GEMMs.
+
 Exactness: I runs the nodes the whole backward runs towards the inputs, with the same incoming gradients; W adds
-to each parameter the same terms, from the same incoming gradients. Custom autograd Functions (the fused attention
-backward, the FP8 expert GEMMs) compute every output whenever they run, so their weight gradients are computed and
-dropped in I and their input gradients in W: exact, but the saving is in the torch-native ops.
+to each parameter the same terms, from the same incoming gradients (or, below a custom boundary, the same
+gradients).
 
 FSDP2: its post-backward hooks sit on the forward's inputs and outputs, which W never reaches, so after a stage's
 last W `finish_fsdp_backward` runs the post-backward (reduce-scatter, reshard) of the stage's units, as
@@ -30,6 +35,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
@@ -95,7 +101,13 @@ class SplitBackward:
             for b in self.groups[keep][0]:
                 group_of[b] = keep
         self.kept: dict[Node, list[torch.Tensor | None]] = defaultdict(list)
-        self._watch = {b for bounds, _ in self.groups for b in bounds if b in on_input_path}
+        watched = {b for bounds, _ in self.groups for b in bounds if b in on_input_path}
+        self._custom = {b for b in watched if isinstance(b, BackwardCFunction)}  # kept: what they produce
+        self._watch = watched - self._custom  # kept: what reaches them
+        # a custom boundary's edges towards the parameters (off the inputs' part), where W starts instead
+        self._below = {b: [(i, nxt, nr) for i, (nxt, nr) in enumerate(b.next_functions)
+                           if nxt is not None and nxt not in on_input_path] for b in self._custom}
+        self._produced: dict[Node, tuple] = {}
         for root, seed in zip(roots, seeds):  # roots off the inputs' part: their seeds are what reaches them
             node = root.grad_fn
             if node is not None and node not in on_input_path and node in group_of:
@@ -112,7 +124,11 @@ class SplitBackward:
         def keep(node):
             return lambda grads: self.kept.__setitem__(node, list(grads))
 
-        hooks = [node.register_prehook(keep(node)) for node in self._watch]
+        def produced(node):
+            return lambda grad_inputs, _: self._produced.__setitem__(node, grad_inputs)
+
+        hooks = ([node.register_prehook(keep(node)) for node in self._watch]
+                 + [node.register_hook(produced(node)) for node in self._custom])
         try:
             return list(torch.autograd.grad(self.roots, self.inputs, self.seeds, retain_graph=True,
                                             allow_unused=True))
@@ -124,11 +140,21 @@ class SplitBackward:
         """W: accumulate the parameters' gradients (into `.grad`, as a whole backward does); frees the graph."""
         for bounds, params in self.groups:
             edges, grads = [], []
+            below: dict[tuple[Node, int], torch.Tensor] = {}
             for node in bounds:
+                if node in self._custom:  # start below it, from what it produced in I
+                    out = self._produced.get(node, ())
+                    for i, nxt, nr in self._below[node]:
+                        if i < len(out) and out[i] is not None:
+                            below[(nxt, nr)] = out[i] if (nxt, nr) not in below else below[(nxt, nr)] + out[i]
+                    continue
                 for i, g in enumerate(self.kept.get(node, ())):
                     if g is not None:
                         edges.append(GradientEdge(node, i))
                         grads.append(g)
+            for (nxt, nr), g in below.items():
+                edges.append(GradientEdge(nxt, nr))
+                grads.append(g)
             if not edges:
                 continue
             pins = ([node.register_prehook(lambda _, kept=tuple(self.kept[node]): kept)
@@ -140,6 +166,7 @@ class SplitBackward:
                     h.remove()
         self.roots = self.seeds = self.inputs = []
         self.kept.clear()
+        self._produced.clear()
         self.groups.clear()
 
 

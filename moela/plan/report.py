@@ -49,7 +49,8 @@ def plan_text(p: Plan) -> str:
     lines += [f"tokens/s per GPU {t.tokens_per_s_per_gpu:,.0f}, MFU {t.mfu:.1%}", "",
               f"assumptions: compute rates from bench/step.py's {REFERENCE} row (H200, bf16), scaled by FLOPs; "
               f"latency {ALPHA_S['nvlink'] * 1e6:.0f}/{ALPHA_S['network'] * 1e6:.0f} us per ring step "
-              f"(NVLink/network), {g.nvlink_gbps:.0f} GB/s NVLink, {g.network_gbps:.0f} GB/s network per GPU; "
+              f"(NVLink/network), {g.nvlink_gbps:.0f} GB/s NVLink, {g.network_gbps:g} GB/s network per GPU "
+              f"({8 * g.network_gbps:g} Gb/s); "
               f"uniform routing; see docs/plan.md"]
     return "\n".join(lines)
 

@@ -61,8 +61,7 @@ class PipelineStep:
         if len(batches) != self.microbatches:
             raise ValueError(f"the pipeline runs {self.microbatches} micro-batches a step, got {len(batches)}")
         on_device = [to_device(b) for b in batches]
-        with autocast():
-            result = self.pipe.runtime.train_step(on_device, loss_scale, StepSums())
+        result = self.pipe.runtime.train_step(on_device, loss_scale, StepSums(), autocast)
         dist.all_reduce(result.sums.sums, group=self.group)
         full = None
         if result.expert_load is not None:
@@ -74,8 +73,7 @@ class PipelineStep:
         """[LM loss * labelled tokens, labelled tokens] over `batches` (float64, this data-parallel rank's, summed
         over the pipeline: only the last stage's share of the LM loss is non-zero)."""
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        with autocast():
-            results = self.pipe.runtime.forward_only([to_device(b) for b in batches])
+        results = self.pipe.runtime.forward_only([to_device(b) for b in batches], autocast)
         for metrics, num_targets in results:
             sums[0] += metrics["lm_loss"].double() * num_targets
             sums[1] += num_targets
