@@ -9,6 +9,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,12 @@ def test_concurrent_builders_split_the_shards(tmp_path, monkeypatch):
     def recording(plan, i, report):  # runs in the forked workers: records who built each shard
         with open(tmp_path / "built", "a") as f:
             f.write(f"{i} {os.getppid()}\n")
+        # hold the shard until another builder has claimed one (60 s at most), so that on a loaded machine one
+        # builder cannot finish every shard before the others are scheduled: the claims, not timing, are tested
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len({line.split()[1] for line in
+                                                   (tmp_path / "built").read_text().splitlines()}) < 2:
+            time.sleep(0.05)
         return real(plan, i, report)
 
     monkeypatch.setattr(build_mod, "build_shard", recording)
