@@ -322,7 +322,7 @@ def write_report(jsonl: Path, out_dir: str) -> str:
     current = json_rows(rows)
     body = render(rows)
     ran = {key: ", ".join(sorted({str(r[key] or "-") for r in current})) for key in ("gpu", "torch", "triton")}
-    write_results("scaling", "Weak scaling: FSDP2, expert parallelism, HSDP and context parallelism", body, current,
+    write_results("scaling", "Weak scaling: FSDP2, expert, HSDP, context and pipeline parallelism", body, current,
                   out_dir=out_dir, device=ran["gpu"], torch=ran["torch"], triton=ran["triton"])
     return body
 
