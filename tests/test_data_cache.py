@@ -119,8 +119,9 @@ def test_concurrent_builders_split_the_shards(tmp_path, monkeypatch):
     def recording(plan, i, report):  # runs in the forked workers: records who built each shard
         with open(tmp_path / "built", "a") as f:
             f.write(f"{i} {os.getppid()}\n")
-        # hold the shard until another builder has claimed one (60 s at most), so that on a loaded machine one
-        # builder cannot finish every shard before the others are scheduled: the claims, not timing, are tested
+        # hold the shard until another builder has claimed one (60 s at most): a builder that starts while another
+        # holds claims must take the unclaimed shards rather than wait, and one builder cannot finish every shard
+        # before the others are scheduled, however loaded the machine
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len({line.split()[1] for line in
                                                    (tmp_path / "built").read_text().splitlines()}) < 2:

@@ -112,9 +112,10 @@ class Plan:
                 return i
         return None
 
-    def live_claims(self) -> bool:
-        """Whether some live worker (here or on another host) holds a claim on an unfinished shard."""
-        return any(not self.done(i) and _claim_alive(self.dir / f"{shard_name(i)}.claim") for i in self.order)
+    def all_claimed(self) -> bool:
+        """Whether every unfinished shard is claimed by a live worker (here or on another host): nothing is left for
+        another process's workers until one finishes or dies."""
+        return all(self.done(i) or _claim_alive(self.dir / f"{shard_name(i)}.claim") for i in self.order)
 
     def finalize(self) -> None:
         """Under the lock, once: the global offsets over all shards, then meta.json (the cache is complete)."""
@@ -356,7 +357,7 @@ def build(plan: Plan, workers: int, show_progress: bool = True) -> None:
     bar = Progress(plan, show_progress)
     try:
         while not all(plan.done(i) for i in range(len(plan.slices))):
-            if plan.live_claims():
+            if plan.all_claimed():
                 time.sleep(POLL_S)
                 bar.poll_disk()
                 continue
