@@ -10,8 +10,9 @@ The runtime executes this rank's action list (`moela.parallel.pp_schedules`) in 
   inputs' gradients and sends them at once, keeping the gradients that reach the parameters' side of the graph;
   W later runs only that side and accumulates the parameter gradients, so I then W adds to every gradient
   exactly what B adds. A stage whose inputs take no gradient (the first) leaves its whole backward to W.
-- Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward issued together on
-  two CUDA streams, `moela.parallel.pp_overlap`), else f then b.
+- Overlap(f, b): `overlap_f_b` if one is given (one chunk's forward and another's backward interleaved block by
+  block on two CUDA streams, `moela.parallel.pp_overlap`), else f then b. The forward of each b of a pair cuts
+  its graph at block boundaries (`GraphCuts`), so that its backward can run a block at a time.
 Gradient sync (FSDP2 stage units): a stage's gradients are reduce-scattered once per step, by the last of its
 actions that computes parameter gradients (its last B, or its last W under the zero-bubble split); the earlier
 ones accumulate the unsharded gradients and keep the parameters gathered for the next backward (as
@@ -30,7 +31,7 @@ Shapes: T tokens of a micro-batch (this rank's rows of it), D hidden, E experts,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 from moela.batch import PackedBatch
 from moela.model.transformer import Prepared, Transformer
 from moela.parallel.pp_comm import StageLinks
+from moela.parallel.pp_overlap import GraphCuts
 from moela.parallel.pp_schedules import Action, Overlap, Step
 from moela.parallel.pp_split import SplitBackward, finish_fsdp_backward
 from moela.parallel.pp_stage import StageChunk, StageOutput
@@ -51,6 +53,7 @@ class _Saved:
     out: StageOutput
     weight: float | torch.Tensor
     split: SplitBackward | None = None  # I's half-done backward, finished by W
+    cuts: GraphCuts | None = None  # the forward's graph cut at block boundaries (the b of an overlapped pair)
     grads: list[torch.Tensor] | None = None  # the outputs' gradients, kept from I for W where I had nothing to do
 
 
@@ -103,6 +106,8 @@ class PipelineRuntime:
         self._loads: dict[int, torch.Tensor] = {}
         flat = [a for step in self.actions for a in ((step.f, step.b) if isinstance(step, Overlap) else (step,))]
         self._last_grad = {a.stage: (a.mb, a.kind) for a in flat if a.kind in ("B", "W")}
+        self._cut = ({(s.b.stage, s.b.mb) for s in self.actions if isinstance(s, Overlap) and s.b.kind == "B"}
+                     if self.overlap_f_b is not None else set())
 
     def _grad_sync(self, stage: int, mb: int, kind: str) -> None:
         """Let stage's FSDP units reduce-scatter (and reshard) after this backward only if it is the stage's last
@@ -130,15 +135,18 @@ class PipelineRuntime:
         return [t.requires_grad_(t.is_floating_point())
                 for t in self.links.recv(stage - 1, "act", mb, shapes, self.device)]
 
-    def run_forward(self, stage: int, mb: int, inputs: list[torch.Tensor]) -> StageOutput:
-        """The stage's forward on received inputs, its statistics counted and what backward needs kept."""
+    def run_forward(self, stage: int, mb: int, inputs: list[torch.Tensor],
+                    between: Callable[[], None] | None = None) -> StageOutput:
+        """The stage's forward on received inputs, its statistics counted and what backward needs kept;
+        `between()` runs before each block (`StageChunk.forward`)."""
         chunk, prep = self.chunks[stage], self.prepared(mb)
+        cuts = GraphCuts() if (stage, mb) in self._cut else None
         with self._autocast():
-            out = chunk(prep, inputs)
+            out = chunk(prep, inputs) if cuts is None and between is None else chunk(prep, inputs, cuts, between)
         self._sums.add(out.loss, out.metrics, prep.num_targets)
         if out.expert_load is not None:
             self._loads[stage] = out.expert_load.float() + self._loads.get(stage, 0)
-        self._saved[(stage, mb)] = _Saved(inputs, out, prep.num_targets * self._loss_scale)
+        self._saved[(stage, mb)] = _Saved(inputs, out, prep.num_targets * self._loss_scale, cuts=cuts)
         return out
 
     def send_outputs(self, stage: int, mb: int, out: StageOutput) -> None:
@@ -172,22 +180,38 @@ class PipelineRuntime:
 
     def run_backward(self, stage: int, mb: int, grads: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
         """B (whole backward) or I (inputs' gradients only, graph kept for W); returns the inputs' gradients."""
+        if kind == "B":
+            segments = self.backward_segments(stage, mb, grads)
+            while True:
+                try:
+                    next(segments)
+                except StopIteration as end:
+                    return end.value
         saved = self._saved[(stage, mb)]
         tensors, seeds = self._roots(saved, grads)
         wanted = [t for t in saved.inputs if t.requires_grad]
         self._grad_sync(stage, mb, kind)
-        if kind == "I":
-            if wanted and tensors:
-                saved.split = SplitBackward(tensors, seeds, wanted)
-                got = saved.split.inputs_grad()
-            else:  # no input takes a gradient (the first stage): the whole backward is W's
-                saved.grads, got = grads, [None] * len(wanted)
-        else:
-            del self._saved[(stage, mb)]
-            if tensors:
-                torch.autograd.backward(tensors, seeds)
-            got = [t.grad for t in wanted]
+        if wanted and tensors:
+            saved.split = SplitBackward(tensors, seeds, wanted)
+            got = saved.split.inputs_grad()
+        else:  # no input takes a gradient (the first stage): the whole backward is W's
+            saved.grads, got = grads, [None] * len(wanted)
         return [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, got)]
+
+    def backward_segments(self, stage: int, mb: int, grads: list[torch.Tensor]
+                          ) -> Generator[None, None, list[torch.Tensor]]:
+        """B as an iterator: one step per autograd segment (one, unless the forward was cut); the inputs'
+        gradients are its return value (`StopIteration.value`)."""
+        saved = self._saved.pop((stage, mb))
+        tensors, seeds = self._roots(saved, grads)
+        wanted = [t for t in saved.inputs if t.requires_grad]
+        self._grad_sync(stage, mb, "B")
+        if saved.cuts is not None:
+            yield from saved.cuts.backward(tensors, seeds)
+        elif tensors:
+            torch.autograd.backward(tensors, seeds)
+            yield
+        return [torch.zeros_like(t) if t.grad is None else t.grad for t in wanted]
 
     def send_grads(self, stage: int, mb: int, input_grads: list[torch.Tensor]) -> None:
         if not self.chunks[stage].is_first:

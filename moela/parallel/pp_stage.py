@@ -25,7 +25,9 @@ Shapes: T tokens, D hidden, E experts, L_s this stage's MoE layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -33,6 +35,9 @@ import torch.nn as nn
 from moela.model.config import ModelConfig
 from moela.model.transformer import Prepared, Transformer
 from moela.parallel.pp_layout import StageParts
+
+if TYPE_CHECKING:
+    from moela.parallel.pp_overlap import GraphCuts
 
 
 def keep_stages(model: Transformer, stages: list[StageParts], mine: list[int]) -> Transformer:
@@ -84,19 +89,30 @@ class StageChunk(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.head = model.head if self.is_last else None
 
-    def forward(self, prep: Prepared, inputs: list[torch.Tensor]) -> StageOutput:
-        """This stage's forward on a prepared micro-batch; `inputs` [T, D] each, in `in_names` order."""
+    def forward(self, prep: Prepared, inputs: list[torch.Tensor], cuts: GraphCuts | None = None,
+                between: Callable[[], None] | None = None) -> StageOutput:
+        """This stage's forward on a prepared micro-batch; `inputs` [T, D] each, in `in_names` order. `cuts`: cut
+        the autograd graph after the embedding and after each block (but the last, unless the head follows it), so
+        that the backward can run block by block;
+        `between()`: called before each block (DualPipeV's pair runs the other chunk's backward segments there;
+        `moela.parallel.pp_overlap`)."""
         model, ctx = self.model, prep.ctx
         if self.is_first:
             h, a1 = model.embed(prep.batch.input_ids), None  # [T, D]
             embeds = [model.embed(tokens) for tokens, _ in prep.mtp_targets]  # [T, D] per depth
+            if cuts is not None:
+                h, *embeds = cuts.cut(h, *embeds)
         else:
             named = dict(zip(self.in_names, inputs))
             h, a1 = named["h"], named.get("a1")
             embeds = [named[n] for n in self.in_names if n.startswith("mtp_embed.")]
         zs, auxs, loads = [], [], []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if between is not None:
+                between()
             h, a1, z, aux, load = block(h, ctx, a1)  # [T, D]
+            if cuts is not None and (self.is_last or i < len(self.blocks) - 1):  # the top segment has work
+                h, a1, z, aux = cuts.cut(h, a1, z, aux)
             zs.append(z)
             if load is not None:
                 auxs.append(aux)
