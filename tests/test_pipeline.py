@@ -96,12 +96,14 @@ def _check_bf16(rank, world, cfg, pcfg, ref, autocast):
         assert err < 1e-2, (name, err)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), pytest.param("zbv", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), pytest.param("zbv", 2, marks=pytest.mark.slow),
+                                        pytest.param("dualpipev", 2, marks=pytest.mark.slow)])
 def test_two_stages_times_fsdp_under_bf16_autocast(schedule, v):
     """pp=2 x dp_shard=2 under bf16 autocast (each forward in its own context) against the one-process step under
     the same autocast: bf16 rounding only (1e-2 of each gradient's norm; an autocast context around the whole
-    step loses about a third of the weight gradients here)."""
-    cfg = tiny_config(**{"num_hidden_layers": 4, **VISIBLE_TRAINING})
+    step loses about a third of the weight gradients here). DualPipeV with two layers a stage: its pairs run the
+    backward's block segments from inside the other chunk's autocast forward."""
+    cfg = tiny_config(**{"num_hidden_layers": 8 if schedule == "dualpipev" else 4, **VISIBLE_TRAINING})
     pcfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=4, dp_shard=2)
     autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
     spawn(_check_bf16, 4, cfg, pcfg, reference(cfg, 8, 1, autocast=autocast), autocast)
