@@ -209,3 +209,29 @@ def test_pipelined_fsdp_reduces_once_per_step():
     colls = fsdp_collectives(param_shards(tiny_config(num_hidden_layers=4), layout), layout, 8)
     assert {c.count for c in colls if c.kind == "reduce_scatter"} == {1}
     assert {c.count for c in colls if c.kind == "all_gather"} <= {8, 16}
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_zero_bubble_w_excludes_the_experts_weight_gradients(schedule):
+    """The fused expert op's backward runs once, in I, weight gradients included (moela.parallel.pp_split): its
+    GEMM time is not inflated, and the deferred W that fills the bubble is F less the experts' weight GEMMs,
+    W = (1 - e) F with e the experts' share of the stage's compute, so (F = 1, B = 2) ZBV's bubble is
+    (pp - 1)(1 + 2e) / 2 and DualPipeV's (pp - 1)(2 + 3e) / 2 over m (F + B)."""
+    from moela.plan.layout import GPUS
+    from moela.plan.timing import compute_seconds, step_time
+    cfg = preset("v2-lite", num_hidden_layers=8)
+    pp, m, tokens, doc_len, recompute = 4, 8, 4096, 2048.0, 1.0
+    kw = dict(tokens_per_mb=tokens, microbatches=m, doc_len=doc_len, params_local=10**9, recompute=recompute,
+              flops_per_token=1.0)
+    layout = layout_of(ParallelConfig(pp=pp, pp_schedule=schedule), pp, grad_accum=m)
+    t = step_time(cfg, layout, GPUS["h100"], [], **kw)
+    plain = compute_seconds(cfg, doc_len, tokens * m / pp, 0, GPUS["h100"], recompute=recompute)
+    assert t.compute["expert GEMM"] == pytest.approx(plain["expert GEMM"])
+    baseline = step_time(cfg, layout_of(ParallelConfig(pp=pp), pp, grad_accum=m), GPUS["h100"], [], **kw)
+    assert t.compute == pytest.approx(baseline.compute)  # the same work as 1F1B's
+    work = sum(v for k, v in plain.items() if k != "optimizer")
+    e = plain["expert GEMM"] / work
+    assert 0.2 < e < 0.8
+    units = (1 + 2 * e) / 2 if schedule == "zbv" else (2 + 3 * e) / 2
+    assert t.bubble == pytest.approx((pp - 1) * units / (3 * m) * work)
+    assert baseline.bubble == pytest.approx((pp - 1) * 3 / (3 * m) * work)

@@ -29,12 +29,15 @@ Decisions:
   time, and the rest is exposed. The gradient reductions (FSDP's reduce-scatters, HSDP's replicate all-reduce) run
   once per step, as each unit's last backward of the step ends, so they hide only under what is left of that
   backward: at most one micro-batch's backward (2/3 of a micro-batch's compute).
-- Bubble, in units of one stage's forward F and backward B (= 2F, of which W = B/2 is the weight gradient) per
-  micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B that over
-  v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. Both split the
-  backward into I and W (`moela.parallel.pp_split`): W runs only the parameters' side of the graph, but the routed
-  experts are one custom op whose backward computes its data and weight gradients together, so it runs in I and
-  again in W: the expert GEMMs' backward (2/3 of their time) counts twice.
+- Bubble, in units of one stage's forward F and backward B (= 2F, split into I and the deferred weight gradient
+  W) per micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B
+  that over v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. Both split the
+  backward into I and W (`moela.parallel.pp_split`), and no op's backward runs twice: the routed experts are one
+  custom op whose backward computes their data and weight gradients together, so it runs once, in I, and W runs
+  only the torch-native weight gradients. W is therefore B/2 less the routed experts' weight GEMMs: with e the
+  expert GEMMs' share of the stage's compute (optimizer excluded), W = (1 - e) F, I = B - W, and the work per
+  micro-batch stays F + B. (The chunked head's custom op likewise computes its weight gradient in I; it sits on
+  one stage and is not taken out of W.)
 
 Shapes: D hidden, H heads, K top-k, F expert width, V vocabulary.
 """
@@ -152,12 +155,13 @@ def collective_seconds(c: Collective, layout: Layout, gpu: GPU) -> float:
     return alpha + c.nbytes / bw
 
 
-def bubble_fraction(layout: Layout) -> float:
-    """Pipeline bubble over the step's busy time (module docstring); F = 1, B = 2, W = 1 per micro-batch."""
+def bubble_fraction(layout: Layout, expert_share: float = 0.0) -> float:
+    """Pipeline bubble over the step's busy time (module docstring); F = 1, B = 2 per micro-batch, and under the
+    zero-bubble schedules W = 1 - `expert_share` (the routed experts' weight GEMMs run in I, not in W)."""
     pp, m = layout.pp, layout.pp_microbatches
     if pp == 1:
         return 0.0
-    f, b, w = 1.0, 2.0, 1.0
+    f, b, w = 1.0, 2.0, 1.0 - expert_share
     bubble = {"1f1b": (pp - 1) * (f + b), "interleaved_1f1b": (pp - 1) * (f + b) / layout.pp_virtual_stages,
               "zbv": (pp - 1) * (f + b - 2 * w) / 2,
               "dualpipev": (pp - 1) * ((f + b) + b - 3 * w) / 2}[layout.pp_schedule]
@@ -181,8 +185,7 @@ def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Coll
               overlap: dict[str, float] | None = None) -> StepTime:
     share = layout.cp * layout.tp * layout.pp
     compute = compute_seconds(cfg, doc_len, tokens_per_mb * microbatches / share, 0, gpu, recompute=recompute)
-    if layout.pp > 1 and layout.pp_schedule in ("zbv", "dualpipev"):  # the experts' backward in I and in W
-        compute["expert GEMM"] += compute["expert GEMM"] / (1.0 + recompute / 3.0) * 2.0 / 3.0
+    expert_share = compute["expert GEMM"] / sum(v for k, v in compute.items() if k != "optimizer")
     compute["optimizer"] = params_local / RATES["optimizer"] / gpu.compute_scale
     busy = sum(compute.values())
     overlap = dict(OVERLAP if overlap is None else overlap)
@@ -207,7 +210,7 @@ def step_time(cfg: ModelConfig, layout: Layout, gpu: GPU, collectives: list[Coll
             room -= hidden
             tail -= 0.0 if anywhere else hidden
             exposed[kind] += seconds - hidden
-    bubble = bubble_fraction(layout) * (busy - compute["optimizer"])
+    bubble = bubble_fraction(layout, expert_share) * (busy - compute["optimizer"])
     seconds = busy + sum(exposed.values()) + bubble
     tokens = tokens_per_mb * microbatches * layout.dp
     per_gpu = tokens / seconds / layout.world
