@@ -23,12 +23,12 @@ Decisions:
 - Overlap (`OVERLAP`, the share of each kind's time hidden under compute): FSDP's gathers and reduce-scatters are
   prefetched one unit ahead (hidden while they are shorter than the compute; the first gather and the last
   reduce-scatter are exposed); expert, tensor and context parallelism run inside the layer (exposed) except under
-  DualPipeV, whose overlapped pairs run one chunk's forward beside the other's backward: moela queues the pair on two
-  CUDA streams (not DualPipe's phase-by-phase interleaving), assumed to hide half of the expert collectives; pipeline
-  sends are half hidden. The collectives hidden on one link share it: together they hide under at most the compute
-  time, and the rest is exposed. The gradient reductions (FSDP's reduce-scatters, HSDP's replicate all-reduce) run
-  once per step, as each unit's last backward of the step ends, so they hide only under what is left of that
-  backward: at most one micro-batch's backward (2/3 of a micro-batch's compute).
+  DualPipeV, whose overlapped pairs run one chunk's forward beside the other's backward: moela interleaves the pair
+  block by block on two CUDA streams (DualPipe pairs phases inside a block), assumed to hide half of the expert
+  collectives; pipeline sends are half hidden. The collectives hidden on one link share it: together they hide under
+  at most the compute time, and the rest is exposed. The gradient reductions (FSDP's reduce-scatters, HSDP's
+  replicate all-reduce) run once per step, as each unit's last backward of the step ends, so they hide only under
+  what is left of that backward: at most one micro-batch's backward (2/3 of a micro-batch's compute).
 - Bubble, in units of one stage's forward F and backward B (= 2F, split into I and the deferred weight gradient
   W) per micro-batch, as docs/parallelism.md states moela's schedules: 1F1B (pp - 1)(F + B); interleaved 1F1B
   that over v; ZBV (pp - 1)(F + B - 2W) / 2; DualPipeV (pp - 1)(F&B + B - 3W) / 2 with F&B = F + B. Both split the
