@@ -58,10 +58,6 @@ class GraphCuts:
         self._cuts.append(pairs)
         return out
 
-    def __len__(self) -> int:
-        """The number of segments the backward runs."""
-        return len(self._cuts) + 1
-
     def backward(self, roots: list[torch.Tensor], seeds: list[torch.Tensor]) -> Iterator[None]:
         if roots:
             torch.autograd.backward(roots, seeds)
@@ -118,4 +114,3 @@ class StreamPairOverlap:
                 t.record_stream(current)
         runtime.send_outputs(f.stage, f.mb, out)
         runtime.send_grads(b.stage, b.mb, done[0])
-
