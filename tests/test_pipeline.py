@@ -140,6 +140,13 @@ def test_two_stages_times_expert_parallel(schedule, v):
 
 
 @pytest.mark.slow
+def test_dualpipev_pairs_with_the_exact_all_to_all():
+    """Two layers a stage, so the pairs interleave blocks whose exact all-to-all (host-read split sizes) runs in
+    both the forward and the backward segments: the same order on both expert ranks, the one-process result."""
+    _run("dualpipev", 2, 4, m=4, model=dict(num_hidden_layers=8), extra=dict(ep=2, ep_dispatch="alltoall"))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [dict(tp=2), dict(cp=2)])
 def test_two_stages_times_tensor_or_context_parallel(extra):
     _run("1f1b", 1, 4, extra=extra, model=dict(vocab_size=98))
