@@ -142,7 +142,7 @@ class PipelineRuntime:
         chunk, prep = self.chunks[stage], self.prepared(mb)
         cuts = GraphCuts() if (stage, mb) in self._cut else None
         with self._autocast():
-            out = chunk(prep, inputs) if cuts is None and between is None else chunk(prep, inputs, cuts, between)
+            out = chunk(prep, inputs, cuts, between)
         self._sums.add(out.loss, out.metrics, prep.num_targets)
         if out.expert_load is not None:
             self._loads[stage] = out.expert_load.float() + self._loads.get(stage, 0)

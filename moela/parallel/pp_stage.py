@@ -91,11 +91,11 @@ class StageChunk(nn.Module):
 
     def forward(self, prep: Prepared, inputs: list[torch.Tensor], cuts: GraphCuts | None = None,
                 between: Callable[[], None] | None = None) -> StageOutput:
-        """This stage's forward on a prepared micro-batch; `inputs` [T, D] each, in `in_names` order. `cuts`: cut
-        the autograd graph after the embedding and after each block (but the last, unless the head follows it), so
-        that the backward can run block by block;
-        `between()`: called before each block (DualPipeV's pair runs the other chunk's backward segments there;
-        `moela.parallel.pp_overlap`)."""
+        """This stage's forward on a prepared micro-batch; `inputs` [T, D] each, in `in_names` order.
+
+        For DualPipeV's pairs (`moela.parallel.pp_overlap`): `cuts` cuts the autograd graph after the embedding and
+        after each block (but the last, unless the head follows it), so that the backward can run block by block;
+        `between()` is called before each block (the pair runs the other chunk's backward segments there)."""
         model, ctx = self.model, prep.ctx
         if self.is_first:
             h, a1 = model.embed(prep.batch.input_ids), None  # [T, D]
